@@ -1,0 +1,444 @@
+"""The ``calmq`` command. Every flag also reads ``CALMQ_<FLAG>`` from the environment.
+
+Settings that are empty (database, Kafka, registry, object store, API, fake provider) are
+taken from the running local stack (`calmq dev up`), so a command started by hand joins it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from calmq.errors import CalmqError, ConfigError
+
+__all__ = ["main"]
+
+_STACK_KEYS = ("database_url", "kafka_bootstrap", "schema_registry_url", "object_store_url",
+               "api_url", "fake_provider_url")
+
+
+# -- argument plumbing ----------------------------------------------------------------------
+
+def _env_default(flag: str, default: Any = None) -> Any:
+    return os.environ.get("CALMQ_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def _add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
+    """A flag whose default comes from CALMQ_<FLAG> (flags win over the environment)."""
+    if kw.get("action") == "store_true":
+        kw["default"] = _env_default(flag, "") in ("1", "true", "yes")
+    else:
+        kw.setdefault("default", None)
+        kw["default"] = _env_default(flag, kw["default"])
+    p.add_argument(flag, **kw)
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    from calmq.devstack import default_data_dir
+
+    return Path(args.data_dir) if getattr(args, "data_dir", None) else default_data_dir()
+
+
+def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
+    """Settings from env + flags, with empty locations filled from the running local stack."""
+    from calmq.devstack import Stack
+    from calmq.settings import Settings
+
+    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    flags.update({k: v for k, v in overrides.items() if v is not None})
+    state = Stack(_data_dir(args)).state()
+    if state is not None:
+        for key in _STACK_KEYS:
+            env_key = "CALMQ_" + key.upper()
+            if not flags.get(key) and not os.environ.get(env_key) and state.env.get(env_key):
+                flags[key] = state.env[env_key]
+    settings = Settings.load(flags, environ=_settings_environ())
+    missing = [k for k in ("database_url", "kafka_bootstrap") if not getattr(settings, k)]
+    if missing and getattr(args, "needs_stack", True):
+        raise ConfigError(
+            f"{', '.join('CALMQ_' + m.upper() for m in missing)} not set and no local stack is "
+            "running: start one with `calmq dev up`, or `eval $(calmq dev env)`",
+            code="no_stack",
+        )
+    return settings
+
+
+def _settings_environ() -> dict[str, str]:
+    # Non-setting flags (CALMQ_DATA_DIR, CALMQ_JSON, ...) are read by argparse, not Settings.
+    from calmq.settings import ENV_PREFIX, Settings
+
+    known = {ENV_PREFIX + n.upper() for n in Settings.model_fields}
+    flag_only = {ENV_PREFIX + n for n in _FLAG_ONLY}
+    out = {}
+    for k, v in os.environ.items():
+        if k.startswith(ENV_PREFIX) and k not in known and k in flag_only:
+            continue
+        out[k] = v
+    return out
+
+
+_FLAG_ONLY = {"DATA_DIR", "JSON", "SERVICES", "SIZE", "METRICS_PORT", "PORT", "WORKFLOW",
+              "PRIORITY", "TEXT", "MODE", "WAIT", "JOBS", "API_KEY", "LATENCY_MS",
+              "REQUESTS_PER_MINUTE", "TOKENS_PER_MINUTE", "SLOW_SECONDS", "KEEP", "INPUT"}
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format='{"at": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
+               '"message": "%(message)s"}',
+    )
+    # One line per schema-registry HTTP call is noise at INFO.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# -- dev stack ------------------------------------------------------------------------------
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from calmq.devstack import SERVICES, Stack
+
+    stack = Stack(_data_dir(args))
+    if args.action == "up":
+        services = [s.strip() for s in (args.services or ",".join(SERVICES)).split(",") if s.strip()]
+        state = stack.up(services, log=lambda m: print(m, flush=True))
+        print(f"calmq dev stack ready in {state.ready_seconds:.1f} s under {stack.data_dir}")
+        print("versions: " + ", ".join(f"{k} {v}" for k, v in state.versions.items()))
+        print(f"join it with: eval $(calmq dev env --data-dir {stack.data_dir})")
+        return 0
+    if args.action == "down":
+        stopped = stack.down(log=lambda m: print(m, flush=True))
+        print(f"stopped {len(stopped)} processes" if stopped else "nothing was running")
+        return 0
+    if args.action == "status":
+        parts = stack.status()
+        if args.json:
+            print(json.dumps(parts, indent=2))
+        elif not parts:
+            print(f"no local stack under {stack.data_dir}")
+        else:
+            for p in parts:
+                mark = "up  " if p["healthy"] else "DOWN"
+                print(f"{mark} {p['name']:<16} pid {p['pid'] or '-':<8} {p['address']}")
+        return 0 if parts and all(p["healthy"] for p in parts) else 1
+    if args.action == "env":
+        state = stack.state()
+        if state is None:
+            print(f"no local stack under {stack.data_dir}", file=sys.stderr)
+            return 1
+        for key, value in sorted(state.env.items()):
+            print(f"export {key}={value}")
+        return 0
+    raise ConfigError(f"unknown dev action {args.action}")
+
+
+# -- services -------------------------------------------------------------------------------
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from calmq.store import Store
+    from producers.api import build_app
+
+    settings = _settings(args)
+    _logging(settings.log_level)
+
+    async def make() -> web.Application:
+        store = Store(settings.database_url, max_size=16)
+        await store.open()
+        return build_app(settings, store)
+
+    web.run_app(make(), host=settings.api_host, port=settings.api_port, print=None,
+                access_log=None, handle_signals=True)
+    return 0
+
+
+def _metrics_server(port: int | None) -> None:
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(int(port), addr="127.0.0.1")
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    import signal
+
+    from confluent_kafka import Producer
+
+    from calmq.codec import make_codec
+    from calmq.kafka import producer_config
+    from relay import PollingRelay, Publisher
+
+    settings = _settings(args)
+    _logging(settings.log_level)
+    _metrics_server(args.metrics_port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap)),
+                          make_codec(settings.schema_registry_url))
+    relay = PollingRelay(settings.database_url, publisher, batch=settings.relay_batch,
+                         idle_seconds=settings.relay_idle_ms / 1000,
+                         retention_seconds=settings.outbox_retention_seconds)
+    relay.run(stop)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from processors import Worker
+
+    settings = _settings(args)
+    _logging(settings.log_level)
+    _metrics_server(args.metrics_port)
+    asyncio.run(Worker(settings).run())
+    return 0
+
+
+def cmd_reaper(args: argparse.Namespace) -> int:
+    from calmq.store import Store
+
+    settings = _settings(args)
+    _logging(settings.log_level)
+
+    async def loop() -> None:
+        store = Store(settings.database_url, max_size=2)
+        await store.open()
+        try:
+            while True:
+                reaped = await store.reap_expired_leases()
+                if reaped:
+                    logging.getLogger("calmq.reaper").info("requeued %d jobs", len(reaped))
+                await asyncio.sleep(max(0.5, settings.lease_seconds / 3))
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(loop())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_fake_provider(args: argparse.Namespace) -> int:
+    from calmq.fake_provider import FakeProviderSettings, serve
+
+    values = {
+        "port": args.port, "latency_ms": args.latency_ms,
+        "requests_per_minute": args.requests_per_minute,
+        "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
+    }
+    settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    try:
+        asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- tenants, jobs --------------------------------------------------------------------------
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from calmq.store import Store
+
+    settings = _settings(args)
+
+    async def create() -> str:
+        store = Store(settings.database_url, max_size=1)
+        await store.open()
+        try:
+            tenant, key = await store.create_tenant(args.name)
+        finally:
+            await store.close()
+        print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
+        return key
+
+    print(asyncio.run(create()))
+    return 0
+
+
+def _http(method: str, url: str, key: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - our own API
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if not args.api_key:
+        raise ConfigError("pass --api-key or set CALMQ_API_KEY", code="missing_api_key")
+    data = json.loads(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
+    status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
+        "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
+        "priority": args.priority})
+    print(json.dumps(body, indent=2))
+    return 0 if status == 202 else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if not args.api_key:
+        raise ConfigError("pass --api-key or set CALMQ_API_KEY", code="missing_api_key")
+    status, body = _http("GET", f"{settings.api_url}/v1/jobs/{args.job_id}", args.api_key)
+    print(json.dumps(body, indent=2))
+    return 0 if status == 200 else 1
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from calmq import topics
+    from calmq.kafka import create_topics
+
+    settings = _settings(args)
+    names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
+    created = create_topics(settings.kafka_bootstrap, names,
+                            partitions=settings.topic_partitions,
+                            replication=settings.topic_replication)
+    for name in names:
+        print(f"{'created' if name in created else 'exists '} {name}")
+    return 0
+
+
+def cmd_schemas(args: argparse.Namespace) -> int:
+    from calmq.codec import RegistryCodec, SchemaStore
+
+    if args.action == "check":
+        from calmq.schemas_check import check_backward
+
+        problems = check_backward(SchemaStore())
+        for p in problems:
+            print(p)
+        print("every schema version reads the one before it" if not problems else
+              f"{len(problems)} compatibility problem(s)")
+        return 1 if problems else 0
+    settings = _settings(args)
+    if not settings.schema_registry_url:
+        raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
+                          code="no_schema_registry")
+    ids = RegistryCodec(settings.schema_registry_url).register_all()
+    for event_type, schema_id in ids.items():
+        print(f"{event_type}: schema id {schema_id}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from calmq.demo import run_demo
+
+    return run_demo(_data_dir(args), keep=args.keep)
+
+
+def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        print(f"calmq {what} is not built yet", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    print(f"benchmark scenario {args.scenario!r} is not built yet", file=sys.stderr)
+    return 2
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="calmq", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help_: str,
+                stack: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.set_defaults(fn=fn, needs_stack=stack)
+        _add(p, "--data-dir", help="the local stack's folder (default: a per-user temp dir)")
+        return p
+
+    p = command("dev", cmd_dev, "the local stack: up, down, status, env", stack=False)
+    p.add_argument("action", choices=["up", "down", "status", "env"])
+    _add(p, "--services", help="comma list of calmq services to start (default: all)")
+    _add(p, "--json", action="store_true", help="status as JSON")
+
+    p = command("demo", cmd_demo, "start the stack, run a handful of jobs, stop", stack=False)
+    _add(p, "--keep", action="store_true", help="leave the stack running afterwards")
+
+    p = command("api", cmd_api, "run the intake API")
+    _add(p, "--api-port", type=int)
+    _add(p, "--api-host")
+    p = command("relay", cmd_relay, "run the outbox relay")
+    _add(p, "--metrics-port", type=int)
+    _add(p, "--relay-mode", choices=["polling", "cdc"])
+    p = command("worker", cmd_worker, "run a stream processor")
+    _add(p, "--pool")
+    _add(p, "--priorities")
+    _add(p, "--concurrency", type=int)
+    _add(p, "--metrics-port", type=int)
+    _add(p, "--step-timeout-seconds", type=float)
+    _add(p, "--max-attempts", type=int)
+    command("forwarder", cmd_not_built("forwarder"), "retry-tier forwarder")
+    command("reaper", cmd_reaper, "requeue jobs whose lease expired")
+    p = command("fake-provider", cmd_fake_provider, "run the fake model provider", stack=False)
+    _add(p, "--port", type=int)
+    _add(p, "--latency-ms", type=int)
+    _add(p, "--requests-per-minute", type=int)
+    _add(p, "--tokens-per-minute", type=int)
+    _add(p, "--slow-seconds", type=float)
+
+    p = command("tenants", cmd_tenants, "manage tenants")
+    p.add_argument("action", choices=["create"])
+    p.add_argument("name")
+    p = command("submit", cmd_submit, "submit a job through the API")
+    _add(p, "--api-key")
+    _add(p, "--workflow", default="summarize")
+    _add(p, "--priority", default="interactive", choices=["interactive", "bulk"])
+    _add(p, "--text")
+    _add(p, "--mode")
+    _add(p, "--input", help="the whole input as JSON")
+    p = command("status", cmd_status, "show a job")
+    _add(p, "--api-key")
+    p.add_argument("job_id")
+    p = command("dlq", cmd_not_built("dlq"), "dead letters: list, show, redrive")
+    p.add_argument("action", choices=["list", "show", "redrive"])
+    p.add_argument("rest", nargs="*")
+    p = command("topics", cmd_topics, "create calmq's topics")
+    p.add_argument("action", choices=["create"])
+    _add(p, "--pool")
+    p = command("schemas", cmd_schemas, "register or check the Avro schemas", stack=False)
+    p.add_argument("action", choices=["register", "check"])
+    p = command("keda", cmd_not_built("keda render"), "render KEDA manifests")
+    p.add_argument("action", choices=["render"])
+    p = command("bench", cmd_bench, "run a benchmark scenario", stack=False)
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "budget"])
+    _add(p, "--size", type=int)
+    _add(p, "--json", action="store_true")
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.fn(args)
+        return code
+    except CalmqError as exc:
+        print(f"calmq: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

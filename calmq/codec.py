@@ -1,0 +1,227 @@
+"""Avro encoding of job events, behind one interface with two wire formats.
+
+- ``RegistryCodec``: the Confluent wire format (magic byte 0, 4-byte schema id, Avro body),
+  with ids from a Confluent-compatible schema registry through
+  ``confluent_kafka.schema_registry``. Used when ``CALMQ_SCHEMA_REGISTRY_URL`` is set.
+- ``SingleObjectCodec``: Avro single-object encoding (``C3 01``, the 8-byte CRC-64-AVRO
+  fingerprint of the writer schema, Avro body), with ``schemas/`` as the schema store. The
+  embedded default, because no Confluent-compatible registry runs from the package
+  registries this project can reach (see docs/reference/topics.md).
+
+Both read every version in ``schemas/`` and decode into the newest one, so a consumer
+upgraded before its producers keeps working (BACKWARD evolution, schemas/README.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import fastavro
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from calmq.errors import ContractError
+
+__all__ = [
+    "EVENT_TYPES",
+    "EventCodec",
+    "RegistryCodec",
+    "SchemaStore",
+    "SingleObjectCodec",
+    "make_codec",
+]
+
+# eventType header -> folder in schemas/
+EVENT_TYPES = {
+    "job.requested": "job_requested",
+    "job.result": "job_result",
+    "job.dead_lettered": "job_dead_lettered",
+}
+
+_SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+_CONFLUENT_MAGIC = 0
+
+
+def default_schemas_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "schemas"
+
+
+@dataclass(frozen=True)
+class SchemaVersion:
+    event_type: str
+    version: int
+    text: str  # the .avsc file as written, what a registry stores
+    parsed: Any  # fastavro's parsed schema
+
+    @property
+    def fingerprint(self) -> bytes:
+        canonical = to_parsing_canonical_form(self.parsed)
+        return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+
+
+class SchemaStore:
+    """Every version of every event schema found in ``schemas/<event>/v<N>.avsc``."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or default_schemas_dir()
+        self.versions: dict[str, list[SchemaVersion]] = {}
+        for event_type, folder in EVENT_TYPES.items():
+            found = []
+            for path in (self.root / folder).glob("v*.avsc"):
+                text = path.read_text("utf-8")
+                # _named_schemas keeps each parse independent: versions reuse record names.
+                parsed = fastavro.parse_schema(json.loads(text), named_schemas={})
+                found.append(SchemaVersion(event_type, int(path.stem[1:]), text, parsed))
+            if not found:
+                raise ContractError(f"no schema for {event_type} under {self.root / folder}")
+            self.versions[event_type] = sorted(found, key=lambda v: v.version)
+
+    def latest(self, event_type: str) -> SchemaVersion:
+        try:
+            return self.versions[event_type][-1]
+        except KeyError:
+            raise ContractError(
+                f"unknown event type {event_type!r}; known: {', '.join(EVENT_TYPES)}",
+                code="unknown_event_type",
+            ) from None
+
+
+class EventCodec(Protocol):
+    """Turns an event dict into message bytes and back."""
+
+    def encode(self, event_type: str, record: dict[str, Any]) -> bytes: ...
+
+    def decode(self, data: bytes) -> tuple[str, dict[str, Any]]: ...
+
+
+def _write(schema: SchemaVersion, record: dict[str, Any], prefix: bytes) -> bytes:
+    buf = io.BytesIO()
+    buf.write(prefix)
+    try:
+        fastavro.schemaless_writer(buf, schema.parsed, record)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ContractError(
+            f"{schema.event_type} does not fit schema v{schema.version}: {exc}",
+            code="schema_mismatch",
+        ) from exc
+    return buf.getvalue()
+
+
+def _read(body: io.BytesIO, writer: SchemaVersion, reader: SchemaVersion) -> dict[str, Any]:
+    try:
+        record = fastavro.schemaless_reader(body, writer.parsed, reader.parsed)
+    except (ValueError, TypeError, EOFError, IndexError, KeyError) as exc:
+        raise ContractError(
+            f"cannot decode {writer.event_type} v{writer.version}: {exc}", code="undecodable"
+        ) from exc
+    if not isinstance(record, dict):
+        raise ContractError(f"{writer.event_type} did not decode to a record", code="undecodable")
+    return record
+
+
+class SingleObjectCodec:
+    """Avro single-object encoding with ``schemas/`` as the schema store."""
+
+    def __init__(self, store: SchemaStore | None = None) -> None:
+        self.store = store or SchemaStore()
+        self._by_fingerprint = {
+            v.fingerprint: v for versions in self.store.versions.values() for v in versions
+        }
+        self._prefix = {
+            event_type: _SINGLE_OBJECT_MAGIC + self.store.latest(event_type).fingerprint
+            for event_type in self.store.versions
+        }
+
+    def encode(self, event_type: str, record: dict[str, Any]) -> bytes:
+        schema = self.store.latest(event_type)
+        return _write(schema, record, self._prefix[event_type])
+
+    def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        if len(data) < 10 or data[:2] != _SINGLE_OBJECT_MAGIC:
+            raise ContractError(
+                "not an Avro single-object message (expected C3 01 and a fingerprint)",
+                code="undecodable",
+            )
+        writer = self._by_fingerprint.get(data[2:10])
+        if writer is None:
+            raise ContractError(
+                f"unknown schema fingerprint {data[2:10].hex()}", code="unknown_schema"
+            )
+        reader = self.store.latest(writer.event_type)
+        return writer.event_type, _read(io.BytesIO(data[10:]), writer, reader)
+
+
+class RegistryCodec:
+    """Confluent wire format with ids from a Confluent-compatible schema registry.
+
+    Subjects follow the RecordNameStrategy (``dev.calmq.events.JobRequested``), so several
+    event types may share a topic. Ids are fetched once and cached.
+    """
+
+    def __init__(self, registry_url: str, store: SchemaStore | None = None) -> None:
+        from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+        self.store = store or SchemaStore()
+        # new_client gives the in-memory registry for mock:// URLs (unit tests only).
+        self._client = SchemaRegistryClient.new_client({"url": registry_url})
+        self._schema_cls = Schema
+        self._ids: dict[str, int] = {}
+        self._by_id: dict[int, SchemaVersion] = {}
+
+    @staticmethod
+    def subject(schema: SchemaVersion) -> str:
+        parsed = json.loads(schema.text)
+        return f"{parsed['namespace']}.{parsed['name']}"
+
+    def register_all(self) -> dict[str, int]:
+        """Register every version, oldest first, so the registry checks each step."""
+        for versions in self.store.versions.values():
+            for version in versions:
+                schema_id = self._client.register_schema(
+                    self.subject(version), self._schema_cls(version.text, "AVRO")
+                )
+                self._by_id[schema_id] = version
+            self._ids[versions[-1].event_type] = schema_id
+        return dict(self._ids)
+
+    def encode(self, event_type: str, record: dict[str, Any]) -> bytes:
+        if event_type not in self._ids:
+            self.register_all()
+        schema = self.store.latest(event_type)
+        return _write(schema, record, struct.pack(">bI", _CONFLUENT_MAGIC, self._ids[event_type]))
+
+    def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        if len(data) < 5 or data[0] != _CONFLUENT_MAGIC:
+            raise ContractError("not a Confluent wire-format message", code="undecodable")
+        schema_id = struct.unpack(">I", data[1:5])[0]
+        writer = self._by_id.get(schema_id)
+        if writer is None:
+            writer = self._lookup(schema_id)
+        reader = self.store.latest(writer.event_type)
+        return writer.event_type, _read(io.BytesIO(data[5:]), writer, reader)
+
+    def _lookup(self, schema_id: int) -> SchemaVersion:
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        try:
+            text = self._client.get_schema(schema_id).schema_str
+        except SchemaRegistryError as exc:
+            raise ContractError(f"unknown schema id {schema_id}", code="unknown_schema") from exc
+        canonical = to_parsing_canonical_form(fastavro.parse_schema(json.loads(text), named_schemas={}))
+        for versions in self.store.versions.values():
+            for version in versions:
+                if to_parsing_canonical_form(version.parsed) == canonical:
+                    self._by_id[schema_id] = version
+                    return version
+        raise ContractError(f"schema id {schema_id} is not a calmq event", code="unknown_schema")
+
+
+def make_codec(schema_registry_url: str) -> EventCodec:
+    """The registry codec when a registry URL is set, else single-object encoding."""
+    if schema_registry_url:
+        return RegistryCodec(schema_registry_url)
+    return SingleObjectCodec()

@@ -1,0 +1,5 @@
+"""The local development stack: real Kafka, real PostgreSQL and calmq's own services."""
+
+from calmq.devstack.stack import SERVICES, Part, Stack, StackState, default_data_dir, require_state
+
+__all__ = ["SERVICES", "Part", "Stack", "StackState", "default_data_dir", "require_state"]

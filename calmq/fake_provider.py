@@ -1,0 +1,646 @@
+"""Fake paid model provider: a real HTTP server speaking the OpenAI and Anthropic shapes.
+
+Tests, the demo and benchmarks point calmq at this server instead of a paid API, so every
+failure a real provider shows (5xx, 429, refusals, prose instead of JSON, slowness) can be
+triggered deterministically, per job, from the step input itself. The step input is the
+JSON object in the last user message, e.g. ``{"text": "...", "mode": "flaky",
+"fail_times": 2, "delay_ms": 0}``.
+
+It sits on the hot path of benchmarks, so a request costs a JSON parse, a few dict updates
+and one ``asyncio.sleep`` at most: no validation models, no per-request logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["MODES", "FakeProviderSettings", "build_app", "main", "serve"]
+
+MODES: Final[frozenset[str]] = frozenset(
+    {
+        "success",
+        "slow",
+        "malformed",
+        "always_fail",
+        "flaky",
+        "rate_limited",
+        "low_confidence",
+        "refusal",
+        "bad_request",
+        "unauthorized",
+    }
+)
+
+_SUCCESS_CONFIDENCE: Final = 0.97
+_SUMMARY_WORDS: Final = 12
+_MALFORMED_TEXT: Final = "Sorry, here is a summary without JSON"
+_REFUSAL_TEXT: Final = "I can't help with that"
+_DEFAULT_FAIL_TIMES: Final = 2
+_WINDOW_SECONDS: Final = 60.0
+# Compacting the window lists only once the dead prefix is large keeps expiry O(1)
+# amortised without a per-request list shift.
+_COMPACT_AT: Final = 4096
+_JOB_HEADER: Final = "X-Calmq-Job-Id"
+_JSON: Final = "application/json"
+# Modes whose 200 answer carries a result that satisfies the summary schema.
+_VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confidence"})
+
+
+class FakeProviderSettings(BaseModel):
+    """How the fake provider behaves; every knob a test or benchmark needs to turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8090, ge=0, le=65535)
+    requests_per_minute: int = Field(default=0, ge=0)  # 0 = unlimited
+    tokens_per_minute: int = Field(default=0, ge=0)  # 0 = unlimited
+    slow_seconds: float = Field(default=30.0, ge=0)
+    retry_after_seconds: float = Field(default=1.0, ge=0)
+    low_confidence: float = Field(default=0.42, ge=0, le=1)
+    latency_ms: int = Field(default=0, ge=0)
+    mode_override: str | None = None
+
+    @field_validator("mode_override")
+    @classmethod
+    def _known_mode(cls, value: str | None) -> str | None:
+        if value is not None and value not in MODES:
+            raise ValueError(f"unknown mode {value!r}; expected one of {sorted(MODES)}")
+        return value
+
+
+class _BadRequestError(Exception):
+    """The request itself is unusable; answered with 400 invalid_request_error."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+@dataclass(slots=True)
+class _Call:
+    anthropic: bool
+    model: str
+    job_id: str
+    mode: str
+    text: str
+    fail_times: int
+    delay_seconds: float
+    prompt_tokens: int
+    max_tokens: int | None
+
+
+class _Verdict(NamedTuple):
+    admitted: bool
+    retry_after: float
+    limited_by: str  # "requests" or "tokens": OpenAI's error type for a 429
+    too_large: bool
+
+
+class _SlidingWindow:
+    """Requests and tokens admitted over the last 60 s.
+
+    Entries live in two parallel lists (time, cumulative tokens) read from ``_head``; a
+    running cumulative sum turns "tokens in the window" into one subtraction and "when will
+    enough tokens free up" into one bisect, so neither admission nor rejection walks the
+    window.
+    """
+
+    __slots__ = ("_base", "_clock", "_cum", "_head", "_rpm", "_times", "_total", "_tpm")
+
+    def __init__(self, rpm: int, tpm: int, clock: Callable[[], float]) -> None:
+        self._rpm = rpm
+        self._tpm = tpm
+        self._clock = clock
+        self._times: list[float] = []
+        self._cum: list[int] = []
+        self._head = 0
+        self._base = 0  # cumulative tokens of everything already expired
+        self._total = 0  # cumulative tokens of everything ever admitted
+
+    def reset(self) -> None:
+        self._times.clear()
+        self._cum.clear()
+        self._head = 0
+        self._base = 0
+        self._total = 0
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - _WINDOW_SECONDS
+        times, head = self._times, self._head
+        end = len(times)
+        while head < end and times[head] <= cutoff:
+            head += 1
+        if head != self._head:
+            self._base = self._cum[head - 1]
+            if head >= _COMPACT_AT and head * 2 >= end:
+                del times[:head]
+                del self._cum[:head]
+                head = 0
+            self._head = head
+
+    def remaining(self) -> tuple[int, int]:
+        """Requests and tokens still available right now (after the last admission)."""
+        self._expire(self._clock())
+        used_requests = len(self._times) - self._head
+        used_tokens = self._total - self._base
+        return max(0, self._rpm - used_requests), max(0, self._tpm - used_tokens)
+
+    def admit(self, cost: int) -> _Verdict:
+        now = self._clock()
+        self._expire(now)
+        head = self._head
+        count = len(self._times) - head
+        wait = 0.0
+        limited_by = "requests"
+        if self._rpm and count >= self._rpm:
+            # The (count - rpm + 1)-th oldest entry must expire before one more fits.
+            wait = self._times[head + count - self._rpm] + _WINDOW_SECONDS - now
+        if self._tpm:
+            if cost > self._tpm:
+                return _Verdict(False, _WINDOW_SECONDS, "tokens", True)
+            excess = self._total - self._base + cost - self._tpm
+            if excess > 0:
+                # First entry whose expiry frees at least `excess` tokens.
+                index = bisect.bisect_left(self._cum, self._base + excess, lo=head)
+                token_wait = self._times[index] + _WINDOW_SECONDS - now
+                if token_wait > wait:
+                    wait, limited_by = token_wait, "tokens"
+        if wait > 0:
+            return _Verdict(False, wait, limited_by, False)
+        self._total += cost
+        self._times.append(now)
+        self._cum.append(self._total)
+        return _Verdict(True, 0.0, "", False)
+
+
+def _text_of(content: Any) -> str:
+    """Text of a message content: a string, or a list of OpenAI/Anthropic text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def _non_negative_int(step: dict[str, Any], key: str, default: int) -> int:
+    value = step.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _BadRequestError(f"step input field {key!r} must be a non-negative integer")
+    return value
+
+
+def _parse_call(body: Any, request: web.Request, *, anthropic: bool) -> _Call:
+    if not isinstance(body, dict):
+        raise _BadRequestError("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequestError("'messages' must be a non-empty array", "invalid_messages")
+    total_chars = len(_text_of(body.get("system"))) if anthropic else 0
+    last_user: str | None = None
+    for message in messages:
+        if not isinstance(message, dict):
+            raise _BadRequestError("every message must be an object", "invalid_messages")
+        text = _text_of(message.get("content"))
+        total_chars += len(text)
+        if message.get("role") == "user":
+            last_user = text
+    if last_user is None:
+        raise _BadRequestError("no user message to answer", "invalid_messages")
+
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise _BadRequestError("'max_tokens' must be a positive integer", "invalid_max_tokens")
+
+    if anthropic:
+        metadata = body.get("metadata")
+        job_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    else:
+        job_id = body.get("user")
+    if not isinstance(job_id, str) or not job_id:
+        job_id = request.headers.get(_JOB_HEADER, "")
+
+    # Prose (or JSON that is not an object) is a plain successful summarisation request,
+    # so the provider stays usable with hand-written prompts.
+    step: Any = None
+    if last_user.lstrip().startswith("{"):
+        try:
+            step = json.loads(last_user)
+        except ValueError:
+            step = None
+    if isinstance(step, dict):
+        mode = step.get("mode", "success")
+        if not isinstance(mode, str):
+            raise _BadRequestError("step input field 'mode' must be a string", "invalid_mode")
+        raw_text = step.get("text", "")
+        text = raw_text if isinstance(raw_text, str) else json.dumps(raw_text)
+        fail_times = _non_negative_int(step, "fail_times", _DEFAULT_FAIL_TIMES)
+        delay_ms = _non_negative_int(step, "delay_ms", 0)
+    else:
+        mode, text, fail_times, delay_ms = "success", last_user, _DEFAULT_FAIL_TIMES, 0
+
+    model = body.get("model")
+    return _Call(
+        anthropic=anthropic,
+        model=model if isinstance(model, str) else "",
+        job_id=job_id,
+        mode=mode,
+        text=text,
+        fail_times=fail_times,
+        delay_seconds=delay_ms / 1000,
+        prompt_tokens=max(1, total_chars // 4),
+        max_tokens=max_tokens,
+    )
+
+
+def _summary_json(text: str, confidence: float) -> str:
+    # maxsplit bounds the work for huge inputs: only the first words are ever needed.
+    words = text.split(maxsplit=_SUMMARY_WORDS)[:_SUMMARY_WORDS]
+    return json.dumps({"summary": " ".join(words), "confidence": confidence})
+
+
+def _format_seconds(seconds: float) -> str:
+    return str(int(seconds)) if seconds == int(seconds) else f"{seconds:g}"
+
+
+_ANTHROPIC_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class _Provider:
+    """All mutable state of one app; handlers are its bound methods."""
+
+    def __init__(self, settings: FakeProviderSettings, clock: Callable[[], float]) -> None:
+        self._settings = settings
+        self._latency = settings.latency_ms / 1000
+        self.mode_override = settings.mode_override
+        self._limiter = (
+            _SlidingWindow(settings.requests_per_minute, settings.tokens_per_minute, clock)
+            if settings.requests_per_minute or settings.tokens_per_minute
+            else None
+        )
+        self._ids = itertools.count(1)
+        self.calls = 0
+        self._status_counts: dict[int, int] = {}
+        self._by_job: dict[str, list[int]] = {}  # job id -> [calls, completed]
+        self._flaky_attempts: dict[str, int] = {}
+
+    # --- responses -------------------------------------------------------------------
+
+    def _respond(
+        self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> web.Response:
+        self._status_counts[status] = self._status_counts.get(status, 0) + 1
+        return web.Response(
+            status=status,
+            body=json.dumps(payload, separators=(",", ":")).encode(),
+            content_type=_JSON,
+            headers=headers,
+        )
+
+    def _error(
+        self,
+        call_is_anthropic: bool,
+        status: int,
+        *,
+        kind: str,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        if call_is_anthropic:
+            payload: dict[str, Any] = {
+                "type": "error",
+                "error": {"type": _ANTHROPIC_ERROR_TYPES[status], "message": message},
+            }
+        else:
+            payload = {"error": {"message": message, "type": kind, "code": code, "param": None}}
+        return self._respond(status, payload, headers)
+
+    def _answer(
+        self,
+        call: _Call,
+        content: str,
+        *,
+        refusal: bool,
+        headers: dict[str, str] | None,
+    ) -> web.Response:
+        completion_tokens = max(1, len(content) // 4)
+        number = next(self._ids)
+        if call.anthropic:
+            payload: dict[str, Any] = {
+                "id": f"msg_fake_{number}",
+                "type": "message",
+                "role": "assistant",
+                "model": call.model,
+                "content": [{"type": "text", "text": content}],
+                "stop_reason": "refusal" if refusal else "end_turn",
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": call.prompt_tokens,
+                    "output_tokens": completion_tokens,
+                },
+            }
+        else:
+            message: dict[str, Any] = (
+                {"role": "assistant", "content": None, "refusal": content}
+                if refusal
+                else {"role": "assistant", "content": content, "refusal": None}
+            )
+            payload = {
+                "id": f"chatcmpl-fake-{number}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": call.model,
+                "choices": [
+                    {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+                ],
+                "usage": {
+                    "prompt_tokens": call.prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": call.prompt_tokens + completion_tokens,
+                },
+            }
+        return self._respond(200, payload, headers)
+
+    def _limit_headers(self) -> dict[str, str]:
+        assert self._limiter is not None
+        requests_left, tokens_left = self._limiter.remaining()
+        headers: dict[str, str] = {}
+        if self._settings.requests_per_minute:
+            headers["x-ratelimit-limit-requests"] = str(self._settings.requests_per_minute)
+            headers["x-ratelimit-remaining-requests"] = str(requests_left)
+        if self._settings.tokens_per_minute:
+            headers["x-ratelimit-limit-tokens"] = str(self._settings.tokens_per_minute)
+            headers["x-ratelimit-remaining-tokens"] = str(tokens_left)
+        return headers
+
+    # --- model endpoints -------------------------------------------------------------
+
+    async def handle_openai(self, request: web.Request) -> web.Response:
+        return await self._handle(request, anthropic=False)
+
+    async def handle_anthropic(self, request: web.Request) -> web.Response:
+        return await self._handle(request, anthropic=True)
+
+    async def _handle(self, request: web.Request, *, anthropic: bool) -> web.Response:
+        self.calls += 1
+        try:
+            call = _parse_call(json.loads(await request.read()), request, anthropic=anthropic)
+        except (ValueError, _BadRequestError) as exc:
+            # ValueError covers undecodable bytes and invalid JSON.
+            bad = exc if isinstance(exc, _BadRequestError) else _BadRequestError("invalid JSON")
+            await self._sleep(self._latency)
+            return self._error(
+                anthropic, 400, kind="invalid_request_error", code=bad.code, message=bad.message
+            )
+
+        job_stats: list[int] | None = None
+        if call.job_id:
+            job_stats = self._by_job.get(call.job_id)
+            if job_stats is None:
+                job_stats = self._by_job[call.job_id] = [0, 0]
+            job_stats[0] += 1
+
+        mode = self.mode_override or call.mode
+        if mode not in MODES:
+            await self._sleep(self._latency)
+            return self._error(
+                anthropic,
+                400,
+                kind="invalid_request_error",
+                code="unknown_mode",
+                message=f"unknown mode {mode!r}; expected one of {', '.join(sorted(MODES))}",
+            )
+
+        settings = self._settings
+        content: str | None = None
+        if mode in ("success", "slow", "flaky"):
+            content = _summary_json(call.text, _SUCCESS_CONFIDENCE)
+        elif mode == "low_confidence":
+            content = _summary_json(call.text, settings.low_confidence)
+        elif mode == "malformed":
+            content = _MALFORMED_TEXT
+        elif mode == "refusal":
+            content = _REFUSAL_TEXT
+
+        headers: dict[str, str] | None = None
+        if self._limiter is not None:
+            completion = call.max_tokens or (max(1, len(content) // 4) if content else 1)
+            verdict = self._limiter.admit(call.prompt_tokens + completion)
+            headers = self._limit_headers()
+            if not verdict.admitted:
+                retry_after = max(1, math.ceil(verdict.retry_after))
+                headers["Retry-After"] = str(retry_after)
+                headers["retry-after-ms"] = str(max(1, math.ceil(verdict.retry_after * 1000)))
+                if verdict.too_large:
+                    message = (
+                        f"Request too large: limit {settings.tokens_per_minute} tokens per"
+                        f" minute, requested {call.prompt_tokens + completion}"
+                    )
+                else:
+                    message = f"Rate limit reached for {verdict.limited_by} per minute"
+                await self._sleep(self._latency)
+                return self._error(
+                    anthropic,
+                    429,
+                    kind=verdict.limited_by,
+                    code="rate_limit_exceeded",
+                    message=message,
+                    headers=headers,
+                )
+
+        failing = False
+        if mode == "flaky":
+            # Counted on arrival, so concurrent attempts of one job fail in arrival order.
+            attempts = self._flaky_attempts.get(call.job_id, 0)
+            self._flaky_attempts[call.job_id] = attempts + 1
+            failing = attempts < call.fail_times
+
+        delay = self._latency + call.delay_seconds
+        if mode == "slow":
+            delay += settings.slow_seconds
+        await self._sleep(delay)
+
+        if mode == "always_fail" or failing:
+            return self._error(
+                anthropic,
+                503,
+                kind="server_error",
+                code="upstream_unavailable",
+                message="upstream_unavailable",
+                headers=headers,
+            )
+        if mode == "rate_limited":
+            limited = dict(headers) if headers else {}
+            limited["Retry-After"] = _format_seconds(settings.retry_after_seconds)
+            limited["retry-after-ms"] = str(round(settings.retry_after_seconds * 1000))
+            return self._error(
+                anthropic,
+                429,
+                kind="requests",
+                code="rate_limit_exceeded",
+                message="Rate limit reached (simulated for this job)",
+                headers=limited,
+            )
+        if mode == "bad_request":
+            return self._error(
+                anthropic,
+                400,
+                kind="invalid_request_error",
+                code="bad_request",
+                message="The request was rejected as invalid (simulated)",
+                headers=headers,
+            )
+        if mode == "unauthorized":
+            return self._error(
+                anthropic,
+                401,
+                kind="invalid_request_error",
+                code="invalid_api_key",
+                message="Incorrect API key provided (simulated)",
+                headers=headers,
+            )
+        assert content is not None
+        if job_stats is not None and mode in _VALID_RESULT_MODES:
+            job_stats[1] += 1
+        return self._answer(call, content, refusal=mode == "refusal", headers=headers)
+
+    @staticmethod
+    async def _sleep(seconds: float) -> None:
+        # Skipping the zero sleep keeps the common benchmark path free of a loop round-trip.
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    # --- observability and admin -----------------------------------------------------
+
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "calls": self.calls,
+                "status_counts": {str(k): v for k, v in self._status_counts.items()},
+                "by_job": {
+                    job: {"calls": stats[0], "completed": stats[1]}
+                    for job, stats in self._by_job.items()
+                },
+                "mode_override": self.mode_override,
+            }
+        )
+
+    async def handle_reset(self, request: web.Request) -> web.Response:
+        self.calls = 0
+        self._status_counts.clear()
+        self._by_job.clear()
+        self._flaky_attempts.clear()
+        if self._limiter is not None:
+            self._limiter.reset()
+        return web.json_response({"ok": True})
+
+    async def handle_mode(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or "mode" not in body:
+            return web.json_response(
+                {"error": 'body must be {"mode": "<mode>" | null}'}, status=400
+            )
+        mode = body["mode"]
+        if mode is not None and mode not in MODES:
+            return web.json_response(
+                {"error": f"unknown mode {mode!r}; expected one of {sorted(MODES)} or null"},
+                status=400,
+            )
+        self.mode_override = mode
+        return web.json_response({"mode_override": mode})
+
+    async def handle_healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+
+def build_app(
+    settings: FakeProviderSettings, *, clock: Callable[[], float] = time.monotonic
+) -> web.Application:
+    """The fake provider as an aiohttp app; ``clock`` only drives the rate-limit window."""
+    provider = _Provider(settings, clock)
+    # Prompts in tests can be large; the 1 MiB aiohttp default would turn them into 413s.
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", provider.handle_openai)
+    app.router.add_post("/v1/messages", provider.handle_anthropic)
+    app.router.add_get("/stats", provider.handle_stats)
+    app.router.add_post("/admin/reset", provider.handle_reset)
+    app.router.add_post("/admin/mode", provider.handle_mode)
+    app.router.add_get("/healthz", provider.handle_healthz)
+    return app
+
+
+async def serve(
+    settings: FakeProviderSettings, *, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve until cancelled; ``on_ready`` gets the base URL (real port when port=0)."""
+    # access_log=None: a log line per request would dominate the cost of an answer.
+    runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+        await site.start()
+        port = settings.port
+        for address in runner.addresses:
+            if isinstance(address, tuple):
+                port = int(address[1])
+                break
+        url = f"http://{settings.host}:{port}"
+        print(f"fake-provider listening on {url}", flush=True)
+        if on_ready is not None:
+            on_ready(url)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line entry: ``python -m calmq.fake_provider --port 8090 --latency-ms 2000``."""
+    parser = argparse.ArgumentParser(prog="calmq.fake_provider", description=__doc__)
+    defaults = FakeProviderSettings()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--requests-per-minute", type=int, default=0)
+    parser.add_argument("--tokens-per-minute", type=int, default=0)
+    parser.add_argument("--slow-seconds", type=float, default=defaults.slow_seconds)
+    parser.add_argument("--retry-after-seconds", type=float, default=defaults.retry_after_seconds)
+    parser.add_argument("--low-confidence", type=float, default=defaults.low_confidence)
+    parser.add_argument("--latency-ms", type=int, default=0)
+    parser.add_argument("--mode-override", choices=sorted(MODES), default=None)
+    args = parser.parse_args(argv)
+    settings = FakeProviderSettings(**vars(args))
+    # Ctrl-C is the normal way to stop it; a traceback would read like a crash.
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

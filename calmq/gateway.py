@@ -1,0 +1,207 @@
+"""The model gateway: one interface over model providers, and the classification of their
+answers into calmq's failure classes.
+
+Providers: OpenAI-compatible Chat Completions (OpenAI, vLLM, Ollama, LiteLLM, and calmq's
+fake provider) and Anthropic Messages. One aiohttp session per provider, reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from calmq.errors import FailureClass, StepFailure
+
+__all__ = [
+    "AnthropicProvider",
+    "ModelReply",
+    "OpenAIProvider",
+    "Provider",
+    "classify_status",
+    "open_provider",
+]
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    content: str | None
+    refusal: str | None
+    input_tokens: int
+    output_tokens: int
+
+
+class Provider(Protocol):
+    async def complete(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelReply: ...
+
+    async def close(self) -> None: ...
+
+
+def _retry_after(headers: Any) -> float | None:
+    raw = headers.get("Retry-After") if headers is not None else None
+    if raw is None:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return None  # an HTTP date: rare from model APIs; the backoff floor still applies
+
+
+def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
+    """Turn a provider's non-2xx answer into a StepFailure with its failure class."""
+    detail = body[:300]
+    if status == 429:
+        return StepFailure(
+            f"rate limited by the provider: {detail}", code="rate_limited",
+            failure_class=FailureClass.TRANSIENT, retry_after=_retry_after(headers),
+        )
+    if status >= 500:
+        return StepFailure(
+            f"provider answered {status}: {detail}", code="upstream_unavailable",
+            failure_class=FailureClass.TRANSIENT, retry_after=_retry_after(headers),
+        )
+    if status in (401, 403):
+        return StepFailure(
+            f"provider refused the credentials ({status}): {detail}", code="provider_permission",
+            failure_class=FailureClass.PERMISSION,
+        )
+    if status == 408:
+        return StepFailure("provider timed out", code="timeout", failure_class=FailureClass.TRANSIENT)
+    return StepFailure(
+        f"provider rejected the request ({status}): {detail}", code="provider_bad_request",
+        failure_class=FailureClass.INPUT,
+    )
+
+
+class _HttpProvider:
+    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        try:
+            async with self.session().post(self.base_url + path, json=body, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status >= 300:
+                    raise classify_status(resp.status, text, resp.headers)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise StepFailure(
+                f"cannot reach the provider: {exc}", code="connection_error",
+                failure_class=FailureClass.TRANSIENT,
+            ) from exc
+        except asyncio.TimeoutError as exc:
+            raise StepFailure("provider timed out", code="timeout",
+                              failure_class=FailureClass.TRANSIENT) from exc
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise StepFailure(
+                "provider answered 2xx with a body that is not JSON", code="upstream_garbled",
+                failure_class=FailureClass.TRANSIENT,
+            ) from exc
+
+
+class OpenAIProvider(_HttpProvider):
+    """OpenAI-compatible Chat Completions (``POST {base}/v1/chat/completions``)."""
+
+    async def complete(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelReply:
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "user": job_id, "max_tokens": max_tokens,
+        }
+        if response_schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": response_schema, "strict": True},
+            }
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        data = await self._post("/v1/chat/completions", body, headers)
+        try:
+            message = data["choices"][0]["message"]
+            usage = data.get("usage") or {}
+            return ModelReply(
+                content=message.get("content"),
+                refusal=message.get("refusal"),
+                input_tokens=int(usage.get("prompt_tokens", 0)),
+                output_tokens=int(usage.get("completion_tokens", 0)),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise StepFailure(
+                "provider answer lacks choices[0].message", code="upstream_garbled",
+                failure_class=FailureClass.TRANSIENT,
+            ) from exc
+
+
+class AnthropicProvider(_HttpProvider):
+    """Anthropic Messages (``POST {base}/v1/messages``)."""
+
+    async def complete(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelReply:
+        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "messages": [m for m in messages if m["role"] != "system"],
+            "metadata": {"user_id": job_id},
+        }
+        if system:
+            body["system"] = system
+        headers = {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
+        data = await self._post("/v1/messages", body, headers)
+        try:
+            text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
+            usage = data.get("usage") or {}
+            refusal = text if data.get("stop_reason") == "refusal" else None
+            return ModelReply(
+                content=None if refusal else text,
+                refusal=refusal,
+                input_tokens=int(usage.get("input_tokens", 0)),
+                output_tokens=int(usage.get("output_tokens", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StepFailure(
+                "provider answer lacks content", code="upstream_garbled",
+                failure_class=FailureClass.TRANSIENT,
+            ) from exc
+
+
+def open_provider(kind: str, base_url: str, api_key: str, model: str) -> Provider:
+    if kind == "anthropic":
+        return AnthropicProvider(base_url, api_key, model)
+    return OpenAIProvider(base_url, api_key, model)

@@ -1,0 +1,88 @@
+"""Kafka wiring: client configurations, topic creation, headers. Topic names: calmq.topics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from calmq.errors import InfrastructureError
+
+__all__ = [
+    "consumer_config",
+    "create_topics",
+    "header",
+    "headers_dict",
+    "producer_config",
+]
+
+
+def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """An idempotent producer: retries never duplicate or reorder within a partition."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 2,
+        "compression.type": "lz4",
+        "batch.num.messages": 10000,
+        "queue.buffering.max.messages": 500000,
+        **extra,
+    }
+
+
+def consumer_config(bootstrap: str, group: str, **extra: Any) -> dict[str, Any]:
+    """Manual commits only: an offset is committed after its job's outcome is durable."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "partition.assignment.strategy": "cooperative-sticky",
+        "session.timeout.ms": 10000,
+        "heartbeat.interval.ms": 1000,
+        "max.poll.interval.ms": 300000,
+        "fetch.wait.max.ms": 10,
+        **extra,
+    }
+
+
+def create_topics(
+    bootstrap: str, names: Iterable[str], *, partitions: int, replication: int = 1
+) -> list[str]:
+    """Create the topics that do not exist yet; returns the ones created now."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    try:
+        existing = set(admin.list_topics(timeout=15).topics)
+    except KafkaException as exc:
+        raise InfrastructureError(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    wanted = [n for n in dict.fromkeys(names) if n not in existing]
+    if not wanted:
+        return []
+    futures = admin.create_topics(
+        [NewTopic(n, num_partitions=partitions, replication_factor=replication) for n in wanted],
+        operation_timeout=30,
+    )
+    created = []
+    for name, future in futures.items():
+        try:
+            future.result()
+            created.append(name)
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise InfrastructureError(f"cannot create topic {name}: {exc}") from exc
+    return created
+
+
+def header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:
+    for key, value in headers or ():
+        if key == name and value is not None:
+            return value.decode("utf-8", "replace")
+    return None
+
+
+def headers_dict(headers: Sequence[tuple[str, bytes | None]] | None) -> dict[str, str]:
+    return {k: v.decode("utf-8", "replace") for k, v in headers or () if v is not None}

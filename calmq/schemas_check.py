@@ -1,0 +1,54 @@
+"""Backward compatibility of the schema versions in schemas/: each new version must read
+records written with the one before it (the registry's BACKWARD rule)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import fastavro
+
+from calmq.codec import SchemaStore
+
+__all__ = ["check_backward", "sample_record"]
+
+
+def sample_record(schema: Any) -> Any:
+    """A record that exercises every field of ``schema`` (non-null branch of unions)."""
+    if isinstance(schema, list):
+        branches = [b for b in schema if b != "null"]
+        return sample_record(branches[0]) if branches else None
+    if isinstance(schema, str):
+        return {"string": "x", "int": 1, "long": 2, "float": 1.5, "double": 2.5,
+                "boolean": True, "bytes": b"b", "null": None}.get(schema, "x")
+    kind = schema["type"]
+    if kind == "record":
+        return {f["name"]: sample_record(f["type"]) for f in schema["fields"]}
+    if kind == "enum":
+        return schema["symbols"][0]
+    if kind == "array":
+        return [sample_record(schema["items"])]
+    if kind == "map":
+        return {"k": sample_record(schema["values"])}
+    if kind == "fixed":
+        return b"\0" * schema["size"]
+    if schema.get("logicalType") == "uuid":
+        return "00000000-0000-4000-8000-000000000000"
+    return sample_record(kind)
+
+
+def check_backward(store: SchemaStore) -> list[str]:
+    problems = []
+    for event_type, versions in store.versions.items():
+        for old, new in zip(versions, versions[1:], strict=False):
+            record = sample_record(old.parsed)
+            buf = io.BytesIO()
+            fastavro.schemaless_writer(buf, old.parsed, record)
+            buf.seek(0)
+            try:
+                fastavro.schemaless_reader(buf, old.parsed, new.parsed)
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                problems.append(
+                    f"{event_type} v{new.version} cannot read v{old.version}: {exc}"
+                )
+    return problems

@@ -1,0 +1,168 @@
+"""Settings: one pydantic model, read from ``CALMQ_*`` environment variables and flags.
+
+Unknown keys are an error, not ignored: a typo in ``CALMQ_CONCURENCY`` would otherwise run
+a fleet with the default and nobody would notice. Components receive a ``Settings``
+instance in their constructor; nothing reads the environment after start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from calmq.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "Settings", "parse_duration"]
+
+ENV_PREFIX = "CALMQ_"
+
+# Variables with the prefix that are not settings but are still ours to read.
+_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK"})
+
+
+def parse_duration(text: str) -> float:
+    """``"5s"``, ``"2m"``, ``"1h"``, ``"250ms"`` or a plain number of seconds -> seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    text = text.strip()
+    for suffix in ("ms", "s", "m", "h"):
+        if text.endswith(suffix) and text[: -len(suffix)].replace(".", "", 1).isdigit():
+            return float(text[: -len(suffix)]) * units[suffix]
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"cannot read {text!r} as a duration; use a number of seconds or 250ms, 5s, 2m, 1h"
+        ) from None
+
+
+class Settings(BaseSettings):
+    """Every setting of every component; see docs/reference/settings.md."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    # Where the real parts are. Empty means "the running local stack" (calmq dev env).
+    database_url: str = ""
+    kafka_bootstrap: str = ""
+    schema_registry_url: str = Field(
+        default="",
+        description="Confluent-compatible registry; empty: Avro single-object encoding",
+    )
+    object_store_url: str = ""
+    api_url: str = ""
+    fake_provider_url: str = ""
+
+    # Intake API.
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    auth_cache_seconds: float = Field(default=5.0, ge=0)
+
+    # Model provider used by the gateway. Empty provider_url means the fake provider.
+    provider: Literal["openai", "anthropic"] = "openai"
+    provider_url: str = ""
+    provider_api_key: SecretStr = SecretStr("")
+    model: str = "fake-small"
+
+    # Workers.
+    pool: str = Field(default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$")
+    priorities: str = "interactive,bulk"
+    concurrency: int = Field(default=256, ge=1, le=100_000)
+    worker_id: str = ""
+    lease_seconds: float = Field(default=30.0, gt=0)
+    step_timeout_seconds: float | None = Field(default=None, gt=0)
+    max_attempts: int | None = Field(default=None, ge=1)
+    commit_interval_ms: int = Field(default=200, ge=1)
+    grace_seconds: float = Field(default=10.0, ge=0)
+
+    # Retries: delay tiers are topics calmq.retry.<tier>.
+    retry_tiers: str = "5s,30s,2m,10m,1h"
+    retry_initial_seconds: float = Field(default=1.0, gt=0)
+    retry_max_seconds: float = Field(default=3600.0, gt=0)
+    retry_multiplier: float = Field(default=2.0, ge=1)
+
+    # Topics.
+    topic_partitions: int = Field(default=8, ge=1)
+    topic_replication: int = Field(default=1, ge=1)
+
+    # Relay.
+    relay_mode: Literal["polling", "cdc"] = "polling"
+    relay_batch: int = Field(default=2000, ge=1)
+    relay_idle_ms: int = Field(default=5, ge=1)
+    outbox_retention_seconds: float = Field(default=600.0, ge=0)
+
+    # Workflows.
+    review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("priorities")
+    @classmethod
+    def _known_priorities(cls, value: str) -> str:
+        names = [p.strip() for p in value.split(",") if p.strip()]
+        unknown = [p for p in names if p not in ("interactive", "bulk")]
+        if not names or unknown:
+            raise ValueError("priorities is a comma list of interactive and bulk")
+        return ",".join(names)
+
+    @field_validator("retry_tiers")
+    @classmethod
+    def _tiers_are_durations(cls, value: str) -> str:
+        tiers = [t.strip() for t in value.split(",") if t.strip()]
+        if not tiers:
+            raise ValueError("retry_tiers needs at least one tier such as 5s")
+        delays = [parse_duration(t) for t in tiers]
+        if delays != sorted(delays):
+            raise ValueError("retry_tiers must be in increasing order")
+        return ",".join(tiers)
+
+    @property
+    def priority_list(self) -> list[str]:
+        return self.priorities.split(",")
+
+    @property
+    def retry_tier_list(self) -> list[tuple[str, float]]:
+        return [(t, parse_duration(t)) for t in self.retry_tiers.split(",")]
+
+    @property
+    def effective_provider_url(self) -> str:
+        return self.provider_url or self.fake_provider_url
+
+    @classmethod
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Settings from the environment, with ``overrides`` (flags) taking precedence.
+
+        Raises ConfigError naming every unknown ``CALMQ_`` variable or invalid value.
+        """
+        env = os.environ if environ is None else environ
+        known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
+        unknown = sorted(
+            k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in _NON_SETTING_ENV
+        )
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
+                "for the names calmq reads",
+                code="unknown_setting",
+            )
+        clean = {k: v for k, v in (overrides or {}).items() if v is not None}
+        try:
+            if environ is None:
+                return cls(**clean)
+            values = {
+                name: env[ENV_PREFIX + name.upper()]
+                for name in cls.model_fields
+                if ENV_PREFIX + name.upper() in env
+            }
+            values.update(clean)
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid settings: {problems}") from exc

@@ -1,0 +1,31 @@
+"""SQL files: numbered migrations and the named queries, loaded once."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+__all__ = ["migrations", "queries"]
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+@cache
+def queries() -> dict[str, str]:
+    """Every ``-- name: x`` section of queries.sql, by name."""
+    text = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
+    parts = _NAME.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+@cache
+def migrations() -> list[tuple[int, str, str]]:
+    """``(version, name, sql)`` of every numbered migration, in order."""
+    folder = resources.files(__package__).joinpath("migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"(\d{4})_(\w+)\.sql", entry.name)
+        if match:
+            found.append((int(match[1]), match[2], entry.read_text("utf-8")))
+    return sorted(found)

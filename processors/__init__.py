@@ -1,0 +1,10 @@
+"""The stream processors: where a job.requested message is run.
+
+consumer (Kafka thread) -> runner (asyncio: claim, run the step, group-commit the outcome)
+-> the outbox (results, retry tiers, dead letters). ``policy`` decides retry or dead letter.
+"""
+
+from processors.policy import Backoff, RetryDecision, decide
+from processors.worker import Worker
+
+__all__ = ["Backoff", "RetryDecision", "Worker", "decide"]

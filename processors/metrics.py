@@ -1,0 +1,25 @@
+"""Worker metrics. Labels are bounded: status, failure class and retry tier only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = ["ABORTED", "IN_FLIGHT", "POISON", "RETRIES", "SKIPPED", "STEP_SECONDS", "finished"]
+
+FINISHED = Counter("calmq_attempts_finished_total", "Attempts finished, by outcome status",
+                   ["status", "failure_class"])
+RETRIES = Counter("calmq_retries_total", "Retries scheduled", ["failure_class", "tier"])
+SKIPPED = Counter("calmq_redeliveries_acked_total",
+                  "Messages acknowledged without a model call (terminal or leased job)")
+POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
+ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
+STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",
+                         buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+IN_FLIGHT = Gauge("calmq_worker_in_flight", "Jobs running in this worker")
+SATURATION = Gauge("calmq_worker_saturation", "In-flight jobs / concurrency")
+
+
+def finished(status: str, error: dict[str, Any] | None) -> None:
+    FINISHED.labels(status, (error or {}).get("class", "")).inc()

@@ -1,0 +1,78 @@
+"""Per-partition offset tracking: offsets complete out of order; only the contiguous
+completed prefix is committed, so a crash never skips a message still in flight."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+
+__all__ = ["OffsetTracker"]
+
+
+class _Partition:
+    __slots__ = ("heap", "highest", "pending")
+
+    def __init__(self) -> None:
+        self.pending: set[int] = set()
+        self.heap: list[int] = []
+        self.highest = -1
+
+    def commit_position(self) -> int | None:
+        while self.heap and self.heap[0] not in self.pending:
+            heapq.heappop(self.heap)
+        if self.heap:
+            return self.heap[0]  # the oldest message still in flight
+        return self.highest + 1 if self.highest >= 0 else None
+
+
+class OffsetTracker:
+    """Thread-safe: the consumer thread adds and commits, the asyncio loop completes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[tuple[str, int], _Partition] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+
+    def assign(self, tp: tuple[str, int]) -> None:
+        with self._lock:
+            self._parts.setdefault(tp, _Partition())
+
+    def revoke(self, tp: tuple[str, int]) -> None:
+        with self._lock:
+            self._parts.pop(tp, None)
+            self._committed.pop(tp, None)
+
+    def add(self, tp: tuple[str, int], offset: int) -> None:
+        with self._lock:
+            part = self._parts.setdefault(tp, _Partition())
+            part.pending.add(offset)
+            heapq.heappush(part.heap, offset)
+            part.highest = max(part.highest, offset)
+
+    def done(self, tp: tuple[str, int], offset: int) -> None:
+        with self._lock:
+            part = self._parts.get(tp)
+            if part is not None:  # a revoked partition's late completion: nothing to commit
+                part.pending.discard(offset)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(len(p.pending) for p in self._parts.values())
+
+    def to_commit(self, only: set[tuple[str, int]] | None = None) -> dict[tuple[str, int], int]:
+        """Positions that moved since the last commit (the next offset to read, as Kafka wants)."""
+        out = {}
+        with self._lock:
+            for tp, part in self._parts.items():
+                if only is not None and tp not in only:
+                    continue
+                position = part.commit_position()
+                if position is not None and position > self._committed.get(tp, -1):
+                    out[tp] = position
+        return out
+
+    def committed(self, positions: dict[tuple[str, int], int]) -> None:
+        with self._lock:
+            for tp, position in positions.items():
+                if tp in self._parts:
+                    self._committed[tp] = position

@@ -1,0 +1,322 @@
+"""The step runner: the asyncio side of a worker.
+
+For each polled batch: decode, claim every job in one statement, run each claimed job's
+current step with its timeout, then hand the outcome to the group committer, which writes
+a few milliseconds' worth of outcomes (status, history, outbox) in ONE transaction and only
+then marks their offsets complete. A message whose job is terminal, cancelled or held by a
+live lease is acknowledged without a model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Message
+
+from calmq import events, topics
+from calmq.codec import EventCodec
+from calmq.errors import ContractError, FailureClass, StepFailure
+from calmq.gateway import Provider
+from calmq.jobs import EventType, Status
+from calmq.objects import ObjectStore
+from calmq.store import Finish, Store
+from calmq.workflows import StepContext, StepOutput, Workflow
+from processors import metrics
+from processors.offsets import OffsetTracker
+from processors.policy import Backoff, decide
+
+__all__ = ["Committer", "RunnerConfig", "StepRunner"]
+
+log = logging.getLogger(__name__)
+
+Position = tuple[tuple[str, int], int]  # ((topic, partition), offset)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    worker_id: str
+    lease_seconds: float
+    tiers: list[tuple[str, float]]
+    backoff: Backoff
+    step_timeout_seconds: float | None = None  # overrides every step's own timeout
+    max_attempts: int | None = None  # overrides every job's own budget
+    review_threshold: float = 0.9
+
+
+class Committer:
+    """Group commit: outcomes that finish within a few ms share one transaction."""
+
+    def __init__(
+        self, store: Store, tracker: OffsetTracker, *, window: float = 0.004, max_batch: int = 1000
+    ) -> None:
+        self.store = store
+        self.tracker = tracker
+        self.window = window
+        self.max_batch = max_batch
+        self._pending: list[tuple[Finish, Position]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="committer")
+
+    def add(self, finish: Finish, position: Position) -> None:
+        self._pending.append((finish, position))
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.window)  # let concurrent completions join this group
+            self._wake.clear()
+            while self._pending:
+                group = self._pending[: self.max_batch]
+                del self._pending[: len(group)]
+                await self._write(group)
+
+    async def _write(self, group: list[tuple[Finish, Position]]) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.store.finish([f for f, _ in group])
+                break
+            except Exception:  # the database is away: keep the outcomes, retry
+                log.exception("writing %d outcomes failed; retrying in %.1fs", len(group), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        for finish, (tp, offset) in group:
+            self.tracker.done(tp, offset)
+            metrics.finished(finish.status, finish.error)
+
+    async def drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0.01)
+
+
+class StepRunner:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        codec: EventCodec,
+        provider: Provider,
+        objects: ObjectStore,
+        workflows: dict[str, Workflow],
+        tracker: OffsetTracker,
+        config: RunnerConfig,
+    ) -> None:
+        self.store = store
+        self.codec = codec
+        self.provider = provider
+        self.objects = objects
+        self.workflows = workflows
+        self.tracker = tracker
+        self.config = config
+        self.committer = Committer(store, tracker)
+        self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self.committer.start()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def idle(self) -> bool:
+        return not self._running and not self._batches and self.committer.pending == 0
+
+    def submit(self, batch: list[Message]) -> None:
+        """Called on the loop (call_soon_threadsafe) with a polled batch."""
+        task = asyncio.create_task(self._handle_batch(batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _handle_batch(self, batch: list[Message]) -> None:
+        wanted: list[tuple[Message, uuid.UUID]] = []
+        poison: list[dict[str, Any]] = []
+        poison_positions: list[Position] = []
+        for msg in batch:
+            position = ((msg.topic(), msg.partition()), msg.offset())
+            try:
+                event_type, event = self.codec.decode(msg.value() or b"")
+                if event_type != "job.requested":
+                    raise ContractError(f"{event_type} does not belong on a work topic",
+                                        code="unexpected_event")
+                wanted.append((msg, uuid.UUID(str(event["job_id"]))))
+            except (ContractError, ValueError) as exc:
+                code = exc.code if isinstance(exc, ContractError) else "undecodable"
+                log.warning("poison message at %s: %s", position, exc)
+                dead = events.dead_lettered(
+                    None,
+                    errors=[{"attempt": 0, "code": code, "class": "input", "message": str(exc)}],
+                    source_topic=msg.topic(),
+                    raw_value=msg.value(),
+                )
+                poison.append(events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead))
+                poison_positions.append(position)
+        if poison:
+            await self.store.insert_outbox(poison)
+            for tp, offset in poison_positions:
+                self.tracker.done(tp, offset)
+            metrics.POISON.inc(len(poison))
+        if not wanted:
+            return
+        ids = {job_id for _, job_id in wanted if job_id not in self._running}
+        rows = await self.store.claim(list(ids), self.config.worker_id, self.config.lease_seconds)
+        claimed = {row["id"]: row for row in rows}
+        for msg, job_id in wanted:
+            position = ((msg.topic(), msg.partition()), msg.offset())
+            row = claimed.pop(job_id, None)
+            if row is None:
+                # Terminal, cancelled, or held by a live lease: acknowledge, no model call.
+                self.tracker.done(*position)
+                metrics.SKIPPED.inc()
+                continue
+            task = asyncio.create_task(self._run(row, msg.topic(), position))
+            self._running[job_id] = task
+
+    async def _run(self, job: dict[str, Any], topic: str, position: Position) -> None:
+        try:
+            finish = await self._attempt(job, topic)
+        except asyncio.CancelledError:
+            # The lease was lost (cancelled job, or a reaper requeued it): discard the result.
+            self.tracker.done(*position)
+            return
+        finally:
+            self._running.pop(job["id"], None)
+        self.committer.add(finish, position)
+
+    async def _attempt(self, job: dict[str, Any], topic: str) -> Finish:
+        started = time.monotonic()
+        workflow = self.workflows.get(job["workflow"])
+        try:
+            if workflow is None:
+                raise StepFailure(f"no workflow named {job['workflow']!r} on this worker",
+                                  code="unknown_workflow", failure_class=FailureClass.INPUT)
+            step = workflow.step(job["step"])
+            deadline = job.get("deadline_at")
+            if deadline is not None and deadline < datetime.now(UTC):
+                raise StepFailure("the job deadline passed before it could run",
+                                  code="deadline_exceeded", failure_class=FailureClass.DEADLINE)
+            data = await self._input(job)
+            ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name, job["attempt"],
+                              self.provider)
+            timeout = self.config.step_timeout_seconds or step.timeout_seconds
+            try:
+                async with asyncio.timeout(timeout):
+                    output = await step.run(ctx, data)
+            except TimeoutError:
+                raise StepFailure(f"the step ran past its {timeout:g} s timeout", code="timeout",
+                                  failure_class=FailureClass.TRANSIENT) from None
+        except StepFailure as failure:
+            return self._failed(job, topic, failure)
+        except ContractError as exc:
+            return self._failed(job, topic, StepFailure(exc.message, code=exc.code,
+                                                        failure_class=FailureClass.INPUT))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a step that raised something it did not classify
+            log.exception("step %s of job %s raised", job["step"], job["id"])
+            return self._failed(job, topic, StepFailure(f"{type(exc).__name__}: {exc}",
+                                                        code="unhandled_exception",
+                                                        failure_class=FailureClass.BUG))
+        finally:
+            metrics.STEP_SECONDS.observe(time.monotonic() - started)
+        assert workflow is not None
+        return await self._succeeded(job, workflow, output)
+
+    async def _input(self, job: dict[str, Any]) -> dict[str, Any]:
+        if job.get("input") is not None:
+            data: dict[str, Any] = job["input"]
+            return data
+        if job.get("input_ref"):
+            raw = await self.objects.get(job["input_ref"])
+            try:
+                loaded = json.loads(raw)
+            except ValueError:
+                return {"text": raw.decode("utf-8", "replace")}
+            return loaded if isinstance(loaded, dict) else {"text": str(loaded)}
+        raise StepFailure("the job has neither input nor input_ref", code="missing_input",
+                          failure_class=FailureClass.INPUT)
+
+    def _base(self, job: dict[str, Any], **kw: Any) -> Finish:
+        return Finish(job_id=job["id"], worker=self.config.worker_id, step=job["step"],
+                      attempt=job["attempt"], **kw)
+
+    async def _succeeded(self, job: dict[str, Any], workflow: Workflow, out: StepOutput) -> Finish:
+        threshold = workflow.review_threshold
+        if threshold is not None and out.confidence is not None and out.confidence < threshold:
+            return self._base(
+                job, status=Status.AWAITING_REVIEW, event_type=EventType.REVIEW_REQUESTED,
+                outcome="completed",
+                event_detail={"confidence": out.confidence, "output": out.artifact,
+                              "threshold": threshold},
+            )
+        body = json.dumps(out.artifact, separators=(",", ":")).encode()
+        ref = await self.objects.put(f"{job['tenant_id']}/{job['id']}/{job['step']}.json", body,
+                                     "application/json")
+        artifact = ref.as_dict()
+        result = events.result(job, Status.COMPLETED, artifact=artifact)
+        return self._base(
+            job, status=Status.COMPLETED, event_type=EventType.COMPLETED, outcome="completed",
+            artifact=artifact,
+            event_detail={"artifact": artifact["uri"], "input_tokens": out.input_tokens,
+                          "output_tokens": out.output_tokens},
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result)],
+        )
+
+    def _failed(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
+        error = {"code": failure.code, "class": failure.failure_class.value,
+                 "message": failure.message[:1000]}
+        budget = self.config.max_attempts or job["max_attempts"]
+        decision = decide(failure, job["attempt"], budget, self.config.tiers, self.config.backoff)
+        if decision.retry:
+            assert decision.tier is not None
+            due = int((time.time() + decision.delay) * 1000)
+            again = events.requested(job)
+            headers = {"calmq-origin-topic": topic, "calmq-due-at": str(due)}
+            if job.get("trace_parent"):
+                headers["traceparent"] = job["trace_parent"]
+            metrics.RETRIES.labels(failure.failure_class.value, decision.tier).inc()
+            return self._base(
+                job, status=Status.RETRYING, event_type=EventType.RETRY_SCHEDULED,
+                outcome="failed", error=error,
+                event_detail={**error, "delay_seconds": round(decision.delay, 3),
+                              "tier": decision.tier},
+                outbox=[events.outbox_entry(topics.retry_route(decision.tier), "job.requested",
+                                            again, headers)],
+            )
+        result = events.result(job, Status.DEAD_LETTER, error=error)
+        dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED, source_topic=topic)
+        return self._base(
+            job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED, outcome="failed",
+            error=error, event_detail=error,
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result),
+                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead)],
+        )
+
+    # -- leases -------------------------------------------------------------------------
+
+    async def heartbeat(self) -> None:
+        """Extend the leases of running jobs; abort the ones this worker no longer holds."""
+        ids = list(self._running)
+        if not ids:
+            return
+        held = await self.store.heartbeat(ids, self.config.worker_id, self.config.lease_seconds)
+        for job_id in ids:
+            task = self._running.get(job_id)
+            if job_id not in held and task is not None:
+                task.cancel()
+                metrics.ABORTED.inc()

@@ -1,0 +1,111 @@
+"""A worker process: the consumer thread, the step runner's event loop, leases, the reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+
+from calmq import topics
+from calmq.codec import make_codec
+from calmq.gateway import open_provider
+from calmq.kafka import consumer_config
+from calmq.objects import open_object_store
+from calmq.settings import Settings
+from calmq.store import Store
+from calmq.workflows import Workflow, builtin_workflows
+from processors import metrics
+from processors.consumer import ParallelConsumer
+from processors.policy import Backoff
+from processors.runner import RunnerConfig, StepRunner
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None) -> None:
+        self.settings = settings
+        self.workflows = workflows or builtin_workflows()
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.stop = threading.Event()
+
+    def topics(self) -> list[str]:
+        return [topics.topic_for_route(topics.work_route(self.settings.pool, p))
+                for p in self.settings.priority_list]
+
+    async def run(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        store = Store(s.database_url, max_size=8)
+        await store.open()
+        provider = open_provider(s.provider, s.effective_provider_url,
+                                 s.provider_api_key.get_secret_value(), s.model)
+        consumer = ParallelConsumer(
+            consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}"),
+            self.topics(),
+            deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
+            max_in_flight=s.concurrency,
+            commit_interval=s.commit_interval_ms / 1000,
+        )
+        runner = StepRunner(
+            store=store,
+            codec=make_codec(s.schema_registry_url),
+            provider=provider,
+            objects=open_object_store(s.object_store_url),
+            workflows=self.workflows,
+            tracker=consumer.tracker,
+            config=RunnerConfig(
+                worker_id=self.worker_id,
+                lease_seconds=s.lease_seconds,
+                tiers=s.retry_tier_list,
+                backoff=Backoff(s.retry_initial_seconds, s.retry_max_seconds, s.retry_multiplier),
+                step_timeout_seconds=s.step_timeout_seconds,
+                max_attempts=s.max_attempts,
+                review_threshold=s.review_confidence_threshold,
+            ),
+        )
+        runner.start()
+        drained = threading.Event()
+        thread = threading.Thread(
+            target=consumer.run, args=(self.stop, drained.is_set), name="kafka-consumer",
+            daemon=True,
+        )
+        thread.start()
+        log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
+        housekeeping = asyncio.create_task(self._housekeeping(store, runner))
+        try:
+            while not self.stop.is_set():
+                await asyncio.sleep(0.1)
+                metrics.IN_FLIGHT.set(runner.in_flight)
+                metrics.SATURATION.set(runner.in_flight / s.concurrency)
+            # Graceful stop: let in-flight work finish within the grace period.
+            deadline = loop.time() + s.grace_seconds
+            while not runner.idle() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            await runner.committer.drain()
+        finally:
+            drained.set()
+            await asyncio.to_thread(thread.join, 30)
+            housekeeping.cancel()
+            await provider.close()
+            await store.close()
+
+    async def _housekeeping(self, store: Store, runner: StepRunner) -> None:
+        """Heartbeat leases every third of a lease; requeue expired leases of dead workers."""
+        interval = max(0.2, self.settings.lease_seconds / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await runner.heartbeat()
+                reaped = await store.reap_expired_leases()
+                if reaped:
+                    log.info("requeued %d jobs whose lease expired", len(reaped))
+            except Exception:
+                log.exception("housekeeping failed; trying again next interval")

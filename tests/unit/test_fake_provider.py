@@ -1,0 +1,462 @@
+"""The fake provider over real HTTP: every mode, limits, counters and admin endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import ValidationError
+
+from calmq.fake_provider import MODES, FakeProviderSettings, build_app, serve
+
+Client = TestClient[web.Request, web.Application]
+MakeClient = Callable[..., Awaitable[Client]]
+
+TEXT = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+FIRST_12 = "one two three four five six seven eight nine ten eleven twelve"
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand, so the 60 s window needs no waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest_asyncio.fixture
+async def make_client() -> AsyncIterator[MakeClient]:
+    clients: list[Client] = []
+
+    async def make(clock: Callable[[], float] = time.monotonic, **settings: Any) -> Client:
+        app = build_app(FakeProviderSettings(**settings), clock=clock)
+        client: Client = TestClient(TestServer(app))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+def openai_body(
+    step: dict[str, Any] | str, job: str | None = "job-1", **extra: Any
+) -> dict[str, Any]:
+    content = step if isinstance(step, str) else json.dumps(step)
+    body: dict[str, Any] = {
+        "model": "gpt-fake",
+        "messages": [
+            {"role": "system", "content": "Summarise the text."},
+            {"role": "user", "content": content},
+        ],
+        **extra,
+    }
+    if job is not None:
+        body["user"] = job
+    return body
+
+
+def anthropic_body(step: dict[str, Any], job: str = "job-1") -> dict[str, Any]:
+    return {
+        "model": "claude-fake",
+        "max_tokens": 256,
+        "system": "Summarise the text.",
+        "messages": [{"role": "user", "content": json.dumps(step)}],
+        "metadata": {"user_id": job},
+    }
+
+
+async def chat(client: Client, step: dict[str, Any] | str, **kw: Any) -> tuple[int, Any, Any]:
+    resp = await client.post("/v1/chat/completions", json=openai_body(step, **kw))
+    return resp.status, await resp.json(), resp.headers
+
+
+async def stats(client: Client) -> Any:
+    resp = await client.get("/stats")
+    return await resp.json()
+
+
+async def test_success_returns_summary_json(make_client: MakeClient) -> None:
+    """success answers 200 with the first 12 words and confidence 0.97 as JSON content."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "success"})
+    assert status == 200
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "gpt-fake"
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["refusal"] is None
+    assert json.loads(choice["message"]["content"]) == {"summary": FIRST_12, "confidence": 0.97}
+
+
+async def test_usage_counts_all_messages_and_content(make_client: MakeClient) -> None:
+    """usage is len(all message text)//4 for the prompt and len(content)//4 for completion."""
+    client = await make_client()
+    step = json.dumps({"text": TEXT})
+    _, body, _ = await chat(client, step)
+    content = body["choices"][0]["message"]["content"]
+    prompt = (len("Summarise the text.") + len(step)) // 4
+    completion = len(content) // 4
+    assert body["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def test_non_json_content_is_summarised_as_text(make_client: MakeClient) -> None:
+    """A user message that is not a JSON object is treated as text in success mode."""
+    client = await make_client()
+    status, body, _ = await chat(client, "just some prose here")
+    assert status == 200
+    result = json.loads(body["choices"][0]["message"]["content"])
+    assert result == {"summary": "just some prose here", "confidence": 0.97}
+
+
+async def test_slow_sleeps_slow_seconds(make_client: MakeClient) -> None:
+    """slow waits settings.slow_seconds before answering like success."""
+    client = await make_client(slow_seconds=0.05)
+    started = time.monotonic()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "slow"})
+    assert time.monotonic() - started >= 0.05
+    assert status == 200
+    assert json.loads(body["choices"][0]["message"]["content"])["summary"] == FIRST_12
+
+
+async def test_delay_ms_delays_the_answer(make_client: MakeClient) -> None:
+    """delay_ms in the step input delays the answer by that long."""
+    client = await make_client()
+    started = time.monotonic()
+    status, _, _ = await chat(client, {"text": TEXT, "delay_ms": 60})
+    assert time.monotonic() - started >= 0.06
+    assert status == 200
+
+
+async def test_latency_ms_is_added_to_every_answer(make_client: MakeClient) -> None:
+    """settings.latency_ms delays error answers as well as successes."""
+    client = await make_client(latency_ms=40)
+    for mode in ("success", "always_fail"):
+        started = time.monotonic()
+        await chat(client, {"text": TEXT, "mode": mode})
+        assert time.monotonic() - started >= 0.04
+
+
+async def test_malformed_returns_prose_not_schema(make_client: MakeClient) -> None:
+    """malformed answers 200 with prose content that is not the summary JSON."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "malformed"})
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == "Sorry, here is a summary without JSON"
+
+
+async def test_always_fail_returns_503_openai_error(make_client: MakeClient) -> None:
+    """always_fail answers 503 with the upstream_unavailable OpenAI error body, every time."""
+    client = await make_client()
+    for _ in range(3):
+        status, body, _ = await chat(client, {"text": TEXT, "mode": "always_fail"})
+        assert status == 503
+        assert body["error"]["message"] == "upstream_unavailable"
+        assert body["error"]["type"] == "server_error"
+        assert body["error"]["code"] == "upstream_unavailable"
+
+
+async def test_flaky_fails_fail_times_per_job_then_succeeds(make_client: MakeClient) -> None:
+    """flaky fails the first fail_times calls of each job id, counted separately per job."""
+    client = await make_client()
+    step = {"text": TEXT, "mode": "flaky"}
+    assert [(await chat(client, step, job="a"))[0] for _ in range(2)] == [503, 503]
+    assert (await chat(client, step, job="b"))[0] == 503
+    assert (await chat(client, step, job="a"))[0] == 200
+    assert (await chat(client, step, job="b"))[0] == 503
+    assert (await chat(client, step, job="b"))[0] == 200
+    custom = {"text": TEXT, "mode": "flaky", "fail_times": 1}
+    assert [(await chat(client, custom, job="c"))[0] for _ in range(2)] == [503, 200]
+
+
+async def test_job_id_falls_back_to_header(make_client: MakeClient) -> None:
+    """Without a user field the X-Calmq-Job-Id header identifies the job."""
+    client = await make_client()
+    body = openai_body({"text": TEXT, "mode": "flaky", "fail_times": 1}, job=None)
+    headers = {"X-Calmq-Job-Id": "hdr-job"}
+    first = await client.post("/v1/chat/completions", json=body, headers=headers)
+    second = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert (first.status, second.status) == (503, 200)
+    assert (await stats(client))["by_job"]["hdr-job"] == {"calls": 2, "completed": 1}
+
+
+async def test_rate_limited_mode_returns_429_with_retry_after(make_client: MakeClient) -> None:
+    """rate_limited always answers 429 with Retry-After = retry_after_seconds."""
+    client = await make_client(retry_after_seconds=2.0)
+    for _ in range(2):
+        status, body, headers = await chat(client, {"text": TEXT, "mode": "rate_limited"})
+        assert status == 429
+        assert headers["Retry-After"] == "2"
+        assert body["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_low_confidence_uses_configured_confidence(make_client: MakeClient) -> None:
+    """low_confidence answers the success shape with confidence = settings.low_confidence."""
+    client = await make_client(low_confidence=0.3)
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "low_confidence"})
+    assert status == 200
+    assert json.loads(body["choices"][0]["message"]["content"]) == {
+        "summary": FIRST_12,
+        "confidence": 0.3,
+    }
+
+
+async def test_refusal_sets_refusal_and_null_content(make_client: MakeClient) -> None:
+    """refusal answers 200 with message.refusal set and content null."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "refusal"})
+    assert status == 200
+    message = body["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["refusal"] == "I can't help with that"
+
+
+async def test_bad_request_returns_400(make_client: MakeClient) -> None:
+    """bad_request answers 400 with an invalid_request_error."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "bad_request"})
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+async def test_unauthorized_returns_401(make_client: MakeClient) -> None:
+    """unauthorized answers 401 with OpenAI's invalid_api_key error."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "unauthorized"})
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key"
+
+
+async def test_unknown_mode_returns_clear_400(make_client: MakeClient) -> None:
+    """An unknown mode answers 400 naming the mode and the valid ones."""
+    client = await make_client()
+    status, body, _ = await chat(client, {"text": TEXT, "mode": "explode"})
+    assert status == 400
+    assert body["error"]["code"] == "unknown_mode"
+    assert "'explode'" in body["error"]["message"]
+    assert "always_fail" in body["error"]["message"]
+
+
+async def test_invalid_body_returns_400(make_client: MakeClient) -> None:
+    """A body that is not JSON, or has no user message, answers 400 invalid_request_error."""
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions", data=b"{not json")
+    assert resp.status == 400
+    assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "system", "content": "x"}]},
+    )
+    assert resp.status == 400
+
+
+async def test_requests_per_minute_limit_over_sliding_window(make_client: MakeClient) -> None:
+    """Past requests_per_minute the answer is 429 with Retry-After until the window slides."""
+    clock = FakeClock()
+    client = await make_client(clock=clock, requests_per_minute=2)
+    step = {"text": TEXT}
+    status, _, headers = await chat(client, step)
+    assert (status, headers["x-ratelimit-remaining-requests"]) == (200, "1")
+    clock.now += 10
+    assert (await chat(client, step))[0] == 200
+
+    status, body, headers = await chat(client, step)
+    assert status == 429
+    assert headers["Retry-After"] == "50"  # the first call leaves the window at t+60
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+
+    clock.now += 49.5
+    status, _, headers = await chat(client, step)
+    assert (status, headers["Retry-After"]) == (429, "1")
+    clock.now += 0.5
+    assert (await chat(client, step))[0] == 200  # rejected calls consumed nothing
+    assert (await chat(client, step))[0] == 429
+
+
+async def test_tokens_per_minute_limit(make_client: MakeClient) -> None:
+    """tokens_per_minute counts prompt + max_tokens and 429s with remaining-tokens headers."""
+    clock = FakeClock()
+    client = await make_client(clock=clock, tokens_per_minute=1000)
+    step = {"text": TEXT}
+    status, body, headers = await chat(client, step, max_tokens=400)
+    assert status == 200
+    cost = body["usage"]["prompt_tokens"] + 400
+    assert headers["x-ratelimit-remaining-tokens"] == str(1000 - cost)
+    clock.now += 30
+    assert (await chat(client, step, max_tokens=400))[0] == 200
+
+    status, body, headers = await chat(client, step, max_tokens=400)
+    assert status == 429
+    assert headers["Retry-After"] == "30"
+    assert headers["x-ratelimit-remaining-tokens"] == str(1000 - 2 * cost)
+    assert body["error"]["type"] == "tokens"
+    # A small call still fits in what is left: rejected calls consumed nothing.
+    assert (await chat(client, step, max_tokens=1))[0] == 200
+
+
+async def test_request_larger_than_token_limit_is_429(make_client: MakeClient) -> None:
+    """A single call above tokens_per_minute gets 429 'Request too large' without consuming."""
+    client = await make_client(tokens_per_minute=100)
+    status, body, headers = await chat(client, {"text": TEXT}, max_tokens=500)
+    assert status == 429
+    assert "too large" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1
+    assert (await chat(client, {"text": TEXT}, max_tokens=10))[0] == 200
+
+
+async def test_stats_counts_calls_statuses_and_completions(make_client: MakeClient) -> None:
+    """/stats reports total calls, per-status counts and per-job calls and completions."""
+    client = await make_client()
+    await chat(client, {"text": TEXT}, job="ok")
+    await chat(client, {"text": TEXT, "mode": "malformed"}, job="bad")
+    await chat(client, {"text": TEXT, "mode": "rate_limited"}, job="bad")
+    await chat(client, {"text": TEXT, "mode": "refusal"}, job="bad")
+    await chat(client, {"text": TEXT, "mode": "low_confidence"}, job="ok")
+    data = await stats(client)
+    assert data["calls"] == 5
+    assert data["status_counts"] == {"200": 4, "429": 1}
+    assert data["by_job"] == {
+        "ok": {"calls": 2, "completed": 2},
+        "bad": {"calls": 3, "completed": 0},
+    }
+
+
+async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) -> None:
+    """/admin/reset zeroes counters, flaky attempts and the rate-limit window."""
+    client = await make_client(requests_per_minute=1)
+    assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
+    assert (await chat(client, {"text": TEXT}))[0] == 429
+    resp = await client.post("/admin/reset")
+    assert resp.status == 200
+    assert await stats(client) == {
+        "calls": 0,
+        "status_counts": {},
+        "by_job": {},
+        "mode_override": None,
+    }
+    assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
+
+
+async def test_admin_mode_overrides_every_job(make_client: MakeClient) -> None:
+    """/admin/mode replaces every job's mode until set back to null; bad modes are 400."""
+    client = await make_client()
+    resp = await client.post("/admin/mode", json={"mode": "always_fail"})
+    assert (await resp.json()) == {"mode_override": "always_fail"}
+    assert (await chat(client, {"text": TEXT, "mode": "success"}))[0] == 503
+    await client.post("/admin/mode", json={"mode": None})
+    assert (await chat(client, {"text": TEXT, "mode": "success"}))[0] == 200
+    resp = await client.post("/admin/mode", json={"mode": "nope"})
+    assert resp.status == 400
+    assert (await client.post("/admin/mode", json={})).status == 400
+
+
+async def test_mode_override_setting_applies_from_start(make_client: MakeClient) -> None:
+    """settings.mode_override replaces the mode asked for in the step input."""
+    client = await make_client(mode_override="malformed")
+    _, body, _ = await chat(client, {"text": TEXT, "mode": "success"})
+    assert body["choices"][0]["message"]["content"] == "Sorry, here is a summary without JSON"
+
+
+async def test_healthz(make_client: MakeClient) -> None:
+    """/healthz answers 200 {"ok": true}."""
+    client = await make_client()
+    resp = await client.get("/healthz")
+    assert (resp.status, await resp.json()) == (200, {"ok": True})
+
+
+async def test_anthropic_success_shape(make_client: MakeClient) -> None:
+    """/v1/messages answers in the Anthropic shape with input/output token usage."""
+    client = await make_client()
+    body = anthropic_body({"text": TEXT})
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["type"] == "message"
+    assert data["stop_reason"] == "end_turn"
+    text = data["content"][0]["text"]
+    assert data["content"][0]["type"] == "text"
+    assert json.loads(text) == {"summary": FIRST_12, "confidence": 0.97}
+    prompt_chars = len("Summarise the text.") + len(body["messages"][0]["content"])
+    assert data["usage"] == {"input_tokens": prompt_chars // 4, "output_tokens": len(text) // 4}
+    assert (await stats(client))["by_job"]["job-1"] == {"calls": 1, "completed": 1}
+
+
+async def test_anthropic_errors_and_flaky_per_job(make_client: MakeClient) -> None:
+    """/v1/messages uses the Anthropic error shape and counts flaky per metadata.user_id."""
+    client = await make_client()
+    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "always_fail"}))
+    assert resp.status == 503
+    assert await resp.json() == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "upstream_unavailable"},
+    }
+    step = {"text": TEXT, "mode": "flaky", "fail_times": 1}
+    first = await client.post("/v1/messages", json=anthropic_body(step, job="x"))
+    second = await client.post("/v1/messages", json=anthropic_body(step, job="x"))
+    assert (first.status, second.status) == (503, 200)
+    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "refusal"}))
+    assert (await resp.json())["stop_reason"] == "refusal"
+    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "unauthorized"}))
+    assert resp.status == 401
+    assert (await resp.json())["error"]["type"] == "authentication_error"
+
+
+async def test_every_mode_has_a_defined_answer(make_client: MakeClient) -> None:
+    """Every listed mode answers with its own status, never a 500 or an unknown-mode 400."""
+    client = await make_client(slow_seconds=0)
+    expected = {
+        "success": 200,
+        "slow": 200,
+        "malformed": 200,
+        "always_fail": 503,
+        "flaky": 503,
+        "rate_limited": 429,
+        "low_confidence": 200,
+        "refusal": 200,
+        "bad_request": 400,
+        "unauthorized": 401,
+    }
+    assert set(expected) == MODES
+    for mode, status in expected.items():
+        assert (await chat(client, {"text": TEXT, "mode": mode}, job=mode))[0] == status
+
+
+def test_settings_reject_unknown_fields_and_modes() -> None:
+    """FakeProviderSettings forbids extra fields and unknown mode_override values."""
+    with pytest.raises(ValidationError):
+        FakeProviderSettings(rpm=5)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        FakeProviderSettings(mode_override="explode")
+
+
+async def test_serve_prints_ready_line_and_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    """serve() prints its listening line, reports the bound port and runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[str] = loop.create_future()
+    task = asyncio.create_task(serve(FakeProviderSettings(port=0), on_ready=ready.set_result))
+    try:
+        url = await asyncio.wait_for(ready, timeout=5)
+        assert f"fake-provider listening on {url}\n" in capsys.readouterr().out
+        assert url.startswith("http://127.0.0.1:")
+        assert not url.endswith(":0")
+        async with ClientSession() as session, session.get(f"{url}/healthz") as resp:
+            assert resp.status == 200
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
