@@ -13,10 +13,21 @@ _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 @cache
 def queries() -> dict[str, str]:
-    """Every ``-- name: x`` section of queries.sql, by name."""
-    text = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
-    parts = _NAME.split(text)
-    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    """Every ``-- name: x`` section of the ``*.sql`` files in this folder, by name.
+
+    One file per area (queries.sql for jobs, others named after what they serve); a name
+    defined twice is an error, so files cannot shadow each other silently.
+    """
+    found: dict[str, str] = {}
+    for entry in sorted(resources.files(__package__).iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        parts = _NAME.split(entry.read_text("utf-8"))
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in found:
+                raise ValueError(f"query {name} is defined twice (again in {entry.name})")
+            found[name] = body.strip()
+    return found
 
 
 @cache
