@@ -208,10 +208,11 @@ class RegistryCodec:
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         try:
-            text = self._client.get_schema(schema_id).schema_str
+            text = self._client.get_schema(schema_id).schema_str or ""
         except SchemaRegistryError as exc:
             raise ContractError(f"unknown schema id {schema_id}", code="unknown_schema") from exc
-        canonical = to_parsing_canonical_form(fastavro.parse_schema(json.loads(text), named_schemas={}))
+        parsed = fastavro.parse_schema(json.loads(text), named_schemas={})
+        canonical = to_parsing_canonical_form(parsed)
         for versions in self.store.versions.values():
             for version in versions:
                 if to_parsing_canonical_form(version.parsed) == canonical:

@@ -29,7 +29,7 @@ _TEXTS = [
 
 def _call(method: str, url: str, key: str, body: Any = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={
+    req = urllib.request.Request(url, data=data, method=method, headers={  # noqa: S310
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - our own API

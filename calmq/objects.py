@@ -65,8 +65,8 @@ class FileObjectStore:
         return await asyncio.to_thread(self._put_sync, key, data, content_type)
 
     async def get(self, uri: str) -> bytes:
-        path = Path(urlparse(uri).path).resolve()
-        if not path.is_relative_to(self.root):
+        path = Path(urlparse(uri).path)
+        if ".." in path.parts or not path.is_relative_to(self.root):
             raise NotFound(f"{uri} is outside this object store")
         try:
             return await asyncio.to_thread(path.read_bytes)

@@ -4,6 +4,7 @@ records written with the one before it (the registry's BACKWARD rule)."""
 from __future__ import annotations
 
 import io
+import itertools
 from typing import Any
 
 import fastavro
@@ -40,7 +41,7 @@ def sample_record(schema: Any) -> Any:
 def check_backward(store: SchemaStore) -> list[str]:
     problems = []
     for event_type, versions in store.versions.items():
-        for old, new in zip(versions, versions[1:], strict=False):
+        for old, new in itertools.pairwise(versions):
             record = sample_record(old.parsed)
             buf = io.BytesIO()
             fastavro.schemaless_writer(buf, old.parsed, record)

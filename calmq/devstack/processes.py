@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -117,16 +118,12 @@ def stop(pid: int, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> bool:
             pass
     if own_group:
         # Leave nothing of the group behind (e.g. a postgres backend orphaned by a crash).
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     _reap(pid)
     return True
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass

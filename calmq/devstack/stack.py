@@ -166,7 +166,7 @@ class Stack:
                 pid = reg.start(registry.ensure_registry_jar())
                 state.parts.append(Part("schema-registry", pid, reg.url, "registry"))
                 self._save(state)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 errors.append(exc)
 
         def start_kafka() -> None:
@@ -177,7 +177,7 @@ class Stack:
                 pid = broker.start(jars)
                 state.parts.append(Part("kafka", pid, broker.bootstrap, "kafka"))
                 self._save(state)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 errors.append(exc)
 
         # The JVM is the slow part: format and start it while PostgreSQL starts.
@@ -255,7 +255,7 @@ class Stack:
         )
         from calmq.kafka import create_topics
 
-        create_topics(bootstrap, topics.all_topics(["default"], _tiers(self.environ)), 
+        create_topics(bootstrap, topics.all_topics(["default"], _tiers(self.environ)),
                       partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")))
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
