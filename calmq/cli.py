@@ -88,7 +88,10 @@ def _settings_environ() -> dict[str, str]:
 
 _FLAG_ONLY = {"DATA_DIR", "JSON", "SERVICES", "SIZE", "METRICS_PORT", "PORT", "WORKFLOW",
               "PRIORITY", "TEXT", "MODE", "WAIT", "JOBS", "API_KEY", "LATENCY_MS",
-              "REQUESTS_PER_MINUTE", "TOKENS_PER_MINUTE", "SLOW_SECONDS", "KEEP", "INPUT"}
+              "REQUESTS_PER_MINUTE", "TOKENS_PER_MINUTE", "SLOW_SECONDS", "KEEP", "INPUT",
+              # calmq dlq, calmq keda render
+              "FAILURE_CLASS", "CODE", "TENANT", "SINCE", "UNTIL", "LIMIT", "REASON", "BY",
+              "RATE", "DRY_RUN", "OUTPUT_DIR"}
 
 
 def _logging(level: str = "INFO") -> None:
@@ -342,6 +345,100 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_data_dir(args), keep=args.keep)
 
 
+def _when(text: str | None) -> Any:
+    """``--since``/``--until``: an ISO time, or a duration ago (``90m``, ``2h``)."""
+    from datetime import UTC, datetime, timedelta
+
+    from calmq.settings import parse_duration
+
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _dlq_filter(args: argparse.Namespace) -> Any:
+    from calmq.deadletters import DeadLetterFilter
+
+    return DeadLetterFilter(
+        failure_class=args.failure_class, code=args.code, workflow=args.workflow,
+        tenant=args.tenant, since=_when(args.since), until=_when(args.until),
+        limit=int(args.limit or 100),
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    import getpass
+    import socket
+    import uuid
+
+    from calmq.deadletters import DeadLetters
+    from calmq.objects import open_object_store
+    from calmq.store import Store
+
+    settings = _settings(args)
+
+    def ids(values: list[str]) -> list[uuid.UUID]:
+        try:
+            return [uuid.UUID(v) for v in values]
+        except ValueError:
+            raise ConfigError(f"not a job id among {values}", code="invalid_job_id") from None
+
+    async def run() -> int:
+        store = Store(settings.database_url, max_size=2)
+        await store.open()
+        try:
+            dlq = DeadLetters(store, objects=open_object_store(settings.object_store_url))
+            if args.action == "list":
+                rows = await dlq.find(_dlq_filter(args))
+                if args.json:
+                    print(json.dumps(_jsonable(rows), indent=2))
+                for r in [] if args.json else rows:
+                    err = r["error"] or {}
+                    print(f"{r['id']}  {r['dead_lettered_at']:%Y-%m-%d %H:%M:%S}  "
+                          f"{r['tenant']:<16} {r['workflow']}/{r['step']}  "
+                          f"{err.get('class', '?')}/{err.get('code', '?')}: "
+                          f"{(err.get('message') or '')[:80]}")
+                if not args.json:
+                    print(f"{len(rows)} dead letter(s)")
+                return 0
+            if args.action == "show":
+                if len(args.rest) != 1:
+                    raise ConfigError("usage: calmq dlq show JOB_ID", code="usage")
+                job = await dlq.show(ids(args.rest)[0])
+                print(json.dumps(_jsonable(job), indent=2))
+                return 0
+            # redrive: the given ids, or every dead letter the filters match
+            targets = ids(args.rest) if args.rest else [r["id"] for r in
+                                                        await dlq.find(_dlq_filter(args))]
+            if not args.reason:
+                raise ConfigError("say why with --reason (it goes into the job's history)",
+                                  code="redrive_needs_reason")
+            who = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
+            outcomes = await dlq.redrive(targets, by=who, reason=args.reason,
+                                         dry_run=args.dry_run,
+                                         rate=float(args.rate) if args.rate else None)
+            for o in outcomes:
+                print(json.dumps(o.as_dict()) if args.json else
+                      f"{o.job_id}  {o.outcome:<13} {o.code or ''} {o.message}".rstrip())
+            counts = {k: sum(o.outcome == k for o in outcomes)
+                      for k in ("redriven", "would_redrive", "skipped", "rejected")}
+            if not args.json:
+                print(", ".join(f"{v} {k}" for k, v in counts.items() if v) or "nothing to do")
+            return 1 if counts["rejected"] else 0
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
 def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
     def run(_args: argparse.Namespace) -> int:
         print(f"calmq {what} is not built yet", file=sys.stderr)
@@ -411,9 +508,21 @@ def parser() -> argparse.ArgumentParser:
     p = command("status", cmd_status, "show a job")
     _add(p, "--api-key")
     p.add_argument("job_id")
-    p = command("dlq", cmd_not_built("dlq"), "dead letters: list, show, redrive")
+    p = command("dlq", cmd_dlq, "dead letters: list, show, redrive")
     p.add_argument("action", choices=["list", "show", "redrive"])
-    p.add_argument("rest", nargs="*")
+    p.add_argument("rest", nargs="*", help="job ids (show: one; redrive: none means the filter)")
+    _add(p, "--failure-class", help="transient, input, permission, policy, verifier, ...")
+    _add(p, "--code", help="the error code, e.g. malformed_output")
+    _add(p, "--workflow")
+    _add(p, "--tenant", help="tenant name")
+    _add(p, "--since", help="dead-lettered at or after: ISO time or a duration ago (2h)")
+    _add(p, "--until", help="dead-lettered before: ISO time or a duration ago")
+    _add(p, "--limit", type=int, help="at most this many (default 100)")
+    _add(p, "--reason", help="redrive: why (recorded in the history)")
+    _add(p, "--by", help="redrive: who (default user@host)")
+    _add(p, "--rate", type=float, help="redrive: at most this many jobs per second")
+    _add(p, "--dry-run", action="store_true", help="redrive: say what would happen, write nothing")
+    _add(p, "--json", action="store_true")
     p = command("topics", cmd_topics, "create calmq's topics")
     p.add_argument("action", choices=["create"])
     _add(p, "--pool")

@@ -1,0 +1,70 @@
+-- Operations: dead-letter review and redrive (calmq/deadletters.py). Names start with dlq_.
+
+-- name: dlq_list
+-- Dead-lettered jobs, oldest death first; every filter is optional (NULL: no filter).
+SELECT j.id, j.tenant_id, t.name AS tenant, j.workflow, j.workflow_version, j.priority,
+       j.pool, j.step, j.attempt, j.error, j.created_at, j.updated_at AS dead_lettered_at
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE j.status = 'dead_letter'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+  AND (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(failure_class)s::text IS NULL OR j.error->>'class' = %(failure_class)s::text)
+  AND (%(code)s::text IS NULL OR j.error->>'code' = %(code)s::text)
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(since)s::timestamptz IS NULL OR j.updated_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR j.updated_at < %(until)s::timestamptz)
+ORDER BY j.updated_at, j.id
+LIMIT %(limit)s;
+
+-- name: dlq_job
+-- The whole job row, for any status (show explains why a job is not a dead letter).
+SELECT j.*, t.name AS tenant
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE j.id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid);
+
+-- name: dlq_attempts
+-- Every attempt of every round: round 0 is the current one (job_attempts).
+SELECT round, step, attempt, worker, started_at, finished_at, outcome, error_code,
+       error_class, error_message
+FROM (
+    SELECT 0 AS round, 1 AS ord, * FROM job_attempts WHERE job_id = %(id)s
+    UNION ALL
+    SELECT round, 0 AS ord, job_id, step, attempt, worker, started_at, finished_at, outcome,
+           error_code, error_class, error_message
+    FROM job_attempts_redriven WHERE job_id = %(id)s
+) a
+ORDER BY ord, round, started_at, attempt;
+
+-- name: dlq_events
+SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
+
+-- name: dlq_requeue
+-- The redrive itself, guarded by status: a job that is no longer a dead letter (redriven
+-- by someone else a moment ago, or never dead) is left alone, so it is never duplicated.
+WITH requeued AS (
+    UPDATE jobs SET status = 'queued', attempt = 0, error = NULL,
+                    lease_owner = NULL, lease_expires_at = NULL,
+                    workflow_version = %(workflow_version)s, pool = %(pool)s,
+                    max_attempts = %(max_attempts)s, updated_at = now()
+    WHERE id = %(id)s AND status = 'dead_letter'
+    RETURNING id, tenant_id, workflow, workflow_version, priority, pool, step, attempt,
+              input_ref, deadline_at, created_at, trace_parent
+), round AS (
+    SELECT count(*) + 1 AS n FROM job_events
+    WHERE job_id = %(id)s AND type = 'redriven' AND EXISTS (SELECT 1 FROM requeued)
+), archived AS (
+    DELETE FROM job_attempts a USING requeued r WHERE a.job_id = r.id
+    RETURNING a.*
+), kept AS (
+    INSERT INTO job_attempts_redriven (job_id, round, step, attempt, worker, started_at,
+                                       finished_at, outcome, error_code, error_class,
+                                       error_message)
+    SELECT job_id, (SELECT n FROM round), step, attempt, worker, started_at, finished_at,
+           outcome, error_code, error_class, error_message
+    FROM archived
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'redriven', 0, %(detail)s::jsonb || jsonb_build_object('round', (SELECT n FROM round))
+    FROM requeued
+)
+SELECT r.*, (SELECT n FROM round) AS round FROM requeued r;
