@@ -206,6 +206,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forwarder(args: argparse.Namespace) -> int:
+    import signal
+
+    from confluent_kafka import Producer
+
+    from calmq import topics
+    from calmq.codec import make_codec
+    from calmq.kafka import consumer_config, producer_config
+    from processors.forwarder import Forwarder
+
+    settings = _settings(args)
+    _logging(settings.log_level)
+    _metrics_server(args.metrics_port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
+                   settings.retry_tier_list]
+    Forwarder(consumer_config(settings.kafka_bootstrap, "calmq.forwarder"),
+              Producer(producer_config(settings.kafka_bootstrap)),
+              make_codec(settings.schema_registry_url), tier_topics,
+              commit_interval=settings.commit_interval_ms / 1000).run(stop)
+    return 0
+
+
 def cmd_reaper(args: argparse.Namespace) -> int:
     from calmq.store import Store
 
@@ -486,7 +511,8 @@ def parser() -> argparse.ArgumentParser:
     _add(p, "--metrics-port", type=int)
     _add(p, "--step-timeout-seconds", type=float)
     _add(p, "--max-attempts", type=int)
-    command("forwarder", cmd_not_built("forwarder"), "retry-tier forwarder")
+    p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due")
+    _add(p, "--metrics-port", type=int)
     command("reaper", cmd_reaper, "requeue jobs whose lease expired")
     p = command("fake-provider", cmd_fake_provider, "run the fake model provider", stack=False)
     _add(p, "--port", type=int)

@@ -288,6 +288,14 @@ class Store:
                 ],
             )
 
+    async def release_leases(self, ids: Sequence[uuid.UUID], worker: str) -> set[uuid.UUID]:
+        """Expire now the leases ``worker`` holds on ``ids`` (it stops without finishing them)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                self._q["processing_release_leases"], {"ids": list(ids), "worker": worker}
+            )
+            return {r["id"] for r in await cur.fetchall()}
+
     async def reap_expired_leases(self, limit: int = 500) -> list[dict[str, Any]]:
         """Requeue jobs whose lease expired, re-emitting job.requested in the same transaction."""
         from calmq import events

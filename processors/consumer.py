@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from processors import metrics
 from processors.offsets import OffsetTracker
 
 __all__ = ["ParallelConsumer"]
@@ -32,6 +33,7 @@ class ParallelConsumer:
         max_in_flight: int,
         commit_interval: float = 0.2,
         batch_size: int = 500,
+        interactive_reserve: int | None = None,
     ) -> None:
         self.config = config
         self.topics = topics
@@ -41,7 +43,11 @@ class ParallelConsumer:
         self.batch_size = batch_size
         self.tracker = OffsetTracker()
         self._assigned: set[tuple[str, int]] = set()
-        self._paused = False
+        self._paused_kinds: set[str] = set()  # "bulk" / "interactive" while paused
+        # Interactive work may exceed the bound by this much, so it is fetched ahead of bulk
+        # when the process is full of bulk work.
+        self.reserve = max(1, max_in_flight // 8) if interactive_reserve is None \
+            else interactive_reserve
         self._consumer: Consumer | None = None
         self.ready = threading.Event()  # set once the first assignment arrived
 
@@ -52,8 +58,9 @@ class ParallelConsumer:
             key = (tp.topic, tp.partition)
             self._assigned.add(key)
             self.tracker.assign(key)
-        if self._paused and partitions:
-            consumer.pause(partitions)
+        held = [tp for tp in partitions if self._kind(tp.topic) in self._paused_kinds]
+        if held:
+            consumer.pause(held)
         self.ready.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -81,20 +88,45 @@ class ParallelConsumer:
                 offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
                 asynchronous=False,
             )
-            self.tracker.committed(positions)
+            lag = self.tracker.committed(positions)
+            if lag is not None:
+                metrics.COMMIT_LAG.observe(lag)
+                metrics.COMMIT_LAG_LAST.set(lag)
         except KafkaException as exc:
             # Not fatal: the same prefix (or a longer one) is committed next interval.
             log.warning("offset commit failed: %s", exc)
 
-    def _backpressure(self, consumer: Consumer) -> None:
+    def _room(self) -> tuple[int, int]:
+        """Free slots for (bulk, interactive): interactive may also use the reserve."""
         in_flight = self.tracker.in_flight()
-        parts = [TopicPartition(t, p) for t, p in self._assigned]
-        if not self._paused and in_flight >= self.max_in_flight:
-            consumer.pause(parts)
-            self._paused = True
-        elif self._paused and in_flight <= self.max_in_flight * 0.8:
-            consumer.resume(parts)
-            self._paused = False
+        return self.max_in_flight - in_flight, self.max_in_flight + self.reserve - in_flight
+
+    def _backpressure(self, consumer: Consumer) -> int:
+        """Pause what may not fetch now, resume what may; returns how many to consume.
+
+        Bulk partitions pause at the bound, interactive ones only once the interactive
+        reserve is used too, so interactive work is fetched ahead of bulk while the process
+        is full. A paused partition resumes once a slice of room is free again (hysteresis
+        keeps a full process from flapping on every completion).
+        """
+        bulk_room, interactive_room = self._room()
+        slack = max(1, min(self.batch_size, self.max_in_flight // 20))
+        for kind, room in (("bulk", bulk_room), ("interactive", interactive_room)):
+            parts = [tp for tp in self._assigned if self._kind(tp[0]) == kind]
+            if not parts:
+                continue
+            if kind not in self._paused_kinds and room <= 0:
+                consumer.pause([TopicPartition(t, p) for t, p in parts])
+                self._paused_kinds.add(kind)
+            elif kind in self._paused_kinds and room >= slack:
+                consumer.resume([TopicPartition(t, p) for t, p in parts])
+                self._paused_kinds.discard(kind)
+        room = interactive_room if "bulk" in self._paused_kinds else bulk_room
+        return max(0, min(self.batch_size, room))
+
+    @staticmethod
+    def _kind(topic: str) -> str:
+        return "bulk" if topic.endswith(".bulk") else "interactive"
 
     def run(self, stop: threading.Event, drained: Callable[[], bool]) -> None:
         """Poll until ``stop``; then wait for ``drained()``, commit, and leave the group."""
@@ -107,8 +139,10 @@ class ParallelConsumer:
         last_commit = time.monotonic()
         try:
             while not stop.is_set():
-                self._backpressure(consumer)
-                messages = consumer.consume(self.batch_size, timeout=0.05)
+                room = self._backpressure(consumer)
+                # Full: every partition is paused, so this only serves the group
+                # (heartbeats, rebalances) and returns nothing.
+                messages = consumer.consume(max(1, room), timeout=0.05)
                 batch: list[Message] = []
                 for msg in messages:
                     err = msg.error()
@@ -126,6 +160,7 @@ class ParallelConsumer:
                     last_commit = now
             # Graceful stop: fetch nothing new, keep the membership alive while work drains.
             consumer.pause([TopicPartition(t, p) for t, p in self._assigned])
+            self._paused_kinds = {"bulk", "interactive"}
             while not drained():
                 consumer.poll(0.05)
                 self._commit(consumer)

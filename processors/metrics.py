@@ -6,7 +6,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["ABORTED", "IN_FLIGHT", "POISON", "RETRIES", "SKIPPED", "STEP_SECONDS", "finished"]
+__all__ = ["ABORTED", "COMMIT_LAG", "COMMIT_LAG_LAST", "FORWARDED", "FORWARDER_HELD", "IN_FLIGHT",
+           "POISON", "RETRIES", "SATURATION", "SKIPPED", "STEP_SECONDS", "finished"]
 
 FINISHED = Counter("calmq_attempts_finished_total", "Attempts finished, by outcome status",
                    ["status", "failure_class"])
@@ -19,6 +20,17 @@ STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",
                          buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 IN_FLIGHT = Gauge("calmq_worker_in_flight", "Jobs running in this worker")
 SATURATION = Gauge("calmq_worker_saturation", "In-flight jobs / concurrency")
+# Seconds from a message's completion to the commit of its offset (the oldest one of each
+# commit): what a crash would make the next consumer redo, measured in time.
+COMMIT_LAG = Histogram("calmq_commit_lag_seconds",
+                       "Completion-to-commit delay of the oldest offset in each commit",
+                       buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
+COMMIT_LAG_LAST = Gauge("calmq_commit_lag_last_seconds",
+                        "Completion-to-commit delay of the oldest offset in the last commit")
+FORWARDED = Counter("calmq_forwarder_republished_total",
+                    "Retry messages republished to their origin topic")
+FORWARDER_HELD = Gauge("calmq_forwarder_held_partitions",
+                       "Retry-tier partitions paused until their head is due")
 
 
 def finished(status: str, error: dict[str, Any] | None) -> None:

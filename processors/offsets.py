@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
+from collections.abc import Callable
 
 __all__ = ["OffsetTracker"]
 
 
 class _Partition:
-    __slots__ = ("heap", "highest", "pending")
+    __slots__ = ("done_at", "heap", "highest", "pending")
 
     def __init__(self) -> None:
         self.pending: set[int] = set()
         self.heap: list[int] = []
         self.highest = -1
+        self.done_at: dict[int, float] = {}  # completed, not yet committed -> when
 
     def commit_position(self) -> int | None:
         while self.heap and self.heap[0] not in self.pending:
@@ -28,7 +31,8 @@ class _Partition:
 class OffsetTracker:
     """Thread-safe: the consumer thread adds and commits, the asyncio loop completes."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._parts: dict[tuple[str, int], _Partition] = {}
         self._committed: dict[tuple[str, int], int] = {}
@@ -54,6 +58,7 @@ class OffsetTracker:
             part = self._parts.get(tp)
             if part is not None:  # a revoked partition's late completion: nothing to commit
                 part.pending.discard(offset)
+                part.done_at[offset] = self._clock()
 
     def in_flight(self) -> int:
         with self._lock:
@@ -71,8 +76,18 @@ class OffsetTracker:
                     out[tp] = position
         return out
 
-    def committed(self, positions: dict[tuple[str, int], int]) -> None:
+    def committed(self, positions: dict[tuple[str, int], int]) -> float | None:
+        """Record a commit; returns the commit lag: seconds since the oldest completion it
+        covered finished (None when it covered no completion)."""
+        oldest: float | None = None
         with self._lock:
             for tp, position in positions.items():
-                if tp in self._parts:
-                    self._committed[tp] = position
+                part = self._parts.get(tp)
+                if part is None:
+                    continue
+                self._committed[tp] = position
+                covered = [o for o in part.done_at if o < position]
+                for o in covered:
+                    at = part.done_at.pop(o)
+                    oldest = at if oldest is None else min(oldest, at)
+        return None if oldest is None else self._clock() - oldest

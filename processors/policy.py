@@ -1,7 +1,8 @@
 """The failure policy: what happens after an attempt failed.
 
 ``transient`` with attempts left -> retry through the delay tier whose delay is at least the
-backoff (exponential, full jitter) and never below the provider's Retry-After; everything
+backoff (exponential, jittered over the attempt's band) and never below the provider's
+Retry-After; everything
 else, and an exhausted budget -> dead letter.
 """
 
@@ -21,10 +22,22 @@ class Backoff:
     maximum: float = 3600.0
     multiplier: float = 2.0
 
+    def ceiling(self, attempt: int) -> float:
+        """The exponential cap of attempt ``attempt`` (0 for attempt 0)."""
+        if attempt < 1:
+            return 0.0
+        return min(self.maximum, self.initial * self.multiplier ** (attempt - 1))
+
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        """Full jitter: uniform in [0, min(max, initial * multiplier^(attempt-1))]."""
-        ceiling = min(self.maximum, self.initial * self.multiplier ** max(0, attempt - 1))
-        return (rng or random).uniform(0, ceiling)
+        """Full jitter over the attempt's own band: uniform in
+        [ceiling(attempt - 1), ceiling(attempt)].
+
+        Plain full jitter draws from [0, ceiling] and so may wait less before the third
+        attempt than before the second; drawing each attempt from the band above the
+        previous cap keeps the spread that breaks up a thundering herd (the whole band is
+        used) while the delays between attempts always grow (until the maximum).
+        """
+        return (rng or random).uniform(self.ceiling(attempt - 1), self.ceiling(attempt))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
 from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
+from calmq.workflows.effects import StoreEffectLog
+from calmq.workflows.progress import Progress
 from processors import metrics
 from processors.offsets import OffsetTracker
 from processors.policy import Backoff, decide
@@ -48,6 +50,7 @@ class RunnerConfig:
     step_timeout_seconds: float | None = None  # overrides every step's own timeout
     max_attempts: int | None = None  # overrides every job's own budget
     review_threshold: float = 0.9
+    review_deadline_seconds: float = 48 * 3600.0
 
 
 class Committer:
@@ -63,6 +66,7 @@ class Committer:
         self._pending: list[tuple[Finish, Position]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._writing = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="committer")
@@ -73,7 +77,8 @@ class Committer:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Outcomes not yet durable (queued, or in the transaction being written)."""
+        return len(self._pending) + self._writing
 
     async def _loop(self) -> None:
         while True:
@@ -83,7 +88,11 @@ class Committer:
             while self._pending:
                 group = self._pending[: self.max_batch]
                 del self._pending[: len(group)]
-                await self._write(group)
+                self._writing = len(group)
+                try:
+                    await self._write(group)
+                finally:
+                    self._writing = 0
 
     async def _write(self, group: list[tuple[Finish, Position]]) -> None:
         delay = 0.1
@@ -100,7 +109,7 @@ class Committer:
             metrics.finished(finish.status, finish.error)
 
     async def drain(self) -> None:
-        while self._pending:
+        while self.pending:
             await asyncio.sleep(0.01)
 
 
@@ -124,8 +133,11 @@ class StepRunner:
         self.tracker = tracker
         self.config = config
         self.committer = Committer(store, tracker)
+        self.progress = Progress(store, objects, config.review_deadline_seconds)
+        self.effects = StoreEffectLog(store)
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._batches: set[asyncio.Task[None]] = set()
+        self._abandoning = False
 
     def start(self) -> None:
         self.committer.start()
@@ -133,6 +145,11 @@ class StepRunner:
     @property
     def in_flight(self) -> int:
         return len(self._running)
+
+    @property
+    def claiming(self) -> bool:
+        """A polled batch is still being decoded or claimed."""
+        return bool(self._batches)
 
     def idle(self) -> bool:
         return not self._running and not self._batches and self.committer.pending == 0
@@ -145,6 +162,7 @@ class StepRunner:
 
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
+        steps: dict[uuid.UUID, str] = {}
         poison: list[dict[str, Any]] = []
         poison_positions: list[Position] = []
         for msg in batch:
@@ -155,7 +173,8 @@ class StepRunner:
                     raise ContractError(f"{event_type} does not belong on a work topic",
                                         code="unexpected_event")
                 wanted.append((msg, uuid.UUID(str(event["job_id"]))))
-            except (ContractError, ValueError) as exc:
+                steps[wanted[-1][1]] = str(event["step"])
+            except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
                 dead = events.dead_lettered(
@@ -174,7 +193,8 @@ class StepRunner:
         if not wanted:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
-        rows = await self.store.claim(list(ids), self.config.worker_id, self.config.lease_seconds)
+        rows = await self.store.claim(list(ids), self.config.worker_id, self.config.lease_seconds,
+                                      steps)
         claimed = {row["id"]: row for row in rows}
         for msg, job_id in wanted:
             position = ((msg.topic(), msg.partition()), msg.offset())
@@ -191,8 +211,11 @@ class StepRunner:
         try:
             finish = await self._attempt(job, topic)
         except asyncio.CancelledError:
-            # The lease was lost (cancelled job, or a reaper requeued it): discard the result.
-            self.tracker.done(*position)
+            if not self._abandoning:
+                # The lease was lost (cancelled job, or a reaper requeued it): discard the
+                # result and acknowledge. Abandoned at shutdown: leave the offset pending so
+                # the partition's next owner reads the message again.
+                self.tracker.done(*position)
             return
         finally:
             self._running.pop(job["id"], None)
@@ -210,16 +233,27 @@ class StepRunner:
             if deadline is not None and deadline < datetime.now(UTC):
                 raise StepFailure("the job deadline passed before it could run",
                                   code="deadline_exceeded", failure_class=FailureClass.DEADLINE)
-            data = await self._input(job)
-            ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name, job["attempt"],
-                              self.provider)
-            timeout = self.config.step_timeout_seconds or step.timeout_seconds
-            try:
-                async with asyncio.timeout(timeout):
-                    output = await step.run(ctx, data)
-            except TimeoutError:
-                raise StepFailure(f"the step ran past its {timeout:g} s timeout", code="timeout",
-                                  failure_class=FailureClass.TRANSIENT) from None
+            # A step whose output is recorded already is not run again (redelivery, replay).
+            recorded = await self.progress.recorded(job, workflow)
+            replayed = self.progress.replay(step, recorded)
+            if replayed is not None:
+                output = replayed
+            else:
+                data = self.progress.step_input(workflow, step, recorded)
+                if data is None:
+                    data = await self._input(job)
+                ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name,
+                                  job["attempt"], self.provider, self.objects, self.effects)
+                timeout = self.config.step_timeout_seconds or step.timeout_seconds
+                try:
+                    async with asyncio.timeout(timeout):
+                        output = await step.run(ctx, data)
+                except TimeoutError:
+                    raise StepFailure(
+                        f"the step ran past its {timeout:g} s timeout", code="timeout",
+                        failure_class=FailureClass.TRANSIENT) from None
+                output = StepOutput(step.check_output(output.artifact), output.confidence,
+                                    output.input_tokens, output.output_tokens)
         except StepFailure as failure:
             return self._failed(job, topic, failure)
         except ContractError as exc:
@@ -246,7 +280,8 @@ class StepRunner:
             try:
                 loaded = json.loads(raw)
             except ValueError:
-                return {"text": raw.decode("utf-8", "replace")}
+                # Not JSON (a text or PDF upload): the step may read the bytes itself.
+                return {"text": raw.decode("utf-8", "replace"), "input_ref": job["input_ref"]}
             return loaded if isinstance(loaded, dict) else {"text": str(loaded)}
         raise StepFailure("the job has neither input nor input_ref", code="missing_input",
                           failure_class=FailureClass.INPUT)
@@ -256,32 +291,24 @@ class StepRunner:
                       attempt=job["attempt"], **kw)
 
     async def _succeeded(self, job: dict[str, Any], workflow: Workflow, out: StepOutput) -> Finish:
-        threshold = workflow.review_threshold
-        if threshold is not None and out.confidence is not None and out.confidence < threshold:
-            return self._base(
-                job, status=Status.AWAITING_REVIEW, event_type=EventType.REVIEW_REQUESTED,
-                outcome="completed",
-                event_detail={"confidence": out.confidence, "output": out.artifact,
-                              "threshold": threshold},
-            )
-        body = json.dumps(out.artifact, separators=(",", ":")).encode()
-        ref = await self.objects.put(f"{job['tenant_id']}/{job['id']}/{job['step']}.json", body,
-                                     "application/json")
-        artifact = ref.as_dict()
-        result = events.result(job, Status.COMPLETED, artifact=artifact)
-        return self._base(
-            job, status=Status.COMPLETED, event_type=EventType.COMPLETED, outcome="completed",
-            artifact=artifact,
-            event_detail={"artifact": artifact["uri"], "input_tokens": out.input_tokens,
-                          "output_tokens": out.output_tokens},
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result)],
-        )
+        # Record the output with the job and move it on (next step, review or completed) in
+        # the same transaction: calmq/workflows/progress.py.
+        return await self.progress.succeeded(job, workflow, out, self.config.worker_id)
 
     def _failed(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
         error = {"code": failure.code, "class": failure.failure_class.value,
                  "message": failure.message[:1000]}
         budget = self.config.max_attempts or job["max_attempts"]
-        decision = decide(failure, job["attempt"], budget, self.config.tiers, self.config.backoff)
+        backoff = self.config.backoff
+        workflow = self.workflows.get(job["workflow"])
+        policy = workflow.step(job["step"]).retry if workflow and job["step"] in {
+            s.name for s in workflow.steps} else None
+        if policy is not None:  # the step's own retry policy
+            budget = self.config.max_attempts or policy.max_attempts
+            backoff = Backoff(policy.initial_seconds, policy.maximum_seconds, policy.multiplier)
+            if not policy.retries(failure):
+                budget = 0
+        decision = decide(failure, job["attempt"], budget, self.config.tiers, backoff)
         if decision.retry:
             assert decision.tier is not None
             due = int((time.time() + decision.delay) * 1000)
@@ -306,6 +333,25 @@ class StepRunner:
             outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result),
                     events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead)],
         )
+
+    async def abandon(self) -> int:
+        """Stop every in-flight attempt (the grace period ran out) and hand its lease back.
+
+        The offsets stay uncommitted, so the next owner of the partition reads the message
+        again; with the lease released at once it claims the job straight away (history:
+        ``requeued_after_restart``, ``running``) instead of waiting for the lease to expire.
+        """
+        self._abandoning = True
+        tasks = dict(self._running)
+        for task in tasks.values():
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            try:
+                await self.store.release_leases(list(tasks), self.config.worker_id)
+            except Exception:  # noqa: BLE001 - the leases then expire and the reaper requeues
+                log.exception("releasing %d leases failed", len(tasks))
+        return len(tasks)
 
     # -- leases -------------------------------------------------------------------------
 

@@ -85,10 +85,19 @@ class Worker:
                 await asyncio.sleep(0.1)
                 metrics.IN_FLIGHT.set(runner.in_flight)
                 metrics.SATURATION.set(runner.in_flight / s.concurrency)
-            # Graceful stop: let in-flight work finish within the grace period.
+            # Graceful stop: the consumer thread has paused every partition; in-flight work
+            # gets the grace period to finish, and what is left is abandoned with its lease
+            # handed back (its offset stays uncommitted, so the next owner redoes it).
+            log.info("stopping: %d in flight, grace %.1f s", runner.in_flight, s.grace_seconds)
             deadline = loop.time() + s.grace_seconds
             while not runner.idle() and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+            abandoned = await runner.abandon()
+            if abandoned:
+                log.warning("abandoned %d attempts at the end of the grace period", abandoned)
+            while runner.claiming:  # a batch still claiming: let it hand over its jobs
+                await asyncio.sleep(0.01)
+            await runner.abandon()
             await runner.committer.drain()
         finally:
             drained.set()

@@ -36,15 +36,26 @@ def test_delay_never_below_retry_after() -> None:
     assert d.tier == "2m"
 
 
-def test_full_jitter_stays_within_exponential_ceiling() -> None:
-    """Backoff delays are uniform in [0, initial * multiplier^(n-1)], capped at maximum."""
+def test_jitter_stays_within_the_attempts_band() -> None:
+    """Delays are uniform in [cap(n-1), cap(n)] with cap(n) = initial * multiplier^(n-1)."""
     rng = random.Random(7)
     b = Backoff(initial=1, maximum=10, multiplier=2)
     for attempt in range(1, 8):
+        low = 0 if attempt == 1 else min(10, 2 ** (attempt - 2))
         ceiling = min(10, 2 ** (attempt - 1))
         delays = [b.delay(attempt, rng) for _ in range(200)]
-        assert all(0 <= d <= ceiling for d in delays)
-        assert max(delays) > ceiling * 0.8  # jitter spreads over the whole range
+        assert all(low <= d <= ceiling for d in delays)
+        if ceiling > low:
+            assert max(delays) - min(delays) > (ceiling - low) * 0.8  # spread over the band
+
+
+def test_delays_grow_from_attempt_to_attempt() -> None:
+    """Whatever the draw, the delay before attempt n+1 is at least the one before attempt n."""
+    b = Backoff(initial=0.5, maximum=100, multiplier=3)
+    for seed in range(50):
+        rng = random.Random(seed)
+        delays = [b.delay(n, rng) for n in range(1, 6)]
+        assert delays == sorted(delays)
 
 
 def test_tier_is_shortest_long_enough() -> None:

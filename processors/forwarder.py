@@ -1,0 +1,215 @@
+"""The retry forwarder: holds each ``calmq.retry.<tier>`` partition until its head is due,
+then republishes the message to the topic it came from and commits.
+
+A retry message carries ``calmq-origin-topic`` (where it goes back to) and ``calmq-due-at``
+(epoch ms). Messages of one tier are written with delays no longer than the tier's, so a
+message held behind a later-due head is still released within its tier's delay.
+
+Holding is a pause, never a sleep: the partition is paused and rewound to its head, a
+timer (the ``resume_at`` map checked on every poll) resumes it when the head is due, and
+the consumer keeps polling meanwhile so it stays in its group. An offset is committed only
+after Kafka acknowledged the republished copy, so a crash republishes at most again (the
+worker acknowledges a duplicate of a job it finished without calling the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from calmq import events, topics
+from calmq.codec import EventCodec
+from calmq.kafka import header
+from processors import metrics
+from processors.offsets import OffsetTracker
+
+__all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
+
+log = logging.getLogger(__name__)
+
+ORIGIN = "calmq-origin-topic"
+DUE_AT = "calmq-due-at"
+_FORWARDED_FROM = "calmq-forwarded-from"
+_MAX_WAIT = 0.1  # longest poll: bounds how late a timer fires and how fast stop is noticed
+
+
+class Forwarder:
+    def __init__(
+        self,
+        consumer_config: dict[str, object],
+        producer: Producer,
+        codec: EventCodec,
+        tier_topics: list[str],
+        *,
+        commit_interval: float = 0.2,
+        batch_size: int = 500,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.consumer_config = consumer_config
+        self.producer = producer
+        self.codec = codec
+        self.tier_topics = tier_topics
+        self.commit_interval = commit_interval
+        self.batch_size = batch_size
+        self.clock = clock
+        self.tracker = OffsetTracker()
+        self.resume_at: dict[tuple[str, int], float] = {}  # paused partition -> head due (s)
+        self.forwarded = 0
+        self.ready = threading.Event()
+
+    # -- rebalance callbacks ----------------------------------------------------------------
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self.tracker.assign((tp.topic, tp.partition))
+        self.ready.set()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Everything handed to the producer must be acknowledged before its offset is
+        # committed and the partition let go.
+        self.producer.flush(30)
+        keys = {(tp.topic, tp.partition) for tp in partitions}
+        self._commit(consumer, only=keys)
+        for key in keys:
+            self.tracker.revoke(key)
+            self.resume_at.pop(key, None)
+
+    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            self.tracker.revoke(key)
+            self.resume_at.pop(key, None)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = Consumer(self.consumer_config)
+        consumer.subscribe(self.tier_topics, on_assign=self._on_assign,
+                           on_revoke=self._on_revoke, on_lost=self._on_lost)
+        last_commit = time.monotonic()
+        try:
+            while not stop.is_set():
+                self._resume_due(consumer)
+                messages = consumer.consume(self.batch_size, timeout=self._wait())
+                self._handle(consumer, messages)
+                self.producer.poll(0)  # serve delivery reports: they complete offsets
+                now = time.monotonic()
+                if now - last_commit >= self.commit_interval:
+                    self._commit(consumer)
+                    last_commit = now
+            self.producer.flush(30)
+            self._commit(consumer)
+        finally:
+            consumer.close()
+
+    def _wait(self) -> float:
+        if not self.resume_at:
+            return _MAX_WAIT
+        return max(0.0, min(_MAX_WAIT, min(self.resume_at.values()) - self.clock()))
+
+    def _resume_due(self, consumer: Consumer) -> None:
+        now = self.clock()
+        due = [tp for tp, at in self.resume_at.items() if at <= now]
+        if due:
+            consumer.resume([TopicPartition(t, p) for t, p in due])
+            for tp in due:
+                del self.resume_at[tp]
+
+    def _handle(self, consumer: Consumer, messages: list[Message]) -> None:
+        now = self.clock()
+        for msg in messages:
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", err)
+                continue
+            tp = (msg.topic(), msg.partition())
+            if tp in self.resume_at:
+                continue  # the rest of a partition held in this batch: fetched again later
+            due = _due_seconds(msg)
+            if due is not None and due > now:
+                # Hold: rewind to this head, pause, and let the timer resume at its due time.
+                part = TopicPartition(msg.topic(), msg.partition(), msg.offset())
+                consumer.pause([part])
+                consumer.seek(part)
+                self.resume_at[tp] = due
+                metrics.FORWARDER_HELD.set(len(self.resume_at))
+                continue
+            self.tracker.add(tp, msg.offset())
+            self._forward(msg)
+        metrics.FORWARDER_HELD.set(len(self.resume_at))
+
+    def _forward(self, msg: Message) -> None:
+        tp = (msg.topic(), msg.partition())
+        offset = msg.offset()
+        raw_headers = msg.headers() or []
+        origin = header(raw_headers, ORIGIN)
+
+        def acked(err: KafkaError | None, _m: Message) -> None:
+            if err is None:
+                self.tracker.done(tp, offset)
+                self.forwarded += 1
+                metrics.FORWARDED.inc()
+            else:
+                # Not committed: the message is read and forwarded again after a restart.
+                log.error("republishing %s[%d]@%d failed: %s", *tp, offset, err)
+
+        if not origin or not origin.startswith(topics.PREFIX) or origin == msg.topic():
+            value = self.codec.encode("job.dead_lettered", events.dead_lettered(
+                None,
+                errors=[{"attempt": 0, "code": "missing_origin_topic", "class": "input",
+                         "message": f"retry message without a usable {ORIGIN} header "
+                                    f"({origin!r})"}],
+                source_topic=msg.topic(),
+                raw_value=msg.value(),
+            ) | {"raw_value": msg.value()})
+            metrics.POISON.inc()
+            self._produce(topics.DLQ, msg.key(), value,
+                          [("calmq-error-code", b"missing_origin_topic")], acked)
+            return
+        kept = [(k, v) for k, v in raw_headers if k not in (ORIGIN, DUE_AT, _FORWARDED_FROM)]
+        kept.append((_FORWARDED_FROM, msg.topic().encode()))
+        self._produce(origin, msg.key(), msg.value(), kept, acked)
+
+    def _produce(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes | None]],
+        on_delivery: Callable[[KafkaError | None, Message], None],
+    ) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers,
+                                      on_delivery=on_delivery)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
+        positions = self.tracker.to_commit(only)
+        if not positions:
+            return
+        try:
+            consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
+                asynchronous=False,
+            )
+            self.tracker.committed(positions)
+        except KafkaException as exc:
+            log.warning("offset commit failed: %s", exc)
+
+
+def _due_seconds(msg: Message) -> float | None:
+    raw = header(msg.headers(), DUE_AT)
+    if raw is None:
+        return None
+    try:
+        return int(raw) / 1000
+    except ValueError:
+        return None  # unreadable due time: forward now rather than hold forever
