@@ -464,6 +464,19 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def cmd_keda(args: argparse.Namespace) -> int:
+    from calmq.autoscaling import write
+    from calmq.settings import Settings
+
+    # Not _settings(): a running local stack's 127.0.0.1 addresses must not leak into
+    # manifests for a cluster. Empty addresses render as the in-cluster service names.
+    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
+    settings = Settings.load(flags, environ=_settings_environ())
+    for path in write(settings, Path(args.output_dir or "deploy/keda")):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
     def run(_args: argparse.Namespace) -> int:
         print(f"calmq {what} is not built yet", file=sys.stderr)
@@ -554,8 +567,11 @@ def parser() -> argparse.ArgumentParser:
     _add(p, "--pool")
     p = command("schemas", cmd_schemas, "register or check the Avro schemas", stack=False)
     p.add_argument("action", choices=["register", "check"])
-    p = command("keda", cmd_not_built("keda render"), "render KEDA manifests")
+    p = command("keda", cmd_keda, "render KEDA manifests", stack=False)
     p.add_argument("action", choices=["render"])
+    _add(p, "--output-dir", help="where to write (default deploy/keda)")
+    _add(p, "--concurrency", type=int, help="each worker's concurrency")
+    _add(p, "--keda-pools", help="comma list of pools (default: the workflows' pools)")
     p = command("bench", cmd_bench, "run a benchmark scenario", stack=False)
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "budget"])
     _add(p, "--size", type=int)

@@ -106,6 +106,17 @@ class Settings(BaseSettings):
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
 
+    # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
+    # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
+    # these two estimates, which a running fleet's metrics refine.
+    keda_pools: str = ""  # comma list; empty: every pool the built-in workflows route to
+    keda_namespace: str = "calmq"
+    keda_image: str = "calmq:latest"
+    keda_lag_threshold: int = Field(default=20, ge=1)  # messages of lag per replica
+    keda_min_replicas: int = Field(default=0, ge=0)
+    keda_tokens_per_job: int = Field(default=8_000, ge=1)  # estimate: prompt + completion
+    keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("priorities")
