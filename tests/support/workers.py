@@ -1,0 +1,176 @@
+"""Processes and jobs of the processing-engine tests: workers and forwarders of a test pool.
+
+The stack's own worker consumes the ``default`` pool; these tests start their own
+``calmq worker --pool <test pool>`` (and ``calmq forwarder``) processes with settings of
+their own (short lease, small retry tiers, a step timeout) and submit jobs straight to that
+pool with ``Store.submit`` -- the job row, its history and its outbox row in one
+transaction, exactly as the API writes them, but with the pool chosen by the test (the HTTP
+contract has no pool field: a workflow's pool decides it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from calmq import events, topics
+from calmq.devstack import processes
+from calmq.kafka import create_topics
+from calmq.store import NewJob, Store
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Procs:
+    """Child processes started by one test module; ``stop_all`` ends exactly those."""
+
+    def __init__(self, env: Mapping[str, str], log_dir: Path) -> None:
+        self.env = dict(env)
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: str, **settings: str) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
+        env.update(self.env)
+        env.update({"CALMQ_" + k.upper(): v for k, v in settings.items()})
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}-{len(self.started)}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "calmq.cli", *args], env=env, cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.started.append(proc)
+        return proc
+
+    def worker(self, pool: str, *, metrics_port: int | None = None,
+               **settings: str) -> tuple[subprocess.Popen[bytes], int]:
+        port = metrics_port or processes.free_port()
+        proc = self.start("worker", "worker", "--pool", pool, "--metrics-port", str(port),
+                          **settings)
+        wait_for(lambda: proc.poll() is not None or metric(port, "calmq_worker_in_flight")
+                 is not None, timeout=30, what="the worker's metrics endpoint")
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        return proc, port
+
+    def forwarder(self, **settings: str) -> subprocess.Popen[bytes]:
+        port = processes.free_port()
+        proc = self.start("forwarder", "forwarder", "--metrics-port", str(port), **settings)
+        wait_for(lambda: proc.poll() is not None or
+                 metric(port, "calmq_forwarder_republished_total") is not None,
+                 timeout=30, what="the forwarder's metrics endpoint")
+        assert proc.poll() is None, f"forwarder exited with {proc.returncode}"
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def metric(port: int, name: str) -> float | None:
+    """The value of an unlabelled sample (or the sum over labels) on a /metrics page."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")
+              and line[len(name):len(name) + 1] in (" ", "{")]
+    return sum(values) if values else None
+
+
+def create_pool_topics(bootstrap: str, pool: str, tiers: list[str], partitions: int = 2) -> None:
+    names = [topics.topic_for_route(topics.work_route(pool, p)) for p in ("interactive", "bulk")]
+    names += [topics.topic_for_route(topics.retry_route(t)) for t in tiers]
+    create_topics(bootstrap, names, partitions=partitions)
+
+
+def create_tenant_id(database_url: str, name: str) -> tuple[uuid.UUID, str]:
+    async def create() -> tuple[uuid.UUID, str]:
+        store = Store(database_url, max_size=1)
+        await store.open()
+        try:
+            tenant, key = await store.create_tenant(name)
+            return tenant.id, key
+        finally:
+            await store.close()
+
+    return asyncio.run(create())
+
+
+def submit(database_url: str, tenant_id: uuid.UUID, pool: str, inputs: list[dict[str, Any]],
+           *, priority: str = "interactive", workflow: str = "summarize",
+           max_attempts: int = 3) -> list[str]:
+    """Submit jobs to ``pool`` as the API would (job row + history + outbox, one transaction)."""
+
+    async def run() -> list[str]:
+        store = Store(database_url, max_size=4)
+        await store.open()
+        try:
+            async def one(data: dict[str, Any]) -> str:
+                job = NewJob(
+                    id=uuid.uuid4(), tenant_id=tenant_id, workflow=workflow, workflow_version=1,
+                    priority=priority, pool=pool, step=workflow, max_attempts=max_attempts,
+                    input=data, input_ref=None, metadata={}, callback_url=None,
+                    deadline_at=None, trace_parent=None,
+                )
+                row = {"id": job.id, "tenant_id": job.tenant_id, "workflow": job.workflow,
+                       "workflow_version": 1, "step": job.step, "attempt": 0,
+                       "priority": priority, "pool": pool, "input_ref": None,
+                       "deadline_at": None, "trace_parent": None}
+                event = events.requested(row)
+                event.pop("created_at")
+                job_id, _ = await store.submit(job, event, topics.work_route(pool, priority))
+                return str(job_id)
+
+            out: list[str] = []
+            for i in range(0, len(inputs), 200):
+                out += await asyncio.gather(*(one(d) for d in inputs[i:i + 200]))
+            return out
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def job_rows(database_url: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        rows = conn.execute(
+            "SELECT id::text AS id, status, attempt, errors, error, artifact FROM jobs "
+            "WHERE id = ANY(%s::uuid[])", (ids,)).fetchall()
+    return {r["id"]: r for r in rows}
+
+
+def history(database_url: str, job_id: str) -> list[dict[str, Any]]:
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        return conn.execute(
+            "SELECT type, at, attempt, detail FROM job_events WHERE job_id = %s ORDER BY id",
+            (job_id,)).fetchall()
+
+
+def fake_stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/stats", timeout=10) as resp:
+        result: dict[str, Any] = json.loads(resp.read())
+        return result
