@@ -486,8 +486,19 @@ def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    print(f"benchmark scenario {args.scenario!r} is not built yet", file=sys.stderr)
-    return 2
+    """One scenario on its own throwaway stack; progress on stderr, the result on stdout."""
+    try:
+        from bench import NotBuiltError, run_scenario, text_table
+    except ImportError as exc:
+        print(f"calmq bench needs the bench package (a source checkout): {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_scenario(args.scenario, int(args.size) if args.size else None)
+    except NotBuiltError as exc:
+        print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else text_table(result), flush=True)
+    return 0
 
 
 # -- parser ---------------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Baseline: raw confluent-kafka produce and consume of the same Avro events, no database.
+
+The ceiling for e2e: what the broker and the client library do on this machine with nothing
+else on the path. Also the relay's baseline (produce only: ``drain`` and ``rate``).
+Run: ``python -m bench.raw_kafka e2e|drain|rate --topic T --count N``; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from confluent_kafka import Consumer, Message, Producer
+
+from calmq import events
+from calmq.codec import make_codec
+from calmq.kafka import consumer_config, producer_config
+
+__all__ = ["encoded_events", "main"]
+
+
+def encoded_events(count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` job.requested events as (key, Avro value), like the relay produces them."""
+    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
+    tenant = str(uuid.uuid4())
+    out = []
+    for _ in range(count):
+        job_id = uuid.uuid4()
+        event = events.requested({
+            "id": job_id, "tenant_id": tenant, "workflow": "summarize", "workflow_version": 1,
+            "step": "summarize", "attempt": 0, "priority": "bulk", "pool": "default"})
+        out.append((str(job_id).encode(), codec.encode("job.requested", event)))
+    return out
+
+
+def _produce_all(producer: Producer, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+    for key, value in records:
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key,
+                                 headers=[("eventType", b"job.requested")])
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    producer.flush(60)
+
+
+def e2e(bootstrap: str, topic: str, count: int) -> dict[str, Any]:
+    """Produce ``count`` events and consume them in another thread; jobs/s end to end."""
+    records = encoded_events(count)
+    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
+    consumer = Consumer(consumer_config(bootstrap, f"bench-raw-{uuid.uuid4()}"))
+    consumer.subscribe([topic])
+    ready = threading.Event()
+    seen = 0
+    done_at = 0.0
+
+    def consume() -> None:
+        nonlocal seen, done_at
+        deadline = time.monotonic() + 120
+        while seen < count and time.monotonic() < deadline:
+            msgs: list[Message] = consumer.consume(1000, timeout=0.05)
+            if consumer.assignment():
+                ready.set()
+            for m in msgs:
+                if m.error() is None:
+                    codec.decode(m.value())  # the worker decodes every event too
+                    seen += 1
+            if msgs:
+                consumer.commit(asynchronous=True)
+        done_at = time.time()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    ready.wait(30)
+    producer = Producer(producer_config(bootstrap))
+    started = time.time()
+    _produce_all(producer, topic, records)
+    thread.join()
+    consumer.close()
+    elapsed = done_at - started
+    return {"jobs_per_s": round(seen / elapsed, 1), "count": seen, "elapsed_s": round(elapsed, 3)}
+
+
+def drain(bootstrap: str, topic: str, count: int) -> dict[str, Any]:
+    """Produce a backlog of ``count`` pre-encoded events as fast as acks come back."""
+    records = encoded_events(count)
+    producer = Producer(producer_config(bootstrap))
+    t0 = time.perf_counter()
+    _produce_all(producer, topic, records)
+    elapsed = time.perf_counter() - t0
+    return {"drain_events_per_s": round(count / elapsed, 1), "count": count,
+            "elapsed_s": round(elapsed, 3)}
+
+
+def rate(bootstrap: str, topic: str, count: int, per_second: float) -> dict[str, Any]:
+    """Produce at a fixed rate; latency from produce() to the broker's ack, per event."""
+    from bench.loadgen import percentile
+
+    records = encoded_events(count)
+    producer = Producer(producer_config(bootstrap))
+    latencies: list[float] = []
+
+    def acked(sent: float) -> Any:
+        def report(err: Any, _msg: Message) -> None:
+            if err is None:
+                latencies.append((time.perf_counter() - sent) * 1000)
+        return report
+
+    t0 = time.perf_counter()
+    batch = max(1, int(per_second / 200))  # the relay also sees ~5 ms worth per commit
+    for i in range(0, count, batch):
+        delay = t0 + i / per_second - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        now = time.perf_counter()
+        for key, value in records[i:i + batch]:
+            producer.produce(topic, value=value, key=key, on_delivery=acked(now))
+        producer.poll(0)
+    producer.flush(60)
+    return {"ack_p50_ms": round(percentile(latencies, 50), 2),
+            "ack_p99_ms": round(percentile(latencies, 99), 2), "count": len(latencies)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.raw_kafka")
+    parser.add_argument("mode", choices=["e2e", "drain", "rate"])
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--rate", type=float, default=2000)
+    args = parser.parse_args()
+    bootstrap = os.environ["CALMQ_KAFKA_BOOTSTRAP"]
+    if args.mode == "e2e":
+        out = e2e(bootstrap, args.topic, args.count)
+    elif args.mode == "drain":
+        out = drain(bootstrap, args.topic, args.count)
+    else:
+        out = rate(bootstrap, args.topic, args.count, args.rate)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

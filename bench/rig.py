@@ -1,0 +1,176 @@
+"""A throwaway stack for one scenario: infrastructure from calmq.devstack, services started here.
+
+The scenario chooses each calmq process and its flags (a worker with ``--concurrency
+1000``, a fake provider with ``--latency-ms 2000``) and the baselines' processes, all on
+the same broker and database, and knows every pid so it can charge CPU and memory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from calmq.devstack import Stack, StackState
+from calmq.devstack import processes as procs
+from calmq.errors import InfrastructureError
+
+__all__ = ["Proc", "Rig"]
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+class Rig:
+    """Start the infrastructure (PostgreSQL, Kafka, registry) and any processes on top."""
+
+    def __init__(self, *, partitions: int = 8, log: Callable[[str], None] | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="calmq-bench-"))
+        self.partitions = partitions
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        environ = dict(os.environ)
+        environ["CALMQ_TOPIC_PARTITIONS"] = str(partitions)
+        self.stack = Stack(self.dir, environ=environ)
+        self.state: StackState | None = None
+        self.procs: dict[str, Proc] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> Rig:
+        started = time.monotonic()
+        self.state = self.stack.up([], log=lambda _m: None)
+        self.log(f"  infrastructure ready in {time.monotonic() - started:.1f} s under {self.dir}")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+        self.stack.down(log=lambda _m: None)
+        if not os.environ.get("BENCH_KEEP_DIR"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        assert self.state is not None
+        return dict(self.state.env)
+
+    @property
+    def database_url(self) -> str:
+        return self.env["CALMQ_DATABASE_URL"]
+
+    @property
+    def bootstrap(self) -> str:
+        return self.env["CALMQ_KAFKA_BOOTSTRAP"]
+
+    def infra_pids(self) -> dict[str, int]:
+        assert self.state is not None
+        return {p.name: p.pid for p in self.state.parts
+                if p.pid is not None and p.name in ("postgres", "kafka")}
+
+    def child_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
+        env.update(self.env)
+        env["CALMQ_TOPIC_PARTITIONS"] = str(self.partitions)
+        env["CALMQ_LOG_LEVEL"] = "WARNING"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra or {})
+        return env
+
+    # -- processes -----------------------------------------------------------------------
+
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        health: str = "port",
+        port: int | None = None,
+    ) -> Proc:
+        """Start ``argv`` (``{port}`` is replaced by a free port) and wait until it answers."""
+        port = port or procs.free_port()
+        argv = [a.replace("{port}", str(port)) for a in argv]
+        env = {k: v.replace("{port}", str(port)) for k, v in (env or {}).items()}
+        pid = procs.start(argv, self.dir / "logs" / f"{name}.log", env=self.child_env(env),
+                          cwd=Path(__file__).resolve().parent.parent)
+        proc = Proc(name, pid, port)
+        self.procs[name] = proc
+        if health == "none":
+            return proc
+
+        def check() -> bool:
+            if health == "http":
+                return _http_ok(f"{proc.url}/healthz")
+            return procs.port_open("127.0.0.1", proc.port)
+
+        try:
+            procs.wait_until(check, timeout=60, what=name, alive=lambda: procs.is_alive(pid))
+        except InfrastructureError as exc:
+            raise InfrastructureError(f"{exc}; see {self.dir / 'logs' / (name + '.log')}") from exc
+        return proc
+
+    def calmq(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """A calmq service (api, relay, worker, fake-provider) through the public CLI."""
+        command = name.split(":", maxsplit=1)[0]
+        argv = [sys.executable, "-m", "calmq.cli", command, *args]
+        if command == "api":
+            return self.start(name, argv, env={"CALMQ_API_PORT": "{port}", **(env or {})},
+                              health="http")
+        if command == "fake-provider":
+            return self.start(name, [*argv, "--port", "{port}"], env=env, health="http")
+        return self.start(name, [*argv, "--metrics-port", "{port}"], env=env)
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            procs.stop(proc.pid)
+
+    def pids(self, *names: str) -> dict[str, int]:
+        return {n: self.procs[n].pid for n in names}
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def tenant(self, name: str) -> tuple[str, str]:
+        """A new tenant through `calmq tenants create`; returns (tenant id, API key)."""
+        out = subprocess.run(
+            [sys.executable, "-m", "calmq.cli", "tenants", "create", name],
+            env=self.child_env(), capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.strip().splitlines()
+        key = out[-1].strip()
+        with psycopg.connect(self.database_url) as conn:
+            row = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()
+        assert row is not None
+        return str(row[0]), key
+
+    def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            return conn.execute(sql, params).fetchall()

@@ -1,0 +1,581 @@
+"""The scenarios: each starts its own stack, runs calmq, then its baselines on the same broker
+and database, and returns one result of the DESIGN.md §4 shape.
+
+Every rate is a ratio against a baseline measured minutes apart on the same machine, because
+absolute figures on a shared 2-core machine drift from run to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from bench import loadgen
+from bench.loadgen import percentile
+from bench.procs import Phase, Sampler
+from bench.report import machine, result
+from bench.rig import Rig
+from bench.skip_locked import QUERIES as SKIP_LOCKED
+
+__all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
+
+PY = sys.executable
+DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 2000}
+ACCEPT_CONCURRENCY = 32
+E2E_CONCURRENCY = 64
+DISPATCH_RATE = 500.0
+DISPATCH_SECONDS = 5.0
+RELAY_RATE = 2000.0
+RELAY_SECONDS = 5.0
+SLOW_LATENCY_MS = 2000
+SLOW_IN_FLIGHT = 1000
+SERIAL_SAMPLE = 5  # a one-at-a-time consumer needs 2 s a job: a sample, not 10,000
+
+
+class NotBuiltError(Exception):
+    """The scenario needs a part of calmq that does not exist yet."""
+
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- shared helpers ---------------------------------------------------------------------------
+
+def _job_body(text: str = "Kafka and PostgreSQL carry slow AI jobs.") -> dict[str, Any]:
+    return {"workflow": "summarize", "input": {"text": text, "mode": "success"},
+            "priority": "bulk"}
+
+
+def _costs(phase: Phase, own: list[str], jobs: int) -> dict[str, float]:
+    """peak_rss_mb (sum of own processes' peaks) and CPU per 1,000 jobs, own and with infra."""
+    per_k = 1000 / max(jobs, 1)
+    own_cpu = sum(phase.cpu.get(n, 0.0) for n in own)
+    all_cpu = sum(phase.cpu.values())
+    figs = {
+        "peak_rss_mb": round(sum(phase.peak_rss_mb.get(n, 0.0) for n in own), 1),
+        "cpu_s_per_1000_jobs": round(all_cpu * per_k, 3),
+        "cpu_s_per_1000_jobs_own": round(own_cpu * per_k, 3),
+    }
+    for name in own:
+        figs[f"peak_rss_mb_{name.replace('-', '_')}"] = round(phase.peak_rss_mb.get(name, 0.0), 1)
+    for name in ("postgres", "kafka"):
+        if name in phase.cpu:
+            figs[f"cpu_s_per_1000_jobs_{name}"] = round(phase.cpu[name] * per_k, 3)
+    return figs
+
+
+def _oneshot(rig: Rig, name: str, argv: list[str], env: dict[str, str] | None = None,
+             timeout: float = 300) -> tuple[dict[str, Any], float, float]:
+    """Run a baseline to completion; its JSON line, CPU seconds and peak RSS (from wait4)."""
+    out_path = rig.dir / f"{name}.out"
+    err_path = rig.dir / "logs" / f"{name}.log"
+    err_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("wb") as out, err_path.open("ab") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=rig.child_env(env),
+                                cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {err_path}")
+    lines = out_path.read_text().strip().splitlines()
+    return json.loads(lines[-1]), usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def _wait(check: Callable[[], int], target: int, timeout: float, what: str, log: Log) -> int:
+    """Poll ``check`` until it reaches ``target`` or ``timeout``; returns the last value."""
+    deadline = time.monotonic() + timeout
+    value = check()
+    while value < target and time.monotonic() < deadline:
+        time.sleep(0.1)  # a polling interval under a deadline
+        value = check()
+    if value < target:
+        log(f"  {what}: only {value} of {target} within {timeout:.0f} s")
+    return value
+
+
+def _completed(rig: Rig, tenant_id: str) -> int:
+    row = rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status = 'completed'",
+                    (tenant_id,))
+    return int(row[0][0])
+
+
+def _calmq_span(rig: Rig, tenant_id: str) -> tuple[int, float, float]:
+    """(completed, first dispatch, last completion) as epoch seconds, from the job history."""
+    row = rig.query(
+        """SELECT count(*) FILTER (WHERE j.status = 'completed'),
+                  extract(epoch FROM (SELECT min(e.at) FROM job_events e JOIN jobs k
+                                      ON k.id = e.job_id
+                                      WHERE k.tenant_id = %(t)s AND e.type = 'running')),
+                  extract(epoch FROM max(j.updated_at) FILTER (WHERE j.status = 'completed'))
+           FROM jobs j WHERE j.tenant_id = %(t)s""", {"t": tenant_id})[0]
+    return int(row[0]), float(row[1] or 0), float(row[2] or 0)
+
+
+def _dispatch_ms(rig: Rig, tenant_id: str) -> list[float]:
+    """accept→dispatch per job: its 'queued' event (written in the accepting transaction) to
+    its first 'running' event (the worker's claim)."""
+    rows = rig.query(
+        """SELECT extract(epoch FROM min(r.at) - q.at) * 1000
+           FROM jobs j JOIN job_events q ON q.job_id = j.id AND q.type = 'queued'
+                       JOIN job_events r ON r.job_id = j.id AND r.type = 'running'
+           WHERE j.tenant_id = %s GROUP BY j.id, q.at""", (tenant_id,))
+    return [float(r[0]) for r in rows]
+
+
+def _skip_locked_schema(rig: Rig) -> None:
+    with psycopg.connect(rig.database_url, autocommit=True) as conn:
+        conn.execute(SKIP_LOCKED["schema"])
+
+
+def _skip_locked_last_id(rig: Rig) -> int:
+    return int(rig.query(SKIP_LOCKED["last_id"])[0][0])
+
+
+def _skip_locked_span(rig: Rig, after: int) -> tuple[int, float, float]:
+    row = rig.query(SKIP_LOCKED["summary"], {"after": after})[0]
+    return int(row[0]), float(row[1] or 0), float(row[2] or 0)
+
+
+def _create_topic(bootstrap: str, name: str, partitions: int,
+                  config: dict[str, str] | None = None) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(name, num_partitions=partitions,
+                                            replication_factor=1, config=config or {})])
+    for future in futures.values():
+        future.result(30)
+
+
+def _high_watermark(bootstrap: str, topic: str) -> int:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4()}"})
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                   for p in meta.partitions)
+    finally:
+        consumer.close()
+
+
+def _r(x: float, nd: int = 1) -> float:
+    return round(x, nd)
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+# -- accept -----------------------------------------------------------------------------------
+
+def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    with Rig(log=log) as rig:
+        api = rig.calmq("api")
+        _tenant, key = rig.tenant(f"bench-accept-{uuid.uuid4().hex[:6]}")
+        auth = {"Authorization": f"Bearer {key}"}
+        url = f"{api.url}/v1/jobs"
+        asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=200,
+                                        concurrency=ACCEPT_CONCURRENCY))
+        log(f"  calmq: {size} POST /v1/jobs from {ACCEPT_CONCURRENCY} connections")
+        phase = sampler.phase({**rig.pids("api"), **rig.infra_pids()})
+        load = asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=size,
+                                               concurrency=ACCEPT_CONCURRENCY))
+        sampler.end(phase)
+        figures = {"accepts_per_s": _r(load.rate),
+                   "p50_ms": _r(percentile(load.latencies_ms, 50), 2),
+                   "p99_ms": _r(percentile(load.latencies_ms, 99), 2), "accepted": load.ok,
+                   "errors": sum(load.errors.values()), "connections": ACCEPT_CONCURRENCY,
+                   **_costs(phase, ["api"], load.ok)}
+        rig.stop("api")
+
+        _skip_locked_schema(rig)
+        base = rig.start("plain_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
+                                          "{port}"], health="http")
+        burl = f"{base.url}/jobs"
+        asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=200,
+                                        concurrency=ACCEPT_CONCURRENCY))
+        log(f"  baseline plain_insert: {size} POST /jobs")
+        phase = sampler.phase({**rig.pids("plain_insert"), **rig.infra_pids()})
+        bload = asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=size,
+                                                concurrency=ACCEPT_CONCURRENCY))
+        sampler.end(phase)
+        baseline = {"accepts_per_s": _r(bload.rate),
+                    "p50_ms": _r(percentile(bload.latencies_ms, 50), 2),
+                    "p99_ms": _r(percentile(bload.latencies_ms, 99), 2),
+                    "errors": sum(bload.errors.values()),
+                    **_costs(phase, ["plain_insert"], bload.ok)}
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("accept", size, figures, {"plain_insert": baseline},
+                  {"accepts_per_s_vs_plain_insert": _ratio(load.rate, bload.rate)},
+                  versions, extra_versions={"load_generator": loadgen.NAME})
+
+
+# -- relay ------------------------------------------------------------------------------------
+
+_RELAY_ROUTE = "bench.relay"
+_RELAY_TOPIC = "calmq." + _RELAY_ROUTE
+
+
+def _outbox_rows(count: int) -> list[tuple[Any, ...]]:
+    from calmq import events
+
+    tenant = str(uuid.uuid4())
+    rows = []
+    for _ in range(count):
+        job_id = uuid.uuid4()
+        event = events.requested({
+            "id": job_id, "tenant_id": tenant, "workflow": "summarize", "workflow_version": 1,
+            "step": "summarize", "attempt": 0, "priority": "bulk", "pool": "default"})
+        rows.append((event["event_id"], _RELAY_ROUTE, str(job_id), "job.requested",
+                     json.dumps(event), "{}"))
+    return rows
+
+
+def _copy_outbox(conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
+    with conn.cursor().copy(
+        "COPY outbox (id, aggregatetype, aggregateid, type, payload, headers) FROM STDIN"
+    ) as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
+class _AppendTimes:
+    """Consumes a LogAppendTime topic: broker append time (≈ the ack) per event id header."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.consumer = Consumer({"bootstrap.servers": bootstrap,
+                                  "group.id": f"bench-{uuid.uuid4()}",
+                                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        meta = self.consumer.list_topics(topic, timeout=10).topics[topic]
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])
+        self.times: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msg in self.consumer.consume(2000, timeout=0.05):
+                if msg.error() is not None:
+                    continue
+                event_id = dict(msg.headers() or []).get("id", b"").decode()
+                self.times[event_id] = msg.timestamp()[1]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.consumer.close()
+
+
+def relay(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    with Rig(log=log) as rig:
+        _create_topic(rig.bootstrap, _RELAY_TOPIC, 8, {"message.timestamp.type": "LogAppendTime"})
+        log(f"  calmq: a backlog of {size} outbox rows, then the relay starts")
+        with psycopg.connect(rig.database_url) as conn:
+            rows = _outbox_rows(size)
+            for i in range(0, size, 1000):
+                with conn.transaction():
+                    _copy_outbox(conn, rows[i:i + 1000])
+        times = _AppendTimes(rig.bootstrap, _RELAY_TOPIC)
+        phase = sampler.phase(rig.infra_pids())
+        proc = rig.calmq("relay")
+        phase.pids["relay"] = proc.pid
+        _wait(lambda: len(times.times), size, 60 + size / 200, "relay backlog", log)
+        stamps = sorted(times.times.values())
+        drain = (len(stamps) - 1) / max((stamps[-1] - stamps[0]) / 1000, 1e-3) if stamps else 0.0
+        sampler.end(phase)
+        costs = _costs(phase, ["relay"], len(stamps))
+
+        total = int(RELAY_RATE * RELAY_SECONDS)
+        log(f"  calmq: commit→ack at {RELAY_RATE:.0f} events/s for {RELAY_SECONDS:.0f} s")
+        commit_ms: dict[str, float] = {}
+        per_tx = max(1, int(RELAY_RATE / 200))
+        rows = _outbox_rows(total)
+        with psycopg.connect(rig.database_url) as conn:
+            t0 = time.perf_counter()
+            for i in range(0, total, per_tx):
+                delay = t0 + i / RELAY_RATE - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                chunk = rows[i:i + per_tx]
+                with conn.transaction():
+                    _copy_outbox(conn, chunk)
+                now_ms = time.time() * 1000
+                for r in chunk:
+                    commit_ms[r[0]] = now_ms
+        _wait(lambda: sum(1 for k in commit_ms if k in times.times), total, 60, "relay acks", log)
+        times.close()
+        lat = [times.times[k] - v for k, v in commit_ms.items() if k in times.times]
+        figures = {"drain_events_per_s": _r(drain), "ack_p50_ms": _r(percentile(lat, 50), 2),
+                   "ack_p99_ms": _r(percentile(lat, 99), 2), "backlog": size,
+                   "acked_at_rate": len(lat), **costs}
+        rig.stop("relay")
+
+        _create_topic(rig.bootstrap, "bench.raw.relay", 8)
+        log("  baseline raw_kafka: the same Avro events produced straight to the broker")
+        phase = sampler.phase(rig.infra_pids())
+        raw, cpu, rss = _oneshot(rig, "raw_kafka_drain", [PY, "-m", "bench.raw_kafka", "drain",
+                                                          "--topic", "bench.raw.relay",
+                                                          "--count", str(size)])
+        sampler.end(phase)
+        rate, _, _ = _oneshot(rig, "raw_kafka_rate", [PY, "-m", "bench.raw_kafka", "rate",
+                                                      "--topic", "bench.raw.relay",
+                                                      "--count", str(total),
+                                                      "--rate", str(RELAY_RATE)])
+        baseline = {"drain_events_per_s": raw["drain_events_per_s"],
+                    "ack_p50_ms": rate["ack_p50_ms"], "ack_p99_ms": rate["ack_p99_ms"],
+                    "peak_rss_mb": _r(rss),
+                    "cpu_s_per_1000_jobs": _r((cpu + sum(phase.cpu.values())) * 1000 / size, 3),
+                    "cpu_s_per_1000_jobs_own": _r(cpu * 1000 / size, 3)}
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("relay", size, figures, {"raw_kafka": baseline},
+                  {"drain_events_per_s_vs_raw_kafka": _ratio(figures["drain_events_per_s"],
+                                                             baseline["drain_events_per_s"])},
+                  versions, extra_versions={"relay_mode": _relay_mode()})
+
+
+def _relay_mode() -> str:
+    from calmq.settings import Settings
+
+    return str(Settings.model_fields["relay_mode"].default)
+
+
+# -- e2e --------------------------------------------------------------------------------------
+
+def _profilers(pids: dict[str, int], out_dir: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """py-spy record of each process (raw collapsed stacks), stopped with SIGINT."""
+    spy = Path(sys.executable).with_name("py-spy")
+    started = []
+    for name, pid in pids.items():
+        path = out_dir / f"{name}.folded"
+        proc = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--rate", "100",
+                                 "--format", "raw", "--output", str(path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.append((proc, path))
+    time.sleep(1.0)  # py-spy attaches asynchronously; a second keeps the first jobs in the profile
+    return started
+
+
+def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
+        **_: Any) -> dict[str, Any]:
+    with Rig(log=log) as rig:
+        fp = rig.calmq("fake-provider")
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url}
+        api = rig.calmq("api", env=env)
+        rig.calmq("relay", env=env)
+        rig.calmq("worker", env=env)
+        url = f"{api.url}/v1/jobs"
+        warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
+        auth = {"Authorization": f"Bearer {key}"}
+        asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=200, concurrency=16))
+        _wait(lambda: _completed(rig, warm_id), 200, 60, "warm-up jobs", log)
+
+        tenant_id, key = rig.tenant(f"bench-e2e-{uuid.uuid4().hex[:6]}")
+        auth = {"Authorization": f"Bearer {key}"}
+        own = ["api", "relay", "worker"]
+        spies = _profilers(rig.pids(*own), profile_dir) if profile_dir else []
+        log(f"  calmq: {size} jobs end to end from {E2E_CONCURRENCY} connections")
+        phase = sampler.phase({**rig.pids(*own, "fake-provider"), **rig.infra_pids()})
+        load = asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=size,
+                                               concurrency=E2E_CONCURRENCY))
+        _wait(lambda: _completed(rig, tenant_id), load.ok, 60 + size / 50, "e2e jobs", log)
+        sampler.end(phase)
+        for spy, _path in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy, _path in spies:
+            spy.wait(30)
+        done, _first, last = _calmq_span(rig, tenant_id)
+        jobs_per_s = done / max(last - load.started_at, 1e-3)
+        if profile_dir:
+            from bench.profile import summarize_profiles
+
+            summarize_profiles({p.stem: p for _s, p in spies}, done, phase,
+                               profile_dir / "e2e-profile.md")
+
+        lat_id, key = rig.tenant(f"bench-dispatch-{uuid.uuid4().hex[:6]}")
+        log(f"  calmq: accept→dispatch at {DISPATCH_RATE:.0f} jobs/s for {DISPATCH_SECONDS:.0f} s")
+        fixed = asyncio.run(loadgen.open_loop(url, _job_body(), {"Authorization": f"Bearer {key}"},
+                                              rate=DISPATCH_RATE, seconds=DISPATCH_SECONDS))
+        _wait(lambda: _completed(rig, lat_id), fixed.ok, 60, "dispatch jobs", log)
+        dispatch = _dispatch_ms(rig, lat_id)
+        figures = {"jobs_per_s": _r(jobs_per_s), "dispatch_p50_ms": _r(percentile(dispatch, 50), 2),
+                   "dispatch_p99_ms": _r(percentile(dispatch, 99), 2), "completed": done,
+                   "submit_errors": sum(load.errors.values()),
+                   "accept_p50_ms_under_load": _r(percentile(load.latencies_ms, 50), 2),
+                   "dispatch_rate_achieved": _r(fixed.rate), **_costs(phase, own, done)}
+        for name in own:
+            rig.stop(name)
+
+        _skip_locked_schema(rig)
+        base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
+                                       "{port}"], health="http")
+        rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers", "64",
+                                 "--pool-size", "64"], env=env, health="none")
+        burl = f"{base.url}/jobs"
+        after = _skip_locked_last_id(rig)
+        asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=200, concurrency=16))
+        _wait(lambda: _skip_locked_span(rig, after)[0], 200, 60, "skip_locked warm-up", log)
+        after = _skip_locked_last_id(rig)
+        log(f"  baseline skip_locked: {size} jobs, aiohttp insert + 64 async workers")
+        phase = sampler.phase({**rig.pids("sl_insert", "sl_workers", "fake-provider"),
+                               **rig.infra_pids()})
+        bload = asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=size,
+                                                concurrency=E2E_CONCURRENCY))
+        _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok, 60 + size / 50,
+              "skip_locked jobs", log)
+        sampler.end(phase)
+        bdone, _bfirst, blast = _skip_locked_span(rig, after)
+        skip = {"jobs_per_s": _r(bdone / max(blast - bload.started_at, 1e-3)), "completed": bdone,
+                "workers": 64, **_costs(phase, ["sl_insert", "sl_workers"], bdone)}
+        rig.stop("sl_workers")
+        rig.stop("sl_insert")
+
+        _create_topic(rig.bootstrap, "bench.raw.e2e", 8)
+        log(f"  baseline raw_kafka: {size} Avro events produced and consumed")
+        phase = sampler.phase(rig.infra_pids())
+        raw, cpu, rss = _oneshot(rig, "raw_kafka_e2e", [PY, "-m", "bench.raw_kafka", "e2e",
+                                                        "--topic", "bench.raw.e2e",
+                                                        "--count", str(size)])
+        sampler.end(phase)
+        raw_fig = {"jobs_per_s": raw["jobs_per_s"], "peak_rss_mb": _r(rss),
+                   "cpu_s_per_1000_jobs": _r((cpu + sum(phase.cpu.values())) * 1000 / size, 3),
+                   "cpu_s_per_1000_jobs_own": _r(cpu * 1000 / size, 3)}
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("e2e", size, figures, {"raw_kafka": raw_fig, "skip_locked": skip},
+                  {"jobs_per_s_vs_raw_kafka": _ratio(figures["jobs_per_s"], raw_fig["jobs_per_s"]),
+                   "jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"], skip["jobs_per_s"])},
+                  versions, extra_versions={"load_generator": loadgen.NAME,
+                                            "relay_mode": _relay_mode()})
+
+
+# -- slow -------------------------------------------------------------------------------------
+
+def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    with Rig(partitions=1, log=log) as rig:
+        fp = rig.calmq("fake-provider", "--latency-ms", str(SLOW_LATENCY_MS))
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url}
+        api = rig.calmq("api", env=env)
+        rig.calmq("relay", env=env)
+        tenant_id, key = rig.tenant(f"bench-slow-{uuid.uuid4().hex[:6]}")
+        log(f"  calmq: {size} jobs queued on one partition, provider answers in "
+            f"{SLOW_LATENCY_MS} ms")
+        load = asyncio.run(loadgen.closed_loop(f"{api.url}/v1/jobs", _job_body(),
+                                               {"Authorization": f"Bearer {key}"}, total=size,
+                                               concurrency=E2E_CONCURRENCY))
+        rig.stop("api")
+        topic = "calmq.default.bulk"
+        _wait(lambda: _high_watermark(rig.bootstrap, topic), load.ok, 120, "relay", log)
+        log(f"  calmq: worker with --concurrency {SLOW_IN_FLIGHT} drains them")
+        phase = sampler.phase({**rig.pids("relay", "fake-provider"), **rig.infra_pids()})
+        worker = rig.calmq("worker", "--concurrency", str(SLOW_IN_FLIGHT), env=env)
+        phase.pids["worker"] = worker.pid
+        _wait(lambda: _completed(rig, tenant_id), load.ok,
+              60 + load.ok * SLOW_LATENCY_MS / 1000 / 100, "slow jobs", log)
+        sampler.end(phase)
+        done, first, last = _calmq_span(rig, tenant_id)
+        figures = {"jobs_per_s": _r(done / max(last - first, 1e-3)), "completed": done,
+                   "in_flight": SLOW_IN_FLIGHT, "partitions": 1,
+                   "provider_latency_ms": SLOW_LATENCY_MS,
+                   **_costs(phase, ["worker", "relay"], done)}
+        rig.stop("worker")
+        rig.stop("relay")
+
+        _skip_locked_schema(rig)
+        base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
+                                       "{port}"], health="http")
+        after = _skip_locked_last_id(rig)
+        bload = asyncio.run(loadgen.closed_loop(f"{base.url}/jobs", _job_body(), {}, total=size,
+                                                concurrency=E2E_CONCURRENCY))
+        rig.stop("sl_insert")
+        log(f"  baseline skip_locked: {SLOW_IN_FLIGHT} async workers drain {bload.ok} rows")
+        phase = sampler.phase({**rig.pids("fake-provider"), **rig.infra_pids()})
+        workers = rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers",
+                                           str(SLOW_IN_FLIGHT), "--pool-size", "32"],
+                            env=env, health="none")
+        phase.pids["sl_workers"] = workers.pid
+        _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok,
+              60 + bload.ok * SLOW_LATENCY_MS / 1000 / 100, "skip_locked jobs", log)
+        sampler.end(phase)
+        rig.stop("sl_workers")
+        bdone, bfirst, blast = _skip_locked_span(rig, after)
+        skip = {"jobs_per_s": _r(bdone / max(blast - bfirst, 1e-3)), "completed": bdone,
+                "workers": SLOW_IN_FLIGHT, **_costs(phase, ["sl_workers"], bdone)}
+
+        _create_topic(rig.bootstrap, "bench.serial", 1)
+        from bench.raw_kafka import encoded_events
+
+        producer = Producer({"bootstrap.servers": rig.bootstrap})
+        for k, v in encoded_events(SERIAL_SAMPLE):
+            producer.produce("bench.serial", value=v, key=k)
+        producer.flush(30)
+        log(f"  baseline serial: a one-at-a-time consumer, {SERIAL_SAMPLE} jobs "
+            f"(~{SERIAL_SAMPLE * SLOW_LATENCY_MS / 1000:.0f} s)")
+        ser, cpu, rss = _oneshot(rig, "serial", [PY, "-m", "bench.serial", "--topic",
+                                                 "bench.serial", "--count", str(SERIAL_SAMPLE)],
+                                 env=env)
+        serial_cpu = _r(cpu * 1000 / max(ser["count"], 1), 3)
+        serial = {"jobs_per_s": ser["jobs_per_s"], "completed": ser["count"],
+                  "peak_rss_mb": _r(rss), "cpu_s_per_1000_jobs": serial_cpu,
+                  "cpu_s_per_1000_jobs_own": serial_cpu}
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("slow", size, figures, {"serial": serial, "skip_locked": skip},
+                  {"jobs_per_s_vs_serial": _ratio(figures["jobs_per_s"], serial["jobs_per_s"]),
+                   "jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"], skip["jobs_per_s"])},
+                  versions, extra_versions={"load_generator": loadgen.NAME})
+
+
+# -- budget -----------------------------------------------------------------------------------
+
+def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    if importlib.util.find_spec("calmq.budget") is None:
+        raise NotBuiltError("the shared token budget (calmq.budget, issue 5) is not built yet")
+    raise NotBuiltError("calmq.budget exists but this scenario does not drive it yet")
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "accept": accept, "relay": relay, "e2e": e2e, "slow": slow, "budget": budget,
+}
+
+
+def run_scenario(name: str, size: int | None = None, *, log: Log = _stderr,
+                 profile_dir: Path | None = None) -> dict[str, Any]:
+    """Run one scenario and return its result; raises NotBuiltError for one not built yet."""
+    if name not in SCENARIOS:
+        raise NotBuiltError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    size = size or DEFAULT_SIZES[name]
+    info = machine()
+    sampler = Sampler()
+    try:
+        log(f"bench {name} (size {size})")
+        res = SCENARIOS[name](size, log=log, sampler=sampler, profile_dir=profile_dir)
+    finally:
+        sampler.close()
+    res["machine"] = info
+    return res
+
+

@@ -1,0 +1,61 @@
+"""Baseline: a one-at-a-time consumer, the loop most teams write first.
+
+Poll one message, call the model, commit, repeat: throughput is one job per model latency.
+It reads the same job.requested events from a one-partition topic and calls the same
+provider with the same request. Run: ``python -m bench.serial --topic T --count N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import aiohttp
+from confluent_kafka import Consumer
+
+from bench.skip_locked import _call_model
+from calmq.codec import make_codec
+from calmq.kafka import consumer_config
+
+__all__ = ["main"]
+
+
+async def _run(bootstrap: str, topic: str, count: int, provider_url: str) -> dict[str, float]:
+    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
+    consumer = Consumer(consumer_config(bootstrap, f"bench-serial-{uuid.uuid4()}"))
+    consumer.subscribe([topic])
+    done = 0
+    started = 0.0
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 60 + count * 10
+        while done < count and time.monotonic() < deadline:
+            msg = consumer.poll(0.1)
+            if msg is None or msg.error() is not None:
+                continue
+            if not started:
+                started = time.time()
+            _, event = codec.decode(msg.value())
+            await _call_model(session, provider_url, done, {"text": event["job_id"]})
+            consumer.commit(message=msg, asynchronous=False)
+            done += 1
+    consumer.close()
+    elapsed = time.time() - started
+    return {"jobs_per_s": round(done / elapsed, 3), "count": done, "elapsed_s": round(elapsed, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.serial")
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--count", type=int, required=True)
+    args = parser.parse_args()
+    out = asyncio.run(_run(os.environ["CALMQ_KAFKA_BOOTSTRAP"], args.topic, args.count,
+                           os.environ["CALMQ_FAKE_PROVIDER_URL"]))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
