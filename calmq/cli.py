@@ -289,6 +289,19 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
         return key
 
+    if args.action != "create":
+        from producers import keys
+
+        if args.action == "add-key":
+            print(f"a new API key for {args.name} (shown once):")
+            print(keys.add_key(settings.database_url, args.name))
+        elif args.action == "revoke-key":
+            revoked = keys.revoke_keys(settings.database_url, args.name, args.key_prefix)
+            print(f"revoked {len(revoked)} key(s) of {args.name}: {' '.join(revoked)}")
+            return 0 if revoked else 1
+        else:
+            print(keys.webhook_secret(settings.database_url, args.name))
+        return 0
     print(asyncio.run(create()))
     return 0
 
@@ -546,8 +559,9 @@ def parser() -> argparse.ArgumentParser:
     _add(p, "--slow-seconds", type=float)
 
     p = command("tenants", cmd_tenants, "manage tenants")
-    p.add_argument("action", choices=["create"])
+    p.add_argument("action", choices=["create", "add-key", "revoke-key", "webhook-secret"])
     p.add_argument("name")
+    p.add_argument("--key-prefix", help="revoke-key: only the key starting so (12 chars)")
     p = command("submit", cmd_submit, "submit a job through the API")
     _add(p, "--api-key")
     _add(p, "--workflow", default="summarize")

@@ -69,6 +69,15 @@ class Settings(BaseSettings):
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
+    max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
+    idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
+    job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
+    accept_batch_max: int = Field(default=256, ge=1)
+    webhook_dispatcher: bool = True  # deliver callbacks from inside the API process
+    webhook_allow_private: bool = False  # let callback_url reach loopback/private addresses
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    webhook_backoff_seconds: float = Field(default=2.0, gt=0)
 
     # Model provider used by the gateway. Empty provider_url means the fake provider.
     provider: Literal["openai", "anthropic"] = "openai"

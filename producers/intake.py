@@ -1,0 +1,187 @@
+"""Turning a validated submission into rows, and writing concurrent submissions together.
+
+``prepare`` builds the job, its ``job.requested`` event and its route; both the API and the
+client library (producers.client) use it, so a job enqueued inside a caller's transaction
+is the same as one accepted over HTTP.
+
+``GroupCommit`` is the API's write path for submits without an Idempotency-Key: requests
+that arrive while a transaction is in flight share the next one (one WAL flush for many
+jobs). A request's future resolves only after COMMIT returned, so its 202 is sent only once
+its job is durable; if the batch fails, each job is retried on its own so one bad row
+cannot fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from calmq import events, sql, topics
+from calmq.errors import InfrastructureError
+from calmq.store import NewJob
+from calmq.workflows import Workflow
+
+__all__ = ["GroupCommit", "Prepared", "insert_params", "prepare"]
+
+log = logging.getLogger(__name__)
+
+Prepared = tuple[NewJob, dict[str, Any], str]
+
+
+def prepare(
+    workflow: Workflow,
+    tenant_id: uuid.UUID,
+    *,
+    input: dict[str, Any] | None = None,
+    input_ref: str | None = None,
+    priority: str = "bulk",
+    deadline_seconds: int | None = None,
+    callback_url: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    trace_parent: str | None = None,
+    idempotency_key: str | None = None,
+    request_hash: bytes | None = None,
+    job_id: uuid.UUID | None = None,
+) -> Prepared:
+    """The job row, its first event and its Kafka route, for an input already validated."""
+    first = workflow.steps[0]
+    job = NewJob(
+        id=job_id or uuid.uuid4(),
+        tenant_id=tenant_id,
+        workflow=workflow.name,
+        workflow_version=workflow.version,
+        priority=priority,
+        pool=first.pool or workflow.pool,
+        step=first.name,
+        max_attempts=first.attempts,
+        input=input,
+        input_ref=input_ref,
+        metadata=dict(metadata or {}),
+        callback_url=callback_url,
+        deadline_at=(datetime.now(UTC) + timedelta(seconds=deadline_seconds)
+                     if deadline_seconds else None),
+        trace_parent=trace_parent,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
+    row = {"id": job.id, "tenant_id": job.tenant_id, "workflow": job.workflow,
+           "workflow_version": job.workflow_version, "step": job.step, "attempt": 0,
+           "priority": job.priority, "pool": job.pool, "input_ref": job.input_ref,
+           "deadline_at": job.deadline_at, "trace_parent": job.trace_parent}
+    event = events.requested(row)
+    event.pop("created_at")  # the database's commit-side clock fills it in
+    return job, event, topics.work_route(job.pool, job.priority)
+
+
+def insert_params(job: NewJob, event: dict[str, Any], route: str) -> dict[str, Any]:
+    """Parameters of the ``insert_job`` query (job row + queued event + outbox row)."""
+    return {
+        "id": job.id,
+        "tenant_id": job.tenant_id,
+        "workflow": job.workflow,
+        "workflow_version": job.workflow_version,
+        "priority": job.priority,
+        "pool": job.pool,
+        "step": job.step,
+        "max_attempts": job.max_attempts,
+        "input": Jsonb(job.input) if job.input is not None else None,
+        "input_ref": job.input_ref,
+        "metadata": Jsonb(job.metadata),
+        "callback_url": job.callback_url,
+        "deadline_at": job.deadline_at,
+        "trace_parent": job.trace_parent,
+        "event_id": event["event_id"],
+        "route": route,
+        "payload": Jsonb(event),
+        "headers": Jsonb({"traceparent": job.trace_parent} if job.trace_parent else {}),
+    }
+
+
+def request_hash(raw: bytes) -> bytes:
+    return hashlib.sha256(raw).digest()
+
+
+class GroupCommit:
+    """Write concurrent submits in shared transactions; each caller waits for its COMMIT."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any], *, max_batch: int = 256,
+                 writers: int = 2) -> None:
+        self._pool = pool
+        self._max_batch = max_batch
+        self._writers = writers
+        self._active = 0
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        self._query = sql.queries()["insert_job"]
+        self.batches = 0
+        self.jobs = 0
+
+    async def submit(self, params: dict[str, Any]) -> None:
+        """Return once the job is committed; raise InfrastructureError if it was not."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((params, future))
+        if self._active < self._writers:
+            self._active += 1
+            asyncio.create_task(self._drain())  # noqa: RUF006 - it holds itself via _active
+        # Shielded: a client that hangs up must not cancel its neighbours' write.
+        await asyncio.shield(future)
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                await self._write(batch)
+        finally:
+            self._active -= 1
+
+    async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
+        try:
+            await self._commit([p for p, _ in batch])
+        except psycopg.Error as exc:
+            if len(batch) == 1:
+                _settle(batch[0][1], exc)
+                return
+            log.warning("a group of %d submits failed (%s); writing them one by one",
+                        len(batch), exc)
+            for params, future in batch:
+                try:
+                    await self._commit([params])
+                except psycopg.Error as one:
+                    _settle(future, one)
+                else:
+                    _settle(future, None)
+            return
+        except BaseException as exc:
+            for _p, future in batch:
+                _settle(future, exc)
+            raise
+        self.batches += 1
+        self.jobs += len(batch)
+        for _p, future in batch:
+            _settle(future, None)
+
+    async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        async with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            await cur.executemany(self._query, rows)
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    elif isinstance(exc, psycopg.Error):
+        err = InfrastructureError(f"the job could not be written: {exc}")
+        err.__cause__ = exc
+        future.set_exception(err)
+    else:
+        future.set_exception(exc)

@@ -1,0 +1,103 @@
+"""One LISTEN connection per API process, fanned out to whoever waits on a channel or a job.
+
+The job_events trigger (migration 0004) sends ``NOTIFY calmq_job_events, '<job id>'``;
+SSE streams wait on their job's id here instead of polling the table. Other channels
+(``calmq_webhooks``, ``calmq_api_keys``) wake a waiter keyed by the channel name.
+If the connection drops, every waiter is woken (so streams re-read the table) and the hub
+reconnects with a short backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+import psycopg
+
+__all__ = ["JOB_EVENTS", "KEYS", "WEBHOOKS", "Hub"]
+
+log = logging.getLogger(__name__)
+
+JOB_EVENTS = "calmq_job_events"
+WEBHOOKS = "calmq_webhooks"
+KEYS = "calmq_api_keys"
+
+
+class Hub:
+    """Routes PostgreSQL notifications to asyncio events, by payload (job id) or channel."""
+
+    def __init__(self, database_url: str) -> None:
+        self._url = database_url
+        self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self._callbacks: defaultdict[str, list[Callable[[], None]]] = defaultdict(list)
+        self._task: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()
+
+    def subscribe(self, key: str) -> asyncio.Event:
+        """An event set on every notification for ``key`` (a job id or a channel name)."""
+        event = asyncio.Event()
+        self._waiters[key].add(event)
+        return event
+
+    def unsubscribe(self, key: str, event: asyncio.Event) -> None:
+        waiters = self._waiters.get(key)
+        if waiters is not None:
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[key]
+
+    def on(self, channel: str, callback: Callable[[], None]) -> None:
+        self._callbacks[channel].append(callback)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="notification-hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _wake(self, key: str) -> None:
+        for event in self._waiters.get(key, ()):
+            event.set()
+
+    def _wake_all(self) -> None:
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+        for callbacks in self._callbacks.values():
+            for cb in callbacks:
+                cb()
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._url, autocommit=True
+                ) as conn:
+                    for channel in (JOB_EVENTS, WEBHOOKS, KEYS):
+                        await conn.execute(f"LISTEN {channel}")
+                    self.connected.set()
+                    # Anything sent while we were not listening is lost: wake everyone once.
+                    self._wake_all()
+                    delay = 0.1
+                    async for note in conn.notifies():
+                        if note.channel == JOB_EVENTS:
+                            self._wake(note.payload)
+                        else:
+                            self._wake(note.channel)
+                            for cb in self._callbacks.get(note.channel, ()):
+                                cb()
+            except asyncio.CancelledError:
+                raise
+            except psycopg.Error as exc:
+                self.connected.clear()
+                log.warning("LISTEN connection lost (%s); reconnecting", exc)
+                self._wake_all()
+                await asyncio.sleep(delay)  # reconnect backoff, not a synchronisation
+                delay = min(delay * 2, 5.0)

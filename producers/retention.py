@@ -1,0 +1,103 @@
+"""Deleting a job's data: on request (DELETE /v1/jobs/{id}) and by age (the retention sweep).
+
+A purge deletes the job's input and artifact objects first, then redacts its row (input,
+metadata, callback, artifact and error details gone; status and history kept for audit).
+Objects first: if the process dies in between, the row still names them and the next
+purge or sweep finishes the work; the reverse order could leave objects nobody points at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from calmq import sql
+from calmq.errors import ContractError, NotFound
+from calmq.jobs import TERMINAL
+from calmq.objects import ObjectStore
+from calmq.settings import Settings
+from calmq.store import Store
+from producers.uploads import delete_object, tenant_owns
+
+__all__ = ["Sweeper", "purge"]
+
+log = logging.getLogger(__name__)
+
+
+async def purge(store: Store, objects: ObjectStore, settings: Settings,
+                tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
+    """Delete a terminal job's objects and redact its record; NotFound, or 409 if not terminal."""
+    q = sql.queries()
+    async with store.pool.connection() as conn:
+        cur = await conn.execute(q["api_job_status"], {"id": job_id, "tenant_id": tenant_id})
+        row = await cur.fetchone()
+    if row is None:
+        raise NotFound("no such job")
+    if row["status"] not in TERMINAL:
+        raise ContractError(f"the job is {row['status']}; cancel it before deleting it",
+                            code="job_not_terminal", status=409)
+    if row["redacted_at"] is not None:
+        return
+    # Only objects inside the tenant's own prefix: an input_ref is checked at submit, but
+    # a purge must never be the way to delete something else.
+    uris = [row["input_ref"], (row["artifact"] or {}).get("uri")]
+    for uri in uris:
+        if uri and tenant_owns(settings.object_store_url, tenant_id, uri):
+            await delete_object(objects, uri)
+    async with store.pool.connection() as conn, conn.transaction():
+        await conn.execute(q["api_redact_job"], {"id": job_id, "tenant_id": tenant_id})
+        await conn.execute(q["api_redact_events"], {"id": job_id})
+
+
+class Sweeper:
+    """Background retention: old idempotency keys and old terminal jobs' data."""
+
+    def __init__(self, settings: Settings, store: Store, objects: ObjectStore,
+                 interval: float = 60.0) -> None:
+        self._settings = settings
+        self._store = store
+        self._objects = objects
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="retention-sweeper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("retention sweep failed; trying again next interval")
+            await asyncio.sleep(self._interval)  # the sweep's period, not a synchronisation
+
+    async def sweep(self, limit: int = 500) -> dict[str, int]:
+        """One pass; returns how many keys were pruned and jobs purged."""
+        q = sql.queries()
+        async with self._store.pool.connection() as conn:
+            cur = await conn.execute(q["api_prune_idempotency_keys"], {
+                "retention_seconds": self._settings.idempotency_retention_seconds})
+            keys = cur.rowcount
+        purged = 0
+        if self._settings.job_retention_seconds > 0:
+            async with self._store.pool.connection() as conn:
+                cur = await conn.execute(q["api_expired_jobs"], {
+                    "retention_seconds": self._settings.job_retention_seconds, "limit": limit})
+                rows: list[dict[str, Any]] = await cur.fetchall()
+            for r in rows:
+                with contextlib.suppress(NotFound, ContractError):
+                    await purge(self._store, self._objects, self._settings,
+                                r["tenant_id"], r["id"])
+                    purged += 1
+        return {"idempotency_keys": keys, "jobs": purged}

@@ -1,0 +1,178 @@
+"""Objects the API moves by stream: uploads in, artifacts out, and purges.
+
+The kernel's ObjectStore puts and gets whole byte strings, which suits artifacts a worker
+writes; an upload of up to ``max_upload_bytes`` must never be held whole in memory, so the
+API streams it here: to a temp file next to its final place (file://) or to a local spool
+file that boto3 uploads in parts (s3://). Nothing is visible under the final key until the
+whole body arrived within the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO, Any, Protocol
+from urllib.parse import unquote, urlparse
+
+from calmq.errors import ContractError, NotFound
+from calmq.objects import FileObjectStore, ObjectRef, ObjectStore, S3ObjectStore
+
+__all__ = ["ChunkSource", "delete_object", "read_object", "store_stream", "tenant_owns"]
+
+_CHUNK = 64 * 1024
+
+
+class ChunkSource(Protocol):
+    async def read_chunk(self, size: int = ...) -> bytes: ...
+
+
+def tenant_owns(store_url: str, tenant_id: uuid.UUID, ref: str) -> bool:
+    """Whether ``ref`` names an object inside the tenant's prefix of the configured store.
+
+    Compares parsed, unquoted paths segment by segment, so ``..``, ``%2e%2e``, another
+    bucket, another scheme or a sibling tenant id with the same prefix all fail.
+    """
+    base, target = urlparse(store_url.rstrip("/")), urlparse(ref)
+    if (target.scheme, target.netloc) != (base.scheme, base.netloc):
+        return False
+    if target.query or target.fragment or target.params:
+        return False
+    base_parts = [p for p in unquote(base.path).split("/") if p]
+    parts = unquote(target.path).split("/")
+    if parts and parts[0] == "":
+        parts = parts[1:]
+    if any(p in ("", ".", "..") or "\\" in p for p in parts):
+        return False
+    want = [*base_parts, str(tenant_id)]
+    return parts[: len(want)] == want and len(parts) > len(want)
+
+
+async def store_stream(
+    objects: ObjectStore, key: str, source: ChunkSource, content_type: str, limit: int
+) -> ObjectRef:
+    """Copy ``source`` to ``key`` chunk by chunk; ContractError 413 past ``limit`` bytes.
+
+    On any failure nothing is left under ``key`` (and no temp file is left behind).
+    """
+    if isinstance(objects, FileObjectStore):
+        final = objects.root / key
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".up")
+    else:
+        fd, tmp_name = tempfile.mkstemp(prefix="calmq-upload-", suffix=".up")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            digest, size = await _copy(source, fh, limit)
+        ref = ObjectRef("", digest, content_type, size)
+        if isinstance(objects, FileObjectStore):
+            await asyncio.to_thread(tmp.replace, final)
+            return ObjectRef(final.as_uri(), ref.sha256, content_type, size)
+        if isinstance(objects, S3ObjectStore):
+            full = objects._key(key)
+            await asyncio.to_thread(
+                objects._client.upload_file,
+                str(tmp), objects.bucket, full, ExtraArgs={"ContentType": content_type},
+            )
+            return ObjectRef(f"s3://{objects.bucket}/{full}", ref.sha256, content_type, size)
+        # Another ObjectStore implementation: only whole puts are possible.
+        data = await asyncio.to_thread(tmp.read_bytes)
+        return await objects.put(key, data, content_type)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+async def _copy(source: ChunkSource, fh: IO[bytes], limit: int) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := await source.read_chunk(_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise ContractError(f"the file is over the {limit} byte upload limit",
+                                code="file_too_large", status=413)
+        digest.update(chunk)
+        fh.write(chunk)
+    return digest.hexdigest(), size
+
+
+async def read_object(objects: ObjectStore, uri: str) -> tuple[int, AsyncIterator[bytes]]:
+    """The object's size and an iterator over its bytes in chunks (never read whole)."""
+    if isinstance(objects, FileObjectStore):
+        path = _file_path(objects, uri)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise NotFound("the artifact object is gone") from None
+        return size, _file_chunks(path)
+    if isinstance(objects, S3ObjectStore):
+        parsed = urlparse(uri)
+        if parsed.netloc != objects.bucket:
+            raise NotFound("the artifact is outside this object store")
+        client: Any = objects._client
+        try:
+            obj = await asyncio.to_thread(
+                client.get_object, Bucket=objects.bucket, Key=parsed.path.lstrip("/"))
+        except client.exceptions.NoSuchKey:
+            raise NotFound("the artifact object is gone") from None
+        return int(obj["ContentLength"]), _s3_chunks(obj["Body"])
+    data = await objects.get(uri)
+
+    async def whole() -> AsyncIterator[bytes]:
+        yield data
+
+    return len(data), whole()
+
+
+def _file_path(objects: FileObjectStore, uri: str) -> Path:
+    path = Path(unquote(urlparse(uri).path)).resolve()
+    if not path.is_relative_to(objects.root):
+        raise NotFound("the object is outside this object store")
+    return path
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    fh = await asyncio.to_thread(path.open, "rb")
+    try:
+        while chunk := await asyncio.to_thread(fh.read, _CHUNK):
+            yield chunk
+    finally:
+        fh.close()
+
+
+async def _s3_chunks(body: Any) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await asyncio.to_thread(body.read, _CHUNK):
+            yield chunk
+    finally:
+        body.close()
+
+
+async def delete_object(objects: ObjectStore, uri: str) -> bool:
+    """Delete one object; False when it was not there (deletion is idempotent)."""
+    if isinstance(objects, FileObjectStore):
+        try:
+            path = _file_path(objects, uri)
+        except NotFound:
+            return False
+        try:
+            await asyncio.to_thread(path.unlink)
+        except FileNotFoundError:
+            return False
+        return True
+    if isinstance(objects, S3ObjectStore):
+        parsed = urlparse(uri)
+        if parsed.netloc != objects.bucket:
+            return False
+        await asyncio.to_thread(
+            objects._client.delete_object,
+            Bucket=objects.bucket, Key=parsed.path.lstrip("/"),
+        )
+        return True
+    return False
