@@ -179,20 +179,22 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from calmq.codec import make_codec
     from calmq.kafka import producer_config
-    from relay import PollingRelay, Publisher
+    from relay import Publisher, drop_slot, make_relay
 
     settings = _settings(args)
     _logging(settings.log_level)
+    if args.drop_slot:
+        dropped = drop_slot(settings.database_url, settings.relay_slot)
+        print(f"dropped replication slot {settings.relay_slot}" if dropped
+              else f"no replication slot {settings.relay_slot} in this database")
+        return 0
     _metrics_server(args.metrics_port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap)),
                           make_codec(settings.schema_registry_url))
-    relay = PollingRelay(settings.database_url, publisher, batch=settings.relay_batch,
-                         idle_seconds=settings.relay_idle_ms / 1000,
-                         retention_seconds=settings.outbox_retention_seconds)
-    relay.run(stop)
+    make_relay(settings, publisher).run(stop)
     return 0
 
 
@@ -540,7 +542,11 @@ def parser() -> argparse.ArgumentParser:
     _add(p, "--api-host")
     p = command("relay", cmd_relay, "run the outbox relay")
     _add(p, "--metrics-port", type=int)
-    _add(p, "--relay-mode", choices=["polling", "cdc"])
+    p.add_argument("--relay-mode", "--mode", dest="relay_mode", choices=["cdc", "polling"],
+                   default=None, help="cdc (default: logical replication) or polling")
+    _add(p, "--relay-slot", help="the replication slot (default calmq_outbox)")
+    p.add_argument("--drop-slot", action="store_true",
+                   help="remove the relay's replication slot on purpose, then exit")
     p = command("worker", cmd_worker, "run a stream processor")
     _add(p, "--pool")
     _add(p, "--priorities")

@@ -107,10 +107,16 @@ class Settings(BaseSettings):
     topic_replication: int = Field(default=1, ge=1)
 
     # Relay.
-    relay_mode: Literal["polling", "cdc"] = "polling"
+    relay_mode: Literal["polling", "cdc"] = "cdc"
     relay_batch: int = Field(default=2000, ge=1)
     relay_idle_ms: int = Field(default=5, ge=1)
     outbox_retention_seconds: float = Field(default=600.0, ge=0)
+    # CDC relay: names are per database, slots are per server (a test database needs its own).
+    relay_slot: str = Field(default="calmq_outbox", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    relay_publication: str = Field(default="calmq_outbox", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    relay_wal_warn_bytes: int = Field(default=1 << 30, ge=1)
+    relay_housekeeping_seconds: float = Field(default=5.0, gt=0)
+    relay_prune_batch: int = Field(default=5000, ge=1)
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +50,24 @@ class Publisher:
         if err is not None:
             self._failed.append(err)
 
-    def send(self, row: OutboxRow) -> None:
+    def send(self, row: OutboxRow, on_ack: Callable[[], None] | None = None) -> None:
+        """Produce ``row`` (or its rejection to the DLQ); ``on_ack`` runs once Kafka acked it.
+
+        Acks are served by ``poll``/``flush``; a refused record never calls ``on_ack`` and
+        makes the next ``flush`` raise, so a caller that confirms on acks never skips it.
+        """
         headers = [("id", row.id.encode()), ("eventType", row.type.encode())]
-        headers += [(k, str(v).encode()) for k, v in row.headers.items()]
         payload = row.payload
         if isinstance(payload, dict) and isinstance(payload.get("raw_value"), str):
             # jsonb holds no bytes: calmq.events stores an unreadable message as latin-1 text.
             payload = {**payload, "raw_value": payload["raw_value"].encode("latin-1")}
         try:
+            if not isinstance(row.headers, dict):
+                raise ContractError(  # noqa: TRY301 - one path for every rejection
+                    f"outbox headers must be a JSON object, not {type(row.headers).__name__}",
+                    code="bad_outbox_headers",
+                )
+            headers += [(k, str(v).encode()) for k, v in row.headers.items()]
             value = self.codec.encode(row.type, payload)
             topic = topics.topic_for_route(row.aggregatetype)
         except ContractError as exc:
@@ -65,27 +76,52 @@ class Publisher:
             value = self.codec.encode("job.dead_lettered", _rejection(row, exc))
             topic = topics.DLQ
             headers.append(("calmq-error-code", exc.code.encode()))
-        self._produce(topic, row.aggregateid.encode(), value, headers)
+        self._produce(topic, row.aggregateid.encode(), value, headers, on_ack)
 
-    def _produce(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+    def _delivered(self, on_ack: Callable[[], None]) -> Callable[[KafkaError | None, Message], None]:
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                self._failed.append(err)
+            else:
+                on_ack()
+
+        return report
+
+    def _produce(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        on_ack: Callable[[], None] | None = None,
+    ) -> None:
+        callback = self._on_delivery if on_ack is None else self._delivered(on_ack)
         while True:
             try:
                 self.producer.produce(
-                    topic, value=value, key=key, headers=headers, on_delivery=self._on_delivery
+                    topic, value=value, key=key, headers=headers, on_delivery=callback
                 )
                 return
             except BufferError:
                 # The local queue is full: serve delivery reports to make room, then retry.
                 self.producer.poll(0.05)
 
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""
+        self.producer.poll(timeout)
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._failed:
+            failed, self._failed = self._failed, []
+            raise InfrastructureError(f"Kafka refused {len(failed)} records: {failed[0]}")
+
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until Kafka acknowledged every record sent; raise if any was not."""
         remaining = self.producer.flush(timeout)
         if remaining:
             raise InfrastructureError(f"{remaining} records not acknowledged by Kafka in time")
-        if self._failed:
-            failed, self._failed = self._failed, []
-            raise InfrastructureError(f"Kafka refused {len(failed)} records: {failed[0]}")
+        self._raise_failed()
 
 
 def _rejection(row: OutboxRow, exc: ContractError) -> dict[str, Any]:

@@ -1,0 +1,506 @@
+"""The CDC relay: outbox inserts from PostgreSQL logical replication (pgoutput v1) to Kafka.
+
+A publication on the outbox table (inserts only) and a logical replication slot with the
+built-in ``pgoutput`` plugin, read over the streaming replication protocol with psycopg2's
+``LogicalReplicationConnection``. Transactions arrive in commit order; every row is
+produced at once (idempotent producer, key = job id, so one job's events keep their order)
+and a transaction's **end** LSN is confirmed to the server only when Kafka acknowledged
+every record of it and of every transaction before it (:class:`Ledger`). After a crash the
+slot streams again from the last confirmed transaction: duplicates of unconfirmed
+transactions, never a gap.
+
+Two details keep that promise:
+
+- A slot streams only what commits after it exists. When the relay creates its slot it
+  publishes, from the snapshot the slot exports, the rows already committed above the
+  polling relay's cursor, then records the catch-up in ``relay_slots``. A slot found without
+  that record (the relay died during catch-up) is dropped and made again.
+- psycopg2 moves its flush position to the server's WAL end on a keepalive whenever the
+  last confirmed LSN is at or past the start of the last message received. A transaction
+  that began before the previous one committed has changes *below* that commit's end, so a
+  keepalive arriving in the middle of it would confirm it unacknowledged. The walsender
+  sends keepalives inside a transaction only for ``wal_sender_timeout``, so the replication
+  connection runs with ``wal_sender_timeout=0``; between transactions the advance is safe
+  (everything received is confirmed). A dead relay is still seen at once: its socket closes.
+
+Housekeeping runs on its own thread and connection: slot lag metrics, a warning when the
+slot holds back more WAL than a setting, and deletion of published outbox rows after the
+retention (the WAL already holds them, so deleting a row never loses its event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache
+from typing import Any
+
+import psycopg
+import psycopg.sql
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+from prometheus_client import Counter, Gauge
+from psycopg.rows import dict_row
+
+from calmq import sql
+from calmq.errors import ConfigError, InfrastructureError
+from relay import pgoutput
+from relay.publisher import OutboxRow, Publisher
+
+__all__ = ["CdcRelay", "Ledger", "drop_slot", "lsn_text"]
+
+log = logging.getLogger(__name__)
+
+_OUTBOX = "outbox"
+
+
+def lsn_text(lsn: int) -> str:
+    """An LSN as PostgreSQL prints it: ``16/B374D848``."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+@dataclass(eq=False)
+class _Txn:
+    xid: int
+    commit_time: datetime
+    outstanding: int = 0
+    records: int = 0
+    end_lsn: int | None = None  # set by the Commit message
+
+
+@dataclass(frozen=True)
+class Confirmable:
+    """A finished prefix: its newest transaction's end LSN and what it carried."""
+
+    end_lsn: int
+    commit_time: datetime
+    transactions: int
+    records: int
+
+
+@dataclass
+class Ledger:
+    """Transactions in commit order, and how far the slot may be confirmed.
+
+    ``confirmable`` returns the end LSN of the newest transaction such that it and every
+    transaction before it are committed and fully acknowledged; a transaction still being
+    received, or with a record not yet acked, holds back everything after it.
+    """
+
+    _txns: deque[_Txn] = field(default_factory=deque)
+    in_flight: int = 0  # records produced and not yet acknowledged
+
+    def begin(self, xid: int, commit_time: datetime) -> _Txn:
+        txn = _Txn(xid, commit_time)
+        self._txns.append(txn)
+        return txn
+
+    def sent(self, txn: _Txn) -> Callable[[], None]:
+        """Count one record of ``txn``; returns the callback for its ack."""
+        txn.outstanding += 1
+        txn.records += 1
+        self.in_flight += 1
+
+        def acked() -> None:
+            txn.outstanding -= 1
+            self.in_flight -= 1
+
+        return acked
+
+    def commit(self, txn: _Txn, end_lsn: int) -> None:
+        txn.end_lsn = end_lsn
+
+    def confirmable(self) -> Confirmable | None:
+        """Pop the finished prefix of transactions; None if it is empty."""
+        done = None
+        count = records = 0
+        txns = self._txns
+        while txns and txns[0].end_lsn is not None and txns[0].outstanding == 0:
+            done = txns.popleft()
+            count += 1
+            records += done.records
+        if done is None or done.end_lsn is None:
+            return None
+        return Confirmable(done.end_lsn, done.commit_time, count, records)
+
+    @property
+    def pending(self) -> int:
+        return len(self._txns)
+
+
+@cache
+def _metrics() -> dict[str, Any]:
+    # Created on first use, not at import; the only label is the slot (bounded).
+    return {
+        "lag_bytes": Gauge("calmq_relay_slot_lag_bytes",
+                           "WAL written since the slot's last confirmed transaction", ["slot"]),
+        "retained_bytes": Gauge("calmq_relay_slot_retained_wal_bytes",
+                                "WAL the server keeps for the slot", ["slot"]),
+        "lag_seconds": Gauge("calmq_relay_slot_lag_seconds",
+                             "Commit to confirmation of the newest confirmed transaction; "
+                             "0 when nothing is pending", ["slot"]),
+        "published": Counter("calmq_relay_published_total",
+                             "Outbox rows acknowledged by Kafka (DLQ included)", ["slot"]),
+        "pruned": Counter("calmq_relay_pruned_total",
+                          "Published outbox rows deleted after the retention", ["slot"]),
+    }
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not name.replace("_", "").isalnum() or not name.islower() or len(name) > 63:
+        raise ConfigError(
+            f"{kind} name {name!r} must be lowercase letters, digits and underscores",
+            code="bad_relay_name",
+        )
+    return name
+
+
+def drop_slot(database_url: str, slot: str) -> bool:
+    """Remove the relay's replication slot on purpose; False if it did not exist.
+
+    Raises ConfigError(code='slot_active') while a relay streams from it.
+    """
+    q = sql.queries()
+    with psycopg.connect(database_url, autocommit=True, row_factory=dict_row) as conn:
+        row = conn.execute(q["relay_slot"], {"slot": slot}).fetchone()
+        conn.execute(q["relay_forget_slot"], {"slot": slot})
+        if row is None:
+            return False
+        if row["active"]:
+            raise ConfigError(
+                f"slot {slot} is in use by server process {row['active_pid']}: stop the relay "
+                "first", code="slot_active",
+            )
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    return True
+
+
+class CdcRelay:
+    """Relays outbox inserts from a logical replication slot; ``run(stop)`` until stopped.
+
+    Counters for a caller (a benchmark, a test): ``published`` (rows acked by Kafka),
+    ``transactions`` (transactions confirmed), ``confirmed_lsn`` and ``publisher.rejected``.
+    ``on_ack(row, commit_time)`` is called for every acked row if given.
+    """
+
+    def __init__(
+        self,
+        database_url: str,
+        publisher: Publisher,
+        *,
+        slot: str = "calmq_outbox",
+        publication: str = "calmq_outbox",
+        cursor_name: str = "default",
+        retention_seconds: float = 600.0,
+        housekeeping_seconds: float = 5.0,
+        prune_batch: int = 5000,
+        wal_warn_bytes: int = 1 << 30,
+        max_in_flight: int = 100_000,
+        on_ack: Callable[[OutboxRow, datetime], None] | None = None,
+    ) -> None:
+        self.database_url = database_url
+        self.publisher = publisher
+        self.slot = _check_name("slot", slot)
+        self.publication = _check_name("publication", publication)
+        self.cursor_name = cursor_name
+        self.retention_seconds = retention_seconds
+        self.housekeeping_seconds = housekeeping_seconds
+        self.prune_batch = prune_batch
+        self.wal_warn_bytes = wal_warn_bytes
+        self.max_in_flight = max_in_flight
+        self.on_ack = on_ack
+        self.published = 0
+        self.transactions = 0
+        self.pruned = 0
+        self.confirmed_lsn = 0
+        self._q = sql.queries()
+        self._relations: dict[int, pgoutput.Relation] = {}
+        self._m = _metrics()
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _replication_connection(self) -> psycopg2.extensions.connection:
+        # wal_sender_timeout=0: see the module docstring (no keepalive inside a transaction).
+        conn: psycopg2.extensions.connection = psycopg2.connect(
+            self.database_url,
+            connection_factory=psycopg2.extras.LogicalReplicationConnection,
+            options="-c wal_sender_timeout=0",
+        )
+        return conn
+
+    def _ensure_publication(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
+        row = conn.execute(self._q["relay_wal_level"]).fetchone()
+        if row is None or row["wal_level"] != "logical":
+            raise ConfigError(
+                f"the CDC relay needs wal_level=logical (the server has "
+                f"{row['wal_level'] if row else 'unknown'}): set it and restart PostgreSQL, "
+                "or run `calmq relay --mode polling`",
+                code="wal_level_not_logical",
+            )
+        if conn.execute(self._q["relay_publication_exists"],
+                        {"publication": self.publication}).fetchone() is None:
+            # Inserts only: the router publishes events, never later edits or deletions.
+            try:
+                conn.execute(
+                    f"CREATE PUBLICATION {self.publication} FOR TABLE {_OUTBOX} "
+                    "WITH (publish = 'insert')"
+                )
+            except psycopg.errors.DuplicateObject:
+                pass  # another relay made it at the same moment
+
+    def _slot_state(self, conn: psycopg.Connection[dict[str, Any]]) -> dict[str, Any] | None:
+        row: dict[str, Any] | None = conn.execute(
+            self._q["relay_slot"], {"slot": self.slot}).fetchone()
+        return row
+
+    def _wait_inactive(self, conn: psycopg.Connection[dict[str, Any]],
+                       stop: threading.Event) -> dict[str, Any] | None:
+        """The slot's state once no other process streams from it (None: no slot)."""
+        warned = 0.0
+        while True:
+            state = self._slot_state(conn)
+            if state is None or not state["active"]:
+                return state
+            if time.monotonic() - warned > 30:
+                # After kill -9 the old walsender exits as soon as it sees the socket close;
+                # a live relay on the same slot keeps this one waiting as a standby.
+                log.warning("slot %s is in use by server process %s; waiting",
+                            self.slot, state["active_pid"])
+                warned = time.monotonic()
+            if stop.wait(0.2):
+                return state
+
+    def _create_slot_and_catch_up(self, rconn: psycopg2.extensions.connection,
+                                  conn: psycopg.Connection[dict[str, Any]],
+                                  stop: threading.Event) -> bool:
+        """Create the slot and publish what committed before it; False if stopped."""
+        cur = rconn.cursor()
+        cur.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput (SNAPSHOT 'export')")
+        created = cur.fetchone()
+        consistent_lsn, snapshot_name = created[1], created[2]
+        log.info("created slot %s at %s; publishing rows committed before it",
+                 self.slot, consistent_lsn)
+        count = 0
+        # The exported snapshot lives until the next command on the replication connection.
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute(psycopg.sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
+                psycopg.sql.Literal(snapshot_name)))
+            cursor = conn.execute(self._q["relay_cursor"], {"name": self.cursor_name}).fetchone()
+            after = (cursor["txid"], cursor["seq"]) if cursor else ("0", 0)
+            with conn.cursor(name="relay_snapshot") as rows:
+                rows.execute(self._q["relay_snapshot_rows"], {"txid": after[0], "seq": after[1]})
+                for r in rows:
+                    self.publisher.send(OutboxRow(
+                        str(r["id"]), r["aggregatetype"], r["aggregateid"], r["type"],
+                        r["payload"], r["headers"]))
+                    count += 1
+                    if stop.is_set():
+                        break
+        self.publisher.flush()
+        if stop.is_set():
+            return False
+        conn.execute(self._q["relay_mark_caught_up"], {"slot": self.slot, "lsn": consistent_lsn})
+        self.published += count
+        log.info("slot %s caught up: %d rows published from its snapshot", self.slot, count)
+        return True
+
+    def prepare(self, stop: threading.Event) -> psycopg2.extensions.connection | None:
+        """Publication, slot and catch-up; the replication connection ready to stream."""
+        with psycopg.connect(self.database_url, autocommit=True, row_factory=dict_row) as conn:
+            self._ensure_publication(conn)
+            state = self._wait_inactive(conn, stop)
+            if stop.is_set():
+                return None
+            if state is not None and not state["caught_up"]:
+                log.warning("slot %s has no finished catch-up: dropping and making it again",
+                            self.slot)
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (self.slot,))
+                state = None
+            rconn = self._replication_connection()
+            try:
+                if state is None and not self._create_slot_and_catch_up(rconn, conn, stop):
+                    rconn.close()
+                    return None
+            except BaseException:
+                rconn.close()
+                raise
+            return rconn
+
+    # -- streaming --------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Relay until ``stop`` is set; then flush, confirm what Kafka acked, and return."""
+        rconn = self.prepare(stop)
+        if rconn is None:
+            return
+        keeper = threading.Thread(target=self._housekeeping, args=(stop,),
+                                  name="relay-housekeeping", daemon=True)
+        keeper.start()
+        try:
+            self._stream(rconn, stop)
+        finally:
+            rconn.close()
+            stop.set()
+            keeper.join(timeout=10)
+
+    def _stream(self, rconn: psycopg2.extensions.connection, stop: threading.Event) -> None:
+        cur = rconn.cursor()
+        cur.start_replication(
+            slot_name=self.slot, decode=False, status_interval=1,
+            options={"proto_version": "1", "publication_names": self.publication},
+        )
+        log.info("streaming slot %s (publication %s)", self.slot, self.publication)
+        ledger = Ledger()
+        txn: _Txn | None = None
+        publisher = self.publisher
+        lag_seconds = self._m["lag_seconds"].labels(self.slot)
+        published = self._m["published"].labels(self.slot)
+        since_poll = 0
+        while not stop.is_set():
+            msg = cur.read_message()
+            if msg is None:
+                if ledger.pending:
+                    publisher.poll(0.002)
+                    self._confirm(cur, ledger, lag_seconds, published)
+                else:
+                    lag_seconds.set(0)
+                    select.select([rconn], [], [], 0.2)
+                continue
+            message = pgoutput.decode(msg.payload)
+            if isinstance(message, pgoutput.Insert):
+                if txn is None:
+                    raise InfrastructureError("pgoutput sent an Insert outside a transaction")
+                row = self._row(message)
+                if row is None:
+                    continue
+                acked = ledger.sent(txn)
+                if self.on_ack is not None:
+                    acked = self._with_hook(acked, row, txn.commit_time)
+                publisher.send(row, acked)
+                since_poll += 1
+                if since_poll >= 1000:
+                    publisher.poll(0)
+                    since_poll = 0
+                while ledger.in_flight > self.max_in_flight:
+                    publisher.poll(0.01)
+            elif isinstance(message, pgoutput.Begin):
+                txn = ledger.begin(message.xid, message.commit_time)
+            elif isinstance(message, pgoutput.Commit):
+                if txn is None:
+                    raise InfrastructureError("pgoutput sent a Commit outside a transaction")
+                ledger.commit(txn, message.end_lsn)
+                txn = None
+                publisher.poll(0)
+                since_poll = 0
+                self._confirm(cur, ledger, lag_seconds, published)
+            elif isinstance(message, pgoutput.Relation):
+                self._relations[message.relation_id] = message
+        # SIGTERM: every record produced so far is acked (or the flush raises), then the
+        # finished transactions are confirmed before the process exits.
+        publisher.flush()
+        self._confirm(cur, ledger, lag_seconds, published)
+        cur.send_feedback(force=True)
+        log.info("relay stopped at %s after %d rows", lsn_text(self.confirmed_lsn),
+                 self.published)
+
+    def _with_hook(self, acked: Callable[[], None], row: OutboxRow,
+                   commit_time: datetime) -> Callable[[], None]:
+        hook = self.on_ack
+        assert hook is not None
+
+        def both() -> None:
+            acked()
+            hook(row, commit_time)
+
+        return both
+
+    def _row(self, insert: pgoutput.Insert) -> OutboxRow | None:
+        relation = self._relations.get(insert.relation_id)
+        if relation is None:
+            raise InfrastructureError(f"Insert for relation {insert.relation_id} before its "
+                                      "Relation message")
+        if relation.name != _OUTBOX:
+            return None  # a publication widened by hand: only outbox rows are events
+        values = pgoutput.row_as_dict(relation, insert)
+        return OutboxRow(
+            str(values["id"]), str(values["aggregatetype"]), str(values["aggregateid"]),
+            str(values["type"]), json.loads(values["payload"] or "null"),
+            json.loads(values["headers"] or "{}"),
+        )
+
+    def _confirm(self, cur: Any, ledger: Ledger, lag_seconds: Any, published: Any) -> None:
+        done = ledger.confirmable()
+        if done is None:
+            return
+        cur.send_feedback(flush_lsn=done.end_lsn)
+        self.confirmed_lsn = done.end_lsn
+        self.transactions += done.transactions
+        self.published += done.records
+        published.inc(done.records)
+        lag_seconds.set(max(0.0, (datetime.now(UTC) - done.commit_time).total_seconds()))
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def _housekeeping(self, stop: threading.Event) -> None:
+        horizons: deque[tuple[float, str, int]] = deque()
+        warned = 0.0
+        conn: psycopg.Connection[dict[str, Any]] | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    if conn is None or conn.closed:
+                        conn = psycopg.connect(self.database_url, autocommit=True,
+                                               row_factory=dict_row)
+                    warned = self._housekeep_once(conn, horizons, warned, stop)
+                except psycopg.Error as exc:
+                    log.warning("relay housekeeping failed, will retry: %s", exc)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                stop.wait(self.housekeeping_seconds)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _housekeep_once(self, conn: psycopg.Connection[dict[str, Any]],
+                        horizons: deque[tuple[float, str, int]], warned: float,
+                        stop: threading.Event) -> float:
+        lag = conn.execute(self._q["relay_slot_lag"], {"slot": self.slot}).fetchone()
+        if lag is None:
+            return warned
+        self._m["lag_bytes"].labels(self.slot).set(lag["lag_bytes"] or 0)
+        self._m["retained_bytes"].labels(self.slot).set(lag["retained_bytes"] or 0)
+        retained = lag["retained_bytes"] or 0
+        if retained > self.wal_warn_bytes and time.monotonic() - warned > 60:
+            log.warning("slot %s holds back %d bytes of WAL, more than relay_wal_warn_bytes "
+                        "(%d): is the relay keeping up? `calmq relay --drop-slot` removes an "
+                        "abandoned slot", self.slot, retained, self.wal_warn_bytes)
+            warned = time.monotonic()
+        now = time.monotonic()
+        horizon = conn.execute(self._q["relay_horizon"]).fetchone()
+        if horizon is not None:
+            horizons.append((now, horizon["xmin"], int(horizon["lsn"])))
+        # The newest horizon older than the retention whose WAL position the slot confirmed.
+        confirmed = int(lag["confirmed_lsn"] or 0)
+        chosen = None
+        while horizons and horizons[0][0] <= now - self.retention_seconds \
+                and horizons[0][2] <= confirmed:
+            chosen = horizons.popleft()
+        if chosen is not None:
+            while True:
+                deleted = conn.execute(self._q["relay_prune_published"],
+                                       {"xmin": chosen[1], "limit": self.prune_batch}).rowcount
+                self.pruned += deleted
+                self._m["pruned"].labels(self.slot).inc(deleted)
+                if deleted < self.prune_batch or stop.is_set():
+                    break
+        return warned
