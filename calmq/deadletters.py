@@ -125,7 +125,8 @@ class DeadLetters:
             if job is None:
                 raise NotFound(f"no job {job_id}")
             cur = await conn.execute(self._q["dlq_attempts"], {"id": job_id})
-            job["attempts"] = await cur.fetchall()
+            job["attempts"] = [{"round": r["round"], **r["record"]}
+                               for r in await cur.fetchall()]
             cur = await conn.execute(self._q["dlq_events"], {"id": job_id})
             job["events"] = await cur.fetchall()
         job["last_output"] = _last_output(job)

@@ -43,7 +43,7 @@ from producers.retention import Sweeper, purge
 from producers.uploads import delete_object, read_object, store_stream, tenant_owns
 from producers.webhooks import Dispatcher, check_callback_url
 
-__all__ = ["ROUTES", "SubmitRequest", "build_app", "job_view"]
+__all__ = ["ROUTES", "RedriveRequest", "SubmitRequest", "build_app", "job_view"]
 
 log = logging.getLogger(__name__)
 
@@ -559,6 +559,79 @@ async def list_reviews(request: web.Request) -> web.Response:
     ]})
 
 
+# -- dead letters ----------------------------------------------------------------------------------
+
+class RedriveRequest(BaseModel):
+    """The body of POST /v1/dead-letters/{job_id}/redrive."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: str = Field(min_length=1, max_length=1000)
+    by: str | None = Field(default=None, min_length=1, max_length=200)  # default: the tenant
+    dry_run: bool = False
+
+
+def _when(request: web.Request, name: str) -> datetime | None:
+    text = request.query.get(name)
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise ContractError(f"{name} is an ISO 8601 time", code="invalid_query",
+                            status=422) from None
+
+
+async def list_dead_letters(request: web.Request) -> web.Response:
+    from calmq.deadletters import DeadLetterFilter, DeadLetters
+
+    tenant = await _tenant(request)
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _LIST_MAX:
+        raise ContractError(f"limit is an integer from 1 to {_LIST_MAX}", code="invalid_query",
+                            status=422)
+    where = DeadLetterFilter(
+        tenant_id=tenant.id, failure_class=request.query.get("failure_class"),
+        code=request.query.get("code"), workflow=request.query.get("workflow"),
+        since=_when(request, "since"), until=_when(request, "until"), limit=limit)
+    rows = await DeadLetters(request.app[_STORE]).find(where)
+    return web.json_response({"dead_letters": [
+        {"job_id": str(r["id"]), "workflow": r["workflow"], "step": r["step"],
+         "attempt": r["attempt"], "error": r["error"], "created_at": _iso(r["created_at"]),
+         "dead_lettered_at": _iso(r["dead_lettered_at"]),
+         "redrive_url": f"/v1/dead-letters/{r['id']}/redrive"}
+        for r in rows
+    ]})
+
+
+async def redrive_dead_letter(request: web.Request) -> web.Response:
+    from calmq.deadletters import DeadLetters
+
+    tenant = await _tenant(request)
+    job_id = _job_id(request)
+    body, _raw = await _read_json(request)
+    try:
+        req = RedriveRequest.model_validate(body)
+    except ValidationError as exc:
+        raise ContractError(_json_error(exc), code="invalid_body", status=422) from exc
+    dead = DeadLetters(request.app[_STORE], workflows=request.app[_WORKFLOWS],
+                       objects=request.app[_OBJECTS])
+    [outcome] = await dead.redrive([job_id], by=req.by or f"tenant {tenant.name}",
+                                   reason=req.reason, tenant_id=tenant.id, dry_run=req.dry_run)
+    if outcome.outcome == "skipped":
+        raise ContractError(outcome.message, code=outcome.code or "not_dead_lettered",
+                            status=409)
+    if outcome.outcome == "rejected":
+        raise ContractError(outcome.message, code=outcome.code or "redrive_rejected",
+                            status=409 if outcome.code == "deadline_passed" else 422)
+    job = await request.app[_STORE].job_view(tenant.id, job_id)
+    assert job is not None
+    return web.json_response({**job_view(job), "redrive": outcome.as_dict()})
+
+
 # -- operations ----------------------------------------------------------------------------------
 
 async def healthz(_request: web.Request) -> web.Response:
@@ -597,6 +670,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/v1/jobs/{job_id}/cancel", cancel_job),
     ("POST", "/v1/jobs/{job_id}/review", review_job),
     ("GET", "/v1/reviews", list_reviews),
+    ("GET", "/v1/dead-letters", list_dead_letters),
+    ("POST", "/v1/dead-letters/{job_id}/redrive", redrive_dead_letter),
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),
     ("GET", "/metrics", metrics),

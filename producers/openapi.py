@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from calmq.jobs import Status
-from producers.api import ReviewRequest, SubmitRequest
+from producers.api import RedriveRequest, ReviewRequest, SubmitRequest
 
 __all__ = ["document"]
 
@@ -56,6 +56,19 @@ def _schemas() -> dict[str, Any]:
     return {
         "SubmitRequest": SubmitRequest.model_json_schema(),
         "ReviewRequest": ReviewRequest.model_json_schema(),
+        "RedriveRequest": RedriveRequest.model_json_schema(),
+        "DeadLetters": {"type": "object", "required": ["dead_letters"], "properties": {
+            "dead_letters": {"type": "array", "items": {
+                "type": "object",
+                "required": ["job_id", "workflow", "step", "attempt", "error", "created_at",
+                             "dead_lettered_at", "redrive_url"],
+                "properties": {"job_id": {"type": "string", "format": "uuid"},
+                               "workflow": {"type": "string"}, "step": {"type": "string"},
+                               "attempt": {"type": "integer"},
+                               "error": _nullable({"type": "object"}),
+                               "created_at": {"type": "string", "format": "date-time"},
+                               "dead_lettered_at": {"type": "string", "format": "date-time"},
+                               "redrive_url": {"type": "string"}}}}}},
         "Reviews": {"type": "object", "required": ["reviews"], "properties": {"reviews": {
             "type": "array", "items": {
                 "type": "object",
@@ -180,6 +193,26 @@ def document() -> dict[str, Any]:
                                 "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
                 "responses": {"200": _ok("jobs awaiting review, oldest first", "Reviews"),
                               **_errors(401, 422)},
+            }},
+            "/v1/dead-letters": {"get": {
+                "operationId": "listDeadLetters",
+                "parameters": [
+                    *({"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
+                      for n in ("failure_class", "code", "workflow")),
+                    *({"name": n, "in": "query", "required": False,
+                       "schema": {"type": "string", "format": "date-time"}}
+                      for n in ("since", "until")),
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
+                "responses": {"200": _ok("dead-lettered jobs, oldest death first",
+                                         "DeadLetters"), **_errors(401, 422)},
+            }},
+            "/v1/dead-letters/{job_id}/redrive": {"post": {
+                "operationId": "redriveDeadLetter", "parameters": [job_path],
+                "requestBody": {"required": True, "content": {_JSON: {
+                    "schema": {"$ref": "#/components/schemas/RedriveRequest"}}}},
+                "responses": {"200": _ok("requeued (or, with dry_run, unchanged)", "Job"),
+                              **_errors(401, 404, 409, 415, 422)},
             }},
             "/healthz": {"get": {"operationId": "healthz", "security": no_auth,
                                  "responses": {"200": {"description": "alive"}}}},

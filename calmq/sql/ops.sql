@@ -23,17 +23,16 @@ FROM jobs j JOIN tenants t ON t.id = j.tenant_id
 WHERE j.id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid);
 
 -- name: dlq_attempts
--- Every attempt of every round: round 0 is the current one (job_attempts).
-SELECT round, step, attempt, worker, started_at, finished_at, outcome, error_code,
-       error_class, error_message
-FROM (
-    SELECT 0 AS round, 1 AS ord, * FROM job_attempts WHERE job_id = %(id)s
+-- Every attempt of every round, as JSON rows: round 0 is the current one (job_attempts),
+-- then the archived rounds, oldest first.
+SELECT round, record FROM (
+    SELECT 0 AS round, 1 AS ord, to_jsonb(a) - 'job_id' AS record, a.started_at
+    FROM job_attempts a WHERE a.job_id = %(id)s
     UNION ALL
-    SELECT round, 0 AS ord, job_id, step, attempt, worker, started_at, finished_at, outcome,
-           error_code, error_class, error_message
+    SELECT round, 0 AS ord, record, (record->>'started_at')::timestamptz
     FROM job_attempts_redriven WHERE job_id = %(id)s
 ) a
-ORDER BY ord, round, started_at, attempt;
+ORDER BY ord, round, started_at;
 
 -- name: dlq_events
 SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
@@ -56,12 +55,9 @@ WITH requeued AS (
     DELETE FROM job_attempts a USING requeued r WHERE a.job_id = r.id
     RETURNING a.*
 ), kept AS (
-    INSERT INTO job_attempts_redriven (job_id, round, step, attempt, worker, started_at,
-                                       finished_at, outcome, error_code, error_class,
-                                       error_message)
-    SELECT job_id, (SELECT n FROM round), step, attempt, worker, started_at, finished_at,
-           outcome, error_code, error_class, error_message
-    FROM archived
+    INSERT INTO job_attempts_redriven (job_id, round, step, attempt, record)
+    SELECT a.job_id, (SELECT n FROM round), a.step, a.attempt, to_jsonb(a) - 'job_id'
+    FROM archived a
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'redriven', 0, %(detail)s::jsonb || jsonb_build_object('round', (SELECT n FROM round))

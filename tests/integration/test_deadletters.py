@@ -203,3 +203,38 @@ def test_redrive_rejects_input_that_no_longer_fits_todays_workflow(
     [outcome] = asyncio.run(go())
     assert (outcome.outcome, outcome.code) == ("rejected", "invalid_input")
     assert api.job(dead)["status"] == "dead_letter"
+
+
+def test_http_lists_and_redrives_only_the_callers_dead_letters(
+    stack: StackState, api: Api
+) -> None:
+    """GET /v1/dead-letters is tenant-scoped; POST .../redrive requeues, 409s, and 404s."""
+    dead = _dead_letter(api, "over http")
+    other = Api(stack.env["CALMQ_API_URL"],
+                create_tenant(stack.env["CALMQ_DATABASE_URL"], f"other-{uuid.uuid4().hex[:8]}"))
+
+    status, _h, body = api.call("GET", "/v1/dead-letters?code=malformed_output&limit=200")
+    assert status == 200, body
+    assert dead in [d["job_id"] for d in body["dead_letters"]]
+    status, _h, body = other.call("GET", "/v1/dead-letters")
+    assert (status, body["dead_letters"]) == (200, [])
+
+    path = f"/v1/dead-letters/{dead}/redrive"
+    status, _h, body = other.call("POST", path, {"reason": "not mine"})
+    assert (status, body["code"]) == (404, "not_found")
+    status, _h, body = api.call("POST", path, {"reason": "look first", "dry_run": True})
+    assert (status, body["status"], body["redrive"]["outcome"]) == (
+        200, "dead_letter", "would_redrive")
+    status, _h, body = api.call("POST", path, {"reason": "retry over http", "by": "ops"})
+    assert status == 200, body
+    assert body["redrive"]["outcome"] == "redriven"
+    assert "redriven" in [e["type"] for e in body["events"]]
+    status, _h, body = api.call("POST", f"/v1/dead-letters/{_completed(api)}/redrive",
+                                {"reason": "it is fine"})
+    assert (status, body["code"]) == (409, "not_dead_lettered")
+
+
+def _completed(api: Api) -> str:
+    job_id = api.submit({"text": "fine", "mode": "success"})
+    assert _terminal(api, job_id)["status"] == "completed"
+    return job_id

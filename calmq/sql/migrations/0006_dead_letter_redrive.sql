@@ -5,17 +5,13 @@
 -- so the earlier round's rows move here, numbered by round, instead of being overwritten:
 -- the evidence a person read before the redrive stays readable after it.
 CREATE TABLE job_attempts_redriven (
-    job_id        uuid NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
-    round         integer NOT NULL,   -- 1: the attempts before the first redrive
-    step          text NOT NULL,
-    attempt       integer NOT NULL,
-    worker        text NOT NULL,
-    started_at    timestamptz NOT NULL,
-    finished_at   timestamptz,
-    outcome       text,
-    error_code    text,
-    error_class   text,
-    error_message text,
+    job_id   uuid NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+    round    integer NOT NULL,   -- 1: the attempts before the first redrive
+    step     text NOT NULL,
+    attempt  integer NOT NULL,
+    -- The whole job_attempts row as it was: other migrations add columns to job_attempts
+    -- (tokens, cost, ...), and the archive keeps them all without following each change.
+    record   jsonb NOT NULL,
     PRIMARY KEY (job_id, round, step, attempt)
 );
 
