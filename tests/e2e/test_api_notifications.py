@@ -1,0 +1,182 @@
+"""Notifications: SSE woken by LISTEN/NOTIFY, and signed, retried, recorded webhooks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+import pytest
+
+from calmq.devstack import StackState
+from calmq.migrations import migrate
+from producers import keys
+from producers.client import Client, enqueue
+from producers.webhooks import verify
+from tests.conftest import wait_for
+from tests.support.api import Api, create_tenant
+from tests.support.intake import ApiProcess, db, running_api
+
+pytestmark = pytest.mark.e2e
+
+
+class Receiver:
+    """A real HTTP server that records callbacks and fails the first ``fail_first`` of them."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        self.calls: list[tuple[dict[str, str], bytes]] = []
+        self.fail_first = fail_first
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.calls.append((dict(self.headers), body))
+                self.send_response(500 if len(outer.calls) <= outer.fail_first else 204)
+                self.end_headers()
+
+            def log_message(self, *_a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def local_api(stack: StackState) -> Iterator[tuple[ApiProcess, str]]:
+    """An API that may call back to 127.0.0.1, retrying quickly, on a database of its own.
+
+    Its own database, because every API process dispatches webhooks: the session API
+    (private targets refused, the default) would otherwise claim these deliveries too.
+    Without a worker there, the test ends its job by cancelling it (a terminal event).
+    """
+    name = f"calmq_webhooks_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = stack.env["CALMQ_DATABASE_URL"].rsplit("/", 1)[0] + "/" + name
+    migrate(url)
+    with running_api(stack, {"CALMQ_DATABASE_URL": url, "CALMQ_WEBHOOK_ALLOW_PRIVATE": "true",
+                             "CALMQ_WEBHOOK_BACKOFF_SECONDS": "0.2"}) as api:
+        yield api, url
+
+
+def _tenant(stack: StackState, url: str) -> tuple[Api, str]:
+    name = f"notify-{uuid.uuid4().hex[:8]}"
+    return Api(url, create_tenant(stack.env["CALMQ_DATABASE_URL"], name)), name
+
+
+def test_sse_stream_sees_queued_running_completed_in_order(stack: StackState) -> None:
+    """An SSE stream opened right after submit sees queued, running, completed, then ends."""
+    api, _name = _tenant(stack, stack.env["CALMQ_API_URL"])
+
+    async def watch() -> list[dict[str, Any]]:
+        async with Client(api.base_url, api.key) as client:
+            accepted = await client.submit("summarize", {"text": "stream me", "mode": "success",
+                                                         "delay_ms": 400})
+            return [e async for e in client.events(accepted["job_id"])]
+
+    seen = asyncio.run(asyncio.wait_for(watch(), timeout=60))
+    assert [e["type"] for e in seen] == ["queued", "running", "completed"]
+    assert [int(e["id"]) for e in seen] == sorted(int(e["id"]) for e in seen)
+
+
+def test_sse_resumes_after_last_event_id(stack: StackState) -> None:
+    """Reconnecting with Last-Event-ID replays only the events after it."""
+    api, _name = _tenant(stack, stack.env["CALMQ_API_URL"])
+    job_id = api.submit({"text": "resume", "mode": "success"})
+    wait_for(lambda: api.job(job_id)["status"] == "completed", timeout=60, what="completion")
+
+    async def replay() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with Client(api.base_url, api.key) as client:
+            every = [e async for e in client.events(job_id)]
+            rest = [e async for e in client.events(job_id, after=int(every[0]["id"]))]
+            return every, rest
+
+    every, rest = asyncio.run(asyncio.wait_for(replay(), timeout=30))
+    assert [e["type"] for e in rest] == [e["type"] for e in every[1:]]
+
+
+def test_private_callback_url_is_refused_at_submit(stack: StackState) -> None:
+    """callback_url to loopback, private, link-local or localhost answers 422 and writes nothing."""
+    api, name = _tenant(stack, stack.env["CALMQ_API_URL"])
+    for url in ("http://127.0.0.1:9/hook", "http://localhost/hook", "http://10.1.2.3/x",
+                "http://192.168.0.5/x", "http://169.254.169.254/latest", "http://[::1]/x",
+                "http://0.0.0.0/x"):
+        status, hdrs, body = api.call("POST", "/v1/jobs", {
+            "workflow": "summarize", "input": {"text": "x"}, "callback_url": url})
+        assert status == 422, (url, body)
+        assert hdrs["Content-Type"].startswith("application/problem+json")
+        assert body["code"] == "callback_url_forbidden"
+    status, _h, body = api.call("POST", "/v1/jobs", {
+        "workflow": "summarize", "input": {"text": "x"}, "callback_url": "ftp://example.com/x"})
+    assert (status, body["code"]) == (422, "invalid_callback_url")
+    with db(stack) as conn:
+        row = conn.execute("SELECT count(*) FROM jobs j JOIN tenants t ON t.id = j.tenant_id "
+                           "WHERE t.name = %s", (name,)).fetchone()
+    assert row == (0,)
+
+
+def test_dispatcher_refuses_private_target_enqueued_past_the_api(stack: StackState) -> None:
+    """A private callback_url that bypassed the API check is refused at send time, once."""
+    _api, name = _tenant(stack, stack.env["CALMQ_API_URL"])
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        tenant_id = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()[0]
+        job_id = enqueue(conn, tenant_id=tenant_id, workflow="summarize",
+                         input={"text": "x", "mode": "success"},
+                         callback_url="http://127.0.0.1:9/never")
+    def delivery() -> tuple[Any, ...] | None:
+        with db(stack) as conn:
+            return conn.execute(
+                "SELECT d.status, d.attempts, a.error FROM webhook_deliveries d "
+                "JOIN webhook_attempts a ON a.delivery_id = d.id WHERE d.job_id = %s "
+                "AND d.status <> 'pending'", (job_id,)).fetchone()
+
+    status, attempts, error = wait_for(delivery, timeout=60, what="the refused delivery")
+    assert (status, attempts) == ("failed", 1)
+    assert "private or loopback" in error
+
+
+def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str]) -> None:
+    """A callback fails once, is retried, and its HMAC signature verifies with the tenant secret."""
+    api_process, database_url = local_api
+    name = f"hook-{uuid.uuid4().hex[:8]}"
+    api = Api(api_process.url, create_tenant(database_url, name))
+    secret = keys.webhook_secret(database_url, name)
+    with Receiver(fail_first=1) as receiver:
+        job_id = api.submit({"text": "call me back", "mode": "success"},
+                            callback_url=receiver.url)
+        assert api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] == 200
+        wait_for(lambda: len(receiver.calls) >= 2, timeout=60, what="the retried callback")
+        headers, body = receiver.calls[-1]
+    assert verify(secret, headers, body)
+    assert not verify(secret, headers, body + b" ")
+    assert not verify("another-tenants-secret", headers, body)
+    payload = json.loads(body)
+    assert payload["event"] == "cancelled"
+    assert payload["job"]["job_id"] == job_id
+    assert payload["job"]["status"] == "cancelled"
+
+    def recorded() -> list[tuple[Any, ...]] | None:
+        with psycopg.connect(database_url) as conn:
+            rows = conn.execute(
+                "SELECT d.status, a.attempt, a.status_code FROM webhook_deliveries d "
+                "JOIN webhook_attempts a ON a.delivery_id = d.id WHERE d.job_id = %s "
+                "ORDER BY a.attempt", (job_id,)).fetchall()
+        return rows if rows and rows[0][0] == "delivered" else None
+
+    rows = wait_for(recorded, timeout=30, what="the delivery to be recorded as delivered")
+    assert [(r[1], r[2]) for r in rows] == [(1, 500), (2, 204)]
