@@ -25,7 +25,7 @@ from typing import Any
 from calmq import topics
 from calmq.errors import ConfigError
 from calmq.settings import Settings
-from calmq.workflows import Workflow, builtin_workflows
+from calmq.workflows import Workflow, load_workflows
 
 __all__ = ["BudgetCap", "budget_cap", "pools", "render", "write"]
 
@@ -61,11 +61,12 @@ def budget_cap(
 
 
 def pools(settings: Settings, workflows: dict[str, Workflow] | None = None) -> list[str]:
-    """The pools to render: ``keda_pools``, or every pool the workflows route steps to."""
+    """The pools to render: ``keda_pools``, or every pool the workflows (built-in, entry
+    points, ``workflow_modules``) route their steps to."""
     if settings.keda_pools.strip():
         return [p.strip() for p in settings.keda_pools.split(",") if p.strip()]
-    found = {step.pool or wf.pool
-             for wf in (workflows or builtin_workflows()).values() for step in wf.steps}
+    registry = workflows if workflows is not None else load_workflows(settings)
+    found = {step.pool or wf.pool for wf in registry.values() for step in wf.steps}
     return sorted(found)
 
 

@@ -422,6 +422,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     from calmq.deadletters import DeadLetters
     from calmq.objects import open_object_store
     from calmq.store import Store
+    from calmq.workflows import load_workflows
 
     settings = _settings(args)
 
@@ -435,7 +436,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         store = Store(settings.database_url, max_size=2)
         await store.open()
         try:
-            dlq = DeadLetters(store, objects=open_object_store(settings.object_store_url))
+            dlq = DeadLetters(store, workflows=load_workflows(settings),
+                              objects=open_object_store(settings.object_store_url))
             if args.action == "list":
                 rows = await dlq.find(_dlq_filter(args))
                 if args.json:

@@ -124,7 +124,7 @@ class Settings(BaseSettings):
     # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
-    keda_pools: str = ""  # comma list; empty: every pool the built-in workflows route to
+    keda_pools: str = ""  # comma list; empty: every pool the registered workflows route to
     keda_namespace: str = "calmq"
     keda_image: str = "calmq:latest"
     keda_lag_threshold: int = Field(default=20, ge=1)  # messages of lag per replica

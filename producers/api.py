@@ -597,7 +597,7 @@ async def list_dead_letters(request: web.Request) -> web.Response:
         tenant_id=tenant.id, failure_class=request.query.get("failure_class"),
         code=request.query.get("code"), workflow=request.query.get("workflow"),
         since=_when(request, "since"), until=_when(request, "until"), limit=limit)
-    rows = await DeadLetters(request.app[_STORE]).find(where)
+    rows = await DeadLetters(request.app[_STORE], workflows=request.app[_WORKFLOWS]).find(where)
     return web.json_response({"dead_letters": [
         {"job_id": str(r["id"]), "workflow": r["workflow"], "step": r["step"],
          "attempt": r["attempt"], "error": r["error"], "created_at": _iso(r["created_at"]),
