@@ -16,7 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from confluent_kafka import Message
 
@@ -30,6 +31,7 @@ from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
 from processors import metrics
 from processors.offsets import OffsetTracker
+from processors.poison import Poison, PoisonSink
 from processors.policy import Backoff, decide
 
 __all__ = ["Committer", "RunnerConfig", "StepRunner"]
@@ -37,6 +39,7 @@ __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 log = logging.getLogger(__name__)
 
 Position = tuple[tuple[str, int], int]  # ((topic, partition), offset)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class StepRunner:
         workflows: dict[str, Workflow],
         tracker: OffsetTracker,
         config: RunnerConfig,
+        poison: PoisonSink,
     ) -> None:
         self.store = store
         self.codec = codec
@@ -130,6 +134,7 @@ class StepRunner:
         self.tracker = tracker
         self.config = config
         self.committer = Committer(store, tracker)
+        self.poison = poison
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._abandoning = False
@@ -157,8 +162,7 @@ class StepRunner:
 
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
-        poison: list[dict[str, Any]] = []
-        poison_positions: list[Position] = []
+        poison: list[Poison] = []
         for msg in batch:
             position = ((msg.topic(), msg.partition()), msg.offset())
             try:
@@ -170,23 +174,19 @@ class StepRunner:
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
-                dead = events.dead_lettered(
-                    None,
-                    errors=[{"attempt": 0, "code": code, "class": "input", "message": str(exc)}],
-                    source_topic=msg.topic(),
-                    raw_value=msg.value(),
-                )
-                poison.append(events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead))
-                poison_positions.append(position)
+                poison.append(Poison(msg.topic(), msg.partition(), msg.offset(), msg.key(),
+                                     msg.value() or b"", code, str(exc)))
         if poison:
-            await self.store.insert_outbox(poison)
-            for tp, offset in poison_positions:
-                self.tracker.done(tp, offset)
+            await self._persist("sending poison messages to calmq.dlq",
+                                lambda: self.poison.send(poison))
+            for p in poison:
+                self.tracker.done((p.topic, p.partition), p.offset)
             metrics.POISON.inc(len(poison))
         if not wanted:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
-        rows = await self.store.claim(list(ids), self.config.worker_id, self.config.lease_seconds)
+        rows = await self._persist("claiming a batch", lambda: self.store.claim(
+            list(ids), self.config.worker_id, self.config.lease_seconds))
         claimed = {row["id"]: row for row in rows}
         for msg, job_id in wanted:
             position = ((msg.topic(), msg.partition()), msg.offset())
@@ -198,6 +198,20 @@ class StepRunner:
                 continue
             task = asyncio.create_task(self._run(row, msg.topic(), position))
             self._running[job_id] = task
+
+    @staticmethod
+    async def _persist(what: str, action: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``action`` until it succeeds: the database or Kafka being away for a while
+        must delay a batch, not lose its offsets (a lost batch task would stall its
+        partitions' commits for good)."""
+        delay = 0.1
+        while True:
+            try:
+                return await action()
+            except Exception:  # noqa: BLE001 - retried; the log says what failed
+                log.exception("%s failed; retrying in %.1fs", what, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _run(self, job: dict[str, Any], topic: str, position: Position) -> None:
         try:

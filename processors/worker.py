@@ -9,16 +9,19 @@ import signal
 import socket
 import threading
 
+from confluent_kafka import Producer
+
 from calmq import topics
 from calmq.codec import make_codec
 from calmq.gateway import open_provider
-from calmq.kafka import consumer_config
+from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.settings import Settings
 from calmq.store import Store
 from calmq.workflows import Workflow, builtin_workflows
 from processors import metrics
 from processors.consumer import ParallelConsumer
+from processors.poison import PoisonSink
 from processors.policy import Backoff
 from processors.runner import RunnerConfig, StepRunner
 
@@ -54,13 +57,15 @@ class Worker:
             max_in_flight=s.concurrency,
             commit_interval=s.commit_interval_ms / 1000,
         )
+        codec = make_codec(s.schema_registry_url)
         runner = StepRunner(
             store=store,
-            codec=make_codec(s.schema_registry_url),
+            codec=codec,
             provider=provider,
             objects=open_object_store(s.object_store_url),
             workflows=self.workflows,
             tracker=consumer.tracker,
+            poison=PoisonSink(Producer(producer_config(s.kafka_bootstrap)), codec),
             config=RunnerConfig(
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,

@@ -26,12 +26,47 @@ import psycopg
 from psycopg.rows import dict_row
 
 from calmq import events, topics
-from calmq.devstack import processes
+from calmq.devstack import StackState, processes
 from calmq.kafka import create_topics
 from calmq.store import NewJob, Store
 from tests.conftest import wait_for
+from tests.support.api import Api
 
 ROOT = Path(__file__).resolve().parents[2]
+
+TIERS = "1s,2s,4s"
+TERMINAL = ("completed", "dead_letter", "cancelled")
+# Short lease so a killed worker's job is requeued quickly; small tiers so retries are quick.
+BASE = {"retry_tiers": TIERS, "retry_initial_seconds": "0.5", "lease_seconds": "2",
+        "grace_seconds": "2"}
+
+
+def _pool(name: str) -> str:
+    return f"t4{name}{uuid.uuid4().hex[:6]}"
+
+
+class Env:
+    """A test module's view of the stack: its tenant, its processes, its pools."""
+
+    def __init__(self, stack: StackState, procs: Procs) -> None:
+        self.stack = stack
+        self.procs = procs
+        self.db = stack.env["CALMQ_DATABASE_URL"]
+        self.bootstrap = stack.env["CALMQ_KAFKA_BOOTSTRAP"]
+        self.tenant, key = create_tenant_id(self.db, f"proc-{uuid.uuid4().hex[:8]}")
+        self.api = Api(stack.env["CALMQ_API_URL"], key)
+
+    def pool(self, name: str) -> str:
+        pool = _pool(name)
+        create_pool_topics(self.bootstrap, pool, TIERS.split(","))
+        return pool
+
+    def submit(self, pool: str, *inputs: dict[str, Any], **kw: Any) -> list[str]:
+        return submit(self.db, self.tenant, pool, list(inputs), **kw)
+
+    def finished(self, job_id: str, timeout: float = 60) -> dict[str, Any]:
+        return wait_for(lambda: (j := self.api.job(job_id))["status"] in TERMINAL and j,
+                        timeout=timeout, what=f"job {job_id} to finish")
 
 
 class Procs:

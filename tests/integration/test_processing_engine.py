@@ -1,0 +1,221 @@
+"""The processing engine beyond the reference cases: every fake-provider mode through a real
+worker, cancellation, poison messages, interactive ahead of bulk, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import struct
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from calmq.codec import make_codec
+from calmq.devstack import StackState
+from tests.conftest import wait_for
+from tests.support.workers import (
+    BASE,
+    TERMINAL,
+    TIERS,
+    Env,
+    Procs,
+    create_pool_topics,
+    fake_stats,
+    history,
+    job_rows,
+    metric,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    procs = Procs(stack.env, tmp_path_factory.mktemp("engine-logs"))
+    create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], "unused", TIERS.split(","))
+    procs.forwarder(retry_tiers=TIERS)
+    try:
+        yield Env(stack, procs)
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def served(env: Env) -> tuple[str, int]:
+    """A pool with one worker; returns the pool and the worker's metrics port."""
+    pool = env.pool("eng")
+    _proc, port = env.procs.worker(pool, **BASE)
+    return pool, port
+
+
+def _types(events: list[dict[str, Any]]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "attempts", "codes", "failure_class"),
+    [
+        ({"mode": "flaky", "fail_times": 1}, "completed", 2, ["upstream_unavailable"], None),
+        ({"mode": "success", "delay_ms": 300}, "completed", 1, [], None),
+        ({"mode": "rate_limited"}, "dead_letter", 3, ["rate_limited"] * 3, "transient"),
+        ({"mode": "low_confidence"}, "awaiting_review", 1, [], None),
+        ({"mode": "refusal"}, "dead_letter", 1, ["model_refusal"], "policy"),
+        ({"mode": "bad_request"}, "dead_letter", 1, ["provider_bad_request"], "input"),
+        ({"mode": "unauthorized"}, "dead_letter", 1, ["provider_permission"], "permission"),
+    ],
+    ids=["flaky", "delay_ms", "rate_limited", "low_confidence", "refusal", "bad_request",
+         "unauthorized"],
+)
+def test_fake_provider_mode_through_the_worker(
+    env: Env, served: tuple[str, int], data: dict[str, Any], status: str, attempts: int,
+    codes: list[str], failure_class: str | None,
+) -> None:
+    """Each fake-provider mode ends in its status, attempt count and error classes."""
+    (job_id,) = env.submit(served[0], {"text": "mode check", **data})
+    job = wait_for(lambda: (j := env.api.job(job_id))["status"] in (*TERMINAL, "awaiting_review")
+                   and j, timeout=60, what=f"job {job_id} to settle")
+    assert job["status"] == status
+    assert job["attempt"] == attempts
+    row = job_rows(env.db, [job_id])[job_id]
+    assert [e["code"] for e in row["errors"]] == codes
+    if failure_class is not None:
+        assert job["error"]["class"] == failure_class
+    if data["mode"] == "rate_limited":
+        # Retry-After (1 s from the fake provider) is a floor under every retry's delay.
+        delays = [e["detail"]["delay_seconds"] for e in history(env.db, job_id)
+                  if e["type"] == "retry_scheduled"]
+        assert len(delays) == 2
+        assert min(delays) >= 1.0
+
+
+def test_cancel_skips_queued_job_and_aborts_running_one(env: Env) -> None:
+    """A job cancelled while queued is never called; one cancelled mid-call is aborted at
+    the next heartbeat and its answer discarded."""
+    pool = env.pool("cancel")
+    (queued_id,) = env.submit(pool, {"text": "cancel me early", "mode": "success"})
+    assert env.api.call("POST", f"/v1/jobs/{queued_id}/cancel")[0] in (200, 202)
+    _proc, port = env.procs.worker(pool, **BASE)
+    (running_id,) = env.submit(pool, {"text": "cancel me late", "mode": "success",
+                                      "delay_ms": 2500})
+    fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
+    wait_for(lambda: fake_stats(fake)["by_job"].get(running_id, {}).get("calls"), timeout=30,
+             what="the model call to start")
+    assert env.api.call("POST", f"/v1/jobs/{running_id}/cancel")[0] in (200, 202)
+    wait_for(lambda: (metric(port, "calmq_attempts_aborted_total") or 0) >= 1, timeout=10,
+             what="the worker to abort the cancelled attempt")
+    wait_for(lambda: fake_stats(fake)["by_job"][running_id]["completed"] == 1, timeout=10,
+             what="the provider to answer the aborted call")
+    wait_for(lambda: (metric(port, "calmq_redeliveries_acked_total") or 0) >= 1, timeout=30,
+             what="the queued job's message to be acknowledged without a call")
+    assert queued_id not in fake_stats(fake)["by_job"]
+    rows = job_rows(env.db, [queued_id, running_id])
+    assert rows[running_id]["status"] == "cancelled"
+    assert rows[running_id]["artifact"] is None
+    assert _types(history(env.db, running_id)) == ["queued", "running", "cancelled"]
+    assert _types(history(env.db, queued_id)) == ["queued", "cancelled"]
+
+
+def test_poison_messages_go_to_the_dlq_and_the_worker_keeps_going(env: Env) -> None:
+    """Undecodable bytes, an unknown schema id and an unknown workflow each reach calmq.dlq
+    with their reason; the worker stays up and completes the next job."""
+    pool = env.pool("poison")
+    proc, port = env.procs.worker(pool, **BASE)
+    topic = f"calmq.{pool}.interactive"
+    garbage = b"this is not avro " + uuid.uuid4().hex.encode()
+    unknown_schema = b"\x00" + struct.pack(">I", 987654) + uuid.uuid4().bytes
+    producer = Producer({"bootstrap.servers": env.bootstrap})
+    for value in (garbage, unknown_schema):
+        producer.produce(topic, value=value, key=b"poison")
+    assert producer.flush(10) == 0
+    (unknown_wf,) = env.submit(pool, {"text": "who runs me"}, workflow="no_such_workflow")
+    (good,) = env.submit(pool, {"text": "after the poison", "mode": "success"})
+
+    assert env.finished(good)["status"] == "completed"
+    assert proc.poll() is None
+    job = env.finished(unknown_wf)
+    assert job["status"] == "dead_letter"
+    assert job["error"]["code"] == "unknown_workflow"
+    reasons = _dlq_reasons(env, topic, {garbage, unknown_schema})
+    assert reasons == {garbage: "undecodable", unknown_schema: "unknown_schema"}
+    assert (metric(port, "calmq_poison_messages_total") or 0) >= 2
+
+
+def _dlq_reasons(env: Env, source: str, raws: set[bytes]) -> dict[bytes, str]:
+    codec = make_codec(env.stack.env["CALMQ_SCHEMA_REGISTRY_URL"])
+    consumer = Consumer({"bootstrap.servers": env.bootstrap, "group.id": f"t-{uuid.uuid4()}",
+                         "auto.offset.reset": "earliest"})
+    found: dict[bytes, str] = {}
+    try:
+        meta = consumer.list_topics("calmq.dlq", timeout=10)
+        consumer.assign([TopicPartition("calmq.dlq", p, 0)
+                         for p in meta.topics["calmq.dlq"].partitions])
+
+        def seen() -> bool:
+            for msg in consumer.consume(500, timeout=0.2):
+                if msg.error() is not None:
+                    continue
+                _type, dead = codec.decode(msg.value() or b"")
+                if dead.get("source_topic") == source and dead.get("raw_value") in raws:
+                    found[dead["raw_value"]] = dead["errors"][0]["code"]
+            return len(found) == len(raws)
+
+        wait_for(seen, timeout=30, what="the poison messages on calmq.dlq")
+    finally:
+        consumer.close()
+    return found
+
+
+def test_interactive_jobs_overtake_bulk_when_the_worker_is_full(env: Env) -> None:
+    """With the worker full of bulk work, an interactive job is fetched and finished while
+    bulk jobs still wait."""
+    pool = env.pool("prio")
+    _proc, port = env.procs.worker(pool, **BASE, concurrency="2")
+    bulk = env.submit(pool, *[{"text": f"bulk {i}", "mode": "success", "delay_ms": 1500}
+                              for i in range(6)], priority="bulk")
+    wait_for(lambda: metric(port, "calmq_worker_in_flight") == 2, timeout=30,
+             what="the worker to be full of bulk work")
+    (interactive,) = env.submit(pool, {"text": "me first", "mode": "success"})
+    assert env.finished(interactive)["status"] == "completed"
+    waiting = [r for r in job_rows(env.db, bulk).values() if r["status"] == "queued"]
+    assert len(waiting) >= 2
+    for job_id in bulk:
+        assert env.finished(job_id)["status"] == "completed"
+
+
+def test_sigterm_finishes_in_flight_work_within_the_grace_period(env: Env) -> None:
+    """SIGTERM: the worker stops fetching, finishes what it runs, commits and exits 0."""
+    pool = env.pool("term")
+    proc, port = env.procs.worker(pool, **{**BASE, "grace_seconds": "15"})
+    ids = env.submit(pool, *[{"text": f"finish me {i}", "mode": "success", "delay_ms": 1500}
+                             for i in range(3)])
+    wait_for(lambda: metric(port, "calmq_worker_in_flight") == 3, timeout=30,
+             what="three jobs in flight")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    for job_id in ids:
+        assert _types(history(env.db, job_id)) == ["queued", "running", "completed"]
+
+
+def test_sigterm_past_the_grace_period_hands_work_to_the_next_worker(env: Env) -> None:
+    """Work still running when the grace period ends is abandoned with its lease handed
+    back, and the next worker completes it at once."""
+    pool = env.pool("abandon")
+    proc, _port = env.procs.worker(pool, **{**BASE, "grace_seconds": "0.3",
+                                            "lease_seconds": "30"})
+    (job_id,) = env.submit(pool, {"text": "too slow to finish", "mode": "success",
+                                  "delay_ms": 4000})
+    fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
+    wait_for(lambda: fake_stats(fake)["by_job"].get(job_id, {}).get("calls"), timeout=30,
+             what="the model call to start")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    # Its lease expired on release: still running, or already requeued by a reaper.
+    assert job_rows(env.db, [job_id])[job_id]["status"] in ("running", "queued")
+    env.procs.worker(pool, **{**BASE, "lease_seconds": "30"})
+    # With a 30 s lease, finishing well before it could expire shows the lease was released.
+    job = env.finished(job_id, timeout=20)
+    assert job["status"] == "completed"
+    assert _types(job["events"]) == ["queued", "running", "requeued_after_restart", "running",
+                                     "completed"]
