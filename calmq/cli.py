@@ -458,8 +458,13 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 print(json.dumps(_jsonable(job), indent=2))
                 return 0
             # redrive: the given ids, or every dead letter the filters match
-            targets = ids(args.rest) if args.rest else [r["id"] for r in
-                                                        await dlq.find(_dlq_filter(args))]
+            where = _dlq_filter(args)
+            if not args.rest and not any(v is not None for k, v in where.params().items()
+                                         if k != "limit"):
+                raise ConfigError("name job ids or at least one filter (--code, --since, ...); "
+                                  "a bare redrive would requeue every dead letter",
+                                  code="redrive_needs_target")
+            targets = ids(args.rest) if args.rest else [r["id"] for r in await dlq.find(where)]
             if not args.reason:
                 raise ConfigError("say why with --reason (it goes into the job's history)",
                                   code="redrive_needs_reason")
