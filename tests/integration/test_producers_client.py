@@ -1,0 +1,120 @@
+"""The client library: enqueue inside the caller's transaction, and group commit of submits."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from calmq.devstack import StackState
+from calmq.errors import ContractError, InfrastructureError
+from calmq.workflows import builtin_workflows
+from producers.client import enqueue, enqueue_async
+from producers.intake import GroupCommit, insert_params, prepare
+from tests.conftest import wait_for
+from tests.support.api import Api, create_tenant
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tenant(stack: StackState) -> tuple[uuid.UUID, str]:
+    name = f"client-{uuid.uuid4().hex[:8]}"
+    key = create_tenant(stack.env["CALMQ_DATABASE_URL"], name)
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        row = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()
+    assert row is not None
+    return row[0], key
+
+
+def _rows(url: str, job_id: uuid.UUID) -> tuple[int, int, int]:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM jobs WHERE id = %(id)s),"
+            " (SELECT count(*) FROM job_events WHERE job_id = %(id)s),"
+            " (SELECT count(*) FROM outbox WHERE aggregateid = %(id)s::text)",
+            {"id": job_id}).fetchone()
+    assert row is not None
+    return row
+
+
+def test_enqueue_rolls_back_with_the_callers_transaction(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """A job enqueued in a transaction that rolls back leaves no job, event or outbox row."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TEMP TABLE orders (id int)")
+        conn.execute("INSERT INTO orders VALUES (1)")
+        job_id = enqueue(conn, tenant_id=tenant[0], workflow="summarize",
+                         input={"text": "never"})
+        assert _rows(url, job_id) == (0, 0, 0)  # not visible before the caller commits
+        conn.rollback()
+    assert _rows(url, job_id) == (0, 0, 0)
+
+
+def test_enqueue_commits_with_the_business_write_and_the_job_completes(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """A job enqueued next to a business write commits with it and runs through the pipeline."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS client_test_orders (id uuid PRIMARY KEY)")
+        order = uuid.uuid4()
+        conn.execute("INSERT INTO client_test_orders VALUES (%s)", (order,))
+        job_id = enqueue(conn, tenant_id=tenant[0], workflow="summarize",
+                         input={"text": "from an upstream service", "mode": "success"},
+                         metadata={"order": str(order)})
+    assert _rows(url, job_id) == (1, 1, 1)
+
+    api = Api(stack.env["CALMQ_API_URL"], tenant[1])
+    job = wait_for(lambda: (j := api.job(str(job_id)))["status"] in ("completed", "dead_letter")
+                   and j, timeout=60, what="the enqueued job to finish")
+    assert job["status"] == "completed"
+
+
+async def test_enqueue_async_validates_before_writing(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """enqueue_async refuses bad input with the API's codes and writes on the caller's commit."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        with pytest.raises(ContractError) as bad:
+            await enqueue_async(conn, tenant_id=tenant[0], workflow="summarize",
+                                input={"text": 5})
+        assert bad.value.code == "invalid_input"
+        with pytest.raises(ContractError) as unknown:
+            await enqueue_async(conn, tenant_id=tenant[0], workflow="nope", input={})
+        assert unknown.value.code == "unknown_workflow"
+        job_id = await enqueue_async(conn, tenant_id=tenant[0], workflow="summarize",
+                                     input={"text": "async"}, priority="interactive")
+        await conn.commit()
+    assert _rows(url, job_id) == (1, 1, 1)
+
+
+async def test_group_commit_shares_transactions_and_isolates_a_bad_row(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """300 concurrent submits commit in fewer transactions; a row that cannot be written fails alone."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    workflow = builtin_workflows()["summarize"]
+    pool = AsyncConnectionPool(url, min_size=2, max_size=2, open=False,
+                               kwargs={"autocommit": True})
+    await pool.open()
+    try:
+        group = GroupCommit(pool, max_batch=64)
+        jobs = [prepare(workflow, tenant[0], input={"text": f"g{i}"}) for i in range(300)]
+        bad = prepare(workflow, uuid.uuid4(), input={"text": "no such tenant"})
+        results = await asyncio.gather(
+            *(group.submit(insert_params(*j)) for j in [*jobs[:150], bad, *jobs[150:]]),
+            return_exceptions=True)
+    finally:
+        await pool.close()
+    assert isinstance(results[150], InfrastructureError)
+    assert [r for i, r in enumerate(results) if i != 150] == [None] * 300
+    assert group.batches < 300
+    with psycopg.connect(url) as conn:
+        ids = [j[0].id for j in jobs]
+        row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)", (ids,)).fetchone()
+        assert row == (300,)
+        assert conn.execute("SELECT count(*) FROM jobs WHERE id = %s",
+                            (bad[0].id,)).fetchone() == (0,)
