@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,8 @@ class _Call:
     delay_seconds: float
     prompt_tokens: int
     max_tokens: int | None
+    # The system prompt asks for invoice fields (calmq/workflows/invoice.py): answer those.
+    invoice: bool = False
 
 
 class _Verdict(NamedTuple):
@@ -214,7 +217,8 @@ def _parse_call(body: Any, request: web.Request, *, anthropic: bool) -> _Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequestError("'messages' must be a non-empty array", "invalid_messages")
-    total_chars = len(_text_of(body.get("system"))) if anthropic else 0
+    system_text = _text_of(body.get("system")) if anthropic else ""
+    total_chars = len(system_text)
     last_user: str | None = None
     for message in messages:
         if not isinstance(message, dict):
@@ -223,6 +227,8 @@ def _parse_call(body: Any, request: web.Request, *, anthropic: bool) -> _Call:
         total_chars += len(text)
         if message.get("role") == "user":
             last_user = text
+        elif message.get("role") == "system":
+            system_text += text
     if last_user is None:
         raise _BadRequestError("no user message to answer", "invalid_messages")
 
@@ -270,13 +276,54 @@ def _parse_call(body: Any, request: web.Request, *, anthropic: bool) -> _Call:
         delay_seconds=delay_ms / 1000,
         prompt_tokens=max(1, total_chars // 4),
         max_tokens=max_tokens,
+        invoice="invoice fields" in system_text.lower(),
     )
+
+
+_INVOICE_PATTERNS: Final = {
+    "vendor": re.compile(r"(?im)^\s*(?:vendor|from|seller)\s*[:#]\s*(.+?)\s*$"),
+    "invoice_number": re.compile(r"(?im)\binvoice\s*(?:no\.?|number|#)?\s*[:#]\s*(\S+)"),
+    "total": re.compile(
+        r"(?im)^\s*(?:total|amount due)\s*[:#]?\s*([A-Z]{3})?\s*([0-9][0-9,]*(?:\.[0-9]+)?)"),
+}
+
+
+def _invoice_json(text: str, confidence: float) -> str:
+    """Invoice fields read from ``Vendor: ...``, ``Invoice: ...``, ``Total: EUR 12.50`` lines,
+    with placeholders for what the text does not say (deterministic, like the summaries)."""
+    vendor = _INVOICE_PATTERNS["vendor"].search(text)
+    number = _INVOICE_PATTERNS["invoice_number"].search(text)
+    total = _INVOICE_PATTERNS["total"].search(text)
+    currency = total.group(1) if total and total.group(1) else "EUR"
+    amount = float(total.group(2).replace(",", "")) if total else 0.0
+    return json.dumps({
+        "vendor": vendor.group(1) if vendor else "unknown",
+        "invoice_number": number.group(1) if number else "unknown",
+        "total": amount, "currency": currency, "confidence": confidence,
+    })
+
+
+def _result_json(call: _Call, confidence: float) -> str:
+    return (_invoice_json(call.text, confidence) if call.invoice
+            else _summary_json(call.text, confidence))
 
 
 def _summary_json(text: str, confidence: float) -> str:
     # maxsplit bounds the work for huge inputs: only the first words are ever needed.
     words = text.split(maxsplit=_SUMMARY_WORDS)[:_SUMMARY_WORDS]
     return json.dumps({"summary": " ".join(words), "confidence": confidence})
+
+
+_EMBEDDING_DIMENSIONS: Final = 8
+
+
+def _vector(text: str) -> list[float]:
+    import hashlib
+
+    digest = hashlib.sha256(text.encode()).digest()
+    raw = [b - 127.5 for b in digest[:_EMBEDDING_DIMENSIONS]]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [round(x / norm, 6) for x in raw]
 
 
 def _format_seconds(seconds: float) -> str:
@@ -440,9 +487,9 @@ class _Provider:
         settings = self._settings
         content: str | None = None
         if mode in ("success", "slow", "flaky"):
-            content = _summary_json(call.text, _SUCCESS_CONFIDENCE)
+            content = _result_json(call, _SUCCESS_CONFIDENCE)
         elif mode == "low_confidence":
-            content = _summary_json(call.text, settings.low_confidence)
+            content = _result_json(call, settings.low_confidence)
         elif mode == "malformed":
             content = _MALFORMED_TEXT
         elif mode == "refusal":
@@ -530,6 +577,33 @@ class _Provider:
             job_stats[1] += 1
         return self._answer(call, content, refusal=mode == "refusal", headers=headers)
 
+    async def handle_embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI-shaped embeddings: a deterministic unit vector per input, from its hash."""
+        self.calls += 1
+        try:
+            body = json.loads(await request.read())
+            raw = body["input"]
+            inputs = [raw] if isinstance(raw, str) else list(raw)
+        except (ValueError, KeyError, TypeError):
+            inputs = []
+        if not inputs or not all(isinstance(i, str) for i in inputs):
+            return self._error(False, 400, kind="invalid_request_error", code="invalid_input",
+                               message="'input' must be a string or a non-empty array of strings")
+        job_id = body.get("user") if isinstance(body.get("user"), str) else ""
+        if job_id:
+            stats = self._by_job.setdefault(job_id, [0, 0])
+            stats[0] += 1
+            stats[1] += 1
+        await self._sleep(self._latency)
+        tokens = sum(max(1, len(i) // 4) for i in inputs)
+        return self._respond(200, {
+            "object": "list",
+            "model": body.get("model", ""),
+            "data": [{"object": "embedding", "index": n, "embedding": _vector(text)}
+                     for n, text in enumerate(inputs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
     @staticmethod
     async def _sleep(seconds: float) -> None:
         # Skipping the zero sleep keeps the common benchmark path free of a loop round-trip.
@@ -591,6 +665,7 @@ def build_app(
     app = web.Application(client_max_size=16 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", provider.handle_openai)
     app.router.add_post("/v1/messages", provider.handle_anthropic)
+    app.router.add_post("/v1/embeddings", provider.handle_embeddings)
     app.router.add_get("/stats", provider.handle_stats)
     app.router.add_post("/admin/reset", provider.handle_reset)
     app.router.add_post("/admin/mode", provider.handle_mode)

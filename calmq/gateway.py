@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -18,6 +18,8 @@ from calmq.errors import FailureClass, StepFailure
 
 __all__ = [
     "AnthropicProvider",
+    "Embedder",
+    "EmbeddingReply",
     "ModelReply",
     "OpenAIProvider",
     "Provider",
@@ -45,6 +47,19 @@ class Provider(Protocol):
     ) -> ModelReply: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EmbeddingReply:
+    vectors: list[list[float]]
+    input_tokens: int
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """A provider that also embeds text (OpenAI-compatible ``POST /v1/embeddings``)."""
+
+    async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply: ...
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -123,6 +138,21 @@ class _HttpProvider:
                 "provider answered 2xx with a body that is not JSON", code="upstream_garbled",
                 failure_class=FailureClass.TRANSIENT,
             ) from exc
+
+
+    async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply:
+        """Embeddings in the OpenAI shape, which vLLM, Ollama and LiteLLM also serve."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        data = await self._post("/v1/embeddings",
+                                {"model": self.model, "input": inputs, "user": job_id}, headers)
+        try:
+            rows = sorted(data["data"], key=lambda r: int(r["index"]))
+            vectors = [[float(x) for x in r["embedding"]] for r in rows]
+            usage = data.get("usage") or {}
+            return EmbeddingReply(vectors, int(usage.get("prompt_tokens", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StepFailure("provider answer lacks data[].embedding", code="upstream_garbled",
+                              failure_class=FailureClass.TRANSIENT) from exc
 
 
 class OpenAIProvider(_HttpProvider):

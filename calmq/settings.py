@@ -120,6 +120,14 @@ class Settings(BaseSettings):
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
+    # Comma list of modules whose workflows() or WORKFLOWS the API and workers register,
+    # besides the built-ins and the calmq.workflows entry points (docs/how-to/write-a-workflow.md).
+    workflow_modules: str = ""
+    # How long a job waits in awaiting_review before the review timer applies the
+    # workflow's expiry outcome (a workflow may set its own).
+    review_deadline_seconds: float = Field(default=48 * 3600.0, gt=0)
+    # Where the invoice example workflow posts (POST with an Idempotency-Key header).
+    ledger_url: str = ""
 
     # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and

@@ -80,6 +80,18 @@ class Finish:
     next_step: str | None = None
     reset_attempt: bool = False
     outbox: list[dict[str, Any]] = field(default_factory=list)
+    # A workflow step's output to record with the move (calmq/workflows, wf_record_step_output):
+    # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
+    record: dict[str, Any] | None = None
+
+    def record_params(self) -> dict[str, Any]:
+        assert self.record is not None
+        r = self.record
+        return {"job_id": self.job_id, "worker": self.worker, "step": self.step,
+                "state": r["state"], "output": Jsonb(r["output"]),
+                "confidence": r.get("confidence"),
+                "review_deadline_at": r.get("review_deadline_at"),
+                "next_pool": r.get("next_pool"), "next_max_attempts": r.get("next_max_attempts")}
 
     def params(self) -> dict[str, Any]:
         error = self.error or {}
@@ -246,13 +258,20 @@ class Store:
     # -- processing ---------------------------------------------------------------------
 
     async def claim(
-        self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float
+        self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float,
+        steps: dict[uuid.UUID, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Claim every claimable job of a batch in one statement (one round trip)."""
+        """Claim every claimable job of a batch in one statement (one round trip).
+
+        With ``steps`` (job id -> the step its message asks for), a job that has moved on to
+        another step is not claimed: its message is stale, and the next step's own message
+        goes to that step's pool.
+        """
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self._q["claim_jobs"],
-                {"ids": sorted(ids), "worker": worker, "lease_seconds": lease_seconds},
+                {"ids": sorted(ids), "worker": worker, "lease_seconds": lease_seconds,
+                 "steps": Jsonb({str(k): v for k, v in steps.items()}) if steps else None},
             )
             return await cur.fetchall()
 
@@ -271,9 +290,11 @@ class Store:
         """Record a group of finished attempts in ONE transaction (group commit)."""
         if not finishes:
             return
-        async with self.pool.connection() as conn, conn.transaction():
-            async with conn.cursor() as cur:
-                await cur.executemany(self._q["finish_attempt"], [f.params() for f in finishes])
+        records = [f.record_params() for f in finishes if f.record is not None]
+        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            if records:  # before finish_attempt: its lease guard is still true then
+                await cur.executemany(self._q["wf_record_step_output"], records)
+            await cur.executemany(self._q["finish_attempt"], [f.params() for f in finishes])
 
     async def insert_outbox(self, entries: Sequence[dict[str, Any]]) -> None:
         """Outbox rows that belong to no job transition (e.g. an unreadable message)."""

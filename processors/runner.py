@@ -24,11 +24,13 @@ from confluent_kafka import Message
 from calmq import events, topics
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.gateway import Provider
+from calmq.gateway import Provider, enter_scope
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
 from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
+from calmq.workflows.effects import StoreEffectLog
+from calmq.workflows.progress import Progress
 from processors import metrics
 from processors.offsets import OffsetTracker
 from processors.poison import Poison, PoisonSink
@@ -51,6 +53,7 @@ class RunnerConfig:
     step_timeout_seconds: float | None = None  # overrides every step's own timeout
     max_attempts: int | None = None  # overrides every job's own budget
     review_threshold: float = 0.9
+    review_deadline_seconds: float = 48 * 3600.0
 
 
 class Committer:
@@ -135,6 +138,8 @@ class StepRunner:
         self.config = config
         self.committer = Committer(store, tracker)
         self.poison = poison
+        self.progress = Progress(store, objects, config.review_deadline_seconds)
+        self.effects = StoreEffectLog(store)
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._abandoning = False
@@ -162,6 +167,7 @@ class StepRunner:
 
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
+        steps: dict[uuid.UUID, str] = {}
         poison: list[Poison] = []
         for msg in batch:
             position = ((msg.topic(), msg.partition()), msg.offset())
@@ -171,6 +177,7 @@ class StepRunner:
                     raise ContractError(f"{event_type} does not belong on a work topic",
                                         code="unexpected_event")
                 wanted.append((msg, uuid.UUID(str(event["job_id"]))))
+                steps[wanted[-1][1]] = str(event["step"])
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
@@ -186,7 +193,7 @@ class StepRunner:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
         rows = await self._persist("claiming a batch", lambda: self.store.claim(
-            list(ids), self.config.worker_id, self.config.lease_seconds))
+            list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         claimed = {row["id"]: row for row in rows}
         for msg, job_id in wanted:
             position = ((msg.topic(), msg.partition()), msg.offset())
@@ -239,16 +246,29 @@ class StepRunner:
             if deadline is not None and deadline < datetime.now(UTC):
                 raise StepFailure("the job deadline passed before it could run",
                                   code="deadline_exceeded", failure_class=FailureClass.DEADLINE)
-            data = await self._input(job)
-            ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name, job["attempt"],
-                              self.provider)
-            timeout = self.config.step_timeout_seconds or step.timeout_seconds
-            try:
-                async with asyncio.timeout(timeout):
-                    output = await step.run(ctx, data)
-            except TimeoutError:
-                raise StepFailure(f"the step ran past its {timeout:g} s timeout", code="timeout",
-                                  failure_class=FailureClass.TRANSIENT) from None
+            # A step whose output is recorded already is not run again (redelivery, replay).
+            recorded = await self.progress.recorded(job, workflow)
+            replayed = self.progress.replay(step, recorded)
+            if replayed is not None:
+                output = replayed
+            else:
+                data = self.progress.step_input(workflow, step, recorded)
+                if data is None:
+                    data = await self._input(job)
+                ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name,
+                                  job["attempt"], self.provider, self.objects, self.effects,
+                                  priority=job["priority"], workflow=job["workflow"])
+                enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
+                timeout = self.config.step_timeout_seconds or step.timeout_seconds
+                try:
+                    async with asyncio.timeout(timeout):
+                        output = await step.run(ctx, data)
+                except TimeoutError:
+                    raise StepFailure(
+                        f"the step ran past its {timeout:g} s timeout", code="timeout",
+                        failure_class=FailureClass.TRANSIENT) from None
+                output = StepOutput(step.check_output(output.artifact), output.confidence,
+                                    output.input_tokens, output.output_tokens)
         except StepFailure as failure:
             return self._failed(job, topic, failure)
         except ContractError as exc:
@@ -275,7 +295,8 @@ class StepRunner:
             try:
                 loaded = json.loads(raw)
             except ValueError:
-                return {"text": raw.decode("utf-8", "replace")}
+                # Not JSON (a text or PDF upload): the step may read the bytes itself.
+                return {"text": raw.decode("utf-8", "replace"), "input_ref": job["input_ref"]}
             return loaded if isinstance(loaded, dict) else {"text": str(loaded)}
         raise StepFailure("the job has neither input nor input_ref", code="missing_input",
                           failure_class=FailureClass.INPUT)
@@ -285,32 +306,24 @@ class StepRunner:
                       attempt=job["attempt"], **kw)
 
     async def _succeeded(self, job: dict[str, Any], workflow: Workflow, out: StepOutput) -> Finish:
-        threshold = workflow.review_threshold
-        if threshold is not None and out.confidence is not None and out.confidence < threshold:
-            return self._base(
-                job, status=Status.AWAITING_REVIEW, event_type=EventType.REVIEW_REQUESTED,
-                outcome="completed",
-                event_detail={"confidence": out.confidence, "output": out.artifact,
-                              "threshold": threshold},
-            )
-        body = json.dumps(out.artifact, separators=(",", ":")).encode()
-        ref = await self.objects.put(f"{job['tenant_id']}/{job['id']}/{job['step']}.json", body,
-                                     "application/json")
-        artifact = ref.as_dict()
-        result = events.result(job, Status.COMPLETED, artifact=artifact)
-        return self._base(
-            job, status=Status.COMPLETED, event_type=EventType.COMPLETED, outcome="completed",
-            artifact=artifact,
-            event_detail={"artifact": artifact["uri"], "input_tokens": out.input_tokens,
-                          "output_tokens": out.output_tokens},
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result)],
-        )
+        # Record the output with the job and move it on (next step, review or completed) in
+        # the same transaction: calmq/workflows/progress.py.
+        return await self.progress.succeeded(job, workflow, out, self.config.worker_id)
 
     def _failed(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
         error = {"code": failure.code, "class": failure.failure_class.value,
                  "message": failure.message[:1000]}
         budget = self.config.max_attempts or job["max_attempts"]
-        decision = decide(failure, job["attempt"], budget, self.config.tiers, self.config.backoff)
+        backoff = self.config.backoff
+        workflow = self.workflows.get(job["workflow"])
+        policy = workflow.step(job["step"]).retry if workflow and job["step"] in {
+            s.name for s in workflow.steps} else None
+        if policy is not None:  # the step's own retry policy
+            budget = self.config.max_attempts or policy.max_attempts
+            backoff = Backoff(policy.initial_seconds, policy.maximum_seconds, policy.multiplier)
+            if not policy.retries(failure):
+                budget = 0
+        decision = decide(failure, job["attempt"], budget, self.config.tiers, backoff)
         if decision.retry:
             assert decision.tier is not None
             due = int((time.time() + decision.delay) * 1000)

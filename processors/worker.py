@@ -16,9 +16,10 @@ from calmq.codec import make_codec
 from calmq.gateway import open_provider
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
+from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.store import Store
-from calmq.workflows import Workflow, builtin_workflows
+from calmq.workflows import Workflow, load_workflows
 from processors import metrics
 from processors.consumer import ParallelConsumer
 from processors.poison import PoisonSink
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None) -> None:
         self.settings = settings
-        self.workflows = workflows or builtin_workflows()
+        self.workflows = workflows or load_workflows(settings)
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.stop = threading.Event()
 
@@ -74,6 +75,7 @@ class Worker:
                 step_timeout_seconds=s.step_timeout_seconds,
                 max_attempts=s.max_attempts,
                 review_threshold=s.review_confidence_threshold,
+                review_deadline_seconds=s.review_deadline_seconds,
             ),
         )
         runner.start()
@@ -121,5 +123,9 @@ class Worker:
                 reaped = await store.reap_expired_leases()
                 if reaped:
                     log.info("requeued %d jobs whose lease expired", len(reaped))
+                # The review timer: reviews past their deadline get the workflow's outcome.
+                expired = await ReviewDesk(store, self.workflows, runner.objects).expire()
+                if expired:
+                    log.info("applied the expiry outcome to %d overdue reviews", expired)
             except Exception:
                 log.exception("housekeeping failed; trying again next interval")

@@ -63,6 +63,8 @@ SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY 
 WITH target AS (
     SELECT id, status AS old_status FROM jobs
     WHERE id = ANY(%(ids)s)
+      -- a message for a step the job has left behind is stale (multi-step workflows)
+      AND (%(steps)s::jsonb IS NULL OR step = %(steps)s::jsonb ->> id::text)
       AND (status IN ('queued', 'retrying')
            OR (status = 'running' AND lease_expires_at < now()))
     ORDER BY id

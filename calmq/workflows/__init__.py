@@ -1,22 +1,50 @@
 """Workflows: named, versioned lists of steps. A step is a plain async function.
 
 The business function stays testable alone: it receives a ``StepContext`` (the model
-gateway, the job's identity, an idempotency key) and its input, and returns its output
-model; it knows nothing of Kafka or the database.
+gateway, the job's identity, an idempotency key, and optionally the object store and the
+side-effect log) and its input, and returns its output; it knows nothing of Kafka or the
+database. The runner records each step's output with the job before the next step's event
+goes out, so a crash resumes at the step that failed (docs/explanation/workflows.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from calmq.errors import ContractError
-from calmq.gateway import Provider
+from calmq.errors import ContractError, FailureClass, StepFailure
+from calmq.gateway import CallScope, Provider
 
-__all__ = ["Step", "StepContext", "StepOutput", "Workflow", "builtin_workflows", "find_workflow"]
+if TYPE_CHECKING:
+    from calmq.objects import ObjectStore
+    from calmq.settings import Settings
+
+__all__ = [
+    "EffectLog",
+    "RetryPolicy",
+    "ReviewExpiry",
+    "Step",
+    "StepContext",
+    "StepFunction",
+    "StepOutput",
+    "Workflow",
+    "builtin_workflows",
+    "find_workflow",
+    "load_workflows",
+]
+
+
+class EffectLog(Protocol):
+    """Where "record then call then confirm" keeps its records (calmq.workflows.effects)."""
+
+    async def lookup(self, job_id: str, key: str) -> dict[str, Any] | None: ...
+
+    async def called(self, job_id: str, key: str) -> int: ...
+
+    async def confirmed(self, job_id: str, key: str, response: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -26,16 +54,30 @@ class StepContext:
     step: str
     attempt: int
     provider: Provider
+    objects: ObjectStore | None = None
+    effects: EffectLog | None = None
+    # Which share of the token budget the step's model calls draw on (calmq.budget).
+    priority: str = "bulk"
+    workflow: str = ""
 
     @property
     def idempotency_key(self) -> str:
         """Stable across attempts of this step: hand it to external systems."""
         return f"{self.job_id}:{self.step}"
 
+    def call_scope(self) -> CallScope:
+        """What the gateway needs to know about this step's model calls (budget, metering)."""
+        return CallScope(self.job_id, self.tenant_id, self.workflow, self.priority)
+
+    def object_key(self, name: str) -> str:
+        """Where this step keeps an object of its own: under the tenant's prefix."""
+        return f"{self.tenant_id}/{self.job_id}/{self.step}/{name}"
+
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What a step produced: the artifact to store, and the model's confidence if any."""
+    """What a step produced: the output (the last step's is the artifact), and the model's
+    confidence if any (below the workflow's threshold, a person reviews it)."""
 
     artifact: dict[str, Any]
     confidence: float | None = None
@@ -47,12 +89,54 @@ StepFunction = Callable[[StepContext, dict[str, Any]], Awaitable[StepOutput]]
 
 
 @dataclass(frozen=True)
+class RetryPolicy:
+    """A step's own retry policy; only ``transient`` failures are ever retried, and not even
+    those when their class is listed in ``non_retryable``."""
+
+    max_attempts: int = 3
+    initial_seconds: float = 1.0
+    maximum_seconds: float = 3600.0
+    multiplier: float = 2.0
+    non_retryable: frozenset[FailureClass] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.initial_seconds <= 0 or self.multiplier < 1:
+            raise ValueError("a retry policy needs max_attempts >= 1, initial_seconds > 0 and "
+                             "multiplier >= 1")
+
+    def retries(self, failure: StepFailure) -> bool:
+        return failure.retryable and failure.failure_class not in self.non_retryable
+
+
+@dataclass(frozen=True)
 class Step:
     name: str
     run: StepFunction
     timeout_seconds: float = 60.0
-    max_attempts: int = 3
+    max_attempts: int = 3  # used when ``retry`` is None
     pool: str | None = None  # None: the workflow's pool
+    retry: RetryPolicy | None = None
+    output_model: type[BaseModel] | None = None  # the output must fit it (else: verifier)
+
+    @property
+    def attempts(self) -> int:
+        return self.retry.max_attempts if self.retry is not None else self.max_attempts
+
+    def check_output(self, output: dict[str, Any]) -> dict[str, Any]:
+        """The output as its model dumps it; ``malformed_output`` when it does not fit."""
+        if self.output_model is None:
+            return output
+        try:
+            return self.output_model.model_validate(output).model_dump(mode="json")
+        except ValidationError as exc:
+            raise StepFailure(
+                f"step {self.name} output does not fit {self.output_model.__name__}: "
+                f"{exc.errors()[0]['msg']}",
+                code="malformed_output", failure_class=FailureClass.VERIFIER,
+            ) from exc
+
+
+ReviewExpiry = Literal["dead_letter", "approve"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +147,18 @@ class Workflow:
     steps: tuple[Step, ...]
     pool: str = "default"
     review_threshold: float | None = 0.9
+    # None: the review_deadline_seconds setting (48 h by default).
+    review_deadline_seconds: float | None = None
+    # What the review timer does with a review nobody decided in time.
+    review_expiry: ReviewExpiry = "dead_letter"
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError(f"workflow {self.name} has no steps")
+        names = [s.name for s in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"workflow {self.name} names a step twice: {names}")
 
     def step(self, name: str) -> Step:
         for step in self.steps:
@@ -72,9 +167,26 @@ class Workflow:
         raise ContractError(f"workflow {self.name} v{self.version} has no step {name!r}",
                             code="unknown_step")
 
-    def validate_input(self, raw: Any) -> dict[str, Any]:
-        from pydantic import ValidationError
+    def index(self, name: str) -> int:
+        return self.steps.index(self.step(name))
 
+    def next_step(self, name: str) -> Step | None:
+        """The step after ``name``, or None when ``name`` is the last."""
+        i = self.index(name)
+        return self.steps[i + 1] if i + 1 < len(self.steps) else None
+
+    def previous_step(self, name: str) -> Step | None:
+        i = self.index(name)
+        return self.steps[i - 1] if i > 0 else None
+
+    def pool_of(self, step: Step) -> str:
+        return step.pool or self.pool
+
+    def needs_review(self, confidence: float | None) -> bool:
+        threshold = self.review_threshold
+        return threshold is not None and confidence is not None and confidence < threshold
+
+    def validate_input(self, raw: Any) -> dict[str, Any]:
         try:
             return self.input_model.model_validate(raw).model_dump(exclude_none=True)
         except ValidationError as exc:
@@ -87,10 +199,24 @@ class Workflow:
             ) from exc
 
 
-def builtin_workflows() -> dict[str, Workflow]:
+def builtin_workflows(settings: Settings | None = None) -> dict[str, Workflow]:
+    """The examples shipped with calmq: summarize, invoice, embed_document."""
+    from calmq.workflows.embed_document import EMBED_DOCUMENT
+    from calmq.workflows.invoice import invoice_workflow
     from calmq.workflows.summarize import SUMMARIZE
 
-    return {SUMMARIZE.name: SUMMARIZE}
+    ledger_url = settings.ledger_url if settings is not None else ""
+    found = [SUMMARIZE, invoice_workflow(ledger_url), EMBED_DOCUMENT]
+    return {w.name: w for w in found}
+
+
+def load_workflows(settings: Settings | None = None) -> dict[str, Workflow]:
+    """The registry the API and the workers share: the built-in workflows, then every entry
+    point of the group ``calmq.workflows``, then each module of the ``workflow_modules``
+    setting. See calmq.workflows.registry for what an entry may be."""
+    from calmq.workflows.registry import load
+
+    return load(settings)
 
 
 def find_workflow(name: str, registry: dict[str, Workflow] | None = None) -> Workflow:

@@ -1,0 +1,130 @@
+"""Durable progress through a workflow: what a worker does around a step.
+
+Before a step runs: the outputs recorded for the job (a step whose output is recorded is
+skipped, not run again) and the step's input (the job's input for the first step, the
+previous step's recorded output after that). After it ran: the ``Finish`` that records the
+output with the job and, in the same transaction, moves the job to its next step (a
+``job.requested`` on that step's pool), to ``awaiting_review``, or to ``completed``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from calmq import events, sql, topics
+from calmq.errors import FailureClass, StepFailure
+from calmq.jobs import EventType, Status
+from calmq.store import Finish
+from calmq.workflows import Step, StepOutput, Workflow
+
+if TYPE_CHECKING:
+    from calmq.objects import ObjectStore
+    from calmq.store import Store
+
+__all__ = ["STEP_COMPLETED", "Progress", "artifact_key", "traceparent"]
+
+# History event when a step finished and the job moved on to the next one.
+STEP_COMPLETED = "step_completed"
+# Recorded outputs in these states are final: the step is not run again.
+_FINAL = ("done", "approved")
+
+
+def artifact_key(job: dict[str, Any]) -> str:
+    return f"{job['tenant_id']}/{job['id']}/{job['step']}.json"
+
+
+def traceparent(job: dict[str, Any]) -> dict[str, str]:
+    return {"traceparent": job["trace_parent"]} if job.get("trace_parent") else {}
+
+
+class Progress:
+    def __init__(self, store: Store, objects: ObjectStore, review_deadline_seconds: float) -> None:
+        self.store = store
+        self.objects = objects
+        self.review_deadline_seconds = review_deadline_seconds
+        self._q = sql.queries()
+
+    async def recorded(self, job: dict[str, Any], workflow: Workflow) -> dict[str, dict[str, Any]]:
+        """The recorded step outputs of a multi-step job, by step (one-step jobs: none)."""
+        if len(workflow.steps) < 2:
+            return {}
+        async with self.store.pool.connection() as conn:
+            cur = await conn.execute(self._q["wf_step_outputs"], {"job_id": job["id"]})
+            rows = await cur.fetchall()
+        return {r["step"]: r for r in rows}
+
+    @staticmethod
+    def replay(step: Step, recorded: dict[str, dict[str, Any]]) -> StepOutput | None:
+        """The output of a step that ran (and was reviewed) already, to move on without it."""
+        row = recorded.get(step.name)
+        if row is None or row["state"] not in _FINAL:
+            return None
+        return StepOutput(artifact=dict(row["output"]), confidence=None)
+
+    @staticmethod
+    def step_input(
+        workflow: Workflow, step: Step, recorded: dict[str, dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """The previous step's recorded output; None for the first step (the job's input)."""
+        previous = workflow.previous_step(step.name)
+        if previous is None:
+            return None
+        row = recorded.get(previous.name)
+        if row is None or row["state"] not in _FINAL:
+            raise StepFailure(
+                f"step {step.name} has no recorded output of {previous.name} to start from",
+                code="missing_step_output", failure_class=FailureClass.BUG,
+            )
+        data: dict[str, Any] = dict(row["output"])
+        return data
+
+    async def succeeded(
+        self, job: dict[str, Any], workflow: Workflow, out: StepOutput, worker: str
+    ) -> Finish:
+        step = workflow.step(job["step"])
+        base = {"job_id": job["id"], "worker": worker, "step": step.name,
+                "attempt": job["attempt"], "outcome": "completed"}
+        tokens = {"input_tokens": out.input_tokens, "output_tokens": out.output_tokens}
+        record: dict[str, Any] = {"state": "done", "output": out.artifact,
+                                  "confidence": out.confidence}
+        if workflow.needs_review(out.confidence):
+            seconds = workflow.review_deadline_seconds or self.review_deadline_seconds
+            deadline = datetime.now(UTC) + timedelta(seconds=seconds)
+            record.update(state="pending_review", review_deadline_at=deadline)
+            return Finish(
+                **base, status=Status.AWAITING_REVIEW, event_type=EventType.REVIEW_REQUESTED,
+                event_detail={"step": step.name, "confidence": out.confidence,
+                              "output": out.artifact, "threshold": workflow.review_threshold,
+                              "deadline_at": deadline.isoformat(), **tokens},
+                record=record,
+            )
+        following = workflow.next_step(step.name)
+        if following is not None:
+            pool = workflow.pool_of(following)
+            record.update(next_pool=pool, next_max_attempts=following.attempts)
+            moved = {**job, "step": following.name, "attempt": 0, "pool": pool}
+            requested = events.requested(moved)
+            return Finish(
+                **base, status=Status.QUEUED, event_type=STEP_COMPLETED,
+                next_step=following.name, reset_attempt=True,
+                event_detail={"step": step.name, "next_step": following.name, "pool": pool,
+                              **tokens},
+                record=record,
+                outbox=[events.outbox_entry(topics.work_route(pool, job["priority"]),
+                                            "job.requested", requested, traceparent(job))],
+            )
+        artifact = await self.write_artifact(job, out.artifact)
+        result = events.result(job, Status.COMPLETED, artifact=artifact)
+        return Finish(
+            **base, status=Status.COMPLETED, event_type=EventType.COMPLETED, artifact=artifact,
+            event_detail={"artifact": artifact["uri"], **tokens},
+            record=record if len(workflow.steps) > 1 else None,
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result)],
+        )
+
+    async def write_artifact(self, job: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:
+        body = json.dumps(output, separators=(",", ":")).encode()
+        ref = await self.objects.put(artifact_key(job), body, "application/json")
+        return dict(ref.as_dict())
