@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 
 __all__ = ["Phase", "Sampler", "cpu_seconds"]
 
@@ -21,7 +21,7 @@ def cpu_seconds(pid: int) -> float:
     try:
         proc = psutil.Process(pid)
         t = proc.cpu_times()
-        total = t.user + t.system + t.children_user + t.children_system
+        total = float(t.user + t.system + t.children_user + t.children_system)
         for child in proc.children(recursive=True):
             try:
                 c = child.cpu_times()

@@ -24,9 +24,11 @@ from calmq.kafka import consumer_config, producer_config
 __all__ = ["encoded_events", "main"]
 
 
-def encoded_events(count: int) -> list[tuple[bytes, bytes]]:
+def encoded_events(count: int, registry_url: str | None = None) -> list[tuple[bytes, bytes]]:
     """``count`` job.requested events as (key, Avro value), like the relay produces them."""
-    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
+    if registry_url is None:
+        registry_url = os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", "")
+    codec = make_codec(registry_url)
     tenant = str(uuid.uuid4())
     out = []
     for _ in range(count):
@@ -70,7 +72,7 @@ def e2e(bootstrap: str, topic: str, count: int) -> dict[str, Any]:
                 ready.set()
             for m in msgs:
                 if m.error() is None:
-                    codec.decode(m.value())  # the worker decodes every event too
+                    codec.decode(m.value() or b"")  # the worker decodes every event too
                     seen += 1
             if msgs:
                 consumer.commit(asynchronous=True)

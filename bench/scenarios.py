@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench import loadgen
 from bench.loadgen import percentile
@@ -35,7 +35,7 @@ from bench.skip_locked import QUERIES as SKIP_LOCKED
 __all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
 
 PY = sys.executable
-DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 2000}
+DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 600}
 ACCEPT_CONCURRENCY = 32
 E2E_CONCURRENCY = 64
 DISPATCH_RATE = 500.0
@@ -76,7 +76,8 @@ def _costs(phase: Phase, own: list[str], jobs: int) -> dict[str, float]:
         "cpu_s_per_1000_jobs_own": round(own_cpu * per_k, 3),
     }
     for name in own:
-        figs[f"peak_rss_mb_{name.replace('-', '_')}"] = round(phase.peak_rss_mb.get(name, 0.0), 1)
+        key = name.replace("-", "_").replace(":", "_")
+        figs[f"peak_rss_mb_{key}"] = round(phase.peak_rss_mb.get(name, 0.0), 1)
     for name in ("postgres", "kafka"):
         if name in phase.cpu:
             figs[f"cpu_s_per_1000_jobs_{name}"] = round(phase.cpu[name] * per_k, 3)
@@ -271,8 +272,15 @@ class _AppendTimes:
         self.consumer = Consumer({"bootstrap.servers": bootstrap,
                                   "group.id": f"bench-{uuid.uuid4()}",
                                   "auto.offset.reset": "earliest", "enable.auto.commit": False})
-        meta = self.consumer.list_topics(topic, timeout=10).topics[topic]
-        self.consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])
+        # A topic created a moment ago may not show its partitions in metadata yet.
+        deadline = time.monotonic() + 30
+        partitions: list[int] = []
+        while not partitions and time.monotonic() < deadline:
+            meta = self.consumer.list_topics(topic, timeout=10).topics.get(topic)
+            partitions = list(meta.partitions) if meta is not None else []
+            if not partitions:
+                time.sleep(0.1)
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
         self.times: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -283,7 +291,8 @@ class _AppendTimes:
             for msg in self.consumer.consume(2000, timeout=0.05):
                 if msg.error() is not None:
                     continue
-                event_id = dict(msg.headers() or []).get("id", b"").decode()
+                raw_id = dict(msg.headers() or []).get("id") or b""
+                event_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
                 self.times[event_id] = msg.timestamp()[1]
 
     def close(self) -> None:
@@ -295,6 +304,12 @@ class _AppendTimes:
 def relay(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     with Rig(log=log) as rig:
         _create_topic(rig.bootstrap, _RELAY_TOPIC, 8, {"message.timestamp.type": "LogAppendTime"})
+        # A CDC relay sees only what is written after its replication slot exists: run it
+        # once so the slot is there, stop it, then build the backlog behind it.
+        rig.calmq("relay")
+        _wait(lambda: int(rig.query("SELECT count(*) FROM pg_replication_slots")[0][0])
+              if _relay_mode() == "cdc" else 1, 1, 30, "replication slot", log)
+        rig.stop("relay")
         log(f"  calmq: a backlog of {size} outbox rows, then the relay starts")
         with psycopg.connect(rig.database_url) as conn:
             rows = _outbox_rows(size)
@@ -343,12 +358,12 @@ def relay(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                                                           "--topic", "bench.raw.relay",
                                                           "--count", str(size)])
         sampler.end(phase)
-        rate, _, _ = _oneshot(rig, "raw_kafka_rate", [PY, "-m", "bench.raw_kafka", "rate",
-                                                      "--topic", "bench.raw.relay",
-                                                      "--count", str(total),
-                                                      "--rate", str(RELAY_RATE)])
+        paced = _oneshot(rig, "raw_kafka_rate", [PY, "-m", "bench.raw_kafka", "rate",
+                                                 "--topic", "bench.raw.relay",
+                                                 "--count", str(total),
+                                                 "--rate", str(RELAY_RATE)])[0]
         baseline = {"drain_events_per_s": raw["drain_events_per_s"],
-                    "ack_p50_ms": rate["ack_p50_ms"], "ack_p99_ms": rate["ack_p99_ms"],
+                    "ack_p50_ms": paced["ack_p50_ms"], "ack_p99_ms": paced["ack_p99_ms"],
                     "peak_rss_mb": _r(rss),
                     "cpu_s_per_1000_jobs": _r((cpu + sum(phase.cpu.values())) * 1000 / size, 3),
                     "cpu_s_per_1000_jobs_own": _r(cpu * 1000 / size, 3)}
@@ -530,9 +545,10 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         from bench.raw_kafka import encoded_events
 
         producer = Producer({"bootstrap.servers": rig.bootstrap})
-        for k, v in encoded_events(SERIAL_SAMPLE):
+        for k, v in encoded_events(SERIAL_SAMPLE, rig.env.get("CALMQ_SCHEMA_REGISTRY_URL", "")):
             producer.produce("bench.serial", value=v, key=k)
         producer.flush(30)
+        del producer  # its threads must not outlive the broker
         log(f"  baseline serial: a one-at-a-time consumer, {SERIAL_SAMPLE} jobs "
             f"(~{SERIAL_SAMPLE * SLOW_LATENCY_MS / 1000:.0f} s)")
         ser, cpu, rss = _oneshot(rig, "serial", [PY, "-m", "bench.serial", "--topic",
@@ -551,10 +567,84 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
 
 # -- budget -----------------------------------------------------------------------------------
 
+BUDGET_TPM = 60_000
+BUDGET_WINDOW_S = 60.0  # the fake provider's limit is a 60 s sliding window: measure a whole one
+BUDGET_WORKERS = 2
+SUMMARIZE_MAX_TOKENS = 256  # what calmq/workflows/summarize.py asks for; the provider counts it
+
+
+def _provider_stats(url: str) -> tuple[int, int, int]:
+    """(calls, 200s, 429s) so far, from the fake provider's /stats."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats", timeout=10) as resp:
+        stats = json.loads(resp.read())
+    counts = stats.get("status_counts", {})
+    return int(stats.get("calls", 0)), int(counts.get("200", 0)), int(counts.get("429", 0))
+
+
+def _budget_phase(rig: Rig, fp_url: str, api_url: str, size: int, tpm: int, label: str,
+                  log: Log, sampler: Sampler) -> dict[str, float]:
+    import urllib.request
+
+    _tenant, key = rig.tenant(f"bench-budget-{label}-{uuid.uuid4().hex[:6]}")
+    asyncio.run(loadgen.closed_loop(f"{api_url}/v1/jobs", _job_body(),
+                                    {"Authorization": f"Bearer {key}"}, total=size,
+                                    concurrency=16))
+    req = urllib.request.Request(f"{fp_url}/admin/reset", data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=10):
+        pass
+    env = {"CALMQ_FAKE_PROVIDER_URL": fp_url, "CALMQ_BUDGET_TOKENS_PER_MINUTE": str(tpm)}
+    names = [f"{label}{i}" for i in range(BUDGET_WORKERS)]
+    for name in names:
+        rig.calmq(f"worker:{name}", env=env)
+    _wait(lambda: _provider_stats(fp_url)[0], 1, 60, "first model call", log)
+    phase = sampler.phase({**rig.pids(*[f"worker:{n}" for n in names], "relay"),
+                           **rig.infra_pids()})
+    start = (0, 0, 0)  # counted since the reset: the window opens at the first call
+    time.sleep(BUDGET_WINDOW_S)  # the measurement window itself, not a synchronisation
+    end = _provider_stats(fp_url)
+    sampler.end(phase)
+    for name in names:
+        rig.stop(f"worker:{name}")
+    calls, ok, limited = (e - s for e, s in zip(end, start, strict=True))
+    row = rig.query("SELECT avg(input_tokens) FROM job_attempts WHERE input_tokens > 0")
+    prompt = float(row[0][0] or 0)
+    admitted_tokens = ok * (prompt + SUMMARIZE_MAX_TOKENS)
+    # Utilization is of the provider's quota, which both phases share.
+    quota = BUDGET_TPM * BUDGET_WINDOW_S / 60
+    figures = {"budget_utilization": round(admitted_tokens / quota, 3),
+               "rate_429": round(limited / calls, 4) if calls else 0.0,
+               "model_calls": calls, "calls_429": limited,
+               "tokens_per_call": round(prompt + SUMMARIZE_MAX_TOKENS, 1),
+               **_costs(phase, [f"worker:{n}" for n in names], max(ok, 1))}
+    log(f"  {label}: {ok} calls admitted, {limited} answered 429, of {calls}")
+    return figures
+
+
 def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     if importlib.util.find_spec("calmq.budget") is None:
         raise NotBuiltError("the shared token budget (calmq.budget, issue 5) is not built yet")
-    raise NotBuiltError("calmq.budget exists but this scenario does not drive it yet")
+    from calmq.settings import Settings
+
+    if "budget_tokens_per_minute" not in Settings.model_fields:
+        raise NotBuiltError("calmq.budget exists but CALMQ_BUDGET_TOKENS_PER_MINUTE does not")
+    with Rig(log=log) as rig:
+        fp = rig.calmq("fake-provider", "--tokens-per-minute", str(BUDGET_TPM))
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url}
+        api = rig.calmq("api", env=env)
+        rig.calmq("relay", env=env)
+        rig.calmq("forwarder", env=env)  # 429s come back through the retry tiers
+        log(f"  calmq: {BUDGET_WORKERS} workers sharing a {BUDGET_TPM} tokens/min budget, "
+            f"{BUDGET_WINDOW_S:.0f} s")
+        figures = _budget_phase(rig, fp.url, api.url, size, BUDGET_TPM, "shared", log, sampler)
+        log(f"  baseline no_shared_budget: the same {BUDGET_WORKERS} workers, no budget")
+        base = _budget_phase(rig, fp.url, api.url, size, 0, "alone", log, sampler)
+        figures["provider_tokens_per_minute"] = BUDGET_TPM
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("budget", size, figures, {"no_shared_budget": base},
+                  {"budget_utilization_vs_no_shared_budget": _ratio(
+                      figures["budget_utilization"], base["budget_utilization"])}, versions)
 
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {

@@ -38,8 +38,9 @@ async def _run(bootstrap: str, topic: str, count: int, provider_url: str) -> dic
                 continue
             if not started:
                 started = time.time()
-            _, event = codec.decode(msg.value())
-            await _call_model(session, provider_url, done, {"text": event["job_id"]})
+            _, event = codec.decode(msg.value() or b"")
+            await _call_model(session, provider_url, done,
+                              {"text": f"job {event['job_id']}", "mode": "success"})
             consumer.commit(message=msg, asynchronous=False)
             done += 1
     consumer.close()

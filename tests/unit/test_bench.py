@@ -1,0 +1,115 @@
+"""The benchmark machinery: result shape, percentiles, the load generator, process costs,
+the BENCHMARKS.md refresh and the `calmq bench` exit codes. No speed is asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from bench import loadgen, report
+from bench.procs import Sampler, cpu_seconds
+from bench.run_all import BEGIN, END, refresh_benchmarks_md
+from bench.skip_locked import QUERIES
+from calmq.cli import main
+
+
+def test_percentile_is_nearest_rank() -> None:
+    """p50 and p99 of 1..100 are 50 and 99; an empty list gives 0."""
+    values = [float(v) for v in range(100, 0, -1)]
+    assert loadgen.percentile(values, 50) == 50.0
+    assert loadgen.percentile(values, 99) == 99.0
+    assert loadgen.percentile([], 99) == 0.0
+
+
+def test_result_has_the_contract_shape() -> None:
+    """A result carries exactly the seven keys of DESIGN.md §4."""
+    res = report.result("e2e", 10, {"jobs_per_s": 1.0}, {"skip_locked": {"jobs_per_s": 2.0}},
+                        {"jobs_per_s_vs_skip_locked": 0.5}, {"kafka": "4.1.1"})
+    assert set(res) == {"scenario", "size", "figures", "baselines", "ratios", "machine",
+                        "versions"}
+    assert res["versions"]["kafka"] == "4.1.1"
+    assert res["machine"]["cpus"] == os.cpu_count()
+
+
+async def test_closed_loop_counts_answers_and_errors() -> None:
+    """The load generator sends exactly `total` requests and sorts 202s from other statuses."""
+    seen = 0
+
+    async def handler(_request: web.Request) -> web.Response:
+        nonlocal seen
+        seen += 1
+        return web.json_response({}, status=202 if seen % 4 else 500)
+
+    app = web.Application()
+    app.router.add_post("/jobs", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        res = await loadgen.closed_loop(f"http://127.0.0.1:{port}/jobs", {"a": 1}, {},
+                                        total=40, concurrency=4)
+    finally:
+        await runner.cleanup()
+    assert res.sent == 40
+    assert res.ok == 30
+    assert res.errors == {"500": 10}
+    assert len(res.latencies_ms) == 30
+
+
+def test_phase_charges_cpu_and_memory_of_a_process() -> None:
+    """A phase over this process records its CPU use and a non-zero peak RSS."""
+    sampler = Sampler(interval=0.01)
+    phase = sampler.phase({"me": os.getpid()})
+    before = cpu_seconds(os.getpid())
+    x = 0
+    while cpu_seconds(os.getpid()) - before < 0.05:
+        x += sum(range(1000))
+    sampler.end(phase)
+    sampler.close()
+    assert phase.cpu["me"] >= 0.05
+    assert phase.peak_rss_mb["me"] > 1
+
+
+def test_refresh_replaces_only_the_marked_block(tmp_path: Path) -> None:
+    """The table goes between the markers; the prose around them is kept."""
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# Benchmarks\n\nintro\n\n{BEGIN}\nold\n{END}\n\n## How to read\n")
+    res = report.result("slow", 5, {"jobs_per_s": 450.0, "peak_rss_mb": 90.0,
+                                    "cpu_s_per_1000_jobs": 2.0},
+                        {"serial": {"jobs_per_s": 0.5}}, {"jobs_per_s_vs_serial": 900.0})
+    refresh_benchmarks_md({"date": "2026-01-01", "total_seconds": 1.0,
+                           "results": [res, {"scenario": "budget", "error": "not built yet"}]},
+                          doc)
+    text = doc.read_text()
+    assert "old" not in text
+    assert text.startswith("# Benchmarks\n\nintro")
+    assert text.rstrip().endswith("## How to read")
+    assert "| slow | jobs_per_s | 450.0 | serial: 0.500 | serial: 900.0x |" in text
+    assert "| budget | — | not built yet | | |" in text
+
+
+def test_skip_locked_queries_are_loaded() -> None:
+    """The baseline's SQL file defines each query the scenarios and workers run."""
+    assert {"schema", "insert", "claim", "complete", "fail", "summary", "last_id"} <= set(QUERIES)
+    assert "SKIP LOCKED" in QUERIES["claim"]
+
+
+def test_bench_budget_exits_2_until_the_budget_exists(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq bench budget` exits 2 and says it is not built yet while calmq.budget is missing."""
+    if importlib.util.find_spec("calmq.budget") is not None:
+        pytest.skip("calmq.budget exists: the scenario runs a real stack")
+    assert main(["bench", "budget", "--json"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_bench_rejects_an_unknown_scenario() -> None:
+    """An unknown scenario is a usage error (exit 2) before anything starts."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "nope"])
+    assert exc.value.code == 2
