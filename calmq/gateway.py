@@ -7,8 +7,8 @@ fake provider) and Anthropic Messages. One aiohttp session per provider, reused.
 
 from __future__ import annotations
 
-import asyncio
 import json
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,14 +18,47 @@ from calmq.errors import FailureClass, StepFailure
 
 __all__ = [
     "AnthropicProvider",
+    "CallScope",
     "Embedder",
     "EmbeddingReply",
     "ModelReply",
     "OpenAIProvider",
     "Provider",
     "classify_status",
+    "current_scope",
+    "enter_scope",
     "open_provider",
 ]
+
+
+@dataclass(frozen=True)
+class CallScope:
+    """Whose model calls these are: the budget's priority, the cost metrics' labels.
+
+    The step runner enters one per job attempt; a step's ``provider.complete`` calls made in
+    that task see it without every step having to pass it along.
+    """
+
+    job_id: str = ""
+    tenant_id: str = ""
+    workflow: str = ""
+    priority: str = "bulk"
+
+
+_SCOPE: ContextVar[CallScope | None] = ContextVar("calmq_call_scope", default=None)
+
+
+def enter_scope(scope: CallScope) -> None:
+    """Set the scope for the rest of the current task.
+
+    Each job attempt runs in its own asyncio task, which holds its own copy of the context,
+    so a scope never leaks to another job.
+    """
+    _SCOPE.set(scope)
+
+
+def current_scope() -> CallScope:
+    return _SCOPE.get() or CallScope()
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,10 @@ def _retry_after(headers: Any) -> float | None:
         return None  # an HTTP date: rare from model APIs; the backoff floor still applies
 
 
+# How OpenAI, Azure OpenAI and LiteLLM name a request refused by their content policy.
+_POLICY_MARKS = ("content_policy", "content_filter")
+
+
 def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
     """Turn a provider's non-2xx answer into a StepFailure with its failure class."""
     detail = body[:300]
@@ -85,13 +122,19 @@ def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
             f"provider answered {status}: {detail}", code="upstream_unavailable",
             failure_class=FailureClass.TRANSIENT, retry_after=_retry_after(headers),
         )
+    if status == 400 and any(mark in body for mark in _POLICY_MARKS):
+        return StepFailure(
+            f"the provider refused the content: {detail}", code="content_policy",
+            failure_class=FailureClass.POLICY,
+        )
     if status in (401, 403):
         return StepFailure(
             f"provider refused the credentials ({status}): {detail}", code="provider_permission",
             failure_class=FailureClass.PERMISSION,
         )
     if status == 408:
-        return StepFailure("provider timed out", code="timeout", failure_class=FailureClass.TRANSIENT)
+        return StepFailure("provider timed out", code="timeout",
+                           failure_class=FailureClass.TRANSIENT)
     return StepFailure(
         f"provider rejected the request ({status}): {detail}", code="provider_bad_request",
         failure_class=FailureClass.INPUT,
@@ -99,6 +142,8 @@ def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
 
 
 class _HttpProvider:
+    kind = "openai"
+
     def __init__(self, base_url: str, api_key: str, model: str) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -119,7 +164,8 @@ class _HttpProvider:
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         try:
-            async with self.session().post(self.base_url + path, json=body, headers=headers) as resp:
+            url = self.base_url + path
+            async with self.session().post(url, json=body, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status >= 300:
                     raise classify_status(resp.status, text, resp.headers)
@@ -128,7 +174,7 @@ class _HttpProvider:
                 f"cannot reach the provider: {exc}", code="connection_error",
                 failure_class=FailureClass.TRANSIENT,
             ) from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise StepFailure("provider timed out", code="timeout",
                               failure_class=FailureClass.TRANSIENT) from exc
         try:
@@ -177,11 +223,15 @@ class OpenAIProvider(_HttpProvider):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         data = await self._post("/v1/chat/completions", body, headers)
         try:
-            message = data["choices"][0]["message"]
+            choice = data["choices"][0]
+            message = choice["message"]
             usage = data.get("usage") or {}
+            refusal = message.get("refusal")
+            if not refusal and choice.get("finish_reason") == "content_filter":
+                refusal = "the provider's content filter stopped the answer"
             return ModelReply(
                 content=message.get("content"),
-                refusal=message.get("refusal"),
+                refusal=refusal,
                 input_tokens=int(usage.get("prompt_tokens", 0)),
                 output_tokens=int(usage.get("completion_tokens", 0)),
             )
@@ -194,6 +244,8 @@ class OpenAIProvider(_HttpProvider):
 
 class AnthropicProvider(_HttpProvider):
     """Anthropic Messages (``POST {base}/v1/messages``)."""
+
+    kind = "anthropic"
 
     async def complete(
         self,

@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from calmq.errors import ConfigError
+from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
 __all__ = ["ENV_PREFIX", "Settings", "parse_duration"]
 
@@ -120,6 +121,25 @@ class Settings(BaseSettings):
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
+
+    # Fleet-wide token budget per provider and model (docs/explanation/token-budget.md).
+    # Both limits 0: no shared budget, each worker meets the provider's 429s alone.
+    budget_tokens_per_minute: int = Field(default=0, ge=0)  # the provider's limit; 0: none
+    budget_requests_per_minute: int = Field(default=0, ge=0)  # 0: no request limit
+    budget_interactive_share: float = Field(default=0.2, ge=0, lt=1)  # held for interactive
+    budget_burst_seconds: float = Field(default=1.0, gt=0, le=30)  # bucket capacity, in time
+    budget_slice_seconds: float = Field(default=0.25, gt=0, le=10)  # one lease, in time
+    budget_lease_seconds: float = Field(default=0.5, gt=0, le=30)  # unspent slices go back
+    budget_default_pause_seconds: float = Field(default=1.0, ge=0)  # 429 without Retry-After
+    # OpenAI-style providers count max_tokens against the limit when they admit a call;
+    # false for providers that count only the tokens generated.
+    budget_counts_max_tokens: bool = True
+    # Interactive jobs should start within this long of their submission (p95); the budget
+    # integration test holds the fleet to it.
+    interactive_wait_seconds: float = Field(default=10.0, gt=0)
+    # USD per million tokens by model (or provider:model), JSON:
+    # {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}. Replaces the defaults when set.
+    prices: dict[str, ModelPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
     # Comma list of modules whose workflows() or WORKFLOWS the API and workers register,
     # besides the built-ins and the calmq.workflows entry points (docs/how-to/write-a-workflow.md).
     workflow_modules: str = ""
@@ -141,6 +161,19 @@ class Settings(BaseSettings):
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("prices", mode="before")
+    @classmethod
+    def _prices_from_json(cls, value: Any) -> Any:
+        # Settings.load(environ=...) hands the raw environment string over unparsed.
+        if isinstance(value, str):
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"prices must be a JSON object: {exc}") from None
+        return value
 
     @field_validator("priorities")
     @classmethod

@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 
 from calmq import topics
 from calmq.codec import make_codec
-from calmq.gateway import open_provider
+from calmq.budget import open_metered_provider
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.reviews import ReviewDesk
@@ -49,8 +49,8 @@ class Worker:
             loop.add_signal_handler(sig, self.stop.set)
         store = Store(s.database_url, max_size=8)
         await store.open()
-        provider = open_provider(s.provider, s.effective_provider_url,
-                                 s.provider_api_key.get_secret_value(), s.model)
+        # The gateway under the fleet-wide token budget, metering tokens and cost per job.
+        provider = await open_metered_provider(s, store.pool)
         consumer = ParallelConsumer(
             consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}"),
             self.topics(),

@@ -30,6 +30,7 @@ retention (the WAL already holds them, so deleting a row never loses its event).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -248,13 +249,12 @@ class CdcRelay:
         if conn.execute(self._q["relay_publication_exists"],
                         {"publication": self.publication}).fetchone() is None:
             # Inserts only: the router publishes events, never later edits or deletions.
-            try:
+            # DuplicateObject: another relay made it at the same moment.
+            with contextlib.suppress(psycopg.errors.DuplicateObject):
                 conn.execute(
                     f"CREATE PUBLICATION {self.publication} FOR TABLE {_OUTBOX} "
                     "WITH (publish = 'insert')"
                 )
-            except psycopg.errors.DuplicateObject:
-                pass  # another relay made it at the same moment
 
     def _slot_state(self, conn: psycopg.Connection[dict[str, Any]]) -> dict[str, Any] | None:
         row: dict[str, Any] | None = conn.execute(

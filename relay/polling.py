@@ -64,7 +64,9 @@ class PollingRelay:
                     )
                     last_prune = time.monotonic()
 
-    def step(self, conn: psycopg.Connection[dict], cursor: tuple[str, int]) -> tuple[str, int] | None:  # type: ignore[type-arg]
+    def step(
+        self, conn: psycopg.Connection[dict], cursor: tuple[str, int]  # type: ignore[type-arg]
+    ) -> tuple[str, int] | None:
         """Publish one page after ``cursor``; returns the new cursor, or None if idle."""
         rows = conn.execute(
             self._q["outbox_page"], {"txid": cursor[0], "seq": cursor[1], "limit": self.batch}

@@ -56,7 +56,8 @@ class Publisher:
         Acks are served by ``poll``/``flush``; a refused record never calls ``on_ack`` and
         makes the next ``flush`` raise, so a caller that confirms on acks never skips it.
         """
-        headers = [("id", row.id.encode()), ("eventType", row.type.encode())]
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("id", row.id.encode()), ("eventType", row.type.encode())]
         payload = row.payload
         if isinstance(payload, dict) and isinstance(payload.get("raw_value"), str):
             # jsonb holds no bytes: calmq.events stores an unreadable message as latin-1 text.
@@ -78,7 +79,9 @@ class Publisher:
             headers.append(("calmq-error-code", exc.code.encode()))
         self._produce(topic, row.aggregateid.encode(), value, headers, on_ack)
 
-    def _delivered(self, on_ack: Callable[[], None]) -> Callable[[KafkaError | None, Message], None]:
+    def _delivered(
+        self, on_ack: Callable[[], None]
+    ) -> Callable[[KafkaError | None, Message], None]:
         def report(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:
                 self._failed.append(err)
@@ -92,7 +95,7 @@ class Publisher:
         topic: str,
         key: bytes,
         value: bytes,
-        headers: list[tuple[str, bytes]],
+        headers: list[tuple[str, str | bytes | None]],
         on_ack: Callable[[], None] | None = None,
     ) -> None:
         callback = self._on_delivery if on_ack is None else self._delivered(on_ack)

@@ -50,7 +50,8 @@ RETURNING (SELECT created_at FROM job) AS created_at;
 
 -- name: job_for_tenant
 SELECT id, tenant_id, workflow, workflow_version, status, priority, pool, step, attempt,
-       max_attempts, artifact, error, created_at, updated_at
+       max_attempts, artifact, error, created_at, updated_at,
+       input_tokens, output_tokens, cost_usd
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events

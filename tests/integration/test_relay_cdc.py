@@ -155,7 +155,8 @@ def test_payload_that_does_not_fit_goes_to_dlq_and_relay_goes_on(
         [dead] = [r for r in dlq.records if r.key == bad_job]
         assert dead.headers["id"] == bad_id
         assert dead.headers["calmq-error-code"] == "schema_mismatch"
-        assert relay.proc is not None and relay.proc.poll() is None
+        assert relay.proc is not None
+        assert relay.proc.poll() is None
         assert bad_id not in work.ids()
     finally:
         dlq.close()
@@ -255,7 +256,8 @@ def test_housekeeping_reports_lag_warns_and_deletes_published_rows(
              what="the slot lag metric")
     assert _metric(port, "calmq_relay_slot_lag_seconds") is not None
     assert _metric(port, "calmq_relay_slot_retained_wal_bytes") is not None
-    assert "holds back" in relay.log() and "relay_wal_warn_bytes" in relay.log()
+    assert "holds back" in relay.log()
+    assert "relay_wal_warn_bytes" in relay.log()
 
 
 def _drop_slot(db: RelayDb, stack: StackState) -> subprocess.CompletedProcess[str]:
@@ -271,7 +273,8 @@ def test_drop_slot_refuses_while_streaming_and_removes_it_after(
     """`calmq relay --drop-slot` fails with slot_active under a live relay, then drops it."""
     relay = start_relay()
     busy = _drop_slot(db, stack)
-    assert busy.returncode == 1 and "slot_active" in busy.stderr
+    assert busy.returncode == 1
+    assert "slot_active" in busy.stderr
     assert db.slot_row() is not None
     assert relay.terminate() == 0
     wait_for(lambda: _released(db), timeout=10, what="the slot to be released")

@@ -72,7 +72,7 @@ def drop_db(admin_url: str, db: RelayDb) -> None:
             slots = conn.execute(
                 "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s",
                 (db.name,)).fetchall()
-            for slot, pid in slots:
+            for _, pid in slots:
                 if pid is not None:
                     conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
             try:
@@ -116,8 +116,7 @@ class RelayProcess:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AssertionError(f"relay exited {self.proc.returncode}:\n{self.log()}")
-            return "streaming slot" in self.log() or "polling" in self.args and \
-                self.proc.poll() is None
+            return "streaming slot" in self.log()
         wait_for(ready, timeout=timeout, what="the relay to stream")
 
     def terminate(self, timeout: float = 30) -> int:
@@ -182,7 +181,7 @@ class Written:
 def write_concurrently(url: str, route: str, *, writers: int, jobs_per_writer: int,
                        events_per_job: int, written: Written) -> None:
     """Each writer owns its jobs and commits one event of each of them per transaction."""
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def writer() -> None:
         try:
@@ -200,7 +199,7 @@ def write_concurrently(url: str, route: str, *, writers: int, jobs_per_writer: i
                     conn.commit()
                     with written.lock:
                         written.events.update(mine)
-        except BaseException as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised in the calling thread below
             errors.append(exc)
 
     threads = [threading.Thread(target=writer) for _ in range(writers)]
@@ -239,9 +238,12 @@ class TopicReader:
         for msg in self.consumer.consume(num_messages=5000, timeout=0.2):
             if msg.error():
                 continue
-            headers = {k: (v or b"").decode() for k, v in msg.headers() or []}
-            new.append(Record(msg.partition(), msg.offset(), (msg.key() or b"").decode(),
-                              headers, msg.value()))
+            headers = {str(k): v.decode() if isinstance(v, bytes) else str(v or "")
+                       for k, v in list(msg.headers() or [])}
+            key = msg.key()
+            new.append(Record(int(msg.partition() or 0), int(msg.offset() or 0),
+                              key.decode() if isinstance(key, bytes) else str(key or ""),
+                              headers, bytes(msg.value() or b"")))
         self.records.extend(new)
         return new
 

@@ -1,0 +1,693 @@
+"""The fleet-wide token budget, and the metering of every model call (tokens and cost).
+
+The provider's quota is the scarce resource: past it, more workers only produce 429s
+faster. The budget holds the whole fleet under the quota (docs/explanation/token-budget.md):
+
+- PostgreSQL keeps one row per provider and model with two token buckets (bulk and
+  interactive), for tokens and for requests (migration 0005). A ``Ledger`` talks to it.
+- Each worker process has one ``TokenBudget`` per model. Its dispatcher task leases short
+  slices from the ledger (a few statements a second per worker, not one per call), hands
+  them to waiting calls, interactive first, and gives back what was not spent once a slice
+  is ``lease_seconds`` old.
+- A call reserves its estimate (prompt tokens + max output tokens) and settles with what
+  the provider counted; the difference goes back to the fleet.
+- A 429 pauses the provider for the whole fleet until its Retry-After.
+
+``BudgetedProvider`` wraps any ``Provider`` with both, so a worker wires it in one line
+(``open_metered_provider``) and steps keep calling ``provider.complete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client import Counter, Histogram
+
+from calmq import sql
+from calmq.errors import FailureClass, StepFailure
+from calmq.gateway import ModelReply, Provider, current_scope, open_provider
+from calmq.pricing import ModelPrice, cost_usd
+
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool
+
+    from calmq.settings import Settings
+
+__all__ = [
+    "BucketLimits",
+    "BudgetedProvider",
+    "Grant",
+    "Ledger",
+    "PostgresLedger",
+    "Reservation",
+    "TokenBudget",
+    "UsageRecorder",
+    "estimate_prompt_tokens",
+    "limits_from_settings",
+    "open_metered_provider",
+]
+
+log = logging.getLogger(__name__)
+
+PRIORITIES = ("interactive", "bulk")
+
+
+# -- metrics (created on first use; labels bounded by models, workflows and tenants) -------
+
+
+@dataclass(frozen=True)
+class _Metrics:
+    tokens: Counter
+    cost: Counter
+    calls: Counter
+    wait: Histogram
+    leases: Counter
+    pauses: Counter
+
+
+@cache
+def _metrics() -> _Metrics:
+    return _Metrics(
+        tokens=Counter("calmq_model_tokens_total", "Tokens the provider reported",
+                       ["workflow", "tenant", "provider", "model", "direction"]),
+        cost=Counter("calmq_model_cost_usd_total", "Cost of model calls in USD (price table)",
+                     ["workflow", "tenant", "provider", "model"]),
+        calls=Counter("calmq_model_calls_total", "Model calls by how they ended",
+                      ["provider", "model", "outcome"]),
+        wait=Histogram("calmq_budget_wait_seconds", "Time a call waited for budget",
+                       ["priority"],
+                       buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)),
+        leases=Counter("calmq_budget_leases_total", "Budget slices asked of the fleet ledger",
+                       ["model", "priority", "outcome"]),
+        pauses=Counter("calmq_budget_pauses_total", "429s that paused the provider fleet-wide",
+                       ["model"]),
+    )
+
+
+# -- limits and the ledger --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketLimits:
+    """The provider's limits and how the buckets follow them.
+
+    Providers count a sliding minute. Over any minute the fleet may spend a full bucket plus
+    a minute and a lease of refill, so the refill rate is set below the limit by exactly
+    that much: ``cap + rate * (60 + lease) <= limit``. Each bucket holds at least one
+    request, or the interactive share could never hold a whole call.
+    """
+
+    tokens_per_minute: int
+    requests_per_minute: int
+    interactive_share: float = 0.2
+    burst_seconds: float = 1.0
+    lease_seconds: float = 0.5
+
+    def _cap(self, per_minute: int, floor: float) -> float:
+        return max(per_minute * self.burst_seconds / 60, floor)
+
+    def _rate(self, per_minute: int, cap: float) -> float:
+        if per_minute == 0:
+            return 0.0
+        factor = (per_minute - cap) / (per_minute * (60 + self.lease_seconds) / 60)
+        return per_minute / 60 * max(0.5, factor)
+
+    @property
+    def request_cap(self) -> float:
+        if self.requests_per_minute == 0:
+            return 0.0
+        share = self.interactive_share
+        floor = max(1 / share if share > 0 else 1.0, 1 / (1 - share))
+        return self._cap(self.requests_per_minute, floor)
+
+    @property
+    def token_cap(self) -> float:
+        return self._cap(self.tokens_per_minute, 0.0)
+
+    @property
+    def request_rate(self) -> float:
+        return self._rate(self.requests_per_minute, self.request_cap)
+
+    @property
+    def token_rate(self) -> float:
+        return self._rate(self.tokens_per_minute, self.token_cap)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A slice of budget from the ledger; nothing granted means wait ``wait_seconds``."""
+
+    tokens: float
+    requests: float
+    wait_seconds: float = 0.0
+
+
+class Ledger(Protocol):
+    """Where the fleet's buckets live (PostgreSQL in production)."""
+
+    async def configure(self, provider: str, model: str, limits: BucketLimits) -> None: ...
+
+    async def take(
+        self, provider: str, model: str, priority: str, *, need_tokens: float,
+        want_tokens: float, want_requests: float,
+    ) -> Grant: ...
+
+    async def give_back(
+        self, provider: str, model: str, priority: str, tokens: float, requests: float
+    ) -> None: ...
+
+    async def pause(self, provider: str, model: str, seconds: float) -> None: ...
+
+
+class PostgresLedger:
+    """The buckets as rows of ``budget_buckets``; every change is one statement."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self.pool = pool
+        self._q = sql.queries()
+
+    async def _run(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(self._q[name], params)
+            if cur.description is None:
+                return None
+            row = await cur.fetchone()
+            return dict(row) if row is not None else None
+
+    async def configure(self, provider: str, model: str, limits: BucketLimits) -> None:
+        await self._run("budget_configure", {
+            "provider": provider, "model": model,
+            "tokens_per_minute": limits.tokens_per_minute,
+            "requests_per_minute": limits.requests_per_minute,
+            "token_rate": limits.token_rate, "request_rate": limits.request_rate,
+            "token_cap": limits.token_cap, "request_cap": limits.request_cap,
+            "interactive_share": limits.interactive_share,
+        })
+
+    async def take(
+        self, provider: str, model: str, priority: str, *, need_tokens: float,
+        want_tokens: float, want_requests: float,
+    ) -> Grant:
+        row = await self._run("budget_take", {
+            "provider": provider, "model": model, "priority": priority,
+            "need_tokens": need_tokens, "want_tokens": want_tokens,
+            "want_requests": want_requests,
+        })
+        assert row is not None
+        if not row["known"]:  # someone deleted the row: configure() again on the next start
+            return Grant(want_tokens, want_requests)
+        return Grant(row["granted_tokens"], row["granted_requests"], row["wait_seconds"])
+
+    async def give_back(
+        self, provider: str, model: str, priority: str, tokens: float, requests: float
+    ) -> None:
+        await self._run("budget_give_back", {
+            "provider": provider, "model": model, "priority": priority,
+            "tokens": tokens, "requests": requests,
+        })
+
+    async def pause(self, provider: str, model: str, seconds: float) -> None:
+        await self._run("budget_pause", {"provider": provider, "model": model,
+                                         "seconds": seconds})
+
+    async def bucket(self, provider: str, model: str) -> dict[str, Any] | None:
+        """The bucket row as stored (for `calmq` tooling and tests)."""
+        return await self._run("budget_bucket", {"provider": provider, "model": model})
+
+
+# -- the per-process budget -------------------------------------------------------------
+
+
+@dataclass
+class _Slice:
+    priority: str
+    tokens: float
+    requests: float
+    expires: float
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: int  # 0 interactive, 1 bulk: the heap serves interactive first
+    seq: int
+    tokens: float = field(compare=False)
+    priority: str = field(compare=False)
+    future: asyncio.Future[str] = field(compare=False)
+
+
+@dataclass
+class Reservation:
+    """Budget held by one call; ``settle`` once the provider said what it counted."""
+
+    budget: TokenBudget
+    source: str
+    tokens: float
+    waited: float
+    _settled: bool = False
+
+    def settle(self, charged_tokens: float) -> None:
+        if not self._settled:
+            self._settled = True
+            self.budget._settle(self.source, self.tokens - charged_tokens)
+
+
+class TokenBudget:
+    """One process's share of the fleet budget for one provider and model."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        provider: str,
+        model: str,
+        limits: BucketLimits,
+        *,
+        slice_seconds: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.provider = provider
+        self.model = model
+        self.limits = limits
+        self._clock = clock
+        self._slice_tokens = limits.token_rate * slice_seconds
+        self._slice_requests = max(1.0, math.floor(limits.request_rate * slice_seconds))
+        self._slices: list[_Slice] = []
+        self._owed: dict[str, float] = dict.fromkeys(PRIORITIES, 0.0)  # settlements to give back
+        self._queue: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._owed_due: float | None = None
+        self._paused_until = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.ledger.configure(self.provider, self.model, self.limits)
+        self._task = asyncio.create_task(self._dispatch(), name=f"budget-{self.model}")
+
+    async def close(self) -> None:
+        """Stop handing out budget and give back every unspent slice."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for waiter in self._queue:
+            waiter.future.cancel()
+        self._queue.clear()
+        with contextlib.suppress(Exception):
+            await self._give_back(expired_only=False)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._queue if not w.future.done())
+
+    async def acquire(self, tokens: float, priority: str) -> Reservation:
+        """Wait until the fleet can afford ``tokens`` and one request for this priority."""
+        if self._task is None:
+            raise RuntimeError("TokenBudget.start() was not awaited")
+        started = self._clock()
+        waiter = _Waiter(0 if priority == "interactive" else 1, next(self._seq), tokens,
+                         priority, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._queue, waiter)
+        self._wake.set()
+        source = await waiter.future
+        waited = self._clock() - started
+        _metrics().wait.labels(priority).observe(waited)
+        return Reservation(self, source, tokens, waited)
+
+    def pause(self, seconds: float) -> bool:
+        """Stop this process at once; True when the fleet has to be told (not paused yet)."""
+        until = self._clock() + seconds
+        if until <= self._paused_until:
+            return False
+        self._paused_until = until
+        # The provider just said its window is full: what we hold would only meet more 429s.
+        self._slices.clear()
+        self._wake.set()
+        return True
+
+    async def pause_fleet(self, seconds: float) -> None:
+        if self.pause(seconds):
+            _metrics().pauses.labels(self.model).inc()
+            await self.ledger.pause(self.provider, self.model, seconds)
+
+    def _settle(self, source: str, delta: float) -> None:
+        if self._owed_due is None:
+            self._owed_due = self._clock() + self.limits.lease_seconds / 2
+        self._owed[source] += delta
+
+    # -- dispatcher ----------------------------------------------------------------
+
+    def _take_local(self, waiter: _Waiter) -> str | None:
+        usable = [s for s in self._slices
+                  if s.priority in (waiter.priority, "bulk")]
+        # Interactive spends its own slices first; oldest first within a priority.
+        usable.sort(key=lambda s: (s.priority != waiter.priority, s.expires))
+        limit_tokens = self.limits.tokens_per_minute > 0
+        limit_requests = self.limits.requests_per_minute > 0
+        if limit_tokens and sum(s.tokens for s in usable) < waiter.tokens:
+            return None
+        if limit_requests and sum(s.requests for s in usable) < 1:
+            return None
+        need_t, need_r = waiter.tokens, 1.0
+        source = waiter.priority
+        for s in usable:
+            if need_t <= 0 and need_r <= 0:
+                break
+            take_t = min(s.tokens, need_t) if limit_tokens else 0.0
+            take_r = min(s.requests, need_r) if limit_requests else 0.0
+            if take_t > 0 or take_r > 0:
+                source = s.priority
+            s.tokens -= take_t
+            s.requests -= take_r
+            need_t -= take_t
+            need_r -= take_r
+        self._slices = [s for s in self._slices
+                        if (limit_tokens and s.tokens > 1e-9)
+                        or (limit_requests and s.requests > 1e-9)]
+        return source
+
+    def _demand(self, priority: str) -> tuple[float, int]:
+        live = [w for w in self._queue if w.priority == priority and not w.future.done()]
+        return sum(w.tokens for w in live), len(live)
+
+    async def _give_back(self, *, expired_only: bool = True) -> None:
+        now = self._clock()
+        back: dict[str, list[float]] = {p: [self._owed[p], 0.0] for p in PRIORITIES}
+        keep: list[_Slice] = []
+        for s in self._slices:
+            if expired_only and s.expires > now:
+                keep.append(s)
+                continue
+            back[s.priority][0] += s.tokens if self.limits.tokens_per_minute else 0.0
+            back[s.priority][1] += s.requests if self.limits.requests_per_minute else 0.0
+        self._slices = keep
+        self._owed_due = None
+        for priority, (tokens, requests) in back.items():
+            self._owed[priority] = 0.0
+            if abs(tokens) > 1e-6 or abs(requests) > 1e-6:
+                await self.ledger.give_back(self.provider, self.model, priority, tokens, requests)
+
+    def _next_expiry(self) -> float | None:
+        due = [s.expires for s in self._slices]
+        if self._owed_due is not None:
+            due.append(self._owed_due)
+        return min(due, default=None)
+
+    async def _dispatch(self) -> None:
+        while True:
+            try:
+                await self._dispatch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the database is away: keep the waiters, try again shortly
+                log.exception("token budget %s/%s: ledger call failed; retrying",
+                              self.provider, self.model)
+                await asyncio.sleep(0.5)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake early when a new call arrives (it may be interactive)."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.0, seconds))
+
+    async def _dispatch_once(self) -> None:
+        now = self._clock()
+        expiry = self._next_expiry()
+        if expiry is not None and expiry <= now:
+            await self._give_back()
+        while self._queue and self._queue[0].future.done():  # cancelled (step timeout)
+            heapq.heappop(self._queue)
+        if not self._queue:
+            expiry = self._next_expiry()
+            await self._sleep(expiry - now if expiry is not None else 3600.0)
+            return
+        if self._paused_until > now:
+            await self._sleep(self._paused_until - now)
+            return
+        head = self._queue[0]
+        source = self._take_local(head)
+        if source is not None:
+            heapq.heappop(self._queue)
+            head.future.set_result(source)
+            return
+        demand_tokens, demand_calls = self._demand(head.priority)
+        # What this process holds already counts: ask the fleet only for the rest.
+        held = sum(s.tokens for s in self._slices if s.priority in (head.priority, "bulk"))
+        need = max(1.0, head.tokens - held)
+        want_tokens = max(need, min(self._slice_tokens, demand_tokens - held))
+        want_requests = max(1.0, min(self._slice_requests, float(demand_calls)))
+        grant = await self.ledger.take(self.provider, self.model, head.priority,
+                                       need_tokens=need, want_tokens=want_tokens,
+                                       want_requests=want_requests)
+        metrics = _metrics().leases
+        if grant.tokens > 0 or grant.requests > 0:
+            metrics.labels(self.model, head.priority, "granted").inc()
+            self._slices.append(_Slice(head.priority, grant.tokens, grant.requests,
+                                       self._clock() + self.limits.lease_seconds))
+            return
+        metrics.labels(self.model, head.priority, "empty").inc()
+        # A fleet-wide pause another worker started shows up here as a long wait; it is
+        # capped so that an interactive call arriving meanwhile is not kept behind it.
+        await self._sleep(min(max(grant.wait_seconds, 0.002), 0.25))
+
+
+# -- usage: tokens and cost per attempt and per job ---------------------------------------
+
+
+class UsageRecorder:
+    """Writes every call's tokens and cost to its attempt and its job, group-committed.
+
+    ``record`` returns once the row is written, so the job's totals are in the database
+    before the step's outcome is (the runner commits the outcome after the step returns).
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Any], *, window: float = 0.005) -> None:
+        self.pool = pool
+        self.window = window
+        self._q = sql.queries()
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="usage-recorder")
+
+    async def close(self) -> None:
+        if self._pending and self._task is not None:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def record(self, job_id: str, input_tokens: int, output_tokens: int,
+                     cost: float) -> None:
+        try:
+            job = uuid.UUID(job_id)
+        except ValueError:
+            return  # not a calmq job (a hand-made call): nothing to add it to
+        if self._task is None:
+            raise RuntimeError("UsageRecorder.start() was not called")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append(({"job_id": job, "input_tokens": input_tokens,
+                               "output_tokens": output_tokens, "cost_usd": cost}, future))
+        self._wake.set()
+        # Shielded: a step cancelled meanwhile (timeout) still has its usage written.
+        await asyncio.shield(future)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.window)
+            self._wake.clear()
+            while self._pending:
+                group = self._pending[:500]
+                del self._pending[: len(group)]
+                await self._write(group)
+            self._idle.set()
+
+    async def _write(self, group: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
+        delay = 0.1
+        # One job's rows in id order, so two groups never lock two jobs in opposite orders.
+        rows = sorted((p for p, _ in group), key=lambda p: p["job_id"])
+        while True:
+            try:
+                async with self.pool.connection() as conn, conn.transaction(), \
+                        conn.cursor() as cur:
+                    await cur.executemany(self._q["budget_record_usage"], rows)
+                break
+            except Exception:
+                log.exception("recording usage of %d calls failed; retrying in %.1fs",
+                              len(rows), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        for _, future in group:
+            if not future.done():
+                future.set_result(None)
+
+
+# -- the provider wrapper -----------------------------------------------------------------
+
+
+def estimate_prompt_tokens(messages: list[dict[str, str]]) -> int:
+    """About four characters a token, as providers estimate before they tokenize."""
+    chars = sum(len(m.get("content") or "") for m in messages)
+    return max(1, (chars + 3) // 4)
+
+
+class BudgetedProvider:
+    """A ``Provider`` that waits for the fleet budget, meters usage and cost, and turns a 429
+    into a fleet-wide pause. Either part may be absent (no budget configured: metering only).
+    """
+
+    def __init__(
+        self,
+        inner: Provider,
+        *,
+        provider: str,
+        model: str,
+        budget: TokenBudget | None = None,
+        usage: UsageRecorder | None = None,
+        prices: Mapping[str, ModelPrice] | None = None,
+        counts_max_tokens: bool = True,
+        default_pause_seconds: float = 1.0,
+    ) -> None:
+        self.inner = inner
+        self.provider = provider
+        self.model = model
+        self.budget = budget
+        self.usage = usage
+        self.prices = dict(prices or {})
+        self.counts_max_tokens = counts_max_tokens
+        self.default_pause_seconds = default_pause_seconds
+
+    async def complete(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelReply:
+        scope = current_scope()
+        estimate = estimate_prompt_tokens(messages) + max_tokens
+        reservation = (await self.budget.acquire(estimate, scope.priority)
+                       if self.budget is not None else None)
+        calls = _metrics().calls
+        try:
+            reply = await self.inner.complete(messages=messages, job_id=job_id,
+                                              max_tokens=max_tokens,
+                                              response_schema=response_schema)
+        except BaseException as exc:
+            if reservation is not None:
+                reservation.settle(estimate)  # failed: assume the provider counted it all
+            if isinstance(exc, StepFailure):
+                await self._failed(exc)
+            raise
+        calls.labels(self.provider, self.model, "ok").inc()
+        if reservation is not None:
+            output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \
+                else reply.output_tokens
+            reservation.settle((reply.input_tokens or estimate - max_tokens) + output)
+        await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
+                          reply.output_tokens)
+        return reply
+
+    async def embed(self, *, inputs: list[str], job_id: str) -> Any:
+        """Embeddings through the same budget and meter (when the inner provider embeds)."""
+        inner_embed = getattr(self.inner, "embed", None)
+        if inner_embed is None:
+            raise StepFailure(f"provider {self.provider} cannot embed", code="not_supported",
+                              failure_class=FailureClass.INPUT)
+        scope = current_scope()
+        estimate = max(1, sum(len(t) for t in inputs) // 4)
+        reservation = (await self.budget.acquire(estimate, scope.priority)
+                       if self.budget is not None else None)
+        try:
+            reply = await inner_embed(inputs=inputs, job_id=job_id)
+        except BaseException as exc:
+            if reservation is not None:
+                reservation.settle(estimate)
+            if isinstance(exc, StepFailure):
+                await self._failed(exc)
+            raise
+        _metrics().calls.labels(self.provider, self.model, "ok").inc()
+        used = int(getattr(reply, "input_tokens", 0) or 0)
+        if reservation is not None:
+            reservation.settle(used or estimate)
+        await self._meter(job_id, scope.workflow, scope.tenant_id, used, 0)
+        return reply
+
+    async def _failed(self, failure: StepFailure) -> None:
+        _metrics().calls.labels(self.provider, self.model, failure.code).inc()
+        if failure.code == "rate_limited" and self.budget is not None:
+            await self.budget.pause_fleet(failure.retry_after if failure.retry_after is not None
+                                          else self.default_pause_seconds)
+
+    async def _meter(self, job_id: str, workflow: str, tenant: str, input_tokens: int,
+                     output_tokens: int) -> None:
+        cost = cost_usd(self.prices, self.provider, self.model, input_tokens, output_tokens)
+        m = _metrics()
+        m.tokens.labels(workflow, tenant, self.provider, self.model, "input").inc(input_tokens)
+        m.tokens.labels(workflow, tenant, self.provider, self.model, "output").inc(output_tokens)
+        m.cost.labels(workflow, tenant, self.provider, self.model).inc(cost)
+        if self.usage is not None:
+            await self.usage.record(job_id, input_tokens, output_tokens, cost)
+
+    async def close(self) -> None:
+        if self.budget is not None:
+            await self.budget.close()
+        if self.usage is not None:
+            await self.usage.close()
+        await self.inner.close()
+
+
+def limits_from_settings(settings: Settings) -> BucketLimits:
+    return BucketLimits(
+        tokens_per_minute=settings.budget_tokens_per_minute,
+        requests_per_minute=settings.budget_requests_per_minute,
+        interactive_share=settings.budget_interactive_share,
+        burst_seconds=settings.budget_burst_seconds,
+        lease_seconds=settings.budget_lease_seconds,
+    )
+
+
+async def open_metered_provider(
+    settings: Settings, pool: AsyncConnectionPool[Any], *, shared_budget: bool = True
+) -> BudgetedProvider:
+    """The worker's provider: the configured gateway, metered, under the fleet budget when
+    ``budget_tokens_per_minute`` or ``budget_requests_per_minute`` is set (and
+    ``shared_budget``; the benchmark's baseline turns it off)."""
+    url = settings.effective_provider_url
+    inner = open_provider(settings.provider, url, settings.provider_api_key.get_secret_value(),
+                          settings.model)
+    budget: TokenBudget | None = None
+    limits = limits_from_settings(settings)
+    if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):
+        # The bucket is per endpoint and model: two OpenAI-compatible servers do not share
+        # a quota even when they serve the same model name.
+        budget = TokenBudget(PostgresLedger(pool), f"{settings.provider}:{url.rstrip('/')}",
+                             settings.model, limits, slice_seconds=settings.budget_slice_seconds)
+        await budget.start()
+    usage = UsageRecorder(pool)
+    usage.start()
+    return BudgetedProvider(
+        inner, provider=settings.provider, model=settings.model, budget=budget, usage=usage,
+        prices=settings.prices, counts_max_tokens=settings.budget_counts_max_tokens,
+        default_pause_seconds=settings.budget_default_pause_seconds,
+    )

@@ -1,0 +1,57 @@
+-- Named queries of the token budget and the usage ledger (calmq/budget.py).
+
+-- name: budget_configure
+-- Every worker writes the limits it was started with; the fleet shares the last ones written.
+-- The levels are kept, so a restart does not hand out a fresh burst.
+INSERT INTO budget_buckets (provider, model, tokens_per_minute, requests_per_minute,
+                            token_rate, request_rate, token_cap, request_cap, interactive_share)
+VALUES (%(provider)s, %(model)s, %(tokens_per_minute)s, %(requests_per_minute)s,
+        %(token_rate)s, %(request_rate)s, %(token_cap)s, %(request_cap)s,
+        %(interactive_share)s)
+ON CONFLICT (provider, model) DO UPDATE SET
+    tokens_per_minute = excluded.tokens_per_minute,
+    requests_per_minute = excluded.requests_per_minute,
+    token_rate = excluded.token_rate, request_rate = excluded.request_rate,
+    token_cap = excluded.token_cap, request_cap = excluded.request_cap,
+    interactive_share = excluded.interactive_share,
+    updated_at = now();
+
+-- name: budget_take
+SELECT granted_tokens, granted_requests, wait_seconds, known
+FROM calmq_budget_take(%(provider)s, %(model)s, %(priority)s, %(need_tokens)s,
+                       %(want_tokens)s, %(want_requests)s);
+
+-- name: budget_give_back
+SELECT calmq_budget_give_back(%(provider)s, %(model)s, %(priority)s, %(tokens)s,
+                              %(requests)s);
+
+-- name: budget_pause
+-- A 429 means the provider's own window is full: stop the whole fleet until Retry-After and
+-- drop what the buckets hold (it was computed for a window the provider disagrees with).
+UPDATE budget_buckets SET
+    paused_until = greatest(paused_until,
+                            clock_timestamp() + make_interval(secs => %(seconds)s)),
+    bulk_tokens = least(bulk_tokens, 0), bulk_requests = least(bulk_requests, 0),
+    interactive_tokens = least(interactive_tokens, 0),
+    interactive_requests = least(interactive_requests, 0),
+    updated_at = now()
+WHERE provider = %(provider)s AND model = %(model)s;
+
+-- name: budget_record_usage
+-- Add one model call's tokens and cost to the job's totals and to its current attempt (the
+-- job row names the step and attempt while this worker holds its lease).
+WITH job AS (
+    UPDATE jobs SET input_tokens = input_tokens + %(input_tokens)s,
+                    output_tokens = output_tokens + %(output_tokens)s,
+                    cost_usd = cost_usd + %(cost_usd)s
+    WHERE id = %(job_id)s
+    RETURNING id, step, attempt
+)
+UPDATE job_attempts a SET model_calls = a.model_calls + 1,
+                          input_tokens = a.input_tokens + %(input_tokens)s,
+                          output_tokens = a.output_tokens + %(output_tokens)s,
+                          cost_usd = a.cost_usd + %(cost_usd)s
+FROM job WHERE a.job_id = job.id AND a.step = job.step AND a.attempt = job.attempt;
+
+-- name: budget_bucket
+SELECT * FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;

@@ -1,0 +1,269 @@
+"""The per-process token budget and the metering provider, against an in-memory ledger."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from calmq.budget import BucketLimits, BudgetedProvider, Grant, TokenBudget, estimate_prompt_tokens
+from calmq.errors import FailureClass, StepFailure
+from calmq.gateway import CallScope, ModelReply, enter_scope
+from calmq.pricing import ModelPrice, cost_usd
+
+
+class MemoryLedger:
+    """A ledger with one pool per priority that only grows when a test adds to it."""
+
+    def __init__(self, tokens: float = 0, requests: float = 0) -> None:
+        self.pools = {"bulk": [tokens, requests], "interactive": [0.0, 0.0]}
+        self.given_back: list[tuple[str, float, float]] = []
+        self.pauses: list[float] = []
+        self.takes = 0
+
+    def add(self, priority: str, tokens: float, requests: float) -> None:
+        self.pools[priority][0] += tokens
+        self.pools[priority][1] += requests
+
+    async def configure(self, provider: str, model: str, limits: BucketLimits) -> None:
+        return None
+
+    async def take(self, provider: str, model: str, priority: str, *, need_tokens: float,
+                   want_tokens: float, want_requests: float) -> Grant:
+        self.takes += 1
+        sources = ["interactive", "bulk"] if priority == "interactive" else ["bulk"]
+        tokens = sum(self.pools[p][0] for p in sources)
+        requests = sum(self.pools[p][1] for p in sources)
+        if tokens < need_tokens or requests < 1:
+            return Grant(0, 0, 0.01)
+        grant_t, grant_r = min(want_tokens, tokens), min(want_requests, requests)
+        left_t, left_r = grant_t, grant_r
+        for p in sources:
+            t, r = min(self.pools[p][0], left_t), min(self.pools[p][1], left_r)
+            self.pools[p][0] -= t
+            self.pools[p][1] -= r
+            left_t -= t
+            left_r -= r
+        return Grant(grant_t, grant_r)
+
+    async def give_back(self, provider: str, model: str, priority: str, tokens: float,
+                        requests: float) -> None:
+        self.given_back.append((priority, tokens, requests))
+        self.add(priority, tokens, requests)
+
+    async def pause(self, provider: str, model: str, seconds: float) -> None:
+        self.pauses.append(seconds)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+LIMITS = BucketLimits(tokens_per_minute=60_000, requests_per_minute=600, lease_seconds=0.5)
+
+
+async def _budget(ledger: MemoryLedger, clock: Clock | None = None) -> TokenBudget:
+    budget = TokenBudget(ledger, "fake", "m", LIMITS, slice_seconds=0.25,
+                         **({"clock": clock} if clock else {}))
+    await budget.start()
+    return budget
+
+
+async def _until(check: Any, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.005)
+
+
+def test_limits_keep_a_sliding_minute_under_the_provider_limit() -> None:
+    """A full bucket plus a minute and a lease of refill never exceeds the provider's limit."""
+    for tpm, rpm, share in [(2_000_000, 0, 0.2), (60_000, 600, 0.1), (0, 120, 0.2)]:
+        limits = BucketLimits(tpm, rpm, interactive_share=share, burst_seconds=1.0,
+                              lease_seconds=0.5)
+        assert limits.token_cap + limits.token_rate * 60.5 <= tpm + 1e-6
+        assert limits.request_cap + limits.request_rate * 60.5 <= rpm + 1e-6
+        if rpm:
+            assert limits.request_cap * share >= 1 - 1e-9  # interactive can hold one call
+        if tpm:
+            assert limits.token_rate * 60 >= 0.95 * tpm  # and the quota is still used
+
+
+def test_estimate_counts_about_four_characters_a_token() -> None:
+    """The prompt estimate is the characters of every message over four, rounded up."""
+    assert estimate_prompt_tokens([{"role": "user", "content": "x" * 400},
+                                   {"role": "system", "content": "y" * 2}]) == 101
+
+
+def test_cost_uses_provider_specific_price_first() -> None:
+    """A provider:model price wins over the bare model's; an unknown model costs 0."""
+    prices = {"m": ModelPrice(input=1, output=2), "openai:m": ModelPrice(input=10, output=20)}
+    assert cost_usd(prices, "anthropic", "m", 1_000_000, 500_000) == pytest.approx(2.0)
+    assert cost_usd(prices, "openai", "m", 1_000_000, 0) == pytest.approx(10.0)
+    assert cost_usd(prices, "openai", "other", 1_000, 1_000) == 0.0
+
+
+async def test_call_waits_until_the_ledger_has_budget() -> None:
+    """A call is held while the fleet ledger has nothing and proceeds once budget appears."""
+    ledger = MemoryLedger()
+    budget = await _budget(ledger)
+    try:
+        call = asyncio.create_task(budget.acquire(100, "bulk"))
+        await _until(lambda: ledger.takes >= 2)
+        assert not call.done()
+        ledger.add("bulk", 1000, 10)
+        reservation = await asyncio.wait_for(call, 2)
+        assert reservation.tokens == 100
+    finally:
+        await budget.close()
+
+
+async def test_interactive_is_served_before_bulk_queued_earlier() -> None:
+    """With bulk and interactive calls waiting, new budget goes to interactive first."""
+    ledger = MemoryLedger()
+    budget = await _budget(ledger)
+    order: list[str] = []
+
+    async def call(priority: str) -> None:
+        await budget.acquire(100, priority)
+        order.append(priority)
+
+    try:
+        bulk = [asyncio.create_task(call("bulk")) for _ in range(3)]
+        await _until(lambda: budget.waiting == 3)
+        interactive = asyncio.create_task(call("interactive"))
+        await _until(lambda: budget.waiting == 4)
+        ledger.add("bulk", 100, 1)  # room for exactly one call
+        await _until(lambda: len(order) == 1)
+        assert order == ["interactive"]
+        ledger.add("bulk", 300, 3)
+        await asyncio.wait_for(asyncio.gather(*bulk, interactive), 2)
+    finally:
+        await budget.close()
+
+
+async def test_bulk_cannot_take_the_interactive_share() -> None:
+    """Budget held for interactive stays unused by bulk calls."""
+    ledger = MemoryLedger()
+    ledger.add("interactive", 1000, 10)
+    budget = await _budget(ledger)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(budget.acquire(100, "bulk"), 0.2)
+        assert (await asyncio.wait_for(budget.acquire(100, "interactive"), 1)).source == \
+            "interactive"
+    finally:
+        await budget.close()
+
+
+async def test_one_lease_serves_several_calls_and_settlements_go_back() -> None:
+    """Calls waiting together share one slice; what they did not use goes back after a lease."""
+    ledger = MemoryLedger()
+    clock = Clock()
+    budget = await _budget(ledger, clock)
+    try:
+        calls = [asyncio.create_task(budget.acquire(100, "bulk")) for _ in range(2)]
+        await _until(lambda: budget.waiting == 2)
+        takes = ledger.takes
+        ledger.add("bulk", 1000, 10)
+        reservations = await asyncio.wait_for(asyncio.gather(*calls), 1)
+        assert ledger.takes == takes + 1  # one slice for both calls
+        assert ledger.pools["bulk"] == [800, 8]
+        for reservation in reservations:
+            reservation.settle(60)  # the provider counted 40 fewer than reserved
+        clock.now += 1.0  # past the lease
+        budget._wake.set()
+        await _until(lambda: bool(ledger.given_back))
+        assert ledger.given_back == [("bulk", pytest.approx(80), 0.0)]
+    finally:
+        await budget.close()
+
+
+async def test_pause_holds_every_call_and_tells_the_fleet_once() -> None:
+    """After a 429 pause nothing is handed out until it ends; the ledger hears of it once."""
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    clock = Clock()
+    budget = await _budget(ledger, clock)
+    try:
+        await budget.pause_fleet(5.0)
+        await budget.pause_fleet(2.0)  # inside the first pause: nothing new to tell
+        assert ledger.pauses == [5.0]
+        call = asyncio.create_task(budget.acquire(100, "interactive"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(call), 0.1)
+        clock.now += 5.1
+        budget._wake.set()
+        await asyncio.wait_for(call, 2)
+    finally:
+        await budget.close()
+
+
+async def test_cancelled_call_does_not_consume_budget() -> None:
+    """A call that gives up waiting (step timeout) leaves the budget to the next one."""
+    ledger = MemoryLedger()
+    budget = await _budget(ledger)
+    try:
+        first = asyncio.create_task(budget.acquire(100, "bulk"))
+        await _until(lambda: budget.waiting == 1)
+        first.cancel()
+        ledger.add("bulk", 100, 1)
+        second = await asyncio.wait_for(budget.acquire(100, "bulk"), 1)
+        assert second.tokens == 100
+    finally:
+        await budget.close()
+
+
+class ScriptedProvider:
+    """A Provider answering from a script: a reply or a StepFailure per call."""
+
+    def __init__(self, *answers: ModelReply | StepFailure) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                       response_schema: dict[str, Any] | None = None) -> ModelReply:
+        self.calls += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, StepFailure):
+            raise answer
+        return answer
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_rate_limit_answer_pauses_the_fleet_for_retry_after() -> None:
+    """A 429 with Retry-After pauses the budget that long and still fails the attempt."""
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    budget = await _budget(ledger)
+    inner = ScriptedProvider(StepFailure("429", code="rate_limited",
+                                         failure_class=FailureClass.TRANSIENT, retry_after=7))
+    provider = BudgetedProvider(inner, provider="openai", model="m", budget=budget)
+    try:
+        with pytest.raises(StepFailure) as caught:
+            await provider.complete(messages=[{"role": "user", "content": "hi"}], job_id="j",
+                                    max_tokens=10)
+        assert caught.value.code == "rate_limited"
+        assert ledger.pauses == [7]
+    finally:
+        await provider.close()
+
+
+async def test_settles_with_what_the_provider_counted() -> None:
+    """Counting max_tokens, a reply settles at real prompt tokens plus max_tokens."""
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    budget = await _budget(ledger)
+    inner = ScriptedProvider(ModelReply("{}", None, input_tokens=50, output_tokens=5))
+    provider = BudgetedProvider(inner, provider="openai", model="m", budget=budget)
+    enter_scope(CallScope(priority="interactive"))
+    try:
+        # 400 characters: estimated 100 prompt tokens; the provider counted 50.
+        await provider.complete(messages=[{"role": "user", "content": "x" * 400}], job_id="j",
+                                max_tokens=20)
+        assert budget._owed["interactive"] + budget._owed["bulk"] == pytest.approx(50)
+    finally:
+        await provider.close()

@@ -1,0 +1,130 @@
+"""The gateway's providers against the fake provider over real HTTP, and error classes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from calmq.errors import FailureClass, StepFailure
+from calmq.fake_provider import FakeProviderSettings, build_app
+from calmq.gateway import AnthropicProvider, OpenAIProvider, Provider, classify_status
+
+OpenProvider = Callable[..., Awaitable[Provider]]
+
+
+@pytest_asyncio.fixture
+async def open_provider() -> AsyncIterator[OpenProvider]:
+    opened: list[tuple[TestServer, Provider]] = []
+
+    async def make(kind: str = "openai", app: web.Application | None = None,
+                   **settings: Any) -> Provider:
+        server = TestServer(app or build_app(FakeProviderSettings(**settings)))
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        cls = AnthropicProvider if kind == "anthropic" else OpenAIProvider
+        provider = cls(url, "key", "fake-small")
+        opened.append((server, provider))
+        return provider
+
+    yield make
+    for server, provider in opened:
+        await provider.close()
+        await server.close()
+
+
+def _messages(**step: Any) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "Summarize."},
+            {"role": "user", "content": json.dumps({"text": "a b c d", **step})}]
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_reply_carries_content_and_usage(open_provider: OpenProvider, kind: str) -> None:
+    """Both API shapes return the model's text and the input and output tokens it reported."""
+    provider = await open_provider(kind)
+    reply = await provider.complete(messages=_messages(), job_id="j1", max_tokens=64)
+    assert json.loads(reply.content or "")["summary"] == "a b c d"
+    assert reply.refusal is None
+    assert reply.input_tokens > 0
+    assert reply.output_tokens > 0
+
+
+@pytest.mark.parametrize(("mode", "code", "failure_class"), [
+    ("rate_limited", "rate_limited", FailureClass.TRANSIENT),
+    ("always_fail", "upstream_unavailable", FailureClass.TRANSIENT),
+    ("bad_request", "provider_bad_request", FailureClass.INPUT),
+    ("unauthorized", "provider_permission", FailureClass.PERMISSION),
+])
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_error_answers_get_their_failure_class(
+    open_provider: OpenProvider, kind: str, mode: str, code: str, failure_class: FailureClass,
+) -> None:
+    """429 and 5xx are transient, 400 input, 401 permission, for either API shape."""
+    provider = await open_provider(kind, retry_after_seconds=3)
+    with pytest.raises(StepFailure) as caught:
+        await provider.complete(messages=_messages(mode=mode), job_id="j1", max_tokens=64)
+    assert (caught.value.code, caught.value.failure_class) == (code, failure_class)
+    if mode == "rate_limited":
+        assert caught.value.retry_after == 3
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_refusal_is_reported_not_returned_as_content(
+    open_provider: OpenProvider, kind: str
+) -> None:
+    """A refusal comes back as ``refusal`` with no content, for the step to class as policy."""
+    provider = await open_provider(kind)
+    reply = await provider.complete(messages=_messages(mode="refusal"), job_id="j1",
+                                    max_tokens=64)
+    assert reply.refusal
+    assert not reply.content
+
+
+async def test_provider_limit_answers_429_with_retry_after(open_provider: OpenProvider) -> None:
+    """Past the provider's own requests per minute, the gateway sees a transient 429."""
+    provider = await open_provider(requests_per_minute=1)
+    await provider.complete(messages=_messages(), job_id="j1", max_tokens=8)
+    with pytest.raises(StepFailure) as caught:
+        await provider.complete(messages=_messages(), job_id="j2", max_tokens=8)
+    assert caught.value.code == "rate_limited"
+    assert caught.value.retry_after is not None and caught.value.retry_after > 0
+
+
+async def test_content_filter_finish_is_a_refusal(open_provider: OpenProvider) -> None:
+    """An OpenAI answer stopped by the content filter is a refusal, not an empty success."""
+    async def filtered(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"message": {"role": "assistant",
+                                                            "content": None},
+                                               "finish_reason": "content_filter"}],
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": 0}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", filtered)
+    provider = await open_provider(app=app)
+    reply = await provider.complete(messages=_messages(), job_id="j1", max_tokens=8)
+    assert reply.refusal
+    assert reply.input_tokens == 5
+
+
+async def test_unreachable_provider_is_transient(open_provider: OpenProvider) -> None:
+    """A connection refused is a transient failure, retried later."""
+    provider = OpenAIProvider("http://127.0.0.1:9", "", "m")
+    try:
+        with pytest.raises(StepFailure) as caught:
+            await provider.complete(messages=_messages(), job_id="j1", max_tokens=8)
+        assert caught.value.failure_class is FailureClass.TRANSIENT
+    finally:
+        await provider.close()
+
+
+def test_content_policy_400_is_a_policy_failure() -> None:
+    """A 400 naming the content policy is ``policy``, not ``input``."""
+    body = '{"error": {"code": "content_policy_violation", "message": "no"}}'
+    assert classify_status(400, body).failure_class is FailureClass.POLICY
+    assert classify_status(400, '{"error": "bad field"}').failure_class is FailureClass.INPUT
+    assert classify_status(503, "", {"Retry-After": "4"}).retry_after == 4
