@@ -121,6 +121,7 @@ class GroupCommit:
         self._active = 0
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._query = sql.queries()["insert_job"]
+        self._batch_query = sql.queries()["api_insert_jobs"]
         self.batches = 0
         self.jobs = 0
 
@@ -170,8 +171,26 @@ class GroupCommit:
             _settle(future, None)
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
-        async with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            await cur.executemany(self._query, rows)
+        async with self._pool.connection() as conn:
+            if len(rows) == 1:
+                await conn.execute(self._query, rows[0])
+            else:
+                await conn.execute(self._batch_query, {"jobs": Jsonb([_plain(r) for r in rows])})
+
+
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    """insert_params as JSON values for jsonb_to_recordset (Jsonb wrappers unwrapped)."""
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if isinstance(value, Jsonb):
+            out[name] = value.obj
+        elif isinstance(value, uuid.UUID):
+            out[name] = str(value)
+        elif isinstance(value, datetime):
+            out[name] = value.isoformat()
+        else:
+            out[name] = value
+    return out
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
