@@ -73,12 +73,22 @@ def main(argv: list[str] | None = None) -> int:
             res = {"scenario": name, "error": f"failed: {exc}"}
         results.append(res)
         print(json.dumps(res), flush=True)
+    total = round(time.monotonic() - started, 1)
+    if args.only and (RESULTS / "latest.json").exists():
+        # A partial run replaces its scenarios and keeps the others' last figures.
+        previous = json.loads((RESULTS / "latest.json").read_text())
+        fresh = {r["scenario"] for r in results}
+        results = [r if r["scenario"] not in fresh else next(
+            n for n in results if n["scenario"] == r["scenario"])
+            for r in previous.get("results", [])] + [
+            r for r in results if r["scenario"] not in
+            {p["scenario"] for p in previous.get("results", [])}]
+        total = previous.get("total_seconds", total)
     doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "total_seconds": round(time.monotonic() - started, 1), "results": results}
+           "total_seconds": total, "results": results}
     (RESULTS / "latest.json").write_text(json.dumps(doc, indent=2) + "\n")
     refresh_benchmarks_md(doc)
-    print(f"wrote {RESULTS / 'latest.json'} and BENCHMARKS.md in {doc['total_seconds']:.0f} s",
-          file=sys.stderr)
+    print(f"wrote {RESULTS / 'latest.json'} and BENCHMARKS.md", file=sys.stderr)
     return 0 if all("error" not in r or "not built" in r["error"] for r in results) else 1
 
 

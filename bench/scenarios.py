@@ -554,7 +554,7 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         ser, cpu, rss = _oneshot(rig, "serial", [PY, "-m", "bench.serial", "--topic",
                                                  "bench.serial", "--count", str(SERIAL_SAMPLE)],
                                  env=env)
-        serial_cpu = _r(cpu * 1000 / max(ser["count"], 1), 3)
+        serial_cpu = _r(float(ser.get("cpu_s", cpu)) * 1000 / max(ser["count"], 1), 3)
         serial = {"jobs_per_s": ser["jobs_per_s"], "completed": ser["count"],
                   "peak_rss_mb": _r(rss), "cpu_s_per_1000_jobs": serial_cpu,
                   "cpu_s_per_1000_jobs_own": serial_cpu}
