@@ -261,3 +261,18 @@ def test_rate_spreads_a_redrive_and_a_bare_redrive_is_refused(
     # The third starts >= 0.5 s after the pacing clock started; the first job's own
     # database work (well under 0.2 s) is the only slack. Unpaced, all three take ~20 ms.
     assert (times[-1] - times[0]).total_seconds() >= 0.3, times
+
+
+def test_concurrent_redrives_of_one_job_requeue_it_once(stack: StackState, api: Api) -> None:
+    """Two operators redriving the same dead letter at once: one redrives, one is skipped."""
+    dead = uuid.UUID(_dead_letter(api, "raced"))
+
+    async def race(dlq: DeadLetters) -> list[RedriveOutcome]:
+        pair = await asyncio.gather(dlq.redrive([dead], by="a", reason="r"),
+                                    dlq.redrive([dead], by="b", reason="r"))
+        return [o for outcomes in pair for o in outcomes]
+
+    outcomes = _with_dead_letters(stack, race)
+    assert sorted(o.outcome for o in outcomes) == ["redriven", "skipped"]
+    events = [e["type"] for e in api.job(str(dead))["events"]]
+    assert events.count("redriven") == 1
