@@ -47,7 +47,8 @@ __all__ = ["ROUTES", "RedriveRequest", "SubmitRequest", "build_app", "job_view"]
 
 log = logging.getLogger(__name__)
 
-ACCEPTED = Counter("calmq_jobs_accepted_total", "Jobs accepted by the API", ["workflow", "priority"])
+ACCEPTED = Counter("calmq_jobs_accepted_total", "Jobs accepted by the API",
+                   ["workflow", "priority"])
 REJECTED = Counter("calmq_requests_rejected_total", "Requests rejected", ["code"])
 ACCEPT_SECONDS = Histogram("calmq_accept_seconds", "Time to accept a job",
                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1))
@@ -99,7 +100,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPNotFound:
         return problem(404, "no_route", f"no route for {request.method} {request.path}")
     except web.HTTPMethodNotAllowed:
-        return problem(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}")
+        return problem(405, "method_not_allowed",
+                       f"{request.method} is not allowed on {request.path}")
     except CalmqError as exc:
         log.exception("request failed")
         return problem(503, exc.code, exc.message)

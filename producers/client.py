@@ -30,8 +30,8 @@ from producers.intake import Prepared, insert_params, prepare
 __all__ = ["ApiError", "Client", "enqueue", "enqueue_async"]
 
 
-def _prepared(
-    tenant_id: uuid.UUID | str, workflow: str, input: dict[str, Any] | None,  # noqa: A002
+def _prepared(  # noqa: PLR0917 - private, called with every field of the public two
+    tenant_id: uuid.UUID | str, workflow: str, input: dict[str, Any] | None,
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
     workflows: Mapping[str, Workflow] | None,
@@ -53,7 +53,7 @@ def enqueue(
     *,
     tenant_id: uuid.UUID | str,
     workflow: str,
-    input: dict[str, Any] | None = None,  # noqa: A002 - the contract's field name
+    input: dict[str, Any] | None = None,
     input_ref: str | None = None,
     priority: str = "bulk",
     deadline_seconds: int | None = None,
@@ -78,7 +78,7 @@ async def enqueue_async(
     *,
     tenant_id: uuid.UUID | str,
     workflow: str,
-    input: dict[str, Any] | None = None,  # noqa: A002
+    input: dict[str, Any] | None = None,
     input_ref: str | None = None,
     priority: str = "bulk",
     deadline_seconds: int | None = None,
@@ -129,7 +129,7 @@ class Client:
                 raise _error(resp.status, text)
             return json.loads(text) if text else None
 
-    async def submit(self, workflow: str, input: dict[str, Any] | None = None,  # noqa: A002
+    async def submit(self, workflow: str, input: dict[str, Any] | None = None,
                      *, idempotency_key: str | None = None, **fields: Any) -> dict[str, Any]:
         """POST /v1/jobs; returns ``{"job_id", "status", "status_url"}``."""
         body = {"workflow": workflow, **fields}

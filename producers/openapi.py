@@ -19,7 +19,8 @@ _JSON = "application/json"
 
 def _errors(*codes: int) -> dict[str, Any]:
     return {
-        str(c): {"description": "problem", "content": {"application/problem+json": {"schema": _PROBLEM}}}
+        str(c): {"description": "problem",
+                 "content": {"application/problem+json": {"schema": _PROBLEM}}}
         for c in codes
     }
 

@@ -44,7 +44,7 @@ async def _burst(url: str, key: str, pid: int) -> tuple[list[str], int]:
                             os.kill(pid, signal.SIGKILL)
                     else:
                         unanswered += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 unanswered += 1
 
     timeout = aiohttp.ClientTimeout(total=10)

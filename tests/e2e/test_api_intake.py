@@ -71,12 +71,14 @@ def test_multipart_file_is_stored_and_referenced(stack: StackState) -> None:
                            (body["job_id"],)).fetchone()
     assert row is not None
     ref, inp, meta = row
-    assert inp is None and meta == {"k": 1}
+    assert inp is None
+    assert meta == {"k": 1}
     assert f"/{tenant_id}/inputs/" in ref
     assert Path(urlparse(ref).path).read_bytes() == content
 
 
-def test_oversized_file_is_413_and_nothing_is_stored(stack: StackState, small_api: ApiProcess) -> None:
+def test_oversized_file_is_413_and_nothing_is_stored(
+        stack: StackState, small_api: ApiProcess) -> None:
     """A file over max_upload_bytes answers 413 file_too_large; no object, no job remain."""
     api, _name, tenant_id = _tenant(stack, small_api.url)
     status, headers, body = api.call("POST", "/v1/jobs", raw=multipart(
@@ -86,7 +88,7 @@ def test_oversized_file_is_413_and_nothing_is_stored(stack: StackState, small_ap
     assert body["code"] == "file_too_large"
     assert _objects(stack, tenant_id) == []
     object_root = Path(urlparse(stack.env["CALMQ_OBJECT_STORE_URL"]).path)
-    assert not [p for p in object_root.rglob("*.up")]  # no temp file left either
+    assert not list(object_root.rglob("*.up"))  # no temp file left either
     with db(stack) as conn:
         assert conn.execute("SELECT count(*) FROM jobs WHERE tenant_id = %s",
                             (tenant_id,)).fetchone() == (0,)

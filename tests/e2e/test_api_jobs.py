@@ -132,7 +132,8 @@ def test_delete_purges_objects_and_redacts(stack: StackState) -> None:
     with db(stack) as conn:
         row = conn.execute("SELECT input, input_ref, metadata, redacted_at FROM jobs "
                            "WHERE id = %s", (job_id,)).fetchone()
-    assert row[:3] == (None, None, {}) and row[3] is not None
+    assert row[:3] == (None, None, {})
+    assert row[3] is not None
     assert api.call("DELETE", f"/v1/jobs/{job_id}")[0] == 204  # idempotent
 
 

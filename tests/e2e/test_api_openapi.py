@@ -71,7 +71,8 @@ def test_fuzz_from_openapi_has_no_5xx_and_every_error_is_problem_json(stack: Sta
             if status >= 400:
                 ctype = _header(response.headers, "content-type")
                 body = response.json() if ctype.startswith("application/problem+json") else {}
-                if not ctype.startswith("application/problem+json") or not PROBLEM_FIELDS <= set(body):
+                problem = ctype.startswith("application/problem+json")
+                if not problem or not set(body) >= PROBLEM_FIELDS:
                     failures.append(f"{label}: not problem+json: {ctype} {response.text[:200]}")
 
         run()

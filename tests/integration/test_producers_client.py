@@ -94,7 +94,7 @@ async def test_enqueue_async_validates_before_writing(
 
 async def test_group_commit_shares_transactions_and_isolates_a_bad_row(
         stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
-    """300 concurrent submits commit in fewer transactions; a row that cannot be written fails alone."""
+    """300 concurrent submits share transactions; a row that cannot be written fails alone."""
     url = stack.env["CALMQ_DATABASE_URL"]
     workflow = builtin_workflows()["summarize"]
     pool = AsyncConnectionPool(url, min_size=2, max_size=2, open=False,
