@@ -282,6 +282,7 @@ class CdcRelay:
                                   conn: psycopg.Connection[dict[str, Any]],
                                   stop: threading.Event) -> bool:
         """Create the slot and publish what committed before it; False if stopped."""
+        conn.execute(self._q["relay_mark_pending"], {"slot": self.slot})
         cur = rconn.cursor()
         cur.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput (SNAPSHOT 'export')")
         created = cur.fetchone()
@@ -320,11 +321,18 @@ class CdcRelay:
             state = self._wait_inactive(conn, stop)
             if stop.is_set():
                 return None
-            if state is not None and not state["caught_up"]:
+            if state is not None and state["ours"] and not state["caught_up"]:
                 log.warning("slot %s has no finished catch-up: dropping and making it again",
                             self.slot)
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (self.slot,))
                 state = None
+            elif state is not None and not state["ours"]:
+                # Made by another relay (Debezium's connector): it confirmed only what it
+                # published, so streaming on from it loses nothing.
+                log.info("adopting existing slot %s at %s", self.slot,
+                         state["confirmed_flush_lsn"])
+                conn.execute(self._q["relay_mark_caught_up"],
+                             {"slot": self.slot, "lsn": state["confirmed_flush_lsn"]})
             rconn = self._replication_connection()
             try:
                 if state is None and not self._create_slot_and_catch_up(rconn, conn, stop):

@@ -9,7 +9,7 @@ SELECT 1 FROM pg_publication WHERE pubname = %(publication)s;
 
 -- name: relay_slot
 SELECT s.slot_name, s.active, s.active_pid, s.confirmed_flush_lsn::text AS confirmed_flush_lsn,
-       m.slot_name IS NOT NULL AS caught_up
+       m.slot_name IS NOT NULL AS ours, m.caught_up_at IS NOT NULL AS caught_up
 FROM pg_replication_slots s
 LEFT JOIN relay_slots m ON m.slot_name = s.slot_name
 WHERE s.slot_name = %(slot)s AND s.database = current_database();
@@ -44,8 +44,14 @@ FROM outbox
 WHERE (txid, seq) > (%(txid)s::text::xid8, %(seq)s)
 ORDER BY txid, seq;
 
+-- name: relay_mark_pending
+INSERT INTO relay_slots (slot_name) VALUES (%(slot)s)
+ON CONFLICT (slot_name) DO UPDATE
+SET consistent_lsn = NULL, created_at = now(), caught_up_at = NULL;
+
 -- name: relay_mark_caught_up
-INSERT INTO relay_slots (slot_name, consistent_lsn) VALUES (%(slot)s, %(lsn)s::pg_lsn)
+INSERT INTO relay_slots (slot_name, consistent_lsn, caught_up_at)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, now())
 ON CONFLICT (slot_name) DO UPDATE
 SET consistent_lsn = EXCLUDED.consistent_lsn, caught_up_at = now();
 

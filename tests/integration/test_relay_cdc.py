@@ -283,3 +283,22 @@ def test_drop_slot_refuses_while_streaming_and_removes_it_after(
     assert db.slot_row() is None
     with db.connect() as conn:
         assert conn.execute("SELECT count(*) FROM relay_slots").fetchone() == (0,)
+
+
+def test_slot_made_by_another_relay_is_adopted_without_loss(
+    stack: StackState, db: RelayDb, route: str, start_relay: StartRelay
+) -> None:
+    """A slot calmq did not make (as Debezium's connector leaves it) is streamed on, not remade."""
+    with db.connect() as conn:
+        conn.execute(f"CREATE PUBLICATION {db.publication} FOR TABLE outbox"
+                     " WITH (publish = 'insert')")
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (db.slot,))
+    waiting = {_insert(db, route, str(uuid.uuid4()), i) for i in range(3)}
+    relay = start_relay()
+    reader = _reader(stack, topics.topic_for_route(route))
+    try:
+        reader.wait_ids(waiting)
+        assert f"adopting existing slot {db.slot}" in relay.log()
+        assert "created slot" not in relay.log()
+    finally:
+        reader.close()
