@@ -51,8 +51,10 @@ def test_approved_corrections_flow_into_the_ledger(wf: WorkflowEnv) -> None:
     status, _h, listed = wf.api.call("GET", "/v1/reviews")
     assert status == 200
     review = next(r for r in listed["reviews"] if r["job_id"] == job_id)
-    assert review["step"] == "extract_fields" and review["confidence"] < 0.9
-    assert review["output"]["vendor"] == "Blurry Scan Ltd" and review["deadline_at"]
+    assert review["step"] == "extract_fields"
+    assert review["confidence"] < 0.9
+    assert review["output"]["vendor"] == "Blurry Scan Ltd"
+    assert review["deadline_at"]
     assert wf.ledger.for_job(job_id) == []
     status, job = _review(wf, job_id, {"decision": "approve", "reviewer": "alice@example.com",
                                        "fields": {"invoice_number": "791", "total": 88.5}})
@@ -78,7 +80,8 @@ def test_reject_dead_letters_with_review_rejected(wf: WorkflowEnv) -> None:
     job_id = _waiting(wf, "invoice_t")
     status, job = _review(wf, job_id, {"decision": "reject", "reviewer": "bob",
                                        "reason": "not our invoice"})
-    assert status == 200 and job["status"] == "dead_letter", job
+    assert status == 200, job
+    assert job["status"] == "dead_letter", job
     assert job["error"] == {"code": "review_rejected", "class": "verifier",
                             "message": "not our invoice"}
     assert ("reviewed", "bob") in [(e["type"], e["detail"].get("reviewer"))
@@ -121,7 +124,8 @@ def test_review_deadline_applies_the_configured_outcome(
     job = wf.wait_status(job_id, "completed", "dead_letter", timeout=60)
     assert job["status"] == outcome, job
     reviewed = [e["detail"] for e in job["events"] if e["type"] == "reviewed"]
-    assert len(reviewed) == 1 and reviewed[0]["reviewer"] == "calmq:review-timer"
+    assert len(reviewed) == 1
+    assert reviewed[0]["reviewer"] == "calmq:review-timer"
     assert reviewed[0]["expired"] is True
     if outcome == "dead_letter":
         assert job["error"]["code"] == "review_expired"

@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -24,6 +25,10 @@ FIELDS = {"vendor": "ACME Tools GmbH", "invoice_number": "INV-2041", "total": 12
           "currency": "EUR"}
 
 
+def _explain(job: dict[str, Any]) -> object:
+    return job["error"], [(e["type"], e["detail"]) for e in job["events"]]
+
+
 @pytest.fixture(scope="module")
 def wf(stack: StackState) -> Iterator[WorkflowEnv]:
     env = WorkflowEnv(stack)
@@ -38,11 +43,12 @@ def test_invoice_runs_each_step_once_on_its_pool_and_posts_once(wf: WorkflowEnv)
     its own pool's worker, with one attempt and one model call, and one ledger posting."""
     job_id = wf.submit("invoice_t", {"text": INVOICE})
     job = wf.wait_status(job_id, "completed", "dead_letter")
-    assert job["status"] == "completed", (job["error"], [(e["type"], e["detail"]) for e in job["events"]])
+    assert job["status"] == "completed", _explain(job)
     assert wf.attempts(job_id) == {"extract_text": 1, "extract_fields": 1, "post_ledger": 1}
     assert wf.provider_calls(job_id) == 1
     postings = wf.ledger.for_job(job_id)
-    assert len(postings) == 1 and postings[0]["fields"] == FIELDS
+    assert len(postings) == 1
+    assert postings[0]["fields"] == FIELDS
     workers = {r["step"]: r["worker"] for r in wf.sql(
         "SELECT step, worker FROM job_attempts WHERE job_id = %s", job_id)}
     assert workers["post_ledger"] != workers["extract_fields"]  # routed to the ledger pool
@@ -50,7 +56,8 @@ def test_invoice_runs_each_step_once_on_its_pool_and_posts_once(wf: WorkflowEnv)
     assert [(m["step"], m["next_step"], m["pool"]) for m in moves] == [
         ("extract_text", "extract_fields", "wft"), ("extract_fields", "post_ledger", LEDGER_POOL)]
     status, _h, artifact = wf.api.call("GET", f"/v1/jobs/{job_id}/artifact")
-    assert status == 200 and artifact["fields"] == FIELDS
+    assert status == 200
+    assert artifact["fields"] == FIELDS
     assert artifact["posting"]["posting_id"] == postings[0]["posting_id"]
 
 
@@ -73,14 +80,16 @@ def test_kill_9_before_the_ledger_answered_resumes_at_the_ledger_step(
                                                          "extract_text": "done"}
     wf.ledger_worker, wf.ledger_worker_port = wf.start_worker(LEDGER_POOL)
     job = wf.wait_status(job_id, "completed", "dead_letter", timeout=90)
-    assert job["status"] == "completed", (job["error"], [(e["type"], e["detail"]) for e in job["events"]])
+    assert job["status"] == "completed", _explain(job)
     attempts = wf.attempts(job_id)
-    assert attempts["extract_text"] == 1 and attempts["extract_fields"] == 1
+    assert attempts["extract_text"] == 1
+    assert attempts["extract_fields"] == 1
     assert attempts["post_ledger"] == 2
     assert wf.provider_calls(job_id) == 1
     assert len(wf.ledger.for_job(job_id)) == 1
     keys = wf.ledger.requests_for(job_id)
-    assert len(keys) == 2 and len(set(keys)) == 1  # the retry sent the same idempotency key
+    assert len(keys) == 2
+    assert len(set(keys)) == 1
     assert "requeued_after_restart" in [e["type"] for e in job["events"]]
 
 
@@ -90,10 +99,12 @@ def test_embed_document_embeds_chunks_in_batches(wf: WorkflowEnv) -> None:
     text = "\n\n".join(f"Paragraph {i}: " + "word " * 30 for i in range(7))
     job_id = wf.submit("embed_t", {"text": text, "chunk_chars": 200, "batch_size": 3})
     job = wf.wait_status(job_id, "completed", "dead_letter")
-    assert job["status"] == "completed", (job["error"], [(e["type"], e["detail"]) for e in job["events"]])
+    assert job["status"] == "completed", _explain(job)
     status, _h, artifact = wf.api.call("GET", f"/v1/jobs/{job_id}/artifact")
     assert status == 200
-    assert artifact["chunks"] == 7 and artifact["batches"] == 3 and artifact["dimensions"] == 8
+    assert artifact["chunks"] == 7
+    assert artifact["batches"] == 3
+    assert artifact["dimensions"] == 8
     vectors = json.loads(Path(urlparse(artifact["vectors"]["uri"]).path).read_bytes())
     assert [v["index"] for v in vectors] == list(range(7))
     assert wf.provider_calls(job_id) == 3
