@@ -6,7 +6,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["ABORTED", "COMMIT_LAG", "COMMIT_LAG_LAST", "FORWARDED", "FORWARDER_HELD", "IN_FLIGHT",
+__all__ = ["ABORTED", "COMMIT_LAG", "COMMIT_LAG_LAST", "CLAIM_SECONDS", "FORWARDED", "FORWARDER_HELD",
+           "GROUP_SIZE", "GROUP_WRITE_SECONDS", "IN_FLIGHT",
            "POISON", "RETRIES", "SATURATION", "SKIPPED", "STEP_SECONDS", "finished"]
 
 FINISHED = Counter("calmq_attempts_finished_total", "Attempts finished, by outcome status",
@@ -27,6 +28,13 @@ COMMIT_LAG = Histogram("calmq_commit_lag_seconds",
                        buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
 COMMIT_LAG_LAST = Gauge("calmq_commit_lag_last_seconds",
                         "Completion-to-commit delay of the oldest offset in the last commit")
+GROUP_WRITE_SECONDS = Histogram("calmq_group_commit_seconds",
+                                "Time to write one group of outcomes (one transaction)",
+                                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+GROUP_SIZE = Histogram("calmq_group_commit_size", "Outcomes per group commit",
+                       buckets=(1, 5, 20, 50, 100, 200, 500, 1000))
+CLAIM_SECONDS = Histogram("calmq_claim_seconds", "Time to claim one polled batch",
+                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
 FORWARDED = Counter("calmq_forwarder_republished_total",
                     "Retry messages republished to their origin topic")
 FORWARDER_HELD = Gauge("calmq_forwarder_held_partitions",

@@ -47,7 +47,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        store = Store(s.database_url, max_size=8)
+        store = Store(s.database_url, max_size=12)  # 4 group-commit writers, claims, leases
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = await open_metered_provider(s, store.pool)
