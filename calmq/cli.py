@@ -240,13 +240,23 @@ def cmd_reaper(args: argparse.Namespace) -> int:
     _logging(settings.log_level)
 
     async def loop() -> None:
+        from calmq.objects import open_object_store
+        from calmq.reviews import ReviewDesk
+        from calmq.workflows import load_workflows
+
         store = Store(settings.database_url, max_size=2)
         await store.open()
+        # The review timer runs here too (and in every worker's housekeeping).
+        desk = ReviewDesk(store, load_workflows(settings),
+                          open_object_store(settings.object_store_url))
         try:
             while True:
                 reaped = await store.reap_expired_leases()
                 if reaped:
                     logging.getLogger("calmq.reaper").info("requeued %d jobs", len(reaped))
+                expired = await desk.expire()
+                if expired:
+                    logging.getLogger("calmq.reaper").info("%d reviews expired", expired)
                 await asyncio.sleep(max(0.5, settings.lease_seconds / 3))
         finally:
             await store.close()
