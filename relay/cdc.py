@@ -346,18 +346,37 @@ class CdcRelay:
     # -- streaming --------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Relay until ``stop`` is set; then flush, confirm what Kafka acked, and return."""
+        """Relay until ``stop`` is set; then flush, confirm what Kafka acked, and return.
+
+        A lost connection to PostgreSQL or a record Kafka refused starts the stream again
+        from the slot (after a growing pause): the unconfirmed transactions are sent again.
+        """
+        delay = 1.0
+        while not stop.is_set():
+            try:
+                self._run_once(stop)
+                return
+            except (psycopg2.OperationalError, psycopg.OperationalError,
+                    InfrastructureError) as exc:
+                log.warning("relay interrupted (%s); resuming from slot %s in %.0f s",
+                            str(exc).strip(), self.slot, delay)
+                if stop.wait(delay):
+                    return
+                delay = min(delay * 2, 30.0)
+
+    def _run_once(self, stop: threading.Event) -> None:
         rconn = self.prepare(stop)
         if rconn is None:
             return
-        keeper = threading.Thread(target=self._housekeeping, args=(stop,),
+        finished = threading.Event()
+        keeper = threading.Thread(target=self._housekeeping, args=(finished,),
                                   name="relay-housekeeping", daemon=True)
         keeper.start()
         try:
             self._stream(rconn, stop)
         finally:
             rconn.close()
-            stop.set()
+            finished.set()
             keeper.join(timeout=10)
 
     def _stream(self, rconn: psycopg2.extensions.connection, stop: threading.Event) -> None:

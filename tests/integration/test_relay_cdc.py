@@ -302,3 +302,24 @@ def test_slot_made_by_another_relay_is_adopted_without_loss(
         assert "created slot" not in relay.log()
     finally:
         reader.close()
+
+
+def test_relay_resumes_by_itself_when_its_replication_connection_is_cut(
+    stack: StackState, db: RelayDb, route: str, start_relay: StartRelay
+) -> None:
+    """After the server ends the relay's walsender, the relay reconnects and loses nothing."""
+    relay = start_relay()
+    before = {_insert(db, route, str(uuid.uuid4()), i) for i in range(5)}
+    reader = _reader(stack, topics.topic_for_route(route))
+    try:
+        reader.wait_ids(before)
+        with db.connect() as conn:
+            conn.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                         " WHERE slot_name = %s", (db.slot,))
+        after = {_insert(db, route, str(uuid.uuid4()), i) for i in range(5)}
+        reader.wait_ids(before | after, timeout=60)
+        assert "relay interrupted" in relay.log()
+        assert relay.proc is not None
+        assert relay.proc.poll() is None
+    finally:
+        reader.close()
