@@ -383,13 +383,16 @@ def _relay_mode() -> str:
 # -- e2e --------------------------------------------------------------------------------------
 
 def _profilers(pids: dict[str, int], out_dir: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    """py-spy record of each process (raw collapsed stacks), stopped with SIGINT."""
+    """py-spy record of each process (raw collapsed stacks), stopped with SIGINT.
+
+    ``--gil`` keeps only samples holding the GIL: Python at work, not threads blocked in
+    librdkafka, libpq or epoll (which py-spy cannot always tell from work)."""
     spy = Path(sys.executable).with_name("py-spy")
     started = []
     for name, pid in pids.items():
         path = out_dir / f"{name}.folded"
         proc = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--rate", "100",
-                                 "--format", "raw", "--output", str(path)],
+                                 "--format", "raw", "--output", str(path), "--gil"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append((proc, path))
     time.sleep(1.0)  # py-spy attaches asynchronously; a second keeps the first jobs in the profile

@@ -113,3 +113,26 @@ def test_bench_rejects_an_unknown_scenario() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "nope"])
     assert exc.value.code == 2
+
+
+def test_profile_summary_scales_shares_to_measured_cpu(tmp_path: Path) -> None:
+    """Frames are reported as their share of a process's samples times its /proc CPU per job;
+    samples parked in epoll are left out."""
+    from bench.procs import Phase
+    from bench.profile import summarize_profiles
+
+    folded = tmp_path / "worker.folded"
+    folded.write_text(
+        "process 1:main (x.py:1);run (processors/runner.py:10);dumps (json/encoder.py:5) 30\n"
+        "process 1:main (x.py:1);run (processors/runner.py:10);claim (calmq/store.py:7) 10\n"
+        "process 1:main (x.py:1);EpollSelector.select (selectors.py:9) 60\n"
+    )
+    phase = Phase({"worker": 1})
+    phase.cpu = {"worker": 2.0}  # 2 s of CPU for 1,000 jobs: 2 ms per job
+    out = tmp_path / "profile.md"
+    summarize_profiles({"worker": folded}, 1000, phase, out)
+    text = out.read_text()
+    assert "## worker: 2.00 CPU ms per job, 40 samples" in text
+    assert "| 75.0% | 1.500 | `dumps (json/encoder.py)` |" in text
+    assert "| 25.0% | 0.500 | `claim (calmq/store.py)` |" in text
+    assert "EpollSelector" not in text
