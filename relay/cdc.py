@@ -516,6 +516,10 @@ class CdcRelay:
         horizon = conn.execute(self._q["relay_horizon"]).fetchone()
         if horizon is not None:
             horizons.append((now, horizon["xmin"], int(horizon["lsn"])))
+            if len(horizons) > 10_000:
+                # A slot that confirms nothing for days: forgetting the oldest horizon only
+                # delays deletion, it never deletes an unpublished row.
+                horizons.popleft()
         # The newest horizon older than the retention whose WAL position the slot confirmed.
         confirmed = int(lag["confirmed_lsn"] or 0)
         chosen = None
