@@ -54,4 +54,9 @@ UPDATE job_attempts a SET model_calls = a.model_calls + 1,
 FROM job WHERE a.job_id = job.id AND a.step = job.step AND a.attempt = job.attempt;
 
 -- name: budget_bucket
-SELECT * FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;
+-- paused_until is -infinity when never paused, which Python datetimes cannot hold: NULL.
+SELECT provider, model, tokens_per_minute, requests_per_minute, token_rate, request_rate,
+       token_cap, request_cap, interactive_share, bulk_tokens, bulk_requests,
+       interactive_tokens, interactive_requests, refilled_at,
+       CASE WHEN isfinite(paused_until) THEN paused_until END AS paused_until
+FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;

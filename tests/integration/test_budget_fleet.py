@@ -1,0 +1,134 @@
+"""Three worker processes share one token budget against a rate-limited provider.
+
+The issue's scenario is 300 bulk jobs and then 20 interactive ones on a fleet whose provider
+allows ~120 jobs a minute (2.5 minutes of work). Here every rate is scaled up five times:
+the provider allows ~600 jobs a minute, so the same 300 + 20 jobs take ~30 s. The ratios
+that matter (jobs to quota, interactive to bulk, workers to provider) are the issue's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from calmq.devstack import StackState, processes
+from calmq.settings import Settings
+from calmq.workflows.summarize import SUMMARIZE
+from producers.client import enqueue
+from tests.conftest import wait_for
+from tests.support.api import Api, create_tenant
+
+SCALE = 5
+BULK, INTERACTIVE, WORKERS = 300, 20, 3
+POOL = "budgetfleet"
+# One summarize call of these inputs costs the provider ~45 prompt tokens + 256 max_tokens.
+TOKENS_PER_JOB = 301
+TOKENS_PER_MINUTE = 120 * SCALE * TOKENS_PER_JOB
+WORKFLOWS = {"summarize": dataclasses.replace(SUMMARIZE, pool=POOL)}
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - local test server
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def fleet(stack: StackState, tmp_path: Path) -> Iterator[str]:
+    """A fake provider limited to ~600 jobs/min and three workers of one pool sharing it."""
+    env = {k: v for k, v in stack.env.items()}
+    pids: list[int] = []
+    try:
+        port = processes.free_port()
+        url = f"http://127.0.0.1:{port}"
+        pids.append(processes.start(
+            [sys.executable, "-m", "calmq.cli", "fake-provider", "--port", str(port),
+             "--tokens-per-minute", str(TOKENS_PER_MINUTE)],
+            tmp_path / "fake-provider.log"))
+        wait_for(lambda: processes.port_open("127.0.0.1", port), timeout=30,
+                 what="the rate-limited fake provider")
+        worker_env = {**_base_env(), **env, "CALMQ_POOL": POOL, "CALMQ_PROVIDER_URL": url,
+                      "CALMQ_BUDGET_TOKENS_PER_MINUTE": str(TOKENS_PER_MINUTE)}
+        create = processes.start([sys.executable, "-m", "calmq.cli", "topics", "create"],
+                                 tmp_path / "topics.log", env=worker_env)
+        wait_for(lambda: not processes.is_alive(create), timeout=60, what="topics create")
+        for i in range(WORKERS):
+            pids.append(processes.start(
+                [sys.executable, "-m", "calmq.cli", "worker"], tmp_path / f"worker{i}.log",
+                env={**worker_env, "CALMQ_WORKER_ID": f"budget-fleet-{i}"}))
+        yield url
+    finally:
+        for pid in reversed(pids):
+            processes.stop(pid)
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
+
+
+def _count(conn: psycopg.Connection[Any], tenant: uuid.UUID, status: str) -> int:
+    row = conn.execute("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status = %s",
+                       (tenant, status)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_fleet_finishes_everything_with_few_429s_and_prompt_interactive(
+    stack: StackState, fleet: str,
+) -> None:
+    """300 bulk + 20 interactive jobs complete; <= 1 % of calls see 429; interactive p95 holds."""
+    settings = Settings.load(environ={})
+    database_url = stack.env["CALMQ_DATABASE_URL"]
+    key = create_tenant(database_url, f"budget-fleet-{uuid.uuid4().hex[:8]}")
+    api = Api(stack.env["CALMQ_API_URL"], key)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        tenant = conn.execute("SELECT tenant_id FROM api_keys WHERE key_prefix = %s",
+                              (key[:12],)).fetchone()[0]  # type: ignore[index]
+        with conn.transaction():
+            for i in range(BULK):
+                enqueue(conn, tenant_id=tenant, workflow="summarize", priority="bulk",
+                        input={"text": f"bulk job number {i:04d} of the budget test"},
+                        workflows=WORKFLOWS)
+        # Interactive work arrives while the bulk run is well under way.
+        wait_for(lambda: _count(conn, tenant, "completed") >= BULK // 3, timeout=120,
+                 what="a third of the bulk jobs")
+        interactive = [
+            enqueue(conn, tenant_id=tenant, workflow="summarize", priority="interactive",
+                    input={"text": f"interactive job number {i:04d} of the test"},
+                    workflows=WORKFLOWS)
+            for i in range(INTERACTIVE)
+        ]
+        wait_for(lambda: _count(conn, tenant, "completed") == BULK + INTERACTIVE, timeout=180,
+                 what="every job completed")
+        assert _count(conn, tenant, "dead_letter") == 0
+        # Queue wait, measured strictly: from submission to completion (it includes the
+        # model call, which the fake answers at once).
+        waits = [float(r[0]) for r in conn.execute(
+            "SELECT extract(epoch FROM e.at - j.created_at) FROM jobs j"
+            " JOIN job_events e ON e.job_id = j.id AND e.type = 'completed'"
+            " WHERE j.id = ANY(%s)", (interactive,))]
+    assert len(waits) == INTERACTIVE
+    p95 = statistics.quantiles(waits, n=20)[-1]
+    assert p95 <= settings.interactive_wait_seconds, sorted(waits)
+
+    stats = _get_json(fleet + "/stats")
+    calls = stats["calls"]
+    rejected = stats["status_counts"].get("429", 0)
+    assert calls >= BULK + INTERACTIVE
+    assert rejected <= 0.01 * calls, stats["status_counts"]
+
+    view = api.job(str(interactive[0]))
+    assert view["usage"]["input_tokens"] > 0
+    assert view["usage"]["output_tokens"] > 0
+    assert view["usage"]["cost_usd"] > 0
