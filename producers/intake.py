@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
+from prometheus_client import Histogram
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -33,6 +34,10 @@ from calmq.workflows import Workflow
 __all__ = ["GroupCommit", "Prepared", "insert_params", "prepare"]
 
 log = logging.getLogger(__name__)
+
+# How many submits shared each commit: the group-commit effect, visible on /metrics.
+BATCH_SIZE = Histogram("calmq_accept_batch_size", "Submits written per group-commit transaction",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
 Prepared = tuple[NewJob, dict[str, Any], str]
 
@@ -167,6 +172,7 @@ class GroupCommit:
             raise
         self.batches += 1
         self.jobs += len(batch)
+        BATCH_SIZE.observe(len(batch))
         for _p, future in batch:
             _settle(future, None)
 
