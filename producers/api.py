@@ -456,6 +456,8 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
             wake.clear()
+            if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
+                break
             status, rows = await read()
             if status is None:
                 break
@@ -721,6 +723,10 @@ def build_app(
                 await part.stop()
         await store.close()
 
+    async def close_streams(_app: web.Application) -> None:
+        hub.close_streams()  # open SSE streams must not hold the shutdown for a minute
+
     app.on_startup.append(start_background)
+    app.on_shutdown.append(close_streams)
     app.on_cleanup.append(stop_background)
     return app

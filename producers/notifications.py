@@ -35,6 +35,7 @@ class Hub:
         self._callbacks: defaultdict[str, list[Callable[[], None]]] = defaultdict(list)
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
+        self.closing = False
 
     def subscribe(self, key: str) -> asyncio.Event:
         """An event set on every notification for ``key`` (a job id or a channel name)."""
@@ -54,6 +55,13 @@ class Hub:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="notification-hub")
+
+    def close_streams(self) -> None:
+        """Wake every waiter for the last time: the process is shutting down."""
+        self.closing = True
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
 
     async def stop(self) -> None:
         if self._task is not None:
