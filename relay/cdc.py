@@ -224,6 +224,7 @@ class CdcRelay:
         self.confirmed_lsn = 0
         self._q = sql.queries()
         self._relations: dict[int, pgoutput.Relation] = {}
+        self._last_feedback = 0.0
         self._m = _metrics()
 
     # -- setup ------------------------------------------------------------------------------
@@ -468,7 +469,13 @@ class CdcRelay:
         done = ledger.confirmable()
         if done is None:
             return
-        cur.send_feedback(flush_lsn=done.end_lsn)
+        # psycopg2 reports on its own only every status_interval; sending at most every
+        # 100 ms keeps what a crash repeats small without a message per transaction.
+        now = time.monotonic()
+        force = now - self._last_feedback >= 0.1
+        cur.send_feedback(flush_lsn=done.end_lsn, force=force)
+        if force:
+            self._last_feedback = now
         self.confirmed_lsn = done.end_lsn
         self.transactions += done.transactions
         self.published += done.records

@@ -89,7 +89,7 @@ def test_kill_9_mid_run_loses_nothing_and_repeats_only_unconfirmed(
         writers = threading.Thread(target=write_concurrently, args=(db.url, route), kwargs={
             "writers": 20, "jobs_per_writer": 5, "events_per_job": 100, "written": written})
         writers.start()
-        kill_after = random.randint(500, 8000)
+        kill_after = random.randint(500, 6000)
         wait_for(lambda: reader.poll() is not None and len(reader.records) >= kill_after,
                  timeout=90, what=f"{kill_after} events before the kill")
         first.kill9()
@@ -108,6 +108,7 @@ def test_kill_9_mid_run_loses_nothing_and_repeats_only_unconfirmed(
         repeated = [i for i, n in Counter(reader.ids()).items() if n > 1]
         confirmed_repeats = [i for i in repeated if end_lsn[i] <= confirmed_at_kill]
         assert confirmed_repeats == [], f"{len(confirmed_repeats)} confirmed events published twice"
+        second.wait_streaming()
         assert second.terminate() == 0
     finally:
         reader.close()
