@@ -172,16 +172,16 @@ def drop_slot(database_url: str, slot: str) -> bool:
     q = sql.queries()
     with psycopg.connect(database_url, autocommit=True, row_factory=dict_row) as conn:
         row = conn.execute(q["relay_slot"], {"slot": slot}).fetchone()
-        conn.execute(q["relay_forget_slot"], {"slot": slot})
-        if row is None:
-            return False
-        if row["active"]:
+        if row is not None and row["active"]:
             raise ConfigError(
                 f"slot {slot} is in use by server process {row['active_pid']}: stop the relay "
                 "first", code="slot_active",
             )
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-    return True
+        with conn.transaction():
+            conn.execute(q["relay_forget_slot"], {"slot": slot})
+            if row is not None:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    return row is not None
 
 
 class CdcRelay:

@@ -276,6 +276,8 @@ def test_drop_slot_refuses_while_streaming_and_removes_it_after(
     assert busy.returncode == 1
     assert "slot_active" in busy.stderr
     assert db.slot_row() is not None
+    with db.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM relay_slots").fetchone() == (1,)
     assert relay.terminate() == 0
     wait_for(lambda: _released(db), timeout=10, what="the slot to be released")
     done = _drop_slot(db, stack)
