@@ -1,6 +1,7 @@
 """One LISTEN connection per API process, fanned out to whoever waits on a channel or a job.
 
-The job_events trigger (migration 0004) sends ``NOTIFY calmq_job_events, '<job id>'``;
+The job_events trigger (migration 0004) sends ``NOTIFY calmq_job_events, '<id>,<id>,...'``
+(the jobs that got an event in one statement);
 SSE streams wait on their job's id here instead of polling the table. Other channels
 (``calmq_webhooks``, ``calmq_api_keys``) wake a waiter keyed by the channel name.
 If the connection drops, every waiter is woken (so streams re-read the table) and the hub
@@ -96,7 +97,8 @@ class Hub:
                     delay = 0.1
                     async for note in conn.notifies():
                         if note.channel == JOB_EVENTS:
-                            self._wake(note.payload)
+                            for job_id in note.payload.split(","):
+                                self._wake(job_id)
                         else:
                             self._wake(note.channel)
                             for cb in self._callbacks.get(note.channel, ()):

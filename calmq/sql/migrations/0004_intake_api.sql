@@ -43,23 +43,36 @@ CREATE TABLE webhook_attempts (
 );
 
 -- Wake SSE streams and the webhook dispatcher from the job_events insert path.
--- 'queued' is skipped on purpose: it is written by every submit (the hot path; NOTIFY
--- serialises committing transactions), and an SSE stream reads the history from the table
--- after it subscribes, so it never needs a wake-up for the first event.
-CREATE FUNCTION calmq_job_event_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+-- Statement-level, with a transition table: a batch claim or a group commit of finishes
+-- sends one NOTIFY per ~200 jobs (payload: comma-separated job ids, under the 8000-byte
+-- limit), not one per event; every API process receives every notification, so fewer and
+-- fuller ones keep both the committing transaction and the listeners cheap.
+-- 'queued' is skipped: it is written by every submit (the hot path), and an SSE stream reads
+-- the history from the table after it subscribes, so it never needs a wake-up for it.
+CREATE FUNCTION calmq_job_events_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    ids text;
 BEGIN
-    PERFORM pg_notify('calmq_job_events', NEW.job_id::text);
-    IF NEW.type IN ('completed', 'dead_lettered', 'cancelled') THEN
-        INSERT INTO webhook_deliveries (job_id, tenant_id, url, event_type, event_id)
-        SELECT j.id, j.tenant_id, j.callback_url, NEW.type, NEW.id
-        FROM jobs j WHERE j.id = NEW.job_id AND j.callback_url IS NOT NULL;
-        IF FOUND THEN
-            PERFORM pg_notify('calmq_webhooks', '');
-        END IF;
+    FOR ids IN
+        SELECT string_agg(job_id::text, ',')
+        FROM (SELECT job_id, (row_number() OVER ()) / 200 AS chunk
+              FROM (SELECT DISTINCT job_id FROM new_events WHERE type <> 'queued') d) c
+        GROUP BY chunk
+    LOOP
+        PERFORM pg_notify('calmq_job_events', ids);
+    END LOOP;
+    INSERT INTO webhook_deliveries (job_id, tenant_id, url, event_type, event_id)
+    SELECT j.id, j.tenant_id, j.callback_url, e.type, e.id
+    FROM new_events e JOIN jobs j ON j.id = e.job_id
+    WHERE e.type IN ('completed', 'dead_lettered', 'cancelled')
+      AND j.callback_url IS NOT NULL;
+    IF FOUND THEN
+        PERFORM pg_notify('calmq_webhooks', '');
     END IF;
     RETURN NULL;
 END
 $$;
 
 CREATE TRIGGER job_events_notify AFTER INSERT ON job_events
-    FOR EACH ROW WHEN (NEW.type <> 'queued') EXECUTE FUNCTION calmq_job_event_notify();
+    REFERENCING NEW TABLE AS new_events
+    FOR EACH STATEMENT EXECUTE FUNCTION calmq_job_events_notify();
