@@ -16,7 +16,7 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from processors import metrics
-from processors.offsets import OffsetTracker
+from processors.offsets import OffsetTracker, position_of
 
 __all__ = ["ParallelConsumer"]
 
@@ -28,7 +28,7 @@ class ParallelConsumer:
         self,
         config: dict[str, object],
         topics: list[str],
-        deliver: Callable[[list[Message]], None],
+        deliver: Callable[[list[Message]], object],
         *,
         max_in_flight: int,
         commit_interval: float = 0.2,
@@ -150,7 +150,7 @@ class ParallelConsumer:
                         if err.code() != KafkaError._PARTITION_EOF:
                             log.warning("consumer error: %s", err)
                         continue
-                    self.tracker.add((msg.topic(), msg.partition()), msg.offset())
+                    self.tracker.add(*position_of(msg))
                     batch.append(msg)
                 if batch:
                     self.deliver(batch)

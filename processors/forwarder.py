@@ -25,7 +25,7 @@ from calmq import events, topics
 from calmq.codec import EventCodec
 from calmq.kafka import header
 from processors import metrics
-from processors.offsets import OffsetTracker
+from processors.offsets import OffsetTracker, headers_of, position_of
 
 __all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
 
@@ -127,26 +127,25 @@ class Forwarder:
                 if err.code() != KafkaError._PARTITION_EOF:
                     log.warning("consumer error: %s", err)
                 continue
-            tp = (msg.topic(), msg.partition())
+            tp, offset = position_of(msg)
             if tp in self.resume_at:
                 continue  # the rest of a partition held in this batch: fetched again later
             due = _due_seconds(msg)
             if due is not None and due > now:
                 # Hold: rewind to this head, pause, and let the timer resume at its due time.
-                part = TopicPartition(msg.topic(), msg.partition(), msg.offset())
+                part = TopicPartition(tp[0], tp[1], offset)
                 consumer.pause([part])
                 consumer.seek(part)
                 self.resume_at[tp] = due
                 metrics.FORWARDER_HELD.set(len(self.resume_at))
                 continue
-            self.tracker.add(tp, msg.offset())
+            self.tracker.add(tp, offset)
             self._forward(msg)
         metrics.FORWARDER_HELD.set(len(self.resume_at))
 
     def _forward(self, msg: Message) -> None:
-        tp = (msg.topic(), msg.partition())
-        offset = msg.offset()
-        raw_headers = msg.headers() or []
+        tp, offset = position_of(msg)
+        raw_headers = headers_of(msg)
         origin = header(raw_headers, ORIGIN)
 
         def acked(err: KafkaError | None, _m: Message) -> None:
@@ -158,21 +157,22 @@ class Forwarder:
                 # Not committed: the message is read and forwarded again after a restart.
                 log.error("republishing %s[%d]@%d failed: %s", *tp, offset, err)
 
-        if not origin or not origin.startswith(topics.PREFIX) or origin == msg.topic():
+        if not origin or not origin.startswith(topics.PREFIX) or origin == tp[0]:
             value = self.codec.encode("job.dead_lettered", events.dead_lettered(
                 None,
                 errors=[{"attempt": 0, "code": "missing_origin_topic", "class": "input",
                          "message": f"retry message without a usable {ORIGIN} header "
                                     f"({origin!r})"}],
-                source_topic=msg.topic(),
+                source_topic=tp[0],
                 raw_value=msg.value(),
             ) | {"raw_value": msg.value()})
             metrics.POISON.inc()
             self._produce(topics.DLQ, msg.key(), value,
                           [("calmq-error-code", b"missing_origin_topic")], acked)
             return
-        kept = [(k, v) for k, v in raw_headers if k not in (ORIGIN, DUE_AT, _FORWARDED_FROM)]
-        kept.append((_FORWARDED_FROM, msg.topic().encode()))
+        kept: list[tuple[str, str | bytes | None]] = [
+            (k, v) for k, v in raw_headers if k not in (ORIGIN, DUE_AT, _FORWARDED_FROM)]
+        kept.append((_FORWARDED_FROM, tp[0].encode()))
         self._produce(origin, msg.key(), msg.value(), kept, acked)
 
     def _produce(
@@ -180,7 +180,7 @@ class Forwarder:
         topic: str,
         key: bytes | None,
         value: bytes | None,
-        headers: list[tuple[str, bytes | None]],
+        headers: list[tuple[str, str | bytes | None]],
         on_delivery: Callable[[KafkaError | None, Message], None],
     ) -> None:
         while True:
@@ -206,7 +206,7 @@ class Forwarder:
 
 
 def _due_seconds(msg: Message) -> float | None:
-    raw = header(msg.headers(), DUE_AT)
+    raw = header(headers_of(msg), DUE_AT)
     if raw is None:
         return None
     try:

@@ -6,9 +6,23 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["ABORTED", "COMMIT_LAG", "COMMIT_LAG_LAST", "CLAIM_SECONDS", "FORWARDED", "FORWARDER_HELD",
-           "GROUP_SIZE", "GROUP_WRITE_SECONDS", "IN_FLIGHT",
-           "POISON", "RETRIES", "SATURATION", "SKIPPED", "STEP_SECONDS", "finished"]
+__all__ = [
+    "ABORTED",
+    "CLAIM_SECONDS",
+    "COMMIT_LAG",
+    "COMMIT_LAG_LAST",
+    "FORWARDED",
+    "FORWARDER_HELD",
+    "GROUP_SIZE",
+    "GROUP_WRITE_SECONDS",
+    "IN_FLIGHT",
+    "POISON",
+    "RETRIES",
+    "SATURATION",
+    "SKIPPED",
+    "STEP_SECONDS",
+    "finished",
+]
 
 FINISHED = Counter("calmq_attempts_finished_total", "Attempts finished, by outcome status",
                    ["status", "failure_class"])

@@ -8,7 +8,26 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["OffsetTracker"]
+from confluent_kafka import Message
+
+__all__ = ["OffsetTracker", "Position", "headers_of", "position_of"]
+
+Position = tuple[tuple[str, int], int]  # ((topic, partition), offset)
+
+
+def position_of(msg: Message) -> Position:
+    """Where a fetched message sits; a fetched message always has all three."""
+    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+    if topic is None or partition is None or offset is None:
+        raise ValueError("an error event is not a message with a position")
+    return (topic, partition), offset
+
+
+def headers_of(msg: Message) -> list[tuple[str, bytes | None]]:
+    """A message's headers as (name, bytes) pairs, the shape calmq.kafka.header reads."""
+    raw = msg.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
 
 
 class _Partition:

@@ -53,7 +53,7 @@ class PoisonSink:
             )
             dead["raw_value"] = p.value
             value = self.codec.encode("job.dead_lettered", dead)
-            headers = [("calmq-error-code", p.code.encode()),
+            headers: list[tuple[str, str | bytes | None]] = [("calmq-error-code", p.code.encode()),
                        ("calmq-source", f"{p.topic}[{p.partition}]@{p.offset}".encode())]
             self.producer.produce(topics.DLQ, value=value, key=p.key, headers=headers,
                                   on_delivery=acked)

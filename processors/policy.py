@@ -53,6 +53,7 @@ def decide(
     max_attempts: int,
     tiers: list[tuple[str, float]],
     backoff: Backoff,
+    *,
     rng: random.Random | None = None,
 ) -> RetryDecision:
     if not failure.retryable or attempt >= max_attempts:

@@ -14,9 +14,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from confluent_kafka import Message
@@ -32,7 +32,7 @@ from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.effects import StoreEffectLog
 from calmq.workflows.progress import Progress
 from processors import metrics
-from processors.offsets import OffsetTracker
+from processors.offsets import OffsetTracker, Position, position_of
 from processors.poison import Poison, PoisonSink
 from processors.policy import Backoff, decide
 
@@ -40,7 +40,6 @@ __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 
 log = logging.getLogger(__name__)
 
-Position = tuple[tuple[str, int], int]  # ((topic, partition), offset)
 _T = TypeVar("_T")
 
 
@@ -131,7 +130,8 @@ class Committer:
             metrics.finished(finish.status, finish.error)
 
     async def drain(self) -> None:
-        while self.pending:
+        # A short poll: drained once, at shutdown; an Event per write is not worth it.
+        while self.pending:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
 
@@ -189,7 +189,7 @@ class StepRunner:
         steps: dict[uuid.UUID, str] = {}
         poison: list[Poison] = []
         for msg in batch:
-            position = ((msg.topic(), msg.partition()), msg.offset())
+            position = position_of(msg)
             try:
                 event_type, event = self.codec.decode(msg.value() or b"")
                 if event_type != "job.requested":
@@ -200,8 +200,9 @@ class StepRunner:
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
-                poison.append(Poison(msg.topic(), msg.partition(), msg.offset(), msg.key(),
-                                     msg.value() or b"", code, str(exc)))
+                (topic, partition), offset = position
+                poison.append(Poison(topic, partition, offset, msg.key(), msg.value() or b"",
+                                     code, str(exc)))
         if poison:
             await self._persist("sending poison messages to calmq.dlq",
                                 lambda: self.poison.send(poison))
@@ -217,14 +218,14 @@ class StepRunner:
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
         for msg, job_id in wanted:
-            position = ((msg.topic(), msg.partition()), msg.offset())
+            position = position_of(msg)
             row = claimed.pop(job_id, None)
             if row is None:
                 # Terminal, cancelled, or held by a live lease: acknowledge, no model call.
                 self.tracker.done(*position)
                 metrics.SKIPPED.inc()
                 continue
-            task = asyncio.create_task(self._run(row, msg.topic(), position))
+            task = asyncio.create_task(self._run(row, position[0][0], position))
             self._running[job_id] = task
 
     @staticmethod
@@ -236,7 +237,7 @@ class StepRunner:
         while True:
             try:
                 return await action()
-            except Exception:  # noqa: BLE001 - retried; the log says what failed
+            except Exception:
                 log.exception("%s failed; retrying in %.1fs", what, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -385,7 +386,7 @@ class StepRunner:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             try:
                 await self.store.release_leases(list(tasks), self.config.worker_id)
-            except Exception:  # noqa: BLE001 - the leases then expire and the reaper requeues
+            except Exception:
                 log.exception("releasing %d leases failed", len(tasks))
         return len(tasks)
 

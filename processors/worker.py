@@ -97,12 +97,12 @@ class Worker:
             # handed back (its offset stays uncommitted, so the next owner redoes it).
             log.info("stopping: %d in flight, grace %.1f s", runner.in_flight, s.grace_seconds)
             deadline = loop.time() + s.grace_seconds
-            while not runner.idle() and loop.time() < deadline:
+            while not runner.idle() and loop.time() < deadline:  # noqa: ASYNC110 - once, at exit
                 await asyncio.sleep(0.05)
             abandoned = await runner.abandon()
             if abandoned:
                 log.warning("abandoned %d attempts at the end of the grace period", abandoned)
-            while runner.claiming:  # a batch still claiming: let it hand over its jobs
+            while runner.claiming:  # noqa: ASYNC110 - a batch still claiming hands over its jobs
                 await asyncio.sleep(0.01)
             await runner.abandon()
             await runner.committer.drain()

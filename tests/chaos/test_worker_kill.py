@@ -73,14 +73,12 @@ def test_two_kills_lose_no_job_and_write_no_result_twice(env: Env) -> None:
                                "AND status = 'completed'", (ids,)).fetchone()
         return int(row[0]) if row else 0
 
-    kills = 0
-    for threshold in (JOBS // 5, JOBS // 2):
+    for kill, threshold in enumerate((JOBS // 5, JOBS // 2), start=1):
         wait_for(lambda t=threshold: completed() >= t, timeout=120,
-                 what=f"{threshold} jobs completed before kill {kills + 1}")
+                 what=f"{threshold} jobs completed before kill {kill}")
         assert completed() < JOBS, "the run ended before the kill: nothing was tested"
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
-        kills += 1
         victim, _ = env.procs.worker(pool, **settings)
     wait_for(lambda: completed() == JOBS, timeout=240, what="every job to complete")
 

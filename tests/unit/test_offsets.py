@@ -48,3 +48,23 @@ def test_in_flight_counts_pending() -> None:
     for o in range(0, 100, 2):
         t.done(TP, o)
     assert t.in_flight() == 50
+
+
+def test_commit_lag_is_time_since_oldest_covered_completion() -> None:
+    """committed() reports how long the oldest completion it covers waited for the commit."""
+    now = [100.0]
+    t = OffsetTracker(clock=lambda: now[0])
+    for o in (0, 1, 2):
+        t.add(TP, o)
+    t.done(TP, 0)
+    now[0] = 100.3
+    t.done(TP, 2)  # not committable yet: 1 is in flight
+    now[0] = 100.5
+    assert t.committed(t.to_commit()) == 0.5  # covers offset 0, done at 100.0
+    now[0] = 101.0
+    t.done(TP, 1)
+    now[0] = 101.2
+    lag = t.committed(t.to_commit())  # covers 1 (done 101.0) and 2 (done 100.3)
+    assert lag is not None
+    assert abs(lag - 0.9) < 1e-9
+    assert t.committed(t.to_commit()) is None
