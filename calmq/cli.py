@@ -193,7 +193,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap)),
-                          make_codec(settings.schema_registry_url))
+                          make_codec(settings.schema_registry_url),
+                          topic_replacement=settings.relay_topic_replacement)
     make_relay(settings, publisher).run(stop)
     return 0
 

@@ -118,6 +118,8 @@ class Settings(BaseSettings):
     relay_wal_warn_bytes: int = Field(default=1 << 30, ge=1)
     relay_housekeeping_seconds: float = Field(default=5.0, gt=0)
     relay_prune_batch: int = Field(default=5000, ge=1)
+    # Debezium's route.topic.replacement; ${routedByValue} is the row's aggregatetype.
+    relay_topic_replacement: str = Field(default="calmq.${routedByValue}", min_length=1)
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)

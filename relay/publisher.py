@@ -1,6 +1,7 @@
 """Outbox rows -> Kafka records, as Debezium's Outbox Event Router would publish them.
 
-topic = ``calmq.`` + aggregatetype, key = aggregateid (the job id), value = the payload in
+topic = ``calmq.`` + aggregatetype (or any ``topic_replacement`` with ``${routedByValue}``,
+Debezium's ``route.topic.replacement``), key = aggregateid (the job id), value = the payload in
 Avro, headers ``id`` (event id) and ``eventType`` plus the row's own headers (traceparent,
 retry bookkeeping). A payload that does not fit its schema goes to ``calmq.dlq`` with the
 reason instead of stopping the relay.
@@ -22,7 +23,11 @@ from calmq import topics
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, InfrastructureError
 
-__all__ = ["OutboxRow", "Publisher"]
+__all__ = ["ROUTED_BY_VALUE", "TOPIC_REPLACEMENT", "OutboxRow", "Publisher"]
+
+ROUTED_BY_VALUE = "${routedByValue}"
+# calmq's own rule (topics.topic_for_route): calmq.<pool>.<priority>, calmq.retry.<tier>, ...
+TOPIC_REPLACEMENT = topics.PREFIX + ROUTED_BY_VALUE
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +45,13 @@ class OutboxRow:
 class Publisher:
     """Produces outbox rows with an idempotent producer and waits for every ack."""
 
-    def __init__(self, producer: Producer, codec: EventCodec) -> None:
+    def __init__(
+        self, producer: Producer, codec: EventCodec, *, topic_replacement: str = TOPIC_REPLACEMENT
+    ) -> None:
         self.producer = producer
         self.codec = codec
+        # Debezium's route.topic.replacement: ${routedByValue} is the row's aggregatetype.
+        self.topic_replacement = topic_replacement
         self._failed: list[KafkaError] = []
         self.rejected = 0  # rows routed to the DLQ because their payload did not fit
 
@@ -70,14 +79,19 @@ class Publisher:
                 )
             headers += [(k, str(v).encode()) for k, v in row.headers.items()]
             value = self.codec.encode(row.type, payload)
-            topic = topics.topic_for_route(row.aggregatetype)
+            topic = self.topic_for(row.aggregatetype)
         except ContractError as exc:
             self.rejected += 1
             log.warning("outbox row %s rejected: %s", row.id, exc.message)
-            value = self.codec.encode("job.dead_lettered", _rejection(row, exc))
+            value = self.codec.encode(
+                "job.dead_lettered", _rejection(row, exc, self.topic_for(row.aggregatetype)))
             topic = topics.DLQ
             headers.append(("calmq-error-code", exc.code.encode()))
         self._produce(topic, row.aggregateid.encode(), value, headers, on_ack)
+
+    def topic_for(self, route: str) -> str:
+        """The topic of a route (aggregatetype), by the replacement rule."""
+        return self.topic_replacement.replace(ROUTED_BY_VALUE, route)
 
     def _delivered(
         self, on_ack: Callable[[], None]
@@ -127,7 +141,7 @@ class Publisher:
         self._raise_failed()
 
 
-def _rejection(row: OutboxRow, exc: ContractError) -> dict[str, Any]:
+def _rejection(row: OutboxRow, exc: ContractError, source_topic: str) -> dict[str, Any]:
     payload = row.payload if isinstance(row.payload, dict) else {}
     return {
         "event_id": str(uuid.uuid4()),
@@ -138,7 +152,7 @@ def _rejection(row: OutboxRow, exc: ContractError) -> dict[str, Any]:
         "attempt": 0,
         "errors": [{"attempt": 0, "code": exc.code, "class": "input", "message": exc.message}],
         "last_event": row.type,
-        "source_topic": topics.topic_for_route(row.aggregatetype),
+        "source_topic": source_topic,
         "raw_value": json.dumps(row.payload, default=str).encode(),
         "at": int(time.time() * 1000),
     }

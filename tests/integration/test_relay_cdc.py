@@ -19,6 +19,7 @@ import pytest
 from calmq import topics
 from calmq.devstack import StackState
 from calmq.devstack.processes import free_port
+from calmq.kafka import create_topics
 from relay import pgoutput
 from tests.conftest import wait_for
 from tests.support.relay import (
@@ -323,5 +324,21 @@ def test_relay_resumes_by_itself_when_its_replication_connection_is_cut(
         assert "relay interrupted" in relay.log()
         assert relay.proc is not None
         assert relay.proc.poll() is None
+    finally:
+        reader.close()
+
+
+def test_topic_replacement_setting_routes_like_debeziums_router(
+    stack: StackState, db: RelayDb, route: str, start_relay: StartRelay
+) -> None:
+    """relay_topic_replacement puts a row on the topic its ${routedByValue} rule names."""
+    prefix = f"outbox_{uuid.uuid4().hex[:8]}"
+    topic = f"{prefix}.{route}.events"
+    create_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], [topic], partitions=1)
+    start_relay(relay_topic_replacement=prefix + ".${routedByValue}.events")
+    event_id = _insert(db, route, str(uuid.uuid4()))
+    reader = _reader(stack, topic)
+    try:
+        reader.wait_ids({event_id})
     finally:
         reader.close()
