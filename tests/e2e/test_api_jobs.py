@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -10,6 +11,7 @@ from urllib.parse import quote, urlparse
 import pytest
 
 from calmq.devstack import StackState
+from producers.client import ApiError, Client
 from tests.conftest import wait_for
 from tests.e2e.test_api_intake import MP_HEADERS, multipart
 from tests.support.api import Api, create_tenant
@@ -144,3 +146,33 @@ def test_delete_of_unfinished_job_is_409(stack: StackState) -> None:
     status, _h, body = api.call("DELETE", f"/v1/jobs/{job_id}")
     assert (status, body["code"]) == (409, "job_not_terminal")
     assert api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] == 200
+
+
+def test_async_client_round_trip(stack: StackState, tmp_path: Path) -> None:
+    """producers.client.Client uploads a file, lists, downloads, deletes, and raises ApiError."""
+    api = _api(stack)
+    source = tmp_path / "doc.txt"
+    source.write_bytes(b"streamed from disk " * 100)
+
+    async def run() -> None:
+        async with Client(api.base_url, api.key) as client:
+            accepted = await client.submit_file("summarize", source, content_type="text/plain",
+                                                metadata={"from": "client"})
+            job_id = accepted["job_id"]
+            listed = await client.list_jobs(limit=5)
+            assert [j["job_id"] for j in listed["jobs"]] == [job_id]
+            events = [e["type"] async for e in client.events(job_id)]
+            assert events[0] == "queued"
+            assert events[-1] == "completed"
+            job = await client.job(job_id)
+            data = b"".join([c async for c in client.artifact(job_id)])
+            assert len(data) == job["artifact"]["size"]
+            await client.delete(job_id)
+            with pytest.raises(ApiError) as gone:
+                await client.cancel(job_id)
+            assert (gone.value.code, gone.value.status) == ("job_terminal", 409)
+            with pytest.raises(ApiError) as missing:
+                await client.job(str(uuid.uuid4()))
+            assert (missing.value.code, missing.value.status) == ("not_found", 404)
+
+    asyncio.run(asyncio.wait_for(run(), timeout=90))
