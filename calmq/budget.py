@@ -27,6 +27,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -61,6 +62,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PRIORITIES = ("interactive", "bulk")
+_RATE_WINDOW = 10.0  # seconds of admissions that give a process's budget rate
 
 
 # -- metrics (created on first use; labels bounded by models, workflows and tenants) -------
@@ -289,6 +291,9 @@ class TokenBudget:
         self._wake = asyncio.Event()
         self._owed_due: float | None = None
         self._paused_until = 0.0
+        self._admitted: deque[float] = deque()  # admission times over the last _RATE_WINDOW
+        self._avg_tokens = 0.0  # of a call, moving average
+        self._started = clock()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -322,9 +327,28 @@ class TokenBudget:
         heapq.heappush(self._queue, waiter)
         self._wake.set()
         source = await waiter.future
-        waited = self._clock() - started
+        now = self._clock()
+        waited = now - started
+        self._admitted.append(now)
+        self._avg_tokens = tokens if not self._avg_tokens else \
+            0.9 * self._avg_tokens + 0.1 * tokens
         _metrics().wait.labels(priority).observe(waited)
         return Reservation(self, source, tokens, waited)
+
+    def calls_per_second(self) -> float | None:
+        """How fast this process gets budget: measured once it has run a while; before
+        that, the whole fleet's rate (an upper bound: other workers share it)."""
+        now = self._clock()
+        while self._admitted and self._admitted[0] < now - _RATE_WINDOW:
+            self._admitted.popleft()
+        if now - self._started >= _RATE_WINDOW / 2:
+            return len(self._admitted) / min(_RATE_WINDOW, now - self._started)
+        rates = []
+        if self.limits.requests_per_minute:
+            rates.append(self.limits.request_rate)
+        if self.limits.tokens_per_minute and self._avg_tokens:
+            rates.append(self.limits.token_rate / self._avg_tokens)
+        return min(rates) if rates else None
 
     def pause(self, seconds: float) -> bool:
         """Stop this process at once; True when the fleet has to be told (not paused yet)."""
@@ -419,8 +443,11 @@ class TokenBudget:
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake early when a new call arrives (it may be interactive)."""
         self._wake.clear()
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
+        # arrives as the event is set, and close() would then wait for ever.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), max(0.0, seconds))
+            async with asyncio.timeout(max(0.0, seconds)):
+                await self._wake.wait()
 
     async def _dispatch_once(self) -> None:
         now = self._clock()
@@ -489,7 +516,8 @@ class UsageRecorder:
         if self._pending and self._task is not None:
             self._idle.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), 5)
+                async with asyncio.timeout(5):
+                    await self._idle.wait()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -575,6 +603,20 @@ class BudgetedProvider:
         self.prices = dict(prices or {})
         self.counts_max_tokens = counts_max_tokens
         self.default_pause_seconds = default_pause_seconds
+        self._in_call = 0  # admitted by the budget, waiting for the provider's answer
+
+    def in_flight_limit(self, queue_seconds: float) -> int | None:
+        """How many jobs this worker should hold: those in a model call now, plus what its
+        share of the budget serves within ``queue_seconds``. A worker that claimed more
+        would keep them waiting for budget past their step timeout, while other workers
+        (or later polls) could run them; None without a budget or before any estimate.
+        """
+        if self.budget is None:
+            return None
+        rate = self.budget.calls_per_second()
+        if rate is None:
+            return None
+        return self._in_call + math.ceil(rate * queue_seconds) + 1
 
     async def complete(
         self,
@@ -589,6 +631,7 @@ class BudgetedProvider:
         reservation = (await self.budget.acquire(estimate, scope.priority)
                        if self.budget is not None else None)
         calls = _metrics().calls
+        self._in_call += 1
         try:
             reply = await self.inner.complete(messages=messages, job_id=job_id,
                                               max_tokens=max_tokens,
@@ -599,6 +642,8 @@ class BudgetedProvider:
             if isinstance(exc, StepFailure):
                 await self._failed(exc)
             raise
+        finally:
+            self._in_call -= 1
         calls.labels(self.provider, self.model, "ok").inc()
         if reservation is not None:
             output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \

@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     budget_slice_seconds: float = Field(default=0.25, gt=0, le=10)  # one lease, in time
     budget_lease_seconds: float = Field(default=0.5, gt=0, le=30)  # unspent slices go back
     budget_default_pause_seconds: float = Field(default=1.0, ge=0)  # 429 without Retry-After
+    # A worker claims no more bulk work than its share of the budget serves in this long, so
+    # claimed jobs do not wait for budget past their step timeout (keep it well below it).
+    budget_queue_seconds: float = Field(default=15.0, gt=0)
     # OpenAI-style providers count max_tokens against the limit when they admit a call;
     # false for providers that count only the tokens generated.
     budget_counts_max_tokens: bool = True

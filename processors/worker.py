@@ -12,8 +12,8 @@ import threading
 from confluent_kafka import Producer
 
 from calmq import topics
-from calmq.codec import make_codec
 from calmq.budget import open_metered_provider
+from calmq.codec import make_codec
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.reviews import ReviewDesk
@@ -92,6 +92,10 @@ class Worker:
                 await asyncio.sleep(0.1)
                 metrics.IN_FLIGHT.set(runner.in_flight)
                 metrics.SATURATION.set(runner.in_flight / s.concurrency)
+                # Hold no more jobs than the token budget lets this worker start soon.
+                limit = provider.in_flight_limit(s.budget_queue_seconds)
+                consumer.max_in_flight = s.concurrency if limit is None \
+                    else max(1, min(s.concurrency, limit))
             # Graceful stop: the consumer thread has paused every partition; in-flight work
             # gets the grace period to finish, and what is left is abandoned with its lease
             # handed back (its offset stays uncommitted, so the next owner redoes it).

@@ -38,14 +38,14 @@ WORKFLOWS = {"summarize": dataclasses.replace(SUMMARIZE, pool=POOL)}
 
 
 def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - local test server
+    with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
 
 
 @pytest.fixture
 def fleet(stack: StackState, tmp_path: Path) -> Iterator[str]:
     """A fake provider limited to ~600 jobs/min and three workers of one pool sharing it."""
-    env = {k: v for k, v in stack.env.items()}
+    env = dict(stack.env)
     pids: list[int] = []
     try:
         port = processes.free_port()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -74,9 +75,10 @@ async def _budget(ledger: MemoryLedger, clock: Clock | None = None) -> TokenBudg
     return budget
 
 
-async def _until(check: Any, timeout: float = 2.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
+async def _until(check: Any, within: float = 2.0) -> None:
+    """Wait for a condition with a deadline (the async twin of tests.conftest.wait_for)."""
+    async with asyncio.timeout(within):
+        while not check():  # noqa: ASYNC110 - polling a condition under a deadline
             await asyncio.sleep(0.005)
 
 
@@ -178,7 +180,9 @@ async def test_one_lease_serves_several_calls_and_settlements_go_back() -> None:
         clock.now += 1.0  # past the lease
         budget._wake.set()
         await _until(lambda: bool(ledger.given_back))
-        assert ledger.given_back == [("bulk", pytest.approx(80), 0.0)]
+        [(priority, tokens, requests)] = ledger.given_back
+        assert (priority, requests) == ("bulk", 0.0)
+        assert tokens == pytest.approx(80)
     finally:
         await budget.close()
 
@@ -267,3 +271,23 @@ async def test_settles_with_what_the_provider_counted() -> None:
         assert budget._owed["interactive"] + budget._owed["bulk"] == pytest.approx(50)
     finally:
         await provider.close()
+
+
+async def test_in_flight_limit_follows_the_budget_rate() -> None:
+    """A worker holds what its budget share starts within the queue time, plus calls running;
+    without a budget there is no limit."""
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    clock = Clock()
+    budget = await _budget(ledger, clock)
+    provider = BudgetedProvider(ScriptedProvider(), provider="openai", model="m", budget=budget)
+    try:
+        # Before it has run a while, the whole fleet's rate: 600 a minute is ~9.75 a second.
+        assert provider.in_flight_limit(10) == math.ceil(LIMITS.request_rate * 10) + 1
+        for _ in range(20):
+            await asyncio.wait_for(budget.acquire(10, "bulk"), 1)
+        clock.now += 10  # 20 calls in the last 10 s: 2 a second is this worker's share
+        assert provider.in_flight_limit(10) == 21
+    finally:
+        await provider.close()
+    assert BudgetedProvider(ScriptedProvider(), provider="openai", model="m").in_flight_limit(
+        10) is None

@@ -92,7 +92,8 @@ async def test_provider_limit_answers_429_with_retry_after(open_provider: OpenPr
     with pytest.raises(StepFailure) as caught:
         await provider.complete(messages=_messages(), job_id="j2", max_tokens=8)
     assert caught.value.code == "rate_limited"
-    assert caught.value.retry_after is not None and caught.value.retry_after > 0
+    assert caught.value.retry_after is not None
+    assert caught.value.retry_after > 0
 
 
 async def test_content_filter_finish_is_a_refusal(open_provider: OpenProvider) -> None:
