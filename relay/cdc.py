@@ -418,7 +418,7 @@ class CdcRelay:
                 if since_poll >= 1000:
                     publisher.poll(0)
                     since_poll = 0
-                while ledger.in_flight > self.max_in_flight:
+                while ledger.in_flight > self.max_in_flight and not stop.is_set():
                     publisher.poll(0.01)
             elif isinstance(message, pgoutput.Begin):
                 txn = ledger.begin(message.xid, message.commit_time)
