@@ -34,8 +34,13 @@ class ParallelConsumer:
         commit_interval: float = 0.2,
         batch_size: int = 500,
         interactive_reserve: int | None = None,
+        settling: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
+        # Messages whose attempt ended and whose outcome is being written: they hold no
+        # model call any more, so they do not count against the bound (up to another
+        # bound's worth), or a slow group commit would leave call slots idle.
+        self.settling = settling or (lambda: 0)
         self.topics = topics
         self.deliver = deliver
         self.max_in_flight = max_in_flight
@@ -98,7 +103,8 @@ class ParallelConsumer:
 
     def _room(self) -> tuple[int, int]:
         """Free slots for (bulk, interactive): interactive may also use the reserve."""
-        in_flight = self.tracker.in_flight()
+        pending = self.tracker.in_flight()
+        in_flight = max(pending - self.settling(), pending - self.max_in_flight)
         return self.max_in_flight - in_flight, self.max_in_flight + self.reserve - in_flight
 
     def _backpressure(self, consumer: Consumer) -> int:

@@ -57,6 +57,7 @@ class Worker:
             deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
             max_in_flight=s.concurrency,
             commit_interval=s.commit_interval_ms / 1000,
+            settling=lambda: runner.committer.pending,
         )
         codec = make_codec(s.schema_registry_url)
         runner = StepRunner(

@@ -7,11 +7,13 @@ import signal
 import struct
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from calmq import events
 from calmq.codec import make_codec
 from calmq.devstack import StackState
 from tests.conftest import wait_for
@@ -219,3 +221,39 @@ def test_sigterm_past_the_grace_period_hands_work_to_the_next_worker(env: Env) -
     assert job["status"] == "completed"
     assert _types(job["events"]) == ["queued", "running", "requeued_after_restart", "running",
                                      "completed"]
+
+
+def test_job_past_its_deadline_dead_letters_without_a_call(
+    env: Env, served: tuple[str, int],
+) -> None:
+    """A job whose deadline passed before it ran ends dead_letter, class deadline, no call."""
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    (job_id,) = env.submit(served[0], {"text": "too late", "mode": "success"}, deadline_at=past)
+    job = env.finished(job_id)
+    assert job["status"] == "dead_letter"
+    assert job["error"]["class"] == "deadline"
+    assert job_id not in fake_stats(env.stack.env["CALMQ_FAKE_PROVIDER_URL"])["by_job"]
+
+
+def test_redelivered_message_of_a_finished_job_makes_no_call(
+    env: Env, served: tuple[str, int],
+) -> None:
+    """A second job.requested for a completed job is acknowledged without a model call."""
+    pool, port = served
+    (job_id,) = env.submit(pool, {"text": "only once", "mode": "success"})
+    assert env.finished(job_id)["status"] == "completed"
+    fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
+    assert fake_stats(fake)["by_job"][job_id]["calls"] == 1
+    skipped = metric(port, "calmq_redeliveries_acked_total") or 0
+    row = {"id": job_id, "tenant_id": str(env.tenant), "workflow": "summarize",
+           "workflow_version": 1, "step": "summarize", "attempt": 0, "priority": "interactive",
+           "pool": pool, "input_ref": None, "deadline_at": None, "trace_parent": None}
+    value = make_codec(env.stack.env["CALMQ_SCHEMA_REGISTRY_URL"]).encode(
+        "job.requested", events.requested(row))
+    producer = Producer({"bootstrap.servers": env.bootstrap})
+    producer.produce(f"calmq.{pool}.interactive", value=value, key=job_id.encode())
+    assert producer.flush(10) == 0
+    wait_for(lambda: (metric(port, "calmq_redeliveries_acked_total") or 0) > skipped,
+             timeout=30, what="the duplicate to be acknowledged")
+    assert fake_stats(fake)["by_job"][job_id]["calls"] == 1
+    assert [e["type"] for e in history(env.db, job_id)] == ["queued", "running", "completed"]

@@ -19,6 +19,7 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ def create_tenant_id(database_url: str, name: str) -> tuple[uuid.UUID, str]:
 
 def submit(database_url: str, tenant_id: uuid.UUID, pool: str, inputs: list[dict[str, Any]],
            *, priority: str = "interactive", workflow: str = "summarize",
-           max_attempts: int = 3) -> list[str]:
+           max_attempts: int = 3, deadline_at: datetime | None = None) -> list[str]:
     """Submit jobs to ``pool`` as the API would (job row + history + outbox, one transaction)."""
 
     async def run() -> list[str]:
@@ -169,12 +170,12 @@ def submit(database_url: str, tenant_id: uuid.UUID, pool: str, inputs: list[dict
                     id=uuid.uuid4(), tenant_id=tenant_id, workflow=workflow, workflow_version=1,
                     priority=priority, pool=pool, step=workflow, max_attempts=max_attempts,
                     input=data, input_ref=None, metadata={}, callback_url=None,
-                    deadline_at=None, trace_parent=None,
+                    deadline_at=deadline_at, trace_parent=None,
                 )
                 row = {"id": job.id, "tenant_id": job.tenant_id, "workflow": job.workflow,
                        "workflow_version": 1, "step": job.step, "attempt": 0,
                        "priority": priority, "pool": pool, "input_ref": None,
-                       "deadline_at": None, "trace_parent": None}
+                       "deadline_at": deadline_at, "trace_parent": None}
                 event = events.requested(row)
                 event.pop("created_at")
                 job_id, _ = await store.submit(job, event, topics.work_route(pool, priority))
