@@ -396,8 +396,10 @@ class CdcRelay:
         while not stop.is_set():
             msg = cur.read_message()
             if msg is None:
+                # Wake for new WAL at once; while records await acks, serve them every 2 ms.
                 if ledger.pending:
-                    publisher.poll(0.002)
+                    select.select([rconn], [], [], 0.002)
+                    publisher.poll(0)
                     self._confirm(cur, ledger, lag_seconds, published)
                 else:
                     lag_seconds.set(0)
