@@ -100,12 +100,33 @@ def test_skip_locked_queries_are_loaded() -> None:
     assert "SKIP LOCKED" in QUERIES["claim"]
 
 
-def test_bench_budget_exits_2_until_the_budget_exists(capsys: pytest.CaptureFixture[str]) -> None:
-    """`calmq bench budget` exits 2 and says it is not built yet while calmq.budget is missing."""
-    if importlib.util.find_spec("calmq.budget") is not None:
-        pytest.skip("calmq.budget exists: the scenario runs a real stack")
+def test_bench_exits_2_for_a_scenario_not_built_yet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scenario that raises NotBuiltError makes `calmq bench` exit 2 and say so."""
+    from bench import scenarios
+
+    def not_built(*_args: object, **_kw: object) -> dict[str, object]:
+        raise scenarios.NotBuiltError("needs calmq.budget")
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "budget", not_built)
     assert main(["bench", "budget", "--json"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "not built yet: needs calmq.budget" in captured.err
+    assert captured.out == ""
+
+
+def test_budget_scenario_says_what_is_missing() -> None:
+    """Without calmq.budget the budget scenario raises NotBuiltError naming it; with it, the
+    setting it drives exists."""
+    from bench import scenarios
+    from calmq.settings import Settings
+
+    if importlib.util.find_spec("calmq.budget") is None:
+        with pytest.raises(scenarios.NotBuiltError, match=r"calmq\.budget"):
+            scenarios.budget(1, log=lambda _m: None, sampler=Sampler())
+    else:
+        assert "budget_tokens_per_minute" in Settings.model_fields
 
 
 def test_bench_rejects_an_unknown_scenario() -> None:
