@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -199,8 +200,8 @@ async def _read_multipart(
                 text = await _field_text(part)
                 fields[part.name] = text
                 digest.update(f"{part.name}={text}".encode())
-    except (ValueError, AssertionError, RuntimeError) as exc:
-        # aiohttp's reader raises these for a missing boundary, a bad header or a body
+    except (ValueError, AssertionError, RuntimeError, HttpProcessingError) as exc:
+        # aiohttp's reader raises these for a missing boundary, a bad part header or a body
         # that ends mid-part.
         raise ContractError(f"the multipart body is malformed: {exc}",
                             code="invalid_multipart") from exc

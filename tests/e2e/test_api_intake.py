@@ -99,6 +99,9 @@ def test_oversized_file_is_413_and_nothing_is_stored(
                  b"\r\nsumma", MP_HEADERS, "invalid_multipart", id="truncated"),
     pytest.param(multipart({"workflow": "summarize"}, b"abc"),
                  {"Content-Type": "multipart/form-data"}, "invalid_multipart", id="no-boundary"),
+    pytest.param(b'--calmqtestboundary\r\nContent-Disposition: form-data; name="\x02x"\r\n\r\n'
+                 b"v\r\n--calmqtestboundary--\r\n", MP_HEADERS, "invalid_multipart",
+                 id="control-char-in-part-header"),
     pytest.param(multipart({"workflow": "summarize"}), MP_HEADERS, "missing_file",
                  id="no-file-part"),
     pytest.param(multipart({"workflow": "summarize", "metadata": "{nope"}, b"abc"), MP_HEADERS,
