@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,6 +33,13 @@ class SummaryOutput(BaseModel):
     confidence: float = Field(default=1.0, ge=0, le=1)
 
 
+@cache
+def _output_schema() -> dict[str, Any]:
+    # Built once: pydantic's schema generation cost ~0.25 ms of CPU on every model call,
+    # about a sixth of a worker's whole CPU per job (bench/results/e2e-profile.md).
+    return SummaryOutput.model_json_schema()
+
+
 _SYSTEM = (
     "Summarize the user's text in one or two sentences. Answer only with JSON: "
     '{"summary": string, "confidence": number between 0 and 1}.'
@@ -46,7 +54,7 @@ async def summarize(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
         ],
         job_id=ctx.job_id,
         max_tokens=256,
-        response_schema=SummaryOutput.model_json_schema(),
+        response_schema=_output_schema(),
     )
     if reply.refusal:
         raise StepFailure(f"the model refused: {reply.refusal[:200]}", code="model_refusal",
