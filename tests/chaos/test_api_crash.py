@@ -88,4 +88,16 @@ def test_api_killed_mid_burst_keeps_every_accepted_job(stack: StackState) -> Non
 
     # Whole = also relayed: every written job (202'd or not) reaches a terminal state, which
     # it can only do if its outbox row was there and reached Kafka.
-    wait_for(all_terminal, timeout=240, what="every written job to reach a terminal state")
+    try:
+        wait_for(all_terminal, timeout=240, what="every written job to reach a terminal state")
+    except AssertionError:
+        with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+            counts = conn.execute(
+                "SELECT status, count(*) FROM jobs j JOIN tenants t ON t.id = j.tenant_id"
+                " WHERE t.name = %s GROUP BY status", (name,)).fetchall()
+            unsent = conn.execute(
+                "SELECT count(*) FROM outbox o JOIN jobs j ON o.aggregateid = j.id::text"
+                " JOIN tenants t ON t.id = j.tenant_id WHERE t.name = %s AND j.status = 'queued'",
+                (name,)).fetchone()
+        raise AssertionError(f"jobs by status: {counts}; outbox rows of queued jobs still in "
+                             f"the table: {unsent}") from None
