@@ -7,6 +7,7 @@ start one of these instead, so they never disturb the shared one.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -40,7 +41,7 @@ class ApiProcess:
 
 def start_api(stack: StackState, settings: Mapping[str, str] | None = None) -> ApiProcess:
     port = processes.free_port()
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("CALMQ_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
     env.update(stack.env)
     env.update(settings or {})
     env["CALMQ_API_PORT"] = str(port)
