@@ -293,7 +293,7 @@ class TokenBudget:
         self._paused_until = 0.0
         self._admitted: deque[float] = deque()  # admission times over the last _RATE_WINDOW
         self._avg_tokens = 0.0  # of a call, moving average
-        self._started = clock()
+        self._backlog_since: float | None = None  # calls have waited without a break since
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -324,6 +324,8 @@ class TokenBudget:
         started = self._clock()
         waiter = _Waiter(0 if priority == "interactive" else 1, next(self._seq), tokens,
                          priority, asyncio.get_running_loop().create_future())
+        if self._backlog_since is None:
+            self._backlog_since = started
         heapq.heappush(self._queue, waiter)
         self._wake.set()
         source = await waiter.future
@@ -336,13 +338,20 @@ class TokenBudget:
         return Reservation(self, source, tokens, waited)
 
     def calls_per_second(self) -> float | None:
-        """How fast this process gets budget: measured once it has run a while; before
-        that, the whole fleet's rate (an upper bound: other workers share it)."""
+        """How fast this process gets budget.
+
+        Measured only while calls have been waiting for budget for a while: then the rate is
+        what the budget gives this process. Otherwise the process is not held back by the
+        budget and what it measures is its own demand, so the answer is the whole fleet's
+        rate (an upper bound: other workers share it).
+        """
         now = self._clock()
         while self._admitted and self._admitted[0] < now - _RATE_WINDOW:
             self._admitted.popleft()
-        if now - self._started >= _RATE_WINDOW / 2:
-            return len(self._admitted) / min(_RATE_WINDOW, now - self._started)
+        since = self._backlog_since
+        if since is not None and now - since >= _RATE_WINDOW / 2:
+            span = min(_RATE_WINDOW, now - since)
+            return sum(1 for t in self._admitted if t >= now - span) / span
         rates = []
         if self.limits.requests_per_minute:
             rates.append(self.limits.request_rate)
@@ -457,6 +466,7 @@ class TokenBudget:
         while self._queue and self._queue[0].future.done():  # cancelled (step timeout)
             heapq.heappop(self._queue)
         if not self._queue:
+            self._backlog_since = None
             expiry = self._next_expiry()
             await self._sleep(expiry - now if expiry is not None else 3600.0)
             return
@@ -468,11 +478,13 @@ class TokenBudget:
         if source is not None:
             heapq.heappop(self._queue)
             head.future.set_result(source)
+            if not self._queue:
+                self._backlog_since = None
             return
         demand_tokens, demand_calls = self._demand(head.priority)
         # What this process holds already counts: ask the fleet only for the rest.
         held = sum(s.tokens for s in self._slices if s.priority in (head.priority, "bulk"))
-        need = max(1.0, head.tokens - held)
+        need = max(0.0, head.tokens - held)  # 0: short of a request only
         want_tokens = max(need, min(self._slice_tokens, demand_tokens - held))
         want_requests = max(1.0, min(self._slice_requests, float(demand_calls)))
         grant = await self.ledger.take(self.provider, self.model, head.priority,

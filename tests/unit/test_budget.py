@@ -274,19 +274,27 @@ async def test_settles_with_what_the_provider_counted() -> None:
 
 
 async def test_in_flight_limit_follows_the_budget_rate() -> None:
-    """A worker holds what its budget share starts within the queue time, plus calls running;
-    without a budget there is no limit."""
-    ledger = MemoryLedger(tokens=10_000, requests=100)
+    """A worker held back by the budget holds what its share starts within the queue time;
+    one that is not (or has no budget) is not limited below the fleet's rate."""
+    ledger = MemoryLedger()
     clock = Clock()
     budget = await _budget(ledger, clock)
     provider = BudgetedProvider(ScriptedProvider(), provider="openai", model="m", budget=budget)
+    fleet_limit = math.ceil(LIMITS.request_rate * 10) + 1  # 600 a minute: ~9.75 a second
     try:
-        # Before it has run a while, the whole fleet's rate: 600 a minute is ~9.75 a second.
-        assert provider.in_flight_limit(10) == math.ceil(LIMITS.request_rate * 10) + 1
-        for _ in range(20):
-            await asyncio.wait_for(budget.acquire(10, "bulk"), 1)
-        clock.now += 10  # 20 calls in the last 10 s: 2 a second is this worker's share
+        assert provider.in_flight_limit(10) == fleet_limit
+        # Calls keep waiting for 10 s while the fleet hands this worker 2 calls a second.
+        calls = [asyncio.create_task(budget.acquire(10, "bulk")) for _ in range(30)]
+        await _until(lambda: budget.waiting == 30)
+        for i in range(20):
+            ledger.add("bulk", 10, 1)
+            await _until(lambda: sum(c.done() for c in calls) == i + 1)  # noqa: B023
+            clock.now += 0.5
         assert provider.in_flight_limit(10) == 21
+        ledger.add("bulk", 100, 10)
+        await asyncio.wait_for(asyncio.gather(*calls), 2)
+        # Nothing waits any more: its own low demand does not shrink the worker.
+        assert provider.in_flight_limit(10) == fleet_limit
     finally:
         await provider.close()
     assert BudgetedProvider(ScriptedProvider(), provider="openai", model="m").in_flight_limit(
