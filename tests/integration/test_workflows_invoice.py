@@ -15,6 +15,7 @@ import pytest
 
 from calmq.devstack import StackState
 from tests.conftest import wait_for
+from tests.support.pdf import tiny_pdf
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import LEDGER_POOL
 
@@ -91,6 +92,26 @@ def test_kill_9_before_the_ledger_answered_resumes_at_the_ledger_step(
     assert len(keys) == 2
     assert len(set(keys)) == 1
     assert "requeued_after_restart" in [e["type"] for e in job["events"]]
+
+
+def test_an_uploaded_pdf_invoice_is_read_and_posted(wf: WorkflowEnv) -> None:
+    """A PDF uploaded as multipart goes through the same steps: its text layer is
+    extracted, the fields are read from it and posted to the ledger."""
+    boundary = "calmqtestboundary"
+    pdf = tiny_pdf(INVOICE.strip().split("\n"))
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"workflow\"\r\n\r\n"
+            f"invoice_t\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"inv.pdf\"\r\nContent-Type: application/pdf\r\n\r\n").encode()
+    body += pdf + f"\r\n--{boundary}--\r\n".encode()
+    status, _h, answer = wf.api.call(
+        "POST", "/v1/jobs", raw=body,
+        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 202, answer
+    job_id = answer["job_id"]
+    job = wf.wait_status(job_id, "completed", "dead_letter")
+    assert job["status"] == "completed", _explain(job)
+    [posting] = wf.ledger.for_job(job_id)
+    assert posting["fields"] == FIELDS
 
 
 def test_embed_document_embeds_chunks_in_batches(wf: WorkflowEnv) -> None:

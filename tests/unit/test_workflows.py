@@ -40,6 +40,7 @@ from calmq.workflows.invoice import (
 )
 from calmq.workflows.progress import STEP_COMPLETED, Progress
 from tests.support.ledger import Ledger
+from tests.support.pdf import tiny_pdf
 
 
 class FakeProvider:
@@ -80,30 +81,6 @@ class MemoryObjects:
 def ctx(provider: Any = None, *, step: str = "s", objects: Any = None,
         effects: Any = None) -> StepContext:
     return StepContext("job-1", "tenant-1", step, 1, provider or FakeProvider(), objects, effects)
-
-
-def tiny_pdf(lines: list[str]) -> bytes:
-    """A one-page PDF with a text layer, offsets and all."""
-    text = "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({line}) '" for line in lines) + " ET"
-    objs = [
-        "<< /Type /Catalog /Pages 2 0 R >>",
-        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-        "/Resources << /Font << /F1 5 0 R >> >> >>",
-        f"<< /Length {len(text)} >>\nstream\n{text}\nendstream",
-        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += f"{i} 0 obj\n{body}\nendobj\n".encode()
-    xref = len(out)
-    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
-    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
-    out += (f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n"
-            "%%EOF\n").encode()
-    return out
 
 
 async def _noop(_ctx: StepContext, data: dict[str, Any]) -> StepOutput:
