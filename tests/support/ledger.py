@@ -29,7 +29,7 @@ class Ledger:
             def log_message(self, *_args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            def do_POST(self) -> None:
                 key = self.headers.get("Idempotency-Key", "")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 with ledger.lock:
