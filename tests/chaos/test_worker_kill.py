@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import urllib.request
 import uuid
 from collections import Counter
@@ -58,14 +59,16 @@ def test_two_kills_lose_no_job_and_write_no_result_twice(env: Env) -> None:
     pool = f"t4chaos{uuid.uuid4().hex[:6]}"
     create_pool_topics(env.bootstrap, pool, TIERS.split(","), partitions=4)
     fake = _fake_provider(env.procs)
-    settings = {**BASE, "fake_provider_url": fake, "concurrency": "64"}
-    victim, _ = env.procs.worker(pool, **settings)
-    env.procs.worker(pool, **settings)
+    settings = {**BASE, "fake_provider_url": fake, "concurrency": "32"}
+    # Every job is queued before the workers start, and each call takes 300 ms, so a worker
+    # has calls in flight when it is killed (not idle, waiting for submissions).
     # Half on each priority: the group balances partition counts, not topics, so a worker may
     # own only interactive (or only bulk) partitions; this way each of them has work.
     ids = [job for priority in ("interactive", "bulk") for job in env.submit(
-        pool, *[{"text": f"chaos {priority} {i}", "mode": "success"} for i in range(JOBS // 2)],
-        priority=priority)]
+        pool, *[{"text": f"chaos {priority} {i}", "mode": "success", "delay_ms": 300}
+                for i in range(JOBS // 2)], priority=priority)]
+    victim, _ = env.procs.worker(pool, **settings)
+    env.procs.worker(pool, **settings)
 
     def completed() -> int:
         with psycopg.connect(env.db) as conn:
@@ -73,9 +76,19 @@ def test_two_kills_lose_no_job_and_write_no_result_twice(env: Env) -> None:
                                "AND status = 'completed'", (ids,)).fetchone()
         return int(row[0]) if row else 0
 
+    def running_on(pid: int) -> int:
+        with psycopg.connect(env.db) as conn:
+            row = conn.execute("SELECT count(*) FROM jobs WHERE status = 'running' "
+                               "AND lease_owner = %s", (f"{socket.gethostname()}-{pid}",)
+                               ).fetchone()
+        return int(row[0]) if row else 0
+
     for kill, threshold in enumerate((JOBS // 5, JOBS // 2), start=1):
         wait_for(lambda t=threshold: completed() >= t, timeout=120,
                  what=f"{threshold} jobs completed before kill {kill}")
+        # Kill while it holds leases: a worker between two batches has nothing to lose.
+        wait_for(lambda p=victim.pid: running_on(p), timeout=60,
+                 what=f"the victim to be running jobs before kill {kill}")
         assert completed() < JOBS, "the run ended before the kill: nothing was tested"
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
@@ -85,6 +98,10 @@ def test_two_kills_lose_no_job_and_write_no_result_twice(env: Env) -> None:
     with psycopg.connect(env.db) as conn:
         events = conn.execute(
             "SELECT job_id::text, type FROM job_events WHERE job_id = ANY(%s::uuid[])",
+            (ids,)).fetchall()
+        by_worker = conn.execute(
+            "SELECT detail->>'worker', count(*), min(at), max(at) FROM job_events "
+            "WHERE job_id = ANY(%s::uuid[]) AND type = 'running' GROUP BY 1",
             (ids,)).fetchall()
     completed_events = Counter(job for job, kind in events if kind == "completed")
     requeued = {job for job, kind in events if kind == "requeued_after_restart"}
@@ -97,4 +114,4 @@ def test_two_kills_lose_no_job_and_write_no_result_twice(env: Env) -> None:
     answered_twice = {job for job, n in answered.items() if n > 1}
     # A second answer only where a worker died mid-call, never from a duplicate delivery.
     assert answered_twice <= requeued
-    assert requeued, "no job was in flight at a kill: the kills tested nothing"
+    assert requeued, f"no job was in flight at a kill (runs by worker: {by_worker})"
