@@ -1,0 +1,125 @@
+"""The retry forwarder holds a partition (pause + rewind) until its head is due, then
+republishes to the origin topic and completes the offset only once Kafka acknowledged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from calmq.codec import SingleObjectCodec
+from processors.forwarder import DUE_AT, ORIGIN, Forwarder
+
+RETRY = "calmq.retry.5s"
+
+
+class Msg:
+    """The part of confluent_kafka.Message the forwarder reads."""
+
+    def __init__(self, offset: int, due_ms: int | None, origin: str | None = "calmq.p.bulk"):
+        self._offset = offset
+        self._headers = [("id", b"e1")]
+        if origin is not None:
+            self._headers.append((ORIGIN, origin.encode()))
+        if due_ms is not None:
+            self._headers.append((DUE_AT, str(due_ms).encode()))
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return RETRY
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return b"job-1"
+
+    def value(self) -> bytes:
+        return b"avro bytes"
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return self._headers
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.paused: set[tuple[str, int]] = set()
+        self.seeks: list[tuple[str, int, int]] = []
+
+    def pause(self, parts: list[TopicPartition]) -> None:
+        self.paused |= {(p.topic, p.partition) for p in parts}
+
+    def resume(self, parts: list[TopicPartition]) -> None:
+        self.paused -= {(p.topic, p.partition) for p in parts}
+
+    def seek(self, part: TopicPartition) -> None:
+        self.seeks.append((part.topic, part.partition, part.offset))
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def produce(self, topic: str, **kw: Any) -> None:
+        self.sent.append({"topic": topic, **kw})
+
+    def ack_all(self) -> None:
+        for record in self.sent:
+            record["on_delivery"](None, None)
+
+
+def _forwarder(now: list[float]) -> tuple[Forwarder, FakeConsumer, FakeProducer]:
+    producer = FakeProducer()
+    fwd = Forwarder({}, producer, SingleObjectCodec(), [RETRY],  # type: ignore[arg-type]
+                    clock=lambda: now[0])
+    fwd.tracker.assign((RETRY, 0))
+    return fwd, FakeConsumer(), producer
+
+
+def test_head_not_due_pauses_and_rewinds_the_partition() -> None:
+    """A head due in the future pauses its partition at that offset; nothing is sent."""
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd._handle(consumer, [Msg(7, 1_005_000), Msg(8, 1_001_000)])  # type: ignore[arg-type, list-item]
+    assert consumer.paused == {(RETRY, 0)}
+    assert consumer.seeks == [(RETRY, 0, 7)]
+    assert fwd.resume_at == {(RETRY, 0): 1005.0}
+    assert producer.sent == []
+    assert fwd._wait() == 0.1  # polls on (short), does not sleep until due
+    now[0] = 1005.0
+    fwd._resume_due(consumer)  # type: ignore[arg-type]
+    assert consumer.paused == set()
+    assert fwd.resume_at == {}
+
+
+def test_due_message_goes_back_to_its_origin_and_commits_after_ack() -> None:
+    """A due message is republished to calmq-origin-topic without the retry headers; its
+    offset becomes committable only after the delivery report."""
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd.tracker.committed({(RETRY, 0): 3})
+    fwd._handle(consumer, [Msg(3, 999_000)])  # type: ignore[arg-type, list-item]
+    (record,) = producer.sent
+    assert record["topic"] == "calmq.p.bulk"
+    assert record["key"] == b"job-1"
+    names = [k for k, _v in record["headers"]]
+    assert ORIGIN not in names
+    assert DUE_AT not in names
+    assert ("calmq-forwarded-from", RETRY.encode()) in record["headers"]
+    assert fwd.tracker.to_commit() == {}  # sent, not acknowledged
+    producer.ack_all()
+    assert fwd.tracker.to_commit() == {(RETRY, 0): 4}
+
+
+def test_message_without_origin_goes_to_the_dlq() -> None:
+    """A retry message with no origin header is dead-lettered, never forwarded in a loop."""
+    fwd, consumer, producer = _forwarder([1000.0])
+    fwd._handle(consumer, [Msg(0, None, origin=None)])  # type: ignore[arg-type, list-item]
+    (record,) = producer.sent
+    assert record["topic"] == "calmq.dlq"
+    assert ("calmq-error-code", b"missing_origin_topic") in record["headers"]
