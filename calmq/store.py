@@ -290,6 +290,9 @@ class Store:
         """Record a group of finished attempts in ONE transaction (group commit)."""
         if not finishes:
             return
+        # Job rows are locked in id order, like claim and heartbeat, so that concurrent
+        # group commits and heartbeats cannot deadlock.
+        finishes = sorted(finishes, key=lambda f: f.job_id)
         records = [f.record_params() for f in finishes if f.record is not None]
         async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             if records:  # before finish_attempt: its lease guard is still true then

@@ -94,9 +94,17 @@ WITH target AS (
 SELECT * FROM claimed;
 
 -- name: heartbeat
-UPDATE jobs SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
-WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
-RETURNING id;
+-- Rows are locked in id order, the order claim and finish use too: concurrent heartbeats,
+-- claims and group commits of one worker then never deadlock on each other.
+WITH held AS (
+    SELECT id FROM jobs
+    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM held WHERE j.id = held.id
+RETURNING j.id;
 
 -- name: finish_attempt
 -- Record how an attempt ended, move the job, write its history and its outbox events:
