@@ -70,15 +70,6 @@ class Settings(BaseSettings):
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
-    max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
-    idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
-    job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
-    accept_batch_max: int = Field(default=256, ge=1)
-    webhook_dispatcher: bool = True  # deliver callbacks from inside the API process
-    webhook_allow_private: bool = False  # let callback_url reach loopback/private addresses
-    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
-    webhook_max_attempts: int = Field(default=8, ge=1)
-    webhook_backoff_seconds: float = Field(default=2.0, gt=0)
 
     # Model provider used by the gateway. Empty provider_url means the fake provider.
     provider: Literal["openai", "anthropic"] = "openai"
@@ -123,6 +114,14 @@ class Settings(BaseSettings):
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
+    # Comma list of modules whose workflows() or WORKFLOWS the API and workers register,
+    # besides the built-ins and the calmq.workflows entry points (docs/how-to/write-a-workflow.md).
+    workflow_modules: str = ""
+    # How long a job waits in awaiting_review before the review timer applies the
+    # workflow's expiry outcome (a workflow may set its own).
+    review_deadline_seconds: float = Field(default=48 * 3600.0, gt=0)
+    # Where the invoice example workflow posts (POST with an Idempotency-Key header).
+    ledger_url: str = ""
 
     # Fleet-wide token budget per provider and model (docs/explanation/token-budget.md).
     # Both limits 0: no shared budget, each worker meets the provider's 429s alone.
@@ -145,14 +144,6 @@ class Settings(BaseSettings):
     # USD per million tokens by model (or provider:model), JSON:
     # {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}. Replaces the defaults when set.
     prices: dict[str, ModelPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
-    # Comma list of modules whose workflows() or WORKFLOWS the API and workers register,
-    # besides the built-ins and the calmq.workflows entry points (docs/how-to/write-a-workflow.md).
-    workflow_modules: str = ""
-    # How long a job waits in awaiting_review before the review timer applies the
-    # workflow's expiry outcome (a workflow may set its own).
-    review_deadline_seconds: float = Field(default=48 * 3600.0, gt=0)
-    # Where the invoice example workflow posts (POST with an Idempotency-Key header).
-    ledger_url: str = ""
 
     # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
