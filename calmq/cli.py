@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,7 +112,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
     stack = Stack(_data_dir(args))
     if args.action == "up":
-        services = [s.strip() for s in (args.services or ",".join(SERVICES)).split(",") if s.strip()]
+        wanted = args.services or ",".join(SERVICES)
+        services = [s.strip() for s in wanted.split(",") if s.strip()]
         state = stack.up(services, log=lambda m: print(m, flush=True))
         print(f"calmq dev stack ready in {state.ready_seconds:.1f} s under {stack.data_dir}")
         print("versions: " + ", ".join(f"{k} {v}" for k, v in state.versions.items()))
@@ -134,11 +135,11 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 print(f"{mark} {p['name']:<16} pid {p['pid'] or '-':<8} {p['address']}")
         return 0 if parts and all(p["healthy"] for p in parts) else 1
     if args.action == "env":
-        state = stack.state()
-        if state is None:
+        running = stack.state()
+        if running is None:
             print(f"no local stack under {stack.data_dir}", file=sys.stderr)
             return 1
-        for key, value in sorted(state.env.items()):
+        for key, value in sorted(running.env.items()):
             print(f"export {key}={value}")
         return 0
     raise ConfigError(f"unknown dev action {args.action}")
@@ -262,10 +263,8 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         finally:
             await store.close()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(loop())
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -278,10 +277,8 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
     }
     settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -324,7 +321,7 @@ def _http(method: str, url: str, key: str, body: dict[str, Any] | None = None) -
     import urllib.request
 
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={
+    req = urllib.request.Request(url, data=data, method=method, headers={  # noqa: S310
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - our own API

@@ -173,7 +173,9 @@ class Store:
 
     # -- intake -------------------------------------------------------------------------
 
-    async def submit(self, job: NewJob, event: dict[str, Any], route: str) -> tuple[uuid.UUID, bool]:
+    async def submit(
+        self, job: NewJob, event: dict[str, Any], route: str
+    ) -> tuple[uuid.UUID, bool]:
         """Write the job, its history and its outbox row in ONE transaction.
 
         Returns ``(job id, created)``; with an idempotency key seen before and the same
@@ -247,7 +249,9 @@ class Store:
     async def job_view(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> dict[str, Any] | None:
         """The job and its history, or None when it does not exist for this tenant."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(self._q["job_for_tenant"], {"id": job_id, "tenant_id": tenant_id})
+            cur = await conn.execute(
+                self._q["job_for_tenant"], {"id": job_id, "tenant_id": tenant_id}
+            )
             job = await cur.fetchone()
             if job is None:
                 return None

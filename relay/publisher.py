@@ -73,7 +73,7 @@ class Publisher:
             payload = {**payload, "raw_value": payload["raw_value"].encode("latin-1")}
         try:
             if not isinstance(row.headers, dict):
-                raise ContractError(  # noqa: TRY301 - one path for every rejection
+                raise ContractError(
                     f"outbox headers must be a JSON object, not {type(row.headers).__name__}",
                     code="bad_outbox_headers",
                 )

@@ -47,7 +47,7 @@ def stack() -> Iterator[StackState]:
     stack = Stack(data_dir)
     try:
         state = stack.up(log=lambda _m: None)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any start failure is reported the same way
         if _in_ci():
             pytest.fail(f"the local stack could not start in CI: {exc}", pytrace=False)
         pytest.skip(f"the local stack could not start here: {exc}")
@@ -71,7 +71,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(
             "real parts used: Kafka {kafka}, PostgreSQL {postgres}, schema registry "
             "{registry}; stack ready in {ready} s".format(
-                kafka=_VERSIONS.get("kafka"), postgres=_VERSIONS.get("postgres"),
+                kafka=_VERSIONS.get("kafka"),
+                postgres=_VERSIONS.get("postgres"),
                 registry=_VERSIONS.get("schema-registry", "none"),
                 ready=_VERSIONS.get("ready_seconds"),
             )

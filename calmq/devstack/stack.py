@@ -302,8 +302,8 @@ class Stack:
         if state is None:
             return []
         stopped = []
-        order = {"worker": 0, "forwarder": 0, "relay": 1, "api": 2, "fake-provider": 3, "schema-registry": 4,
-                 "kafka": 5, "postgres": 6}
+        order = {"worker": 0, "forwarder": 0, "relay": 1, "api": 2, "fake-provider": 3,
+                 "schema-registry": 4, "kafka": 5, "postgres": 6}
         for part in sorted(state.parts, key=lambda p: order.get(p.name, -1)):
             if part.pid is None:
                 continue

@@ -17,39 +17,77 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def tenant(stack: StackState) -> tuple[Api, str]:
     name = f"bad-{uuid.uuid4().hex[:8]}"
-    return Api(stack.env["CALMQ_API_URL"], create_tenant(stack.env["CALMQ_DATABASE_URL"], name)), name
+    return Api(
+        stack.env["CALMQ_API_URL"], create_tenant(stack.env["CALMQ_DATABASE_URL"], name)
+    ), name
 
 
 def _jobs_of(stack: StackState, name: str) -> int:
     with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
         row = conn.execute(
-            "SELECT (SELECT count(*) FROM jobs j JOIN tenants t ON t.id = j.tenant_id WHERE t.name = %s)"
+            "SELECT (SELECT count(*) FROM jobs j JOIN tenants t ON t.id = j.tenant_id"
+            "        WHERE t.name = %s)"
             " + (SELECT count(*) FROM outbox o JOIN jobs j ON j.id::text = o.aggregateid"
-            "    JOIN tenants t ON t.id = j.tenant_id WHERE t.name = %s)", (name, name)).fetchone()
+            "    JOIN tenants t ON t.id = j.tenant_id WHERE t.name = %s)",
+            (name, name),
+        ).fetchone()
     assert row is not None
     return int(row[0])
 
 
 CASES = [
     pytest.param({"raw": b"{not json"}, 400, "invalid_json", id="invalid-json"),
-    pytest.param({"raw": b'{"workflow": "summarize", "input": {"text": "x"}}',
-                  "headers": {"Content-Type": "text/plain"}}, 415, "unsupported_media_type",
-                 id="wrong-content-type"),
+    pytest.param(
+        {
+            "raw": b'{"workflow": "summarize", "input": {"text": "x"}}',
+            "headers": {"Content-Type": "text/plain"},
+        },
+        415,
+        "unsupported_media_type",
+        id="wrong-content-type",
+    ),
     pytest.param({"body": {"input": {"text": "x"}}}, 422, "invalid_body", id="missing-workflow"),
-    pytest.param({"body": {"workflow": "nope", "input": {"text": "x"}}}, 422, "unknown_workflow",
-                 id="unknown-workflow"),
-    pytest.param({"body": {"workflow": "summarize", "input": {"text": 5}}}, 422, "invalid_input",
-                 id="input-wrong-type"),
-    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"}, "priority": 3}}, 422,
-                 "invalid_body", id="priority-wrong-type"),
-    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"}, "deadline_seconds": "soon"}},
-                 422, "invalid_body", id="deadline-wrong-type"),
-    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"}, "colour": "red"}}, 422,
-                 "invalid_body", id="unknown-field"),
+    pytest.param(
+        {"body": {"workflow": "nope", "input": {"text": "x"}}},
+        422,
+        "unknown_workflow",
+        id="unknown-workflow",
+    ),
+    pytest.param(
+        {"body": {"workflow": "summarize", "input": {"text": 5}}},
+        422,
+        "invalid_input",
+        id="input-wrong-type",
+    ),
+    pytest.param(
+        {"body": {"workflow": "summarize", "input": {"text": "x"}, "priority": 3}},
+        422,
+        "invalid_body",
+        id="priority-wrong-type",
+    ),
+    pytest.param(
+        {"body": {"workflow": "summarize", "input": {"text": "x"}, "deadline_seconds": "soon"}},
+        422,
+        "invalid_body",
+        id="deadline-wrong-type",
+    ),
+    pytest.param(
+        {"body": {"workflow": "summarize", "input": {"text": "x"}, "colour": "red"}},
+        422,
+        "invalid_body",
+        id="unknown-field",
+    ),
     pytest.param({"body": {"workflow": "summarize"}}, 422, "invalid_body", id="no-input"),
-    pytest.param({"raw": json.dumps({"workflow": "summarize",
-                                     "input": {"text": "x" * (1024 * 1024 + 10)}}).encode()},
-                 413, "body_too_large", id="body-over-1MiB"),
+    pytest.param(
+        {
+            "raw": json.dumps(
+                {"workflow": "summarize", "input": {"text": "x" * (1024 * 1024 + 10)}}
+            ).encode()
+        },
+        413,
+        "body_too_large",
+        id="body-over-1MiB",
+    ),
     pytest.param({"body": ["a", "list"]}, 422, "invalid_body", id="not-an-object"),
 ]
 
@@ -61,8 +99,13 @@ def test_bad_submit_is_problem_and_writes_nothing(
     """Each kind of bad submit answers its 4xx problem+json code and writes no row."""
     api, name = tenant
     before = _jobs_of(stack, name)
-    got_status, headers, body = api.call("POST", "/v1/jobs", request_.get("body"),
-                                         raw=request_.get("raw"), headers=request_.get("headers"))
+    got_status, headers, body = api.call(
+        "POST",
+        "/v1/jobs",
+        request_.get("body"),
+        raw=request_.get("raw"),
+        headers=request_.get("headers"),
+    )
     assert got_status == status, body
     assert headers["Content-Type"].startswith("application/problem+json")
     assert body["code"] == code
@@ -71,13 +114,16 @@ def test_bad_submit_is_problem_and_writes_nothing(
 
 
 @pytest.mark.parametrize("auth", [None, "Bearer ", "Bearer cq_not-a-real-key", "Basic abc"])
-def test_missing_or_wrong_key_is_401(tenant: tuple[Api, str], stack: StackState, auth: str | None) -> None:
+def test_missing_or_wrong_key_is_401(
+    tenant: tuple[Api, str], stack: StackState, auth: str | None
+) -> None:
     """No key, an empty key, an unknown key or another scheme answer 401 and write nothing."""
     api, name = tenant
     before = _jobs_of(stack, name)
     headers = {"Authorization": auth} if auth is not None else {"Authorization": ""}
-    status, hdrs, body = api.call("POST", "/v1/jobs", {"workflow": "summarize", "input": {"text": "x"}},
-                                  headers=headers)
+    status, hdrs, body = api.call(
+        "POST", "/v1/jobs", {"workflow": "summarize", "input": {"text": "x"}}, headers=headers
+    )
     assert status == 401
     assert hdrs["Content-Type"].startswith("application/problem+json")
     assert body["code"] in ("missing_api_key", "invalid_api_key")

@@ -25,13 +25,16 @@ def api(stack: StackState) -> Api:
 def _terminal(api: Api, job_id: str) -> dict:
     return wait_for(
         lambda: (j := api.job(job_id))["status"] in ("completed", "dead_letter", "cancelled") and j,
-        timeout=60, what=f"job {job_id} to finish",
+        timeout=60,
+        what=f"job {job_id} to finish",
     )
 
 
 def test_submitted_job_completes_with_artifact_through_kafka(api: Api, stack: StackState) -> None:
     """A summarize job submitted over HTTP ends completed, with its artifact, via real topics."""
-    job_id = api.submit({"text": "Kafka and PostgreSQL carry this job end to end.", "mode": "success"})
+    job_id = api.submit(
+        {"text": "Kafka and PostgreSQL carry this job end to end.", "mode": "success"}
+    )
     job = _terminal(api, job_id)
     assert job["status"] == "completed"
     assert job["attempt"] == 1
@@ -44,12 +47,18 @@ def test_submitted_job_completes_with_artifact_through_kafka(api: Api, stack: St
 
     # The result event is on calmq.results in Avro, keyed by the job id.
     codec = make_codec(stack.env["CALMQ_SCHEMA_REGISTRY_URL"])
-    consumer = Consumer({"bootstrap.servers": stack.env["CALMQ_KAFKA_BOOTSTRAP"],
-                         "group.id": f"test-{uuid.uuid4()}", "auto.offset.reset": "earliest"})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": stack.env["CALMQ_KAFKA_BOOTSTRAP"],
+            "group.id": f"test-{uuid.uuid4()}",
+            "auto.offset.reset": "earliest",
+        }
+    )
     try:
         meta = consumer.list_topics("calmq.results", timeout=10)
-        consumer.assign([TopicPartition("calmq.results", p, 0)
-                         for p in meta.topics["calmq.results"].partitions])
+        consumer.assign(
+            [TopicPartition("calmq.results", p, 0) for p in meta.topics["calmq.results"].partitions]
+        )
         found: dict = {}
 
         def result_seen() -> bool:
@@ -85,8 +94,18 @@ def test_status_shape_is_stable_while_queued(api: Api) -> None:
     Fields beyond the contract (usage: tokens and cost) may be added; none may go missing.
     """
     job = api.job(api.submit({"text": "shape", "mode": "success"}))
-    assert {"job_id", "workflow", "status", "attempt", "step", "artifact", "error",
-            "created_at", "updated_at", "events"} <= set(job)
+    assert {
+        "job_id",
+        "workflow",
+        "status",
+        "attempt",
+        "step",
+        "artifact",
+        "error",
+        "created_at",
+        "updated_at",
+        "events",
+    } <= set(job)
     assert set(job["events"][0]) == {"type", "at", "attempt", "detail"}
 
 
@@ -101,17 +120,27 @@ def test_same_idempotency_key_same_body_answers_same_job(api: Api, stack: StackS
     with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
         rows = conn.execute(
             "SELECT count(*) FROM jobs j JOIN idempotency_keys k ON k.job_id = j.id "
-            "WHERE k.key = %s", (key,)).fetchone()
+            "WHERE k.key = %s",
+            (key,),
+        ).fetchone()
     assert rows == (1,)
 
 
 def test_same_idempotency_key_different_body_is_409(api: Api) -> None:
     """Reusing an Idempotency-Key with another body answers 409 problem+json."""
     key = f"idem-{uuid.uuid4()}"
-    ok = api.call("POST", "/v1/jobs", {"workflow": "summarize", "input": {"text": "a"}},
-                  headers={"Idempotency-Key": key})
-    clash = api.call("POST", "/v1/jobs", {"workflow": "summarize", "input": {"text": "b"}},
-                     headers={"Idempotency-Key": key})
+    ok = api.call(
+        "POST",
+        "/v1/jobs",
+        {"workflow": "summarize", "input": {"text": "a"}},
+        headers={"Idempotency-Key": key},
+    )
+    clash = api.call(
+        "POST",
+        "/v1/jobs",
+        {"workflow": "summarize", "input": {"text": "b"}},
+        headers={"Idempotency-Key": key},
+    )
     assert ok[0] == 202
     assert clash[0] == 409
     assert clash[1]["Content-Type"].startswith("application/problem+json")
@@ -121,7 +150,9 @@ def test_same_idempotency_key_different_body_is_409(api: Api) -> None:
 def test_other_tenant_gets_404(api: Api, stack: StackState) -> None:
     """A second tenant asking for the first tenant's job gets 404, not 403."""
     job_id = api.submit({"text": "mine"})
-    other = Api(api.base_url, create_tenant(stack.env["CALMQ_DATABASE_URL"], f"o-{uuid.uuid4().hex[:8]}"))
+    other = Api(
+        api.base_url, create_tenant(stack.env["CALMQ_DATABASE_URL"], f"o-{uuid.uuid4().hex[:8]}")
+    )
     status, headers, body = other.call("GET", f"/v1/jobs/{job_id}")
     assert status == 404
     assert headers["Content-Type"].startswith("application/problem+json")

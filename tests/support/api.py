@@ -42,7 +42,9 @@ class Api:
             return exc.code, dict(exc.headers), parsed
 
     def submit(self, input_: dict[str, Any], **fields: Any) -> str:
-        status, _h, body = self.call("POST", "/v1/jobs", {"workflow": "summarize", "input": input_, **fields})
+        status, _h, body = self.call(
+            "POST", "/v1/jobs", {"workflow": "summarize", "input": input_, **fields}
+        )
         assert status == 202, body
         return str(body["job_id"])
 

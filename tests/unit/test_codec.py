@@ -13,10 +13,19 @@ from calmq.errors import ContractError
 
 def _requested() -> dict:
     return {
-        "event_id": str(uuid.uuid4()), "job_id": str(uuid.uuid4()), "tenant_id": str(uuid.uuid4()),
-        "workflow": "summarize", "workflow_version": 1, "step": "summarize", "attempt": 0,
-        "priority": "bulk", "pool": "default", "input_ref": None, "deadline_at": None,
-        "created_at": int(time.time() * 1000), "trace_parent": None,
+        "event_id": str(uuid.uuid4()),
+        "job_id": str(uuid.uuid4()),
+        "tenant_id": str(uuid.uuid4()),
+        "workflow": "summarize",
+        "workflow_version": 1,
+        "step": "summarize",
+        "attempt": 0,
+        "priority": "bulk",
+        "pool": "default",
+        "input_ref": None,
+        "deadline_at": None,
+        "created_at": int(time.time() * 1000),
+        "trace_parent": None,
     }
 
 
@@ -50,7 +59,9 @@ def test_record_that_does_not_fit_is_schema_mismatch() -> None:
     assert info.value.code == "schema_mismatch"
 
 
-@pytest.mark.parametrize("data", [b"", b"\xc3\x01short", b"garbage bytes here", b"\xc3\x01" + b"\x00" * 12])
+@pytest.mark.parametrize(
+    "data", [b"", b"\xc3\x01short", b"garbage bytes here", b"\xc3\x01" + b"\x00" * 12]
+)
 def test_undecodable_bytes_are_contract_errors(data: bytes) -> None:
     """Bytes that are not a known schema's encoding raise ContractError, never crash."""
     with pytest.raises(ContractError) as info:
@@ -60,5 +71,5 @@ def test_undecodable_bytes_are_contract_errors(data: bytes) -> None:
 
 def test_unknown_event_type_is_named() -> None:
     """Encoding an event type with no schema names the known ones."""
-    with pytest.raises(ContractError, match="job.requested"):
+    with pytest.raises(ContractError, match=r"job\.requested"):
         SingleObjectCodec().encode("job.unknown", {})

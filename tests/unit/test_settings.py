@@ -52,7 +52,9 @@ def test_priorities_and_tiers_are_checked() -> None:
     assert s.retry_tier_list == [("1s", 1.0), ("10s", 10.0)]
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("250ms", 0.25), ("5s", 5), ("2m", 120), ("1h", 3600), ("7", 7)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("250ms", 0.25), ("5s", 5), ("2m", 120), ("1h", 3600), ("7", 7)]
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     """Durations read with ms, s, m, h suffixes or as plain seconds."""
     assert parse_duration(text) == seconds
