@@ -94,12 +94,10 @@ _FLAG_ONLY = {"DATA_DIR", "JSON", "SERVICES", "SIZE", "METRICS_PORT", "PORT", "W
               "RATE", "DRY_RUN", "OUTPUT_DIR"}
 
 
-def _logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format='{"at": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
-               '"message": "%(message)s"}',
-    )
+def _logging(level: str = "INFO", redact: str = "*") -> None:
+    from calmq.logs import configure
+
+    configure(level, redact)  # one JSON object per line (docs/how-to/observability.md)
     # One line per schema-registry HTTP call is noise at INFO.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -154,7 +152,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from producers.api import build_app
 
     settings = _settings(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_redact_fields)
 
     async def make() -> web.Application:
         store = Store(settings.database_url, max_size=16)
@@ -183,7 +181,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from relay import Publisher, drop_slot, make_relay
 
     settings = _settings(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_redact_fields)
     if args.drop_slot:
         dropped = drop_slot(settings.database_url, settings.relay_slot)
         print(f"dropped replication slot {settings.relay_slot}" if dropped
@@ -204,7 +202,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from processors import Worker
 
     settings = _settings(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port)
     asyncio.run(Worker(settings).run())
     return 0
@@ -221,7 +219,7 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from processors.forwarder import Forwarder
 
     settings = _settings(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -239,7 +237,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
     from calmq.store import Store
 
     settings = _settings(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_redact_fields)
 
     async def loop() -> None:
         from calmq.objects import open_object_store

@@ -8,6 +8,7 @@ fake provider) and Anthropic Messages. One aiohttp session per provider, reused.
 from __future__ import annotations
 
 import json
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -21,12 +22,14 @@ __all__ = [
     "CallScope",
     "Embedder",
     "EmbeddingReply",
+    "ModelClock",
     "ModelReply",
     "OpenAIProvider",
     "Provider",
     "classify_status",
     "current_scope",
     "enter_scope",
+    "model_clock",
     "open_provider",
 ]
 
@@ -59,6 +62,24 @@ def enter_scope(scope: CallScope) -> None:
 
 def current_scope() -> CallScope:
     return _SCOPE.get() or CallScope()
+
+
+class ModelClock:
+    """Seconds spent waiting for the provider's answers in one attempt (calls summed)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+_CLOCK: ContextVar[ModelClock | None] = ContextVar("calmq_model_clock", default=None)
+
+
+def model_clock() -> ModelClock:
+    """Start timing the current task's model calls (the runner does, once per attempt):
+    model time against the rest of an attempt is what the metrics split."""
+    clock = ModelClock()
+    _CLOCK.set(clock)
+    return clock
 
 
 @dataclass(frozen=True)
@@ -163,6 +184,13 @@ class _HttpProvider:
             await self._session.close()
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        from calmq.tracing import current_traceparent
+
+        traceparent = current_traceparent()
+        if traceparent:  # the job's trace goes on to the provider (W3C trace context)
+            headers = {**headers, "traceparent": traceparent}
+        started = time.monotonic()
+        clock = _CLOCK.get()
         try:
             url = self.base_url + path
             async with self.session().post(url, json=body, headers=headers) as resp:
@@ -177,6 +205,9 @@ class _HttpProvider:
         except TimeoutError as exc:
             raise StepFailure("provider timed out", code="timeout",
                               failure_class=FailureClass.TRANSIENT) from exc
+        finally:
+            if clock is not None:
+                clock.seconds += time.monotonic() - started
         try:
             return json.loads(text)
         except ValueError as exc:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cache
 from typing import Any, Literal
 
 import psycopg
+from prometheus_client import Histogram
 from psycopg.types.json import Jsonb
 
 from calmq import events, sql, topics
@@ -29,6 +31,15 @@ from calmq.workflows import Workflow
 from calmq.workflows.progress import artifact_key, traceparent
 
 __all__ = ["TIMER_REVIEWER", "Decision", "ReviewDesk"]
+
+
+@cache
+def _review_wait() -> Histogram:
+    # Created on first use (API: decisions; worker: the review timer); outcome is bounded.
+    return Histogram("calmq_review_wait_seconds",
+                     "Time a job waited in awaiting_review before its decision",
+                     ["outcome"], buckets=(1, 10, 60, 300, 900, 3600, 4 * 3600, 12 * 3600,
+                                           24 * 3600, 48 * 3600, 7 * 24 * 3600))
 
 # The reviewer named in the history when the deadline, not a person, decided.
 TIMER_REVIEWER = "calmq:review-timer"
@@ -120,6 +131,10 @@ class ReviewDesk:
         workflow = self.workflows.get(job["workflow"])
         detail: dict[str, Any] = {"decision": decision.decision, "reviewer": decision.reviewer,
                                   "step": job["step"]}
+        if job.get("updated_at") is not None:  # entered awaiting_review then
+            waited = (datetime.now(UTC) - job["updated_at"]).total_seconds()
+            outcome = "expired" if expired else decision.decision
+            _review_wait().labels(outcome).observe(max(0.0, waited))
         if expired:
             detail["expired"] = True
         if decision.decision == "reject" or workflow is None:
@@ -205,7 +220,9 @@ class ReviewDesk:
         await conn.execute(self._q["insert_outbox"],
                            {"id": payload["event_id"], "route": route,
                             "aggregateid": str(job["id"]), "type": type_,
-                            "payload": Jsonb(payload), "headers": Jsonb(headers or {})})
+                            "payload": Jsonb(payload),
+                            # every event of the job carries the request's trace
+                            "headers": Jsonb(headers or traceparent(job))})
 
 
 def _json(value: dict[str, Any]) -> bytes:

@@ -157,6 +157,12 @@ class Settings(BaseSettings):
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Observability (docs/how-to/observability.md): input fields logs may not show ("*" all,
+    # "" none, or a comma list), and how often the gauges read from PostgreSQL and Kafka are
+    # sampled (0 turns a sampler off).
+    log_redact_fields: str = "*"
+    queue_age_interval_seconds: float = Field(default=5.0, ge=0)
+    consumer_lag_interval_seconds: float = Field(default=5.0, ge=0)
 
     @field_validator("prices", mode="before")
     @classmethod

@@ -364,6 +364,9 @@ class Store:
             await conn.execute(
                 self._q["insert_outbox"],
                 {"id": ev["event_id"], "route": topics.RESULTS_ROUTE, "aggregateid": str(job_id),
-                 "type": "job.result", "payload": Jsonb(ev), "headers": Jsonb({})},
+                 "type": "job.result", "payload": Jsonb(ev),
+                 # the request's trace goes on with every event of the job
+                 "headers": Jsonb({"traceparent": row["trace_parent"]}
+                                  if row.get("trace_parent") else {})},
             )
         return True

@@ -35,8 +35,10 @@ class ParallelConsumer:
         batch_size: int = 500,
         interactive_reserve: int | None = None,
         settling: Callable[[], int] | None = None,
+        lag_interval: float = 5.0,
     ) -> None:
         self.config = config
+        self.lag_interval = lag_interval
         # Messages whose attempt ended and whose outcome is being written: they hold no
         # model call any more, so they do not count against the bound (up to another
         # bound's worth), or a slow group commit would leave call slots idle.
@@ -101,6 +103,30 @@ class ParallelConsumer:
             # Not fatal: the same prefix (or a longer one) is committed next interval.
             log.warning("offset commit failed: %s", exc)
 
+    def _sample_lag(self, consumer: Consumer) -> None:
+        """Consumer lag per topic: high watermark minus the group's committed offset.
+
+        Two broker round trips per assigned partition, every ``lag_interval`` seconds, on
+        this thread (the only one that may use the consumer). A partition never committed
+        counts from its low watermark.
+        """
+        assigned = [TopicPartition(t, p) for t, p in sorted(self._assigned)]
+        if not assigned:
+            return
+        lag: dict[str, int] = dict.fromkeys(self.topics, 0)
+        try:
+            committed = consumer.committed(assigned, timeout=2)
+            for tp in committed:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=2, cached=False)
+                start = tp.offset if tp.offset >= 0 else low
+                lag[tp.topic] = lag.get(tp.topic, 0) + max(0, high - start)
+        except KafkaException as exc:
+            log.warning("sampling consumer lag failed: %s", exc)
+            return
+        for topic, value in lag.items():
+            metrics.CONSUMER_LAG.labels(topic).set(value)
+
     def _room(self) -> tuple[int, int]:
         """Free slots for (bulk, interactive): interactive may also use the reserve."""
         pending = self.tracker.in_flight()
@@ -142,7 +168,7 @@ class ParallelConsumer:
             self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
             on_lost=self._on_lost,
         )
-        last_commit = time.monotonic()
+        last_commit = last_lag = time.monotonic()
         try:
             while not stop.is_set():
                 room = self._backpressure(consumer)
@@ -164,6 +190,9 @@ class ParallelConsumer:
                 if now - last_commit >= self.commit_interval:
                     self._commit(consumer)
                     last_commit = now
+                if self.lag_interval > 0 and now - last_lag >= self.lag_interval:
+                    self._sample_lag(consumer)
+                    last_lag = now
             # Graceful stop: fetch nothing new, keep the membership alive while work drains.
             consumer.pause([TopicPartition(t, p) for t, p in self._assigned])
             self._paused_kinds = {"bulk", "interactive"}

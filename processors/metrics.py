@@ -11,13 +11,21 @@ __all__ = [
     "CLAIM_SECONDS",
     "COMMIT_LAG",
     "COMMIT_LAG_LAST",
+    "CONSUMER_LAG",
+    "DEAD_LETTERS",
     "FORWARDED",
     "FORWARDER_HELD",
     "GROUP_SIZE",
     "GROUP_WRITE_SECONDS",
     "IN_FLIGHT",
+    "JOB_ATTEMPTS",
+    "JOB_LATENCY",
+    "LEASE_EXPIRATIONS",
+    "MODEL_SECONDS",
+    "OTHER_SECONDS",
     "POISON",
     "RETRIES",
+    "RETRY_DELAY",
     "SATURATION",
     "SKIPPED",
     "STEP_SECONDS",
@@ -49,6 +57,29 @@ GROUP_SIZE = Histogram("calmq_group_commit_size", "Outcomes per group commit",
                        buckets=(1, 5, 20, 50, 100, 200, 500, 1000))
 CLAIM_SECONDS = Histogram("calmq_claim_seconds", "Time to claim one polled batch",
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+# Accept (job row created) to completed, observed when the worker hands the completion to
+# the group commit (a few ms before it is durable). Slow AI jobs: buckets up to an hour.
+_LONG = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+JOB_LATENCY = Histogram("calmq_job_latency_seconds", "Accept to completion of completed jobs",
+                        ["workflow"], buckets=_LONG)
+JOB_ATTEMPTS = Histogram("calmq_job_attempts", "Attempts the completing step of a job took",
+                         ["workflow"], buckets=(1, 2, 3, 4, 5, 7, 10, 20))
+_ATTEMPT = (0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+MODEL_SECONDS = Histogram("calmq_attempt_model_seconds",
+                          "Time an attempt waited for the model provider's answers",
+                          ["workflow"], buckets=_ATTEMPT)
+OTHER_SECONDS = Histogram("calmq_attempt_other_seconds",
+                          "Time of an attempt not spent in model calls (budget wait, I/O, code)",
+                          ["workflow"], buckets=_ATTEMPT)
+RETRY_DELAY = Histogram("calmq_retry_delay_seconds", "Delay chosen for each scheduled retry",
+                        ["failure_class"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600))
+DEAD_LETTERS = Counter("calmq_dead_letters_total", "Jobs dead-lettered by a worker",
+                       ["failure_class"])
+LEASE_EXPIRATIONS = Counter("calmq_lease_expirations_total",
+                            "Jobs requeued by the reaper because their worker's lease expired")
+CONSUMER_LAG = Gauge("calmq_consumer_lag_messages",
+                     "High watermark minus committed offset, summed over assigned partitions",
+                     ["topic"])
 FORWARDED = Counter("calmq_forwarder_republished_total",
                     "Retry messages republished to their origin topic")
 FORWARDER_HELD = Gauge("calmq_forwarder_held_partitions",

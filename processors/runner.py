@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 
 from confluent_kafka import Message
 
-from calmq import events, topics
+from calmq import events, logs, topics, tracing
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.gateway import Provider, enter_scope
+from calmq.gateway import Provider, enter_scope, model_clock
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
 from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.effects import StoreEffectLog
-from calmq.workflows.progress import Progress
+from calmq.workflows.progress import Progress, traceparent
 from processors import metrics
 from processors.offsets import OffsetTracker, Position, position_of
 from processors.poison import Poison, PoisonSink
@@ -243,8 +243,17 @@ class StepRunner:
                 delay = min(delay * 2, 5.0)
 
     async def _run(self, job: dict[str, Any], topic: str, position: Position) -> None:
+        # This task's context: every record logged while the attempt runs (runner, gateway,
+        # budget) names the job, attempt and trace; the model clock times its model calls.
+        logs.bind(job_id=str(job["id"]), attempt=job["attempt"], step=job["step"],
+                  trace_id=logs.trace_id(job.get("trace_parent")))
+        clock = model_clock()
+        started = time.monotonic()
         try:
-            finish = await self._attempt(job, topic)
+            with tracing.span("calmq.attempt", job.get("trace_parent"),
+                              **{"calmq.job_id": str(job["id"]), "calmq.attempt": job["attempt"],
+                                 "calmq.step": str(job["step"])}):
+                finish = await self._attempt(job, topic)
         except asyncio.CancelledError:
             if not self._abandoning:
                 # The lease was lost (cancelled job, or a reaper requeued it): discard the
@@ -254,7 +263,24 @@ class StepRunner:
             return
         finally:
             self._running.pop(job["id"], None)
+        self._observe(job, finish, time.monotonic() - started, clock.seconds)
         self.committer.add(finish, position)
+
+    @staticmethod
+    def _observe(job: dict[str, Any], finish: Finish, seconds: float, model: float) -> None:
+        workflow = str(job["workflow"])
+        metrics.MODEL_SECONDS.labels(workflow).observe(model)
+        metrics.OTHER_SECONDS.labels(workflow).observe(max(0.0, seconds - model))
+        if finish.status == Status.COMPLETED:
+            created = job.get("created_at")
+            if created is not None:
+                latency = (datetime.now(UTC) - created).total_seconds()
+                metrics.JOB_LATENCY.labels(workflow).observe(max(0.0, latency))
+            metrics.JOB_ATTEMPTS.labels(workflow).observe(job["attempt"])
+        log.info("attempt finished: %s", finish.status, extra={
+            "status": str(finish.status), "seconds": round(seconds, 4),
+            "model_seconds": round(model, 4),
+            "error_code": (finish.error or {}).get("code")})
 
     async def _attempt(self, job: dict[str, Any], topic: str) -> Finish:
         started = time.monotonic()
@@ -277,6 +303,8 @@ class StepRunner:
                 data = self.progress.step_input(workflow, step, recorded)
                 if data is None:
                     data = await self._input(job)
+                if log.isEnabledFor(logging.DEBUG):  # the formatter redacts "input" fields
+                    log.debug("step %s starts", step.name, extra={"input": data})
                 ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name,
                                   job["attempt"], self.provider, self.objects, self.effects,
                                   priority=job["priority"], workflow=job["workflow"])
@@ -354,6 +382,7 @@ class StepRunner:
             if job.get("trace_parent"):
                 headers["traceparent"] = job["trace_parent"]
             metrics.RETRIES.labels(failure.failure_class.value, decision.tier).inc()
+            metrics.RETRY_DELAY.labels(failure.failure_class.value).observe(decision.delay)
             return self._base(
                 job, status=Status.RETRYING, event_type=EventType.RETRY_SCHEDULED,
                 outcome="failed", error=error,
@@ -364,11 +393,14 @@ class StepRunner:
             )
         result = events.result(job, Status.DEAD_LETTER, error=error)
         dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED, source_topic=topic)
+        metrics.DEAD_LETTERS.labels(failure.failure_class.value).inc()
         return self._base(
             job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED, outcome="failed",
             error=error, event_detail=error,
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result),
-                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead)],
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
+                                        traceparent(job)),
+                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead,
+                                        traceparent(job))],
         )
 
     async def abandon(self) -> int:

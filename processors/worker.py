@@ -58,6 +58,7 @@ class Worker:
             max_in_flight=s.concurrency,
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: runner.committer.pending,
+            lag_interval=s.consumer_lag_interval_seconds,
         )
         codec = make_codec(s.schema_registry_url)
         runner = StepRunner(
@@ -127,6 +128,7 @@ class Worker:
                 await runner.heartbeat()
                 reaped = await store.reap_expired_leases()
                 if reaped:
+                    metrics.LEASE_EXPIRATIONS.inc(len(reaped))
                     log.info("requeued %d jobs whose lease expired", len(reaped))
                 # The review timer: reviews past their deadline get the workflow's outcome.
                 expired = await ReviewDesk(store, self.workflows, runner.objects).expire()

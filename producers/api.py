@@ -37,6 +37,7 @@ from calmq.reviews import Decision, ReviewDesk
 from calmq.settings import Settings
 from calmq.store import Store, Tenant
 from calmq.workflows import Workflow, find_workflow, load_workflows
+from producers.backlog import QueueAge
 from producers.intake import GroupCommit, insert_params, prepare
 from producers.notifications import KEYS, WEBHOOKS, Hub
 from producers.problems import problem
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 ACCEPTED = Counter("calmq_jobs_accepted_total", "Jobs accepted by the API",
                    ["workflow", "priority"])
 REJECTED = Counter("calmq_requests_rejected_total", "Requests rejected", ["code"])
+CANCELLED = Counter("calmq_jobs_cancelled_total", "Jobs cancelled through the API")
 ACCEPT_SECONDS = Histogram("calmq_accept_seconds", "Time to accept a job",
                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1))
 
@@ -501,6 +503,7 @@ async def cancel_job(request: web.Request) -> web.Response:
             raise NotFound("no such job")
         raise ContractError(f"the job is {job['status']} already", code="job_terminal",
                             status=409)
+    CANCELLED.inc()
     job = await store.job_view(tenant.id, job_id)
     assert job is not None
     return web.json_response(job_view(job))
@@ -708,6 +711,7 @@ def build_app(
     hub.on(KEYS, app[_AUTH_CACHE].clear)  # a revoked key stops working at once
     dispatcher = Dispatcher(settings, store, job_view)
     sweeper = Sweeper(settings, store, app[_OBJECTS])
+    queue_age = QueueAge(store, settings.queue_age_interval_seconds)
 
     async def start_background(_app: web.Application) -> None:
         if not background:
@@ -717,9 +721,10 @@ def build_app(
             hub.on(WEBHOOKS, dispatcher.wake)
             dispatcher.start()
         sweeper.start()
+        queue_age.start()
 
     async def stop_background(_app: web.Application) -> None:
-        for part in (sweeper, dispatcher, hub):
+        for part in (queue_age, sweeper, dispatcher, hub):
             with contextlib.suppress(Exception):
                 await part.stop()
         await store.close()

@@ -201,7 +201,7 @@ WITH cancelled AS (
                     updated_at = now()
     WHERE id = %(id)s AND tenant_id = %(tenant_id)s
       AND status NOT IN ('completed', 'dead_letter', 'cancelled')
-    RETURNING id, tenant_id, workflow, step, attempt
+    RETURNING id, tenant_id, workflow, step, attempt, trace_parent
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'cancelled', attempt, '{}'::jsonb FROM cancelled

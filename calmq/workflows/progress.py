@@ -121,7 +121,8 @@ class Progress:
             **base, status=Status.COMPLETED, event_type=EventType.COMPLETED, artifact=artifact,
             event_detail={"artifact": artifact["uri"], **tokens},
             record=record if len(workflow.steps) > 1 else None,
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result)],
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
+                                        traceparent(job))],
         )
 
     async def write_artifact(self, job: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,75 @@
+"""Queue age: how long the oldest waiting job of each pool and priority has waited.
+
+Sampled from PostgreSQL by the API, not by workers: the API runs whether or not a pool has
+workers, and a pool whose workers are all down is exactly when its queue age must keep
+rising. One cheap indexed query (calmq/sql/observability.sql) every
+``CALMQ_QUEUE_AGE_INTERVAL_SECONDS``; every API replica reports the same values, so
+dashboards take ``max`` over instances. A pair that had waiting jobs and has none now reads 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from functools import cache
+
+from prometheus_client import Gauge
+
+from calmq import sql
+from calmq.store import Store
+
+__all__ = ["QueueAge", "queue_age_gauge"]
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def queue_age_gauge() -> Gauge:
+    # Labels: pools (a handful, from the workflows) and the two priorities.
+    return Gauge("calmq_queue_age_seconds",
+                 "Age of the oldest queued or retrying job, by pool and priority",
+                 ["pool", "priority"])
+
+
+class QueueAge:
+    def __init__(self, store: Store, interval: float) -> None:
+        self._store = store
+        self._interval = interval
+        self._seen: set[tuple[str, str]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        queue_age_gauge()  # present on /metrics from the start, even with nothing waiting
+        if self._interval > 0:
+            self._task = asyncio.create_task(self._run(), name="queue-age")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def sample(self) -> dict[tuple[str, str], float]:
+        """Read the ages once and set the gauge; returns them."""
+        async with self._store.pool.connection() as conn:
+            cur = await conn.execute(sql.queries()["obs_queue_age"])
+            rows = await cur.fetchall()
+        ages = {(str(r["pool"]), str(r["priority"])): float(r["age_seconds"]) for r in rows}
+        gauge = queue_age_gauge()
+        for pair in self._seen - ages.keys():
+            gauge.labels(*pair).set(0)
+        for pair, age in ages.items():
+            gauge.labels(*pair).set(age)
+        self._seen |= ages.keys()
+        return ages
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sampling the queue age failed; trying again next interval")
+            await asyncio.sleep(self._interval)  # the sampling period, not a synchronisation
