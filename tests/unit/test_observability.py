@@ -1,4 +1,4 @@
-"""Structured JSON logs, their job context and redaction; the trace context without OpenTelemetry."""
+"""JSON logs, their job context and redaction; the trace context without OpenTelemetry."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def test_a_message_with_quotes_is_one_valid_json_line() -> None:
     assert "\n" not in line
     out = json.loads(line)
     assert out["message"] == 'he said "x"y"\\\nbye'
-    assert out["level"] == "INFO" and out["logger"] == "calmq.test"
+    assert out["level"] == "INFO"
+    assert out["logger"] == "calmq.test"
 
 
 def test_bound_job_context_is_on_records_of_that_task_only() -> None:
@@ -39,7 +40,7 @@ def test_bound_job_context_is_on_records_of_that_task_only() -> None:
         result: dict[str, object] = json.loads(formatter.format(_record("attempt finished")))
         return result
 
-    async def both() -> list[dict[str, object]]:
+    async def both() -> tuple[dict[str, object], dict[str, object]]:
         return await asyncio.gather(attempt("a"), attempt("b"))
 
     first, second = asyncio.run(both())
