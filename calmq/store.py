@@ -22,7 +22,15 @@ from psycopg_pool import AsyncConnectionPool
 from calmq import sql, topics
 from calmq.errors import ContractError, InfrastructureError
 
-__all__ = ["Finish", "NewJob", "Store", "Tenant", "hash_api_key", "new_api_key"]
+__all__ = [
+    "Finish",
+    "NewJob",
+    "Store",
+    "Tenant",
+    "hash_api_key",
+    "insert_job_params",
+    "new_api_key",
+]
 
 _API_KEY_PREFIX = "cq_"
 
@@ -61,6 +69,30 @@ class NewJob:
     trace_parent: str | None
     idempotency_key: str | None = None
     request_hash: bytes | None = None
+
+
+def insert_job_params(job: NewJob, event: dict[str, Any], route: str) -> dict[str, Any]:
+    """Parameters of the ``insert_job`` query: job row, queued event and outbox row."""
+    return {
+        "id": job.id,
+        "tenant_id": job.tenant_id,
+        "workflow": job.workflow,
+        "workflow_version": job.workflow_version,
+        "priority": job.priority,
+        "pool": job.pool,
+        "step": job.step,
+        "max_attempts": job.max_attempts,
+        "input": Jsonb(job.input) if job.input is not None else None,
+        "input_ref": job.input_ref,
+        "metadata": Jsonb(job.metadata),
+        "callback_url": job.callback_url,
+        "deadline_at": job.deadline_at,
+        "trace_parent": job.trace_parent,
+        "event_id": event["event_id"],
+        "route": route,
+        "payload": Jsonb(event),
+        "headers": Jsonb({"traceparent": job.trace_parent} if job.trace_parent else {}),
+    }
 
 
 @dataclass
@@ -182,26 +214,7 @@ class Store:
         request, the earlier job's id and ``False``. A different request under the same key
         raises ContractError 409.
         """
-        params = {
-            "id": job.id,
-            "tenant_id": job.tenant_id,
-            "workflow": job.workflow,
-            "workflow_version": job.workflow_version,
-            "priority": job.priority,
-            "pool": job.pool,
-            "step": job.step,
-            "max_attempts": job.max_attempts,
-            "input": Jsonb(job.input) if job.input is not None else None,
-            "input_ref": job.input_ref,
-            "metadata": Jsonb(job.metadata),
-            "callback_url": job.callback_url,
-            "deadline_at": job.deadline_at,
-            "trace_parent": job.trace_parent,
-            "event_id": event["event_id"],
-            "route": route,
-            "payload": Jsonb(event),
-            "headers": Jsonb({"traceparent": job.trace_parent} if job.trace_parent else {}),
-        }
+        params = insert_job_params(job, event, route)
         async with self.pool.connection() as conn:
             for _ in range(3):
                 if job.idempotency_key is not None:

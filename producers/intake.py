@@ -28,7 +28,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from calmq import events, sql, topics
 from calmq.errors import InfrastructureError
-from calmq.store import NewJob
+from calmq.store import NewJob, insert_job_params
 from calmq.workflows import Workflow
 
 __all__ = ["GroupCommit", "Prepared", "insert_params", "prepare"]
@@ -87,28 +87,8 @@ def prepare(
     return job, event, topics.work_route(job.pool, job.priority)
 
 
-def insert_params(job: NewJob, event: dict[str, Any], route: str) -> dict[str, Any]:
-    """Parameters of the ``insert_job`` query (job row + queued event + outbox row)."""
-    return {
-        "id": job.id,
-        "tenant_id": job.tenant_id,
-        "workflow": job.workflow,
-        "workflow_version": job.workflow_version,
-        "priority": job.priority,
-        "pool": job.pool,
-        "step": job.step,
-        "max_attempts": job.max_attempts,
-        "input": Jsonb(job.input) if job.input is not None else None,
-        "input_ref": job.input_ref,
-        "metadata": Jsonb(job.metadata),
-        "callback_url": job.callback_url,
-        "deadline_at": job.deadline_at,
-        "trace_parent": job.trace_parent,
-        "event_id": event["event_id"],
-        "route": route,
-        "payload": Jsonb(event),
-        "headers": Jsonb({"traceparent": job.trace_parent} if job.trace_parent else {}),
-    }
+# The same parameters serve the API's group commit, enqueue() and Store.submit.
+insert_params = insert_job_params
 
 
 def request_hash(raw: bytes) -> bytes:
