@@ -20,11 +20,9 @@ from tests.conftest import wait_for
 from tests.support.workers import (
     BASE,
     TERMINAL,
-    TIERS,
     Env,
-    Procs,
-    create_pool_topics,
     fake_stats,
+    forwarded_env,
     history,
     job_rows,
     metric,
@@ -35,13 +33,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    procs = Procs(stack.env, tmp_path_factory.mktemp("engine-logs"))
-    create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], "unused", TIERS.split(","))
-    procs.forwarder(retry_tiers=TIERS)
-    try:
-        yield Env(stack, procs)
-    finally:
-        procs.stop_all()
+    yield from forwarded_env(stack, tmp_path_factory.mktemp("engine-logs"))
 
 
 @pytest.fixture(scope="module")

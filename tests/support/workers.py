@@ -18,7 +18,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,17 @@ class Procs:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+def forwarded_env(stack: StackState, logs: Path) -> Iterator[Env]:
+    """Test pools with a forwarder for the quick retry tiers; stops every process after."""
+    procs = Procs(stack.env, logs)
+    create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], "unused", TIERS.split(","))
+    procs.forwarder(retry_tiers=TIERS)
+    try:
+        yield Env(stack, procs)
+    finally:
+        procs.stop_all()
 
 
 def metric(port: int, name: str) -> float | None:
