@@ -35,7 +35,8 @@ from bench.skip_locked import QUERIES as SKIP_LOCKED
 __all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
 
 PY = sys.executable
-DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 800}
+# budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
+DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 1500}
 ACCEPT_CONCURRENCY = 32
 E2E_CONCURRENCY = 64
 DISPATCH_RATE = 500.0
@@ -200,6 +201,8 @@ def _ratio(a: float, b: float) -> float:
 def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     with Rig(log=log) as rig:
         api = rig.calmq("api")
+        # Accepts are measured with the relay draining the outbox, as in production.
+        rig.calmq("relay")
         _tenant, key = rig.tenant(f"bench-accept-{uuid.uuid4().hex[:6]}")
         auth = {"Authorization": f"Bearer {key}"}
         url = f"{api.url}/v1/jobs"
@@ -574,7 +577,8 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
 # -- budget -----------------------------------------------------------------------------------
 
 BUDGET_TPM = 60_000
-BUDGET_WINDOW_S = 60.0  # the fake provider's limit is a 60 s sliding window: measure a whole one
+# Three whole minutes of the provider's 60 s sliding window (issue 5 asks for a 3-minute run).
+BUDGET_WINDOW_S = 180.0
 BUDGET_WARMUP_S = 20.0
 BUDGET_WORKERS = 2
 SUMMARIZE_MAX_TOKENS = 256  # what calmq/workflows/summarize.py asks for; the provider counts it
