@@ -3,6 +3,7 @@ are there with sane values, and the queue age follows a pool's backlog."""
 
 from __future__ import annotations
 
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 Samples = list[tuple[str, dict[str, str], float]]
 SETTINGS: dict[str, Any] = dict(BASE)  # short lease, quick retry tiers
+WORKERS: list[str] = []  # /metrics of the workers this module started
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,14 @@ def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield Env(stack, procs)
     finally:
         procs.stop_all()
+
+
+def _worker(env: Env, pool: str, **settings: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a worker of ``pool``; returns it and its /metrics URL (remembered in WORKERS)."""
+    merged: dict[str, Any] = {**SETTINGS, **settings}
+    proc, port = env.procs.worker(pool, **merged)
+    WORKERS.append(f"http://127.0.0.1:{port}/metrics")
+    return proc, WORKERS[-1]
 
 
 def _url(stack: StackState, part: str) -> str:
@@ -62,7 +72,7 @@ def test_queue_age_rises_while_no_worker_runs_and_falls_after(env: Env) -> None:
                      what="a queue age for the pool")
     wait_for(lambda: (a := age()) is not None and a >= first + 2, timeout=30,
              what="the queue age to rise while no worker runs")
-    env.procs.worker(pool, **SETTINGS)
+    _worker(env, pool)
     assert [env.finished(j)["status"] for j in ids] == ["completed", "completed"]
     wait_for(lambda: age() == 0, timeout=30, what="the queue age to fall to 0")
 
@@ -71,8 +81,7 @@ def test_every_fleet_metric_has_sane_values_after_a_run(env: Env) -> None:
     """After successes, a retry, a dead letter, a review, a cancel and an API submit, each
     component's /metrics shows every fleet metric with values that fit what happened."""
     pool = env.pool("run")
-    _proc, port = env.procs.worker(pool, **SETTINGS, consumer_lag_interval_seconds="1")
-    worker = f"http://127.0.0.1:{port}/metrics"
+    _proc, worker = _worker(env, pool, consumer_lag_interval_seconds="1")
     ok, flaky, dead, review = env.submit(
         pool, {"text": "fine", "delay_ms": 200}, {"text": "flaky", "mode": "flaky",
                                                   "fail_times": 1},
@@ -126,20 +135,22 @@ def test_a_killed_workers_expired_lease_is_counted(env: Env) -> None:
     """A worker killed mid-job leaves a lease that a reaper requeues and counts in
     calmq_lease_expirations_total."""
     pool = env.pool("lease")
-    proc, _port = env.procs.worker(pool, **SETTINGS)
+    proc, _url_killed = _worker(env, pool)
     [job] = env.submit(pool, {"text": "slow", "delay_ms": 30000})
     wait_for(lambda: env.api.job(job)["status"] == "running", timeout=30,
              what="the job to be running")
-    stack_worker = _url(env.stack, "worker")
-    before = value(scrape(stack_worker), "calmq_lease_expirations_total") or 0
-    proc.kill()
-    proc.wait(timeout=10)
-    # Any worker's housekeeping reaps any pool's expired leases: this one, or the stack's.
-    _other, port = env.procs.worker(env.pool("reaper"), **SETTINGS)
+    # Any worker's housekeeping reaps any pool's expired leases: the stack's, one this
+    # module started before, or a new one; count over all of them but the one killed.
+    live = [_url(env.stack, "worker"), *WORKERS[:-1]]
 
     def expirations() -> float:
-        return sum(value(scrape(url), "calmq_lease_expirations_total") or 0
-                   for url in (stack_worker, f"http://127.0.0.1:{port}/metrics"))
+        return sum(value(scrape(url), "calmq_lease_expirations_total") or 0 for url in live)
+
+    before = expirations()
+    proc.kill()
+    proc.wait(timeout=10)
+    _worker(env, env.pool("reaper"))
+    live.append(WORKERS[-1])
 
     wait_for(lambda: expirations() >= before + 1, timeout=30, what="a counted lease expiration")
     assert any(e["type"] == "requeued_after_restart" for e in env.api.job(job)["events"])
