@@ -78,8 +78,7 @@ def test_queue_age_rises_while_no_worker_runs_and_falls_after(env: Env) -> None:
 
 
 def test_every_fleet_metric_has_sane_values_after_a_run(env: Env) -> None:
-    """After successes, a retry, a dead letter, a review, a cancel and an API submit, each
-    component's /metrics shows every fleet metric with values that fit what happened."""
+    """After a mixed run every component's /metrics shows each fleet metric with fitting values."""
     pool = env.pool("run")
     _proc, worker = _worker(env, pool, consumer_lag_interval_seconds="1")
     ok, flaky, dead, review = env.submit(
@@ -132,8 +131,7 @@ def test_every_fleet_metric_has_sane_values_after_a_run(env: Env) -> None:
 
 
 def test_a_killed_workers_expired_lease_is_counted(env: Env) -> None:
-    """A worker killed mid-job leaves a lease that a reaper requeues and counts in
-    calmq_lease_expirations_total."""
+    """A killed worker's expired lease is requeued and counted in calmq_lease_expirations_total."""
     pool = env.pool("lease")
     proc, _url_killed = _worker(env, pool)
     [job] = env.submit(pool, {"text": "slow", "delay_ms": 30000})

@@ -42,8 +42,7 @@ def _collect(consumer: Consumer, job_ids: set[str], found: dict[tuple[str, str],
 
 def test_traceparent_is_on_the_jobs_kafka_events_and_worker_log_lines(
         stack: StackState) -> None:
-    """Jobs submitted with a traceparent carry it on their work, result and dead-letter
-    events in Kafka, and the worker logs JSON lines naming the job, attempt and trace id."""
+    """A submit's traceparent is on the job's Kafka events and in the worker's log lines for it."""
     api = Api(stack.env["CALMQ_API_URL"],
               create_tenant(stack.env["CALMQ_DATABASE_URL"], f"trace-{uuid.uuid4().hex[:8]}"))
     trace = secrets.token_hex(16)
@@ -51,24 +50,26 @@ def test_traceparent_is_on_the_jobs_kafka_events_and_worker_log_lines(
     work = topics.topic_for_route(topics.work_route("default", "bulk"))
     results = topics.topic_for_route(topics.RESULTS_ROUTE)
     dlq = topics.topic_for_route(topics.DLQ_ROUTE)
+    retry = topics.topic_for_route(topics.retry_route("5s"))  # the stack's first tier
     consumer = Consumer({"bootstrap.servers": stack.env["CALMQ_KAFKA_BOOTSTRAP"],
                          "group.id": f"trace-test-{uuid.uuid4().hex}",
                          "enable.auto.commit": False})
     try:
-        consumer.assign(_ends(consumer, [work, results, dlq]))
+        consumer.assign(_ends(consumer, [work, results, dlq, retry]))
         ids: dict[str, str] = {}
         for name, data in (("ok", {"text": "traced"}),
-                           ("dead", {"text": "traced", "mode": "bad_request"})):
+                           ("dead", {"text": "traced", "mode": "bad_request"}),
+                           ("retried", {"text": "traced", "mode": "flaky", "fail_times": 1})):
             status, _h, body = api.call("POST", "/v1/jobs",
                                         {"workflow": "summarize", "input": data},
                                         headers={"traceparent": traceparent})
             assert status == 202, body
             ids[name] = body["job_id"]
         wanted = {(ids["ok"], work), (ids["ok"], results), (ids["dead"], work),
-                  (ids["dead"], results), (ids["dead"], dlq)}
+                  (ids["dead"], results), (ids["dead"], dlq), (ids["retried"], retry)}
         found: dict[tuple[str, str], Any] = {}
         wait_for(lambda: _collect(consumer, set(ids.values()), found) or wanted <= found.keys(),
-                 timeout=60, what="the jobs' events on work, result and DLQ topics")
+                 timeout=60, what="the jobs' events on work, retry, result and DLQ topics")
     finally:
         consumer.close()
     for key in wanted:
