@@ -90,7 +90,12 @@ def _schemas() -> dict[str, Any]:
         "JobSummary": {"type": "object", "required": list(summary_props),
                        "properties": summary_props},
         "Job": {"type": "object", "required": [*summary_props, "events"],
-                "properties": {**summary_props, "events": {"type": "array", "items": event}}},
+                "properties": {**summary_props, "events": {"type": "array", "items": event},
+                               # Tokens and cost of every attempt so far (retries included).
+                               "usage": {"type": "object", "properties": {
+                                   "input_tokens": {"type": "integer"},
+                                   "output_tokens": {"type": "integer"},
+                                   "cost_usd": {"type": "number"}}}}},
         "JobList": {"type": "object", "required": ["jobs", "next_cursor"],
                     "properties": {"jobs": {"type": "array",
                                             "items": {"$ref": "#/components/schemas/JobSummary"}},
