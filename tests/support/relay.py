@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +67,7 @@ def make_db(admin_url: str) -> RelayDb:
 def drop_db(admin_url: str, db: RelayDb) -> None:
     with psycopg.connect(_swap_db(admin_url, "postgres"), autocommit=True) as conn:
         # Slots pin the database; a relay killed by a test may still be releasing one.
-        for _ in range(50):
+        def slots_dropped() -> bool:
             slots = conn.execute(
                 "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s",
                 (db.name,)).fetchall()
@@ -78,9 +77,11 @@ def drop_db(admin_url: str, db: RelayDb) -> None:
             try:
                 for slot, _ in slots:
                     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                break
             except psycopg.errors.ObjectInUse:
-                time.sleep(0.1)  # bounded retry while the walsender exits (cleanup only)
+                return False  # its walsender is still exiting
+            return True
+
+        wait_for(slots_dropped, timeout=10, what=f"the slots of {db.name} to drop")
         conn.execute(f"DROP DATABASE IF EXISTS {db.name} WITH (FORCE)")
 
 
