@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -383,12 +383,7 @@ async def list_jobs(request: web.Request) -> web.Response:
     valid = {s.value for s in Status}
     if statuses and not set(statuses) <= valid:
         raise ContractError(f"status is one of {', '.join(sorted(valid))}", code="invalid_query")
-    try:
-        limit = int(query.get("limit", "50"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= _LIST_MAX:
-        raise ContractError(f"limit is an integer from 1 to {_LIST_MAX}", code="invalid_query")
+    limit = _limit(query, default=50)
     cursor_at, cursor_id = _cursor(query.get("cursor"))
     params = {
         "tenant_id": tenant.id, "statuses": statuses, "workflow": query.get("workflow"),
@@ -548,15 +543,20 @@ async def review_job(request: web.Request) -> web.Response:
     return web.json_response(job_view(job))
 
 
-async def list_reviews(request: web.Request) -> web.Response:
-    tenant = await _tenant(request)
+def _limit(query: Mapping[str, str], *, default: int) -> int:
+    """The ``limit`` of a list endpoint: 1 to _LIST_MAX, else 400 invalid_query."""
     try:
-        limit = int(request.query.get("limit", "100"))
+        limit = int(query.get("limit", str(default)))
     except ValueError:
         limit = 0
     if not 1 <= limit <= _LIST_MAX:
-        raise ContractError(f"limit is an integer from 1 to {_LIST_MAX}", code="invalid_query",
-                            status=422)
+        raise ContractError(f"limit is an integer from 1 to {_LIST_MAX}", code="invalid_query")
+    return limit
+
+
+async def list_reviews(request: web.Request) -> web.Response:
+    tenant = await _tenant(request)
+    limit = _limit(request.query, default=100)
     rows = await _desk(request).pending(tenant.id, limit=limit)
     return web.json_response({"reviews": [
         {"job_id": str(r["id"]), "workflow": r["workflow"], "step": r["step"],
@@ -594,13 +594,7 @@ async def list_dead_letters(request: web.Request) -> web.Response:
     from calmq.deadletters import DeadLetterFilter, DeadLetters
 
     tenant = await _tenant(request)
-    try:
-        limit = int(request.query.get("limit", "100"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= _LIST_MAX:
-        raise ContractError(f"limit is an integer from 1 to {_LIST_MAX}", code="invalid_query",
-                            status=422)
+    limit = _limit(request.query, default=100)
     where = DeadLetterFilter(
         tenant_id=tenant.id, failure_class=request.query.get("failure_class"),
         code=request.query.get("code"), workflow=request.query.get("workflow"),
