@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from calmq.errors import InfrastructureError
@@ -15,6 +15,7 @@ __all__ = [
     "create_topics",
     "header",
     "headers_dict",
+    "produce",
     "producer_config",
 ]
 
@@ -75,6 +76,29 @@ def create_topics(
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise InfrastructureError(f"cannot create topic {name}: {exc}") from exc
     return created
+
+
+def produce(
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    *,
+    headers: list[tuple[str, str | bytes | None]],
+    on_delivery: Callable[[KafkaError | None, Message], None],
+) -> None:
+    """Produce one record; when the local queue is full, serve delivery reports and retry.
+
+    Blocking here is the back pressure the relay and the forwarder want: neither may drop a
+    record, and both confirm their source only after its delivery report.
+    """
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=headers,
+                             on_delivery=on_delivery)
+            return
+        except BufferError:
+            producer.poll(0.05)
 
 
 def header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from processors import metrics
-from processors.offsets import OffsetTracker, position_of
+from processors.offsets import OffsetTracker, commit_prefix, position_of
 
 __all__ = ["ParallelConsumer"]
 
@@ -87,21 +87,10 @@ class ParallelConsumer:
     # -- the loop --------------------------------------------------------------------------
 
     def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
-        positions = self.tracker.to_commit(only)
-        if not positions:
-            return
-        try:
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                asynchronous=False,
-            )
-            lag = self.tracker.committed(positions)
-            if lag is not None:
-                metrics.COMMIT_LAG.observe(lag)
-                metrics.COMMIT_LAG_LAST.set(lag)
-        except KafkaException as exc:
-            # Not fatal: the same prefix (or a longer one) is committed next interval.
-            log.warning("offset commit failed: %s", exc)
+        lag = commit_prefix(consumer, self.tracker, only)
+        if lag is not None:
+            metrics.COMMIT_LAG.observe(lag)
+            metrics.COMMIT_LAG_LAST.set(lag)
 
     def _sample_lag(self, consumer: Consumer) -> None:
         """Consumer lag per topic: high watermark minus the group's committed offset.

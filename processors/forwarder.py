@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from calmq import events, topics
 from calmq.codec import EventCodec
-from calmq.kafka import header
+from calmq.kafka import header, produce
 from processors import metrics
-from processors.offsets import OffsetTracker, headers_of, position_of
+from processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
 
 __all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
 
@@ -183,26 +183,10 @@ class Forwarder:
         headers: list[tuple[str, str | bytes | None]],
         on_delivery: Callable[[KafkaError | None, Message], None],
     ) -> None:
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key, headers=headers,
-                                      on_delivery=on_delivery)
-                return
-            except BufferError:
-                self.producer.poll(0.05)
+        produce(self.producer, topic, key, value, headers=headers, on_delivery=on_delivery)
 
     def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
-        positions = self.tracker.to_commit(only)
-        if not positions:
-            return
-        try:
-            consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                asynchronous=False,
-            )
-            self.tracker.committed(positions)
-        except KafkaException as exc:
-            log.warning("offset commit failed: %s", exc)
+        commit_prefix(consumer, self.tracker, only)
 
 
 def _due_seconds(msg: Message) -> float | None:

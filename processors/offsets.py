@@ -4,13 +4,16 @@ completed prefix is committed, so a crash never skips a message still in flight.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable
 
-from confluent_kafka import Message
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
-__all__ = ["OffsetTracker", "Position", "headers_of", "position_of"]
+__all__ = ["OffsetTracker", "Position", "commit_prefix", "headers_of", "position_of"]
+
+log = logging.getLogger(__name__)
 
 Position = tuple[tuple[str, int], int]  # ((topic, partition), offset)
 
@@ -110,3 +113,24 @@ class OffsetTracker:
                     at = part.done_at.pop(o)
                     oldest = at if oldest is None else min(oldest, at)
         return None if oldest is None else self._clock() - oldest
+
+
+def commit_prefix(
+    consumer: Consumer, tracker: OffsetTracker, only: set[tuple[str, int]] | None = None
+) -> float | None:
+    """Commit the completed prefix of each partition (``only`` some); returns the commit lag.
+
+    A failed commit is not fatal: the same prefix, or a longer one, goes with the next.
+    """
+    positions = tracker.to_commit(only)
+    if not positions:
+        return None
+    try:
+        consumer.commit(
+            offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
+            asynchronous=False,
+        )
+    except KafkaException as exc:
+        log.warning("offset commit failed: %s", exc)
+        return None
+    return tracker.committed(positions)

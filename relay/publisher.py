@@ -22,6 +22,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from calmq import topics
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, InfrastructureError
+from calmq.kafka import produce
 
 __all__ = ["ROUTED_BY_VALUE", "TOPIC_REPLACEMENT", "OutboxRow", "Publisher"]
 
@@ -113,15 +114,7 @@ class Publisher:
         on_ack: Callable[[], None] | None = None,
     ) -> None:
         callback = self._on_delivery if on_ack is None else self._delivered(on_ack)
-        while True:
-            try:
-                self.producer.produce(
-                    topic, value=value, key=key, headers=headers, on_delivery=callback
-                )
-                return
-            except BufferError:
-                # The local queue is full: serve delivery reports to make room, then retry.
-                self.producer.poll(0.05)
+        produce(self.producer, topic, key, value, headers=headers, on_delivery=callback)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""
