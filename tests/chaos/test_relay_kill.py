@@ -24,10 +24,9 @@ from tests.support.relay import (
     RelayProcess,
     TopicReader,
     Written,
-    drop_db,
     job_order_violations,
-    make_db,
     new_route,
+    relay_db,
     relay_env,
     write_concurrently,
 )
@@ -37,10 +36,7 @@ pytestmark = pytest.mark.chaos
 
 @pytest.fixture
 def db(stack: StackState) -> Iterator[RelayDb]:
-    admin = stack.env["CALMQ_DATABASE_URL"]
-    made = make_db(admin)
-    yield made
-    drop_db(admin, made)
+    yield from relay_db(stack.env["CALMQ_DATABASE_URL"])
 
 
 def _pg_lsn(text: str) -> int:

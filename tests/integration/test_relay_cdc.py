@@ -29,11 +29,10 @@ from tests.support.relay import (
     RelayProcess,
     TopicReader,
     Written,
-    drop_db,
     job_order_violations,
-    make_db,
     new_route,
     outbox_args,
+    relay_db,
     relay_env,
     write_concurrently,
 )
@@ -45,10 +44,7 @@ StartRelay = Callable[..., RelayProcess]
 
 @pytest.fixture
 def db(stack: StackState) -> Iterator[RelayDb]:
-    admin = stack.env["CALMQ_DATABASE_URL"]
-    made = make_db(admin)
-    yield made
-    drop_db(admin, made)
+    yield from relay_db(stack.env["CALMQ_DATABASE_URL"])
 
 
 @pytest.fixture

@@ -20,10 +20,9 @@ from tests.support.relay import (
     RelayDb,
     RelayProcess,
     TopicReader,
-    drop_db,
-    make_db,
     new_route,
     outbox_args,
+    relay_db,
     relay_env,
 )
 
@@ -32,10 +31,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def db(stack: StackState) -> Iterator[RelayDb]:
-    admin = stack.env["CALMQ_DATABASE_URL"]
-    made = make_db(admin)
-    yield made
-    drop_db(admin, made)
+    yield from relay_db(stack.env["CALMQ_DATABASE_URL"])
 
 
 def test_interleaved_transactions_committing_out_of_id_order_are_both_published(

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,15 @@ def make_db(admin_url: str) -> RelayDb:
     url = _swap_db(admin_url, name)
     migrate(url)
     return RelayDb(url, name, f"relay_test_{suffix}", f"relay_test_{suffix}")
+
+
+def relay_db(admin_url: str) -> Iterator[RelayDb]:
+    """A migrated database of its own for one relay test, dropped (with its slots) after."""
+    made = make_db(admin_url)
+    try:
+        yield made
+    finally:
+        drop_db(admin_url, made)
 
 
 def drop_db(admin_url: str, db: RelayDb) -> None:
