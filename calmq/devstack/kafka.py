@@ -149,10 +149,15 @@ class KafkaBroker:
 
 
 def _cluster_id() -> str:
-    # A Kafka cluster id is a base64url UUID without padding, 22 characters.
+    # A Kafka cluster id is a base64url UUID without padding, 22 characters. One in 64
+    # starts with "-", which the storage tool's argument parser takes for an option and
+    # refuses (Kafka's own Uuid.randomUuid() draws again for the same reason).
     import base64
 
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def broker_version(jars: Path) -> str:
