@@ -32,7 +32,9 @@ _FINAL = ("done", "approved")
 
 
 def artifact_key(job: dict[str, Any]) -> str:
-    return f"{job['tenant_id']}/{job['id']}/{job['step']}.json"
+    # One folder per tenant, not per job: on a filesystem store a new folder per job cost a
+    # millisecond of journal work on every completion, serialized on the parent folder.
+    return f"{job['tenant_id']}/artifacts/{job['id']}.{job['step']}.json"
 
 
 def traceparent(job: dict[str, Any]) -> dict[str, str]:
