@@ -13,14 +13,21 @@ from dataclasses import dataclass, field
 
 import psutil  # type: ignore[import-untyped]
 
-__all__ = ["Phase", "Sampler", "cpu_seconds"]
+__all__ = ["LOADGEN", "Phase", "Sampler", "cpu_seconds"]
 
 
-def cpu_seconds(pid: int) -> float:
+# The bench process itself (the in-process load generator): its own CPU only, since every
+# process of the rig is its descendant.
+LOADGEN = "loadgen"
+
+
+def cpu_seconds(pid: int, *, descendants: bool = True) -> float:
     """User + system CPU seconds of ``pid`` and every descendant, living or reaped."""
     try:
         proc = psutil.Process(pid)
         t = proc.cpu_times()
+        if not descendants:
+            return float(t.user + t.system)
         total = float(t.user + t.system + t.children_user + t.children_system)
         for child in proc.children(recursive=True):
             try:
@@ -53,7 +60,8 @@ class Phase:
 
     def start(self) -> Phase:
         self._t0 = time.monotonic()
-        self.cpu_start = {n: cpu_seconds(p) for n, p in self.pids.items()}
+        self.cpu_start = {n: cpu_seconds(p, descendants=n != LOADGEN)
+                          for n, p in self.pids.items()}
         self.sample()
         return self
 
@@ -66,7 +74,8 @@ class Phase:
     def stop(self) -> Phase:
         self.sample()
         self.wall_s = time.monotonic() - self._t0
-        self.cpu = {n: max(0.0, cpu_seconds(p) - self.cpu_start.get(n, 0.0))
+        self.cpu = {n: max(0.0, cpu_seconds(p, descendants=n != LOADGEN)
+                               - self.cpu_start.get(n, 0.0))
                     for n, p in self.pids.items()}
         return self
 

@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from bench import loadgen
 from bench.loadgen import percentile
-from bench.procs import Phase, Sampler
+from bench.procs import LOADGEN, Phase, Sampler
 from bench.report import machine, result
 from bench.rig import Rig
 from bench.skip_locked import QUERIES as SKIP_LOCKED
@@ -79,7 +79,7 @@ def _costs(phase: Phase, own: list[str], jobs: int) -> dict[str, float]:
     for name in own:
         key = name.replace("-", "_").replace(":", "_")
         figs[f"peak_rss_mb_{key}"] = round(phase.peak_rss_mb.get(name, 0.0), 1)
-    for name in ("postgres", "kafka"):
+    for name in (*own, "postgres", "kafka", LOADGEN):
         if name in phase.cpu:
             figs[f"cpu_s_per_1000_jobs_{name}"] = round(phase.cpu[name] * per_k, 3)
     return figs
@@ -209,7 +209,8 @@ def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=200,
                                         concurrency=ACCEPT_CONCURRENCY))
         log(f"  calmq: {size} POST /v1/jobs from {ACCEPT_CONCURRENCY} connections")
-        phase = sampler.phase({**rig.pids("api"), **rig.infra_pids()})
+        phase = sampler.phase({**rig.pids("api", "relay"), **rig.infra_pids(),
+                               LOADGEN: os.getpid()})
         load = asyncio.run(loadgen.closed_loop(url, _job_body(), auth, total=size,
                                                concurrency=ACCEPT_CONCURRENCY))
         sampler.end(phase)
@@ -217,7 +218,7 @@ def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                    "p50_ms": _r(percentile(load.latencies_ms, 50), 2),
                    "p99_ms": _r(percentile(load.latencies_ms, 99), 2), "accepted": load.ok,
                    "errors": sum(load.errors.values()), "connections": ACCEPT_CONCURRENCY,
-                   **_costs(phase, ["api"], load.ok)}
+                   **_costs(phase, ["api", "relay"], load.ok)}
         rig.stop("api")
 
         _skip_locked_schema(rig)
@@ -227,7 +228,8 @@ def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=200,
                                         concurrency=ACCEPT_CONCURRENCY))
         log(f"  baseline plain_insert: {size} POST /jobs")
-        phase = sampler.phase({**rig.pids("plain_insert"), **rig.infra_pids()})
+        phase = sampler.phase({**rig.pids("plain_insert"), **rig.infra_pids(),
+                               LOADGEN: os.getpid()})
         bload = asyncio.run(loadgen.closed_loop(burl, _job_body(), {}, total=size,
                                                 concurrency=ACCEPT_CONCURRENCY))
         sampler.end(phase)
