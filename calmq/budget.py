@@ -37,7 +37,7 @@ from prometheus_client import Counter, Histogram
 
 from calmq import sql
 from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import ModelReply, Provider, current_scope, open_provider
+from calmq.gateway import ModelReply, Provider, current_clock, current_scope, open_provider
 from calmq.pricing import ModelPrice, cost_usd
 
 if TYPE_CHECKING:
@@ -506,10 +506,11 @@ class TokenBudget:
 
 
 class UsageRecorder:
-    """Writes every call's tokens and cost to its attempt and its job, group-committed.
+    """Writes model calls' tokens and cost to their attempt and job, group-committed.
 
-    ``record`` returns once the row is written, so the job's totals are in the database
-    before the step's outcome is (the runner commits the outcome after the step returns).
+    For calls made outside a step runner's attempt (the runner carries its attempts' usage
+    into the outcome's own transaction), and for an attempt stopped before its outcome was
+    written. ``record`` returns once the row is written.
     """
 
     def __init__(self, pool: AsyncConnectionPool[Any], *, window: float = 0.005) -> None:
@@ -536,7 +537,7 @@ class UsageRecorder:
                 await self._task
 
     async def record(self, job_id: str, input_tokens: int, output_tokens: int,
-                     cost: float) -> None:
+                     cost: float, calls: int = 1) -> None:
         try:
             job = uuid.UUID(job_id)
         except ValueError:
@@ -545,7 +546,8 @@ class UsageRecorder:
             raise RuntimeError("UsageRecorder.start() was not called")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append(({"job_id": job, "input_tokens": input_tokens,
-                               "output_tokens": output_tokens, "cost_usd": cost}, future))
+                               "output_tokens": output_tokens, "cost_usd": cost,
+                               "model_calls": calls}, future))
         self._wake.set()
         # Shielded: a step cancelled meanwhile (timeout) still has its usage written.
         await asyncio.shield(future)
@@ -703,7 +705,11 @@ class BudgetedProvider:
         m.tokens.labels(workflow, tenant, self.provider, self.model, "input").inc(input_tokens)
         m.tokens.labels(workflow, tenant, self.provider, self.model, "output").inc(output_tokens)
         m.cost.labels(workflow, tenant, self.provider, self.model).inc(cost)
-        if self.usage is not None:
+        clock = current_clock()
+        if clock is not None and clock.carries_usage:
+            # The step runner writes it with the attempt's outcome, in the same transaction.
+            clock.add_usage(input_tokens, output_tokens, cost)
+        elif self.usage is not None:
             await self.usage.record(job_id, input_tokens, output_tokens, cost)
 
     async def close(self) -> None:

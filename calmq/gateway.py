@@ -27,6 +27,7 @@ __all__ = [
     "OpenAIProvider",
     "Provider",
     "classify_status",
+    "current_clock",
     "current_scope",
     "enter_scope",
     "model_clock",
@@ -65,21 +66,39 @@ def current_scope() -> CallScope:
 
 
 class ModelClock:
-    """Seconds spent waiting for the provider's answers in one attempt (calls summed)."""
+    """One attempt's model calls: seconds spent waiting for the answers (calls summed) and,
+    when ``carries_usage``, the calls' tokens and cost, which the step runner then writes in
+    the same transaction as the attempt's outcome instead of one more transaction per call.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, *, carries_usage: bool = False) -> None:
         self.seconds = 0.0
+        self.carries_usage = carries_usage
+        self.calls = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.cost_usd = 0.0
+
+    def add_usage(self, input_tokens: int, output_tokens: int, cost_usd: float) -> None:
+        self.calls += 1
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        self.cost_usd += cost_usd
 
 
 _CLOCK: ContextVar[ModelClock | None] = ContextVar("calmq_model_clock", default=None)
 
 
-def model_clock() -> ModelClock:
+def model_clock(*, carries_usage: bool = False) -> ModelClock:
     """Start timing the current task's model calls (the runner does, once per attempt):
     model time against the rest of an attempt is what the metrics split."""
-    clock = ModelClock()
+    clock = ModelClock(carries_usage=carries_usage)
     _CLOCK.set(clock)
     return clock
+
+
+def current_clock() -> ModelClock | None:
+    return _CLOCK.get()
 
 
 @dataclass(frozen=True)

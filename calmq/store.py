@@ -95,6 +95,9 @@ def insert_job_params(job: NewJob, event: dict[str, Any], route: str) -> dict[st
     }
 
 
+_NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
+
+
 @dataclass
 class Finish:
     """How one attempt ended: the job's next status, its history event, its outbox events."""
@@ -115,6 +118,8 @@ class Finish:
     # A workflow step's output to record with the move (calmq/workflows, wf_record_step_output):
     # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
     record: dict[str, Any] | None = None
+    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd}.
+    usage: dict[str, Any] | None = None
 
     def record_params(self) -> dict[str, Any]:
         assert self.record is not None
@@ -125,25 +130,24 @@ class Finish:
                 "review_deadline_at": r.get("review_deadline_at"),
                 "next_pool": r.get("next_pool"), "next_max_attempts": r.get("next_max_attempts")}
 
-    def params(self) -> dict[str, Any]:
-        error = self.error or {}
+    def row(self, ord_: int) -> dict[str, Any]:
+        """This outcome as one row of finish_attempts' JSON array (``ord``: its place)."""
         return {
-            "job_id": self.job_id,
+            "job_id": str(self.job_id),
             "worker": self.worker,
             "step": self.step,
             "attempt": self.attempt,
             "status": self.status,
             "event_type": self.event_type,
             "outcome": self.outcome,
-            "event_detail": Jsonb(self.event_detail),
-            "artifact": Jsonb(self.artifact) if self.artifact is not None else None,
-            "error": Jsonb(self.error) if self.error is not None else None,
-            "error_code": error.get("code"),
-            "error_class": error.get("class"),
-            "error_message": error.get("message"),
+            "event_detail": self.event_detail,
+            "artifact": self.artifact,
+            "error": self.error,
             "next_step": self.next_step,
             "reset_attempt": self.reset_attempt,
-            "outbox": Jsonb(self.outbox),
+            "outbox": [{**entry, "n": n} for n, entry in enumerate(self.outbox)],
+            **(self.usage or _NO_USAGE),
+            "ord": ord_,
         }
 
 
@@ -311,10 +315,11 @@ class Store:
         # group commits and heartbeats cannot deadlock.
         finishes = sorted(finishes, key=lambda f: f.job_id)
         records = [f.record_params() for f in finishes if f.record is not None]
+        rows = Jsonb([f.row(n) for n, f in enumerate(finishes)])
         async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            if records:  # before finish_attempt: its lease guard is still true then
+            if records:  # before finish_attempts: its lease guard is still true then
                 await cur.executemany(self._q["wf_record_step_output"], records)
-            await cur.executemany(self._q["finish_attempt"], [f.params() for f in finishes])
+            await cur.execute(self._q["finish_attempts"], {"rows": rows})
 
     async def insert_outbox(self, entries: Sequence[dict[str, Any]]) -> None:
         """Outbox rows that belong to no job transition (e.g. an unreadable message)."""

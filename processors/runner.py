@@ -24,7 +24,7 @@ from confluent_kafka import Message
 from calmq import events, logs, topics, tracing
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.gateway import Provider, enter_scope, model_clock
+from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
 from calmq.store import Finish, Store
@@ -41,6 +41,8 @@ __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+# Writes an attempt's model usage on its own: (job_id, input, output tokens, cost, calls).
+UsageSink = Callable[[str, int, int, float, int], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,10 @@ class StepRunner:
         tracker: OffsetTracker,
         config: RunnerConfig,
         poison: PoisonSink,
+        usage: UsageSink | None = None,
     ) -> None:
         self.store = store
+        self.usage = usage
         self.codec = codec
         self.provider = provider
         self.objects = objects
@@ -247,7 +251,9 @@ class StepRunner:
         # budget) names the job, attempt and trace; the model clock times its model calls.
         logs.bind(job_id=str(job["id"]), attempt=job["attempt"], step=job["step"],
                   trace_id=logs.trace_id(job.get("trace_parent")))
-        clock = model_clock()
+        # The attempt's model calls are timed and metered here; their tokens and cost go into
+        # the outcome's transaction (one write per attempt, not one more per call).
+        clock = model_clock(carries_usage=True)
         started = time.monotonic()
         try:
             with tracing.span("calmq.attempt", job.get("trace_parent"),
@@ -260,11 +266,24 @@ class StepRunner:
                 # result and acknowledge. Abandoned at shutdown: leave the offset pending so
                 # the partition's next owner reads the message again.
                 self.tracker.done(*position)
+            # No outcome will carry them: the tokens the provider counted are still spent.
+            await self._record_usage(job, clock)
             return
         finally:
             self._running.pop(job["id"], None)
+        finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
+                        "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         self._observe(job, finish, time.monotonic() - started, clock.seconds)
         self.committer.add(finish, position)
+
+    async def _record_usage(self, job: dict[str, Any], clock: ModelClock) -> None:
+        if not clock.calls or self.usage is None:
+            return
+        try:
+            await self.usage(str(job["id"]), clock.input_tokens, clock.output_tokens,
+                             clock.cost_usd, clock.calls)
+        except Exception:  # metering must not keep a stopped attempt from ending
+            log.exception("recording the usage of an abandoned attempt of %s failed", job["id"])
 
     @staticmethod
     def _observe(job: dict[str, Any], finish: Finish, seconds: float, model: float) -> None:

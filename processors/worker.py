@@ -69,6 +69,7 @@ class Worker:
             workflows=self.workflows,
             tracker=consumer.tracker,
             poison=PoisonSink(Producer(producer_config(s.kafka_bootstrap)), codec),
+            usage=provider.usage.record if provider.usage is not None else None,
             config=RunnerConfig(
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,

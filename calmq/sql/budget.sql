@@ -38,7 +38,7 @@ UPDATE budget_buckets SET
 WHERE provider = %(provider)s AND model = %(model)s;
 
 -- name: budget_record_usage
--- Add one model call's tokens and cost to the job's totals and to its current attempt (the
+-- Add model calls' tokens and cost to the job's totals and to its current attempt (the
 -- job row names the step and attempt while this worker holds its lease).
 WITH job AS (
     UPDATE jobs SET input_tokens = input_tokens + %(input_tokens)s,
@@ -47,7 +47,7 @@ WITH job AS (
     WHERE id = %(job_id)s
     RETURNING id, step, attempt
 )
-UPDATE job_attempts a SET model_calls = a.model_calls + 1,
+UPDATE job_attempts a SET model_calls = a.model_calls + %(model_calls)s,
                           input_tokens = a.input_tokens + %(input_tokens)s,
                           output_tokens = a.output_tokens + %(output_tokens)s,
                           cost_usd = a.cost_usd + %(cost_usd)s

@@ -2,7 +2,7 @@
 -- (calmq/workflows/records.py, calmq/reviews.py). Names start with wf_.
 
 -- name: wf_record_step_output
--- Runs in the group-commit transaction just before finish_attempt, under the same lease
+-- Runs in the group-commit transaction just before finish_attempts, under the same lease
 -- guard: a late finish (after a reaper or a cancel took the job) records nothing. It also
 -- points the job at its next step's pool and attempt budget, and sets a review deadline.
 WITH held AS (
