@@ -36,7 +36,11 @@ def refresh_benchmarks_md(doc: dict[str, Any], path: Path = ROOT / "BENCHMARKS.m
         f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), {m.get('memory_gb')} GB, "
         f"{m.get('os')}, load average {m.get('load_avg_1m_at_start')} when the first scenario "
         "started (shared with other work: figures are noisy).",
-        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()
+                                 if k != "load_generator") + ".",
+        "Load generator: " + "; ".join(
+            f"{r['scenario']}: {r['versions']['load_generator']}" for r in results
+            if r.get("versions", {}).get("load_generator")) + ".",
         "",
         markdown_table(results),
         "",
