@@ -41,8 +41,9 @@ POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to cal
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
 STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",
                          buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
-IN_FLIGHT = Gauge("calmq_worker_in_flight", "Jobs running in this worker")
-SATURATION = Gauge("calmq_worker_saturation", "In-flight jobs / concurrency")
+IN_FLIGHT = Gauge("calmq_worker_in_flight",
+                  "Jobs claimed by this worker (in a step, or about to be)")
+SATURATION = Gauge("calmq_worker_saturation", "Call slots in use / concurrency")
 # Seconds from a message's completion to the commit of its offset (the oldest one of each
 # commit): what a crash would make the next consumer redo, measured in time.
 COMMIT_LAG = Histogram("calmq_commit_lag_seconds",

@@ -35,6 +35,7 @@ from processors import metrics
 from processors.offsets import OffsetTracker, Position, position_of
 from processors.poison import Poison, PoisonSink
 from processors.policy import Backoff, decide
+from processors.slots import CallSlots
 
 __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 
@@ -55,6 +56,10 @@ class RunnerConfig:
     max_attempts: int | None = None  # overrides every job's own budget
     review_threshold: float = 0.9
     review_deadline_seconds: float = 48 * 3600.0
+    # Attempts in their step at once (the worker's --concurrency); interactive ones may
+    # exceed it by the reserve, as the consumer lets them.
+    concurrency: int = 256
+    interactive_reserve: int = 32
 
 
 class Committer:
@@ -160,6 +165,7 @@ class StepRunner:
         self.tracker = tracker
         self.config = config
         self.committer = Committer(store, tracker)
+        self.slots = CallSlots(config.concurrency, config.interactive_reserve)
         self.poison = poison
         self.progress = Progress(store, objects, config.review_deadline_seconds)
         self.effects = StoreEffectLog(store)
@@ -329,6 +335,8 @@ class StepRunner:
                                   priority=job["priority"], workflow=job["workflow"])
                 enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
                 timeout = self.config.step_timeout_seconds or step.timeout_seconds
+                # Claimed ahead, a job may wait here for a slot; its timeout starts after.
+                await self.slots.acquire(job["priority"])
                 try:
                     async with asyncio.timeout(timeout):
                         output = await step.run(ctx, data)
@@ -336,6 +344,8 @@ class StepRunner:
                     raise StepFailure(
                         f"the step ran past its {timeout:g} s timeout", code="timeout",
                         failure_class=FailureClass.TRANSIENT) from None
+                finally:
+                    self.slots.release()
                 output = StepOutput(step.check_output(output.artifact), output.confidence,
                                     output.input_tokens, output.output_tokens)
         except StepFailure as failure:

@@ -31,6 +31,12 @@ __all__ = ["Worker"]
 log = logging.getLogger(__name__)
 
 
+def _claimed_bound(slots: int) -> int:
+    """Jobs to hold claimed: the call slots, plus an eighth to start the moment one frees
+    (processors/slots.py), so a call never waits for a poll and a claim."""
+    return slots + max(1, slots // 8)
+
+
 class Worker:
     def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None) -> None:
         self.settings = settings
@@ -55,7 +61,7 @@ class Worker:
             consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}"),
             self.topics(),
             deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
-            max_in_flight=s.concurrency,
+            max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: runner.committer.pending,
             lag_interval=s.consumer_lag_interval_seconds,
@@ -79,6 +85,8 @@ class Worker:
                 max_attempts=s.max_attempts,
                 review_threshold=s.review_confidence_threshold,
                 review_deadline_seconds=s.review_deadline_seconds,
+                concurrency=s.concurrency,
+                interactive_reserve=consumer.reserve,
             ),
         )
         runner.start()
@@ -94,11 +102,11 @@ class Worker:
             while not self.stop.is_set():
                 await asyncio.sleep(0.1)
                 metrics.IN_FLIGHT.set(runner.in_flight)
-                metrics.SATURATION.set(runner.in_flight / s.concurrency)
+                metrics.SATURATION.set(runner.slots.used / s.concurrency)
                 # Hold no more jobs than the token budget lets this worker start soon.
                 limit = provider.in_flight_limit(s.budget_queue_seconds)
-                consumer.max_in_flight = s.concurrency if limit is None \
-                    else max(1, min(s.concurrency, limit))
+                consumer.max_in_flight = _claimed_bound(
+                    s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
             # Graceful stop: the consumer thread has paused every partition; in-flight work
             # gets the grace period to finish, and what is left is abandoned with its lease
             # handed back (its offset stays uncommitted, so the next owner redoes it).
