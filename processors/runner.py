@@ -170,7 +170,10 @@ class StepRunner:
         self.progress = Progress(store, objects, config.review_deadline_seconds)
         self.effects = StoreEffectLog(store)
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
-        self._batches: set[asyncio.Task[None]] = set()
+        # Polled messages waiting for a claim, and the claimers working through them.
+        self._inbox: list[Message] = []
+        self._claimers: set[asyncio.Task[None]] = set()
+        self._claiming = 0  # claimers still looping (their tasks may not have ended yet)
         self._abandoning = False
 
     def start(self) -> None:
@@ -182,17 +185,37 @@ class StepRunner:
 
     @property
     def claiming(self) -> bool:
-        """A polled batch is still being decoded or claimed."""
-        return bool(self._batches)
+        """Polled messages are still being decoded or claimed."""
+        return self._claiming > 0
 
     def idle(self) -> bool:
-        return not self._running and not self._batches and self.committer.pending == 0
+        return not self._running and not self._claiming and self.committer.pending == 0
+
+    # Claims in flight at once. Messages that arrive while they run join the next claim: one
+    # statement per message when the worker is quiet (no waiting to fill a batch), hundreds
+    # per statement when it is busy (the batching group commit does for outcomes).
+    CLAIMERS = 2
+    CLAIM_BATCH = 500
 
     def submit(self, batch: list[Message]) -> None:
-        """Called on the loop (call_soon_threadsafe) with a polled batch."""
-        task = asyncio.create_task(self._handle_batch(batch))
-        self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
+        """Called on the loop (call_soon_threadsafe) with polled messages."""
+        self._inbox.extend(batch)
+        if self._claiming < self.CLAIMERS:
+            self._claiming += 1
+            task = asyncio.create_task(self._claim_inbox())
+            self._claimers.add(task)
+            task.add_done_callback(self._claimers.discard)
+
+    async def _claim_inbox(self) -> None:
+        try:
+            while self._inbox:
+                batch = self._inbox[: self.CLAIM_BATCH]
+                del self._inbox[: len(batch)]
+                await self._handle_batch(batch)
+        finally:
+            # Counted down in the same step as the empty-inbox check: a submit after it
+            # starts a new claimer, so no message is left in the inbox without one.
+            self._claiming -= 1
 
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
