@@ -1,6 +1,7 @@
 """The step runner: the asyncio side of a worker.
 
-For each polled batch: decode, claim every job in one statement, run each claimed job's
+For polled messages: decode, claim every job in one statement (what arrives during a claim
+joins the next one), wait for a call slot, run each claimed job's
 current step with its timeout, then hand the outcome to the group committer, which writes
 a few milliseconds' worth of outcomes (status, history, outbox) in ONE transaction and only
 then marks their offsets complete. A message whose job is terminal, cancelled or held by a
