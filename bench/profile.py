@@ -57,7 +57,9 @@ def summarize_profiles(paths: dict[str, Path], jobs: int, phase: Phase, out: Pat
     Samples are wall-clock: on a busy machine a thread waiting for a core still counts, so
     only the shares are read from py-spy; the milliseconds come from /proc."""
     lines = ["# e2e profile (py-spy record --gil, 100 Hz)", "",
-             f"{jobs} jobs end to end. CPU per job from /proc for the same window: "
+             f"{jobs} jobs end to end, in a pass of their own after the measured one: "
+             "py-spy stops each process to sample it, so these CPU figures run higher than "
+             "the measured ones in latest.json. CPU per job from /proc for the same window: "
              + ", ".join(f"{n} {phase.cpu.get(n, 0) * 1000 / max(jobs, 1):.2f} ms"
                          for n in sorted(phase.cpu)), "",
              "Per process: the share of its samples in a frame, times the process's CPU per "
