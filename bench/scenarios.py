@@ -36,7 +36,8 @@ __all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
 
 PY = sys.executable
 # budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
-DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "budget": 1500}
+DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
+                 "budget": 1500}
 ACCEPT_CONCURRENCY = 32
 E2E_CONCURRENCY = 64
 DISPATCH_RATE = 500.0
@@ -606,6 +607,63 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                   versions, extra_versions={"load_generator": loadgen.NAME})
 
 
+# -- drain ------------------------------------------------------------------------------------
+
+def drain(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    """One worker alone: ``size`` jobs waiting, the provider answering at once.
+
+    The outbox holds the jobs until the worker is up and subscribed; then the relay starts
+    and the worker drains them. The worker's CPU is its own for the drain (its start-up is
+    before the phase); the relay's start is in the phase, not in the worker's figure.
+    """
+    with Rig(log=log) as rig:
+        fp = rig.calmq("fake-provider")
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url}
+        api = rig.calmq("api", env=env)
+        tenant_id, key = rig.tenant(f"bench-drain-{uuid.uuid4().hex[:6]}")
+        log(f"  calmq: {size} jobs accepted while no relay runs")
+        load = asyncio.run(loadgen.closed_loop(f"{api.url}/v1/jobs", _job_body(),
+                                               {"Authorization": f"Bearer {key}"}, total=size,
+                                               concurrency=E2E_CONCURRENCY))
+        rig.stop("api")
+        rig.calmq("worker", env=env)
+        log("  calmq: one worker drains them (the relay starts now)")
+        phase = sampler.phase({**rig.pids("worker", "fake-provider"), **rig.infra_pids()})
+        phase.pids["relay"] = rig.calmq("relay", env=env).pid
+        _wait(lambda: _completed(rig, tenant_id), load.ok, 60 + size / 50, "drained jobs", log)
+        sampler.end(phase)
+        done, first, last = _calmq_span(rig, tenant_id)
+        figures = {"jobs_per_s": _r(done / max(last - first, 1e-3)), "completed": done,
+                   **_costs(phase, ["worker"], done)}
+        rig.stop("worker")
+        rig.stop("relay")
+
+        _skip_locked_schema(rig)
+        base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
+                                       "{port}"], health="http")
+        after = _skip_locked_last_id(rig)
+        bload = asyncio.run(loadgen.closed_loop(f"{base.url}/jobs", _job_body(), {}, total=size,
+                                                concurrency=E2E_CONCURRENCY))
+        rig.stop("sl_insert")
+        log(f"  baseline skip_locked: 64 async workers drain {bload.ok} rows")
+        phase = sampler.phase({**rig.pids("fake-provider"), **rig.infra_pids()})
+        workers = rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers",
+                                           "64", "--pool-size", "64"], env=env, health="none")
+        phase.pids["sl_workers"] = workers.pid
+        _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok, 60 + size / 50,
+              "skip_locked jobs", log)
+        sampler.end(phase)
+        rig.stop("sl_workers")
+        bdone, bfirst, blast = _skip_locked_span(rig, after)
+        skip = {"jobs_per_s": _r(bdone / max(blast - bfirst, 1e-3)), "completed": bdone,
+                "workers": 64, **_costs(phase, ["sl_workers"], bdone)}
+        versions = dict(rig.state.versions if rig.state else {})
+    return result("drain", size, figures, {"skip_locked": skip},
+                  {"jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"],
+                                                       skip["jobs_per_s"])},
+                  versions, extra_versions={"load_generator": loadgen.NAME})
+
+
 # -- budget -----------------------------------------------------------------------------------
 
 BUDGET_TPM = 60_000
@@ -694,7 +752,8 @@ def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
-    "accept": accept, "relay": relay, "e2e": e2e, "slow": slow, "budget": budget,
+    "accept": accept, "relay": relay, "e2e": e2e, "slow": slow, "drain": drain,
+    "budget": budget,
 }
 
 

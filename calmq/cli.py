@@ -617,7 +617,7 @@ def parser() -> argparse.ArgumentParser:
     _add(p, "--concurrency", type=int, help="each worker's concurrency")
     _add(p, "--keda-pools", help="comma list of pools (default: the workflows' pools)")
     p = command("bench", cmd_bench, "run a benchmark scenario", stack=False)
-    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "budget"])
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"])
     _add(p, "--size", type=int)
     _add(p, "--json", action="store_true")
     return root
