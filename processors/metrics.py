@@ -37,6 +37,8 @@ FINISHED = Counter("calmq_attempts_finished_total", "Attempts finished, by outco
 RETRIES = Counter("calmq_retries_total", "Retries scheduled", ["failure_class", "tier"])
 SKIPPED = Counter("calmq_redeliveries_acked_total",
                   "Messages acknowledged without a model call (terminal or leased job)")
+CLAIMS_DEFERRED = Counter("calmq_claims_deferred_total",
+                          "Messages claimed again later: their job was not visible yet")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
 STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",

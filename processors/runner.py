@@ -175,6 +175,8 @@ class StepRunner:
         self._inbox: list[Message] = []
         self._claimers: set[asyncio.Task[None]] = set()
         self._claiming = 0  # claimers still looping (their tasks may not have ended yet)
+        # Messages whose job was not visible yet when claimed, and how often (see _ahead).
+        self._deferred: dict[Position, int] = {}
         self._abandoning = False
 
     def start(self) -> None:
@@ -221,6 +223,7 @@ class StepRunner:
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
         steps: dict[uuid.UUID, str] = {}
+        workflows: dict[uuid.UUID, str] = {}
         poison: list[Poison] = []
         for msg in batch:
             position = position_of(msg)
@@ -231,6 +234,7 @@ class StepRunner:
                                         code="unexpected_event")
                 wanted.append((msg, uuid.UUID(str(event["job_id"]))))
                 steps[wanted[-1][1]] = str(event["step"])
+                workflows[wanted[-1][1]] = str(event.get("workflow") or "")
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
@@ -251,9 +255,16 @@ class StepRunner:
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
+        unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
+        visible = await self._persist("reading unclaimed jobs", lambda: self.store.job_steps(
+            unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
             row = claimed.pop(job_id, None)
+            if row is None and self._ahead(job_id, steps, workflows, visible):
+                self._defer(msg, position)
+                continue
+            self._deferred.pop(position, None)
             if row is None:
                 # Terminal, cancelled, or held by a live lease: acknowledge, no model call.
                 self.tracker.done(*position)
@@ -261,6 +272,49 @@ class StepRunner:
                 continue
             task = asyncio.create_task(self._run(row, position[0][0], position))
             self._running[job_id] = task
+
+    def _ahead(self, job_id: uuid.UUID, steps: dict[uuid.UUID, str],
+               workflows: dict[uuid.UUID, str],
+               visible: dict[uuid.UUID, tuple[str, str]]) -> bool:
+        """Whether a message is ahead of what this worker can see of its job.
+
+        The relay publishes a transaction once its commit record is decoded from the WAL,
+        which can be a moment before the transaction is visible to other sessions: a
+        worker that dispatches at once may then claim a job whose row it cannot see yet
+        (or, for the next step of a workflow, still sees at the previous step). Such a
+        message is claimed again shortly, never acknowledged as stale.
+        """
+        seen = visible.get(job_id)
+        if seen is None:
+            return True
+        step, status = seen
+        wanted = steps.get(job_id)
+        if step == wanted and status in ("queued", "retrying"):
+            # Claimable now, so the claim's snapshot (taken a moment before this read)
+            # did not see it yet; another worker's claim would have made it running.
+            return True
+        workflow = self.workflows.get(workflows.get(job_id, ""))
+        if workflow is None:
+            return False
+        order = [s.name for s in workflow.steps]
+        return step in order and wanted in order and order.index(step) < order.index(wanted)
+
+    # A job still out of sight after this many claims (~4 s) is acknowledged: its row was
+    # deleted (a retention sweep), since a published job's row is committed with its event.
+    MAX_DEFERRALS = 10
+
+    def _defer(self, msg: Message, position: Position) -> None:
+        tries = self._deferred.get(position, 0) + 1
+        if tries > self.MAX_DEFERRALS:
+            self._deferred.pop(position, None)
+            log.warning("no job row for the message at %s after %d claims; acknowledged",
+                        position, tries - 1)
+            self.tracker.done(*position)
+            metrics.SKIPPED.inc()
+            return
+        self._deferred[position] = tries
+        metrics.CLAIMS_DEFERRED.inc()
+        asyncio.get_running_loop().call_later(min(0.005 * 2 ** tries, 1.0), self.submit, [msg])
 
     @staticmethod
     async def _persist(what: str, action: Callable[[], Awaitable[_T]]) -> _T:

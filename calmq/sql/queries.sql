@@ -93,6 +93,10 @@ WITH target AS (
 )
 SELECT * FROM claimed;
 
+-- name: job_steps
+-- Which of a batch's unclaimed jobs this session can see: step and status.
+SELECT id, step, status FROM jobs WHERE id = ANY(%(ids)s);
+
 -- name: heartbeat
 -- Rows are locked in id order, the order claim and finish use too: concurrent heartbeats,
 -- claims and group commits of one worker then never deadlock on each other.

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from psycopg.types.json import Jsonb
 
 from calmq import events
 from calmq.codec import make_codec
@@ -230,6 +232,38 @@ def test_job_past_its_deadline_dead_letters_without_a_call(
     assert job["status"] == "dead_letter"
     assert job["error"]["class"] == "deadline"
     assert job_id not in fake_stats(env.stack.env["CALMQ_FAKE_PROVIDER_URL"])["by_job"]
+
+
+def test_a_message_ahead_of_its_jobs_commit_is_claimed_once_the_job_is_visible(
+    env: Env, served: tuple[str, int],
+) -> None:
+    """The relay may publish a transaction a moment before other sessions can see it. A
+    worker that gets the message first must claim the job once it is visible, not drop the
+    message as stale (it would stay queued for ever: that message is its only one)."""
+    pool, port = served
+    deferred = metric(port, "calmq_claims_deferred_total") or 0
+    job_id = uuid.uuid4()
+    row = {"id": job_id, "tenant_id": env.tenant, "workflow": "summarize",
+           "workflow_version": 1, "step": "summarize", "attempt": 0, "priority": "interactive",
+           "pool": pool, "input_ref": None, "deadline_at": None, "trace_parent": None}
+    value = make_codec(env.stack.env["CALMQ_SCHEMA_REGISTRY_URL"]).encode(
+        "job.requested", events.requested(row))
+    with psycopg.connect(env.db) as conn:  # one transaction, committed when the block ends
+        # The job and its history, but no outbox row: the message below is its only one.
+        conn.execute(
+            "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
+            " pool, step, max_attempts, input) VALUES (%s, %s, 'summarize', 1, 'queued',"
+            " 'interactive', %s, 'summarize', 3, %s)",
+            (job_id, env.tenant, pool, Jsonb({"text": "early bird", "mode": "success"})))
+        conn.execute("INSERT INTO job_events (job_id, type, attempt, detail)"
+                     " VALUES (%s, 'queued', 0, '{}')", (job_id,))
+        producer = Producer({"bootstrap.servers": env.bootstrap})
+        producer.produce(f"calmq.{pool}.interactive", value=value, key=str(job_id).encode())
+        assert producer.flush(10) == 0
+        wait_for(lambda: (metric(port, "calmq_claims_deferred_total") or 0) > deferred,
+                 timeout=30, what="the worker to find the job not visible yet")
+    assert env.finished(str(job_id))["status"] == "completed"
+    assert _types(history(env.db, str(job_id))) == ["queued", "running", "completed"]
 
 
 def test_redelivered_message_of_a_finished_job_makes_no_call(
