@@ -530,6 +530,30 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
                                             "relay_mode": _relay_mode()})
 
 
+def _skip_locked_drain(rig: Rig, size: int, env: dict[str, str], sampler: Sampler, log: Log,
+                       *, workers: int, pool_size: int, timeout: float) -> dict[str, Any]:
+    """The SKIP LOCKED queue draining ``size`` rows inserted before its workers start."""
+    _skip_locked_schema(rig)
+    base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port", "{port}"],
+                     health="http")
+    after = _skip_locked_last_id(rig)
+    bload = asyncio.run(loadgen.closed_loop(f"{base.url}/jobs", _job_body(), {}, total=size,
+                                            concurrency=E2E_CONCURRENCY))
+    rig.stop("sl_insert")
+    log(f"  baseline skip_locked: {workers} async workers drain {bload.ok} rows")
+    phase = sampler.phase({**rig.pids("fake-provider"), **rig.infra_pids()})
+    proc = rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers",
+                                    str(workers), "--pool-size", str(pool_size)],
+                     env=env, health="none")
+    phase.pids["sl_workers"] = proc.pid
+    _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok, timeout, "skip_locked jobs", log)
+    sampler.end(phase)
+    rig.stop("sl_workers")
+    done, first, last = _skip_locked_span(rig, after)
+    return {"jobs_per_s": _r(done / max(last - first, 1e-3)), "completed": done,
+            "workers": workers, **_costs(phase, ["sl_workers"], done)}
+
+
 # -- slow -------------------------------------------------------------------------------------
 
 def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
@@ -562,26 +586,9 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         rig.stop("worker")
         rig.stop("relay")
 
-        _skip_locked_schema(rig)
-        base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
-                                       "{port}"], health="http")
-        after = _skip_locked_last_id(rig)
-        bload = asyncio.run(loadgen.closed_loop(f"{base.url}/jobs", _job_body(), {}, total=size,
-                                                concurrency=E2E_CONCURRENCY))
-        rig.stop("sl_insert")
-        log(f"  baseline skip_locked: {SLOW_IN_FLIGHT} async workers drain {bload.ok} rows")
-        phase = sampler.phase({**rig.pids("fake-provider"), **rig.infra_pids()})
-        workers = rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers",
-                                           str(SLOW_IN_FLIGHT), "--pool-size", "32"],
-                            env=env, health="none")
-        phase.pids["sl_workers"] = workers.pid
-        _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok,
-              60 + bload.ok * SLOW_LATENCY_MS / 1000 / 100, "skip_locked jobs", log)
-        sampler.end(phase)
-        rig.stop("sl_workers")
-        bdone, bfirst, blast = _skip_locked_span(rig, after)
-        skip = {"jobs_per_s": _r(bdone / max(blast - bfirst, 1e-3)), "completed": bdone,
-                "workers": SLOW_IN_FLIGHT, **_costs(phase, ["sl_workers"], bdone)}
+        skip = _skip_locked_drain(rig, size, env, sampler, log, workers=SLOW_IN_FLIGHT,
+                                  pool_size=32,
+                                  timeout=60 + size * SLOW_LATENCY_MS / 1000 / 100)
 
         _create_topic(rig.bootstrap, "bench.serial", 1)
         from bench.raw_kafka import encoded_events
@@ -638,25 +645,8 @@ def drain(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         rig.stop("worker")
         rig.stop("relay")
 
-        _skip_locked_schema(rig)
-        base = rig.start("sl_insert", [PY, "-m", "bench.skip_locked", "serve", "--port",
-                                       "{port}"], health="http")
-        after = _skip_locked_last_id(rig)
-        bload = asyncio.run(loadgen.closed_loop(f"{base.url}/jobs", _job_body(), {}, total=size,
-                                                concurrency=E2E_CONCURRENCY))
-        rig.stop("sl_insert")
-        log(f"  baseline skip_locked: 64 async workers drain {bload.ok} rows")
-        phase = sampler.phase({**rig.pids("fake-provider"), **rig.infra_pids()})
-        workers = rig.start("sl_workers", [PY, "-m", "bench.skip_locked", "work", "--workers",
-                                           "64", "--pool-size", "64"], env=env, health="none")
-        phase.pids["sl_workers"] = workers.pid
-        _wait(lambda: _skip_locked_span(rig, after)[0], bload.ok, 60 + size / 50,
-              "skip_locked jobs", log)
-        sampler.end(phase)
-        rig.stop("sl_workers")
-        bdone, bfirst, blast = _skip_locked_span(rig, after)
-        skip = {"jobs_per_s": _r(bdone / max(blast - bfirst, 1e-3)), "completed": bdone,
-                "workers": 64, **_costs(phase, ["sl_workers"], bdone)}
+        skip = _skip_locked_drain(rig, size, env, sampler, log, workers=64, pool_size=64,
+                                  timeout=60 + size / 50)
         versions = dict(rig.state.versions if rig.state else {})
     return result("drain", size, figures, {"skip_locked": skip},
                   {"jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"],
