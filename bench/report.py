@@ -98,6 +98,7 @@ _HEADLINES: dict[str, list[str]] = {
     "relay": ["drain_events_per_s", "ack_p50_ms", "ack_p99_ms"],
     "e2e": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms"],
     "slow": ["jobs_per_s"],
+    "drain": ["jobs_per_s"],
     "budget": ["budget_utilization", "rate_429"],
 }
 
