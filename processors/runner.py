@@ -255,13 +255,15 @@ class StepRunner:
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
+        claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
         visible = await self._persist("reading unclaimed jobs", lambda: self.store.job_steps(
             unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
             row = claimed.pop(job_id, None)
-            if row is None and self._ahead(job_id, steps, workflows, visible):
+            if row is None and job_id not in claimed_ids and self._ahead(
+                    job_id, steps, workflows, visible):
                 self._defer(msg, position)
                 continue
             self._deferred.pop(position, None)
