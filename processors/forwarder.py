@@ -167,23 +167,13 @@ class Forwarder:
                 raw_value=msg.value(),
             ) | {"raw_value": msg.value()})
             metrics.POISON.inc()
-            self._produce(topics.DLQ, msg.key(), value,
-                          [("calmq-error-code", b"missing_origin_topic")], acked)
+            produce(self.producer, topics.DLQ, msg.key(), value,
+                    headers=[("calmq-error-code", b"missing_origin_topic")], on_delivery=acked)
             return
         kept: list[tuple[str, str | bytes | None]] = [
             (k, v) for k, v in raw_headers if k not in (ORIGIN, DUE_AT, _FORWARDED_FROM)]
         kept.append((_FORWARDED_FROM, tp[0].encode()))
-        self._produce(origin, msg.key(), msg.value(), kept, acked)
-
-    def _produce(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, str | bytes | None]],
-        on_delivery: Callable[[KafkaError | None, Message], None],
-    ) -> None:
-        produce(self.producer, topic, key, value, headers=headers, on_delivery=on_delivery)
+        produce(self.producer, origin, msg.key(), msg.value(), headers=kept, on_delivery=acked)
 
     def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
         commit_prefix(consumer, self.tracker, only)

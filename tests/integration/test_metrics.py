@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from calmq import topics
 from calmq.devstack import StackState
 from tests.conftest import wait_for
-from tests.support.workers import BASE, TIERS, Env, Procs, create_pool_topics
+from tests.support.workers import BASE, Env, forwarded_env
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +25,7 @@ WORKERS: list[str] = []  # /metrics of the workers this module started
 
 @pytest.fixture(scope="module")
 def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    procs = Procs(stack.env, tmp_path_factory.mktemp("metrics-logs"))
-    create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], "unused", TIERS.split(","))
-    procs.forwarder(retry_tiers=TIERS)
-    try:
-        yield Env(stack, procs)
-    finally:
-        procs.stop_all()
+    yield from forwarded_env(stack, tmp_path_factory.mktemp("metrics-logs"))
 
 
 def _worker(env: Env, pool: str, **settings: str) -> tuple[subprocess.Popen[bytes], str]:
