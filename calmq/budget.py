@@ -706,8 +706,8 @@ class BudgetedProvider:
         m.tokens.labels(workflow, tenant, self.provider, self.model, "output").inc(output_tokens)
         m.cost.labels(workflow, tenant, self.provider, self.model).inc(cost)
         clock = current_clock()
-        if clock is not None and clock.carries_usage:
-            # The step runner writes it with the attempt's outcome, in the same transaction.
+        if clock is not None:
+            # Inside a step runner's attempt: written with its outcome, in one transaction.
             clock.add_usage(input_tokens, output_tokens, cost)
         elif self.usage is not None:
             await self.usage.record(job_id, input_tokens, output_tokens, cost)

@@ -66,14 +66,13 @@ def current_scope() -> CallScope:
 
 
 class ModelClock:
-    """One attempt's model calls: seconds spent waiting for the answers (calls summed) and,
-    when ``carries_usage``, the calls' tokens and cost, which the step runner then writes in
-    the same transaction as the attempt's outcome instead of one more transaction per call.
+    """One attempt's model calls: seconds spent waiting for the answers (calls summed) and
+    the calls' tokens and cost, which the step runner writes in the same transaction as the
+    attempt's outcome instead of one more transaction per call.
     """
 
-    def __init__(self, *, carries_usage: bool = False) -> None:
+    def __init__(self) -> None:
         self.seconds = 0.0
-        self.carries_usage = carries_usage
         self.calls = 0
         self.input_tokens = 0
         self.output_tokens = 0
@@ -89,10 +88,11 @@ class ModelClock:
 _CLOCK: ContextVar[ModelClock | None] = ContextVar("calmq_model_clock", default=None)
 
 
-def model_clock(*, carries_usage: bool = False) -> ModelClock:
-    """Start timing the current task's model calls (the runner does, once per attempt):
-    model time against the rest of an attempt is what the metrics split."""
-    clock = ModelClock(carries_usage=carries_usage)
+def model_clock() -> ModelClock:
+    """Start timing and metering the current task's model calls (the runner does, once per
+    attempt): model time against the rest of an attempt is what the metrics split, and the
+    usage goes into the attempt's outcome."""
+    clock = ModelClock()
     _CLOCK.set(clock)
     return clock
 

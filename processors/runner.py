@@ -339,7 +339,7 @@ class StepRunner:
                   trace_id=logs.trace_id(job.get("trace_parent")))
         # The attempt's model calls are timed and metered here; their tokens and cost go into
         # the outcome's transaction (one write per attempt, not one more per call).
-        clock = model_clock(carries_usage=True)
+        clock = model_clock()
         started = time.monotonic()
         try:
             with tracing.span("calmq.attempt", job.get("trace_parent"),
