@@ -296,10 +296,10 @@ class Store:
             )
             return await cur.fetchall()
 
-    async def job_steps(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
+    async def visible_jobs(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
         """(step, status) of each job this session can see (a missing id: not visible)."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(self._q["job_steps"], {"ids": list(ids)})
+            cur = await conn.execute(self._q["visible_jobs"], {"ids": list(ids)})
             return {r["id"]: (r["step"], r["status"]) for r in await cur.fetchall()}
 
     async def heartbeat(

@@ -223,7 +223,7 @@ class StepRunner:
     async def _handle_batch(self, batch: list[Message]) -> None:
         wanted: list[tuple[Message, uuid.UUID]] = []
         steps: dict[uuid.UUID, str] = {}
-        workflows: dict[uuid.UUID, str] = {}
+        workflow_of: dict[uuid.UUID, str] = {}
         poison: list[Poison] = []
         for msg in batch:
             position = position_of(msg)
@@ -234,7 +234,7 @@ class StepRunner:
                                         code="unexpected_event")
                 wanted.append((msg, uuid.UUID(str(event["job_id"]))))
                 steps[wanted[-1][1]] = str(event["step"])
-                workflows[wanted[-1][1]] = str(event.get("workflow") or "")
+                workflow_of[wanted[-1][1]] = str(event.get("workflow") or "")
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
@@ -257,13 +257,13 @@ class StepRunner:
         claimed = {row["id"]: row for row in rows}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
-        visible = await self._persist("reading unclaimed jobs", lambda: self.store.job_steps(
+        visible = await self._persist("reading unclaimed jobs", lambda: self.store.visible_jobs(
             unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
             row = claimed.pop(job_id, None)
             if row is None and job_id not in claimed_ids and self._ahead(
-                    job_id, steps, workflows, visible):
+                    job_id, steps, workflow_of, visible):
                 self._defer(msg, position)
                 continue
             self._deferred.pop(position, None)
@@ -276,7 +276,7 @@ class StepRunner:
             self._running[job_id] = task
 
     def _ahead(self, job_id: uuid.UUID, steps: dict[uuid.UUID, str],
-               workflows: dict[uuid.UUID, str],
+               workflow_of: dict[uuid.UUID, str],
                visible: dict[uuid.UUID, tuple[str, str]]) -> bool:
         """Whether a message is ahead of what this worker can see of its job.
 
@@ -295,7 +295,7 @@ class StepRunner:
             # Claimable now, so the claim's snapshot (taken a moment before this read)
             # did not see it yet; another worker's claim would have made it running.
             return True
-        workflow = self.workflows.get(workflows.get(job_id, ""))
+        workflow = self.workflows.get(workflow_of.get(job_id, ""))
         if workflow is None:
             return False
         order = [s.name for s in workflow.steps]

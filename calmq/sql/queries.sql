@@ -93,7 +93,7 @@ WITH target AS (
 )
 SELECT * FROM claimed;
 
--- name: job_steps
+-- name: visible_jobs
 -- Which of a batch's unclaimed jobs this session can see: step and status.
 SELECT id, step, status FROM jobs WHERE id = ANY(%(ids)s);
 
