@@ -13,9 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from processors import metrics
+from processors.lag import LagSampler
 from processors.offsets import OffsetTracker, commit_prefix, position_of
 
 __all__ = ["ParallelConsumer"]
@@ -50,6 +51,8 @@ class ParallelConsumer:
         self.batch_size = batch_size
         self.tracker = OffsetTracker()
         self._assigned: set[tuple[str, int]] = set()
+        # What the lag sampler's thread reads: replaced whole, never changed in place.
+        self._owned: tuple[tuple[str, int], ...] = ()
         self._paused_kinds: set[str] = set()  # "bulk" / "interactive" while paused
         # Interactive work may exceed the bound by this much, so it is fetched ahead of bulk
         # when the process is full of bulk work.
@@ -65,6 +68,7 @@ class ParallelConsumer:
             key = (tp.topic, tp.partition)
             self._assigned.add(key)
             self.tracker.assign(key)
+        self._owned = tuple(self._assigned)
         held = [tp for tp in partitions if self._kind(tp.topic) in self._paused_kinds]
         if held:
             consumer.pause(held)
@@ -76,6 +80,7 @@ class ParallelConsumer:
         for key in keys:
             self._assigned.discard(key)
             self.tracker.revoke(key)
+        self._owned = tuple(self._assigned)
 
     def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may own them already, so commit nothing.
@@ -83,6 +88,7 @@ class ParallelConsumer:
             key = (tp.topic, tp.partition)
             self._assigned.discard(key)
             self.tracker.revoke(key)
+        self._owned = tuple(self._assigned)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -91,30 +97,6 @@ class ParallelConsumer:
         if lag is not None:
             metrics.COMMIT_LAG.observe(lag)
             metrics.COMMIT_LAG_LAST.set(lag)
-
-    def _sample_lag(self, consumer: Consumer) -> None:
-        """Consumer lag per topic: high watermark minus the group's committed offset.
-
-        Two broker round trips per assigned partition, every ``lag_interval`` seconds, on
-        this thread (the only one that may use the consumer). A partition never committed
-        counts from its low watermark.
-        """
-        assigned = [TopicPartition(t, p) for t, p in sorted(self._assigned)]
-        if not assigned:
-            return
-        lag: dict[str, int] = dict.fromkeys(self.topics, 0)
-        try:
-            committed = consumer.committed(assigned, timeout=2)
-            for tp in committed:
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(tp.topic, tp.partition), timeout=2, cached=False)
-                start = tp.offset if tp.offset >= 0 else low
-                lag[tp.topic] = lag.get(tp.topic, 0) + max(0, high - start)
-        except KafkaException as exc:
-            log.warning("sampling consumer lag failed: %s", exc)
-            return
-        for topic, value in lag.items():
-            metrics.CONSUMER_LAG.labels(topic).set(value)
 
     def _room(self) -> tuple[int, int]:
         """Free slots for (bulk, interactive): interactive may also use the reserve."""
@@ -157,7 +139,11 @@ class ParallelConsumer:
             self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
             on_lost=self._on_lost,
         )
-        last_commit = last_lag = time.monotonic()
+        last_commit = time.monotonic()
+        sampler = LagSampler(self.config, self.topics, lambda: self._owned,
+                             self.lag_interval) if self.lag_interval > 0 else None
+        if sampler is not None:
+            sampler.start()
         try:
             while not stop.is_set():
                 room = self._backpressure(consumer)
@@ -186,9 +172,6 @@ class ParallelConsumer:
                 if now - last_commit >= self.commit_interval:
                     self._commit(consumer)
                     last_commit = now
-                if self.lag_interval > 0 and now - last_lag >= self.lag_interval:
-                    self._sample_lag(consumer)
-                    last_lag = now
             # Graceful stop: fetch nothing new, keep the membership alive while work drains.
             consumer.pause([TopicPartition(t, p) for t, p in self._assigned])
             self._paused_kinds = {"bulk", "interactive"}
@@ -197,4 +180,6 @@ class ParallelConsumer:
                 self._commit(consumer)
             self._commit(consumer)
         finally:
+            if sampler is not None:
+                sampler.stop()
             consumer.close()
