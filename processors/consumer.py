@@ -92,8 +92,22 @@ class ParallelConsumer:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
-        lag = commit_prefix(consumer, self.tracker, only)
+    def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None, *,
+                asynchronous: bool = False) -> None:
+        self._observe_commit_lag(
+            commit_prefix(consumer, self.tracker, only, asynchronous=asynchronous))
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """An asynchronous commit's answer (served inside poll, on the consumer thread)."""
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            log.warning("offset commit failed: %s", err)
+        done = {(tp.topic, tp.partition): tp.offset for tp in partitions
+                if tp.error is None and tp.offset >= 0}
+        if done:
+            self._observe_commit_lag(self.tracker.committed(done))
+
+    @staticmethod
+    def _observe_commit_lag(lag: float | None) -> None:
         if lag is not None:
             metrics.COMMIT_LAG.observe(lag)
             metrics.COMMIT_LAG_LAST.set(lag)
@@ -133,7 +147,7 @@ class ParallelConsumer:
 
     def run(self, stop: threading.Event, drained: Callable[[], bool]) -> None:
         """Poll until ``stop``; then wait for ``drained()``, commit, and leave the group."""
-        consumer = Consumer(self.config)
+        consumer = Consumer({**self.config, "on_commit": self._on_commit})
         self._consumer = consumer
         consumer.subscribe(
             self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
@@ -170,7 +184,9 @@ class ParallelConsumer:
                     self.deliver(batch)
                 now = time.monotonic()
                 if now - last_commit >= self.commit_interval:
-                    self._commit(consumer)
+                    # Asynchronous: a synchronous commit held polling for a broker round
+                    # trip five times a second. Revoke and shutdown still wait for theirs.
+                    self._commit(consumer, asynchronous=True)
                     last_commit = now
             # Graceful stop: fetch nothing new, keep the membership alive while work drains.
             consumer.pause([TopicPartition(t, p) for t, p in self._assigned])

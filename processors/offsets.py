@@ -116,21 +116,25 @@ class OffsetTracker:
 
 
 def commit_prefix(
-    consumer: Consumer, tracker: OffsetTracker, only: set[tuple[str, int]] | None = None
+    consumer: Consumer, tracker: OffsetTracker, only: set[tuple[str, int]] | None = None,
+    *, asynchronous: bool = False,
 ) -> float | None:
     """Commit the completed prefix of each partition (``only`` some); returns the commit lag.
 
-    A failed commit is not fatal: the same prefix, or a longer one, goes with the next.
+    ``asynchronous`` returns at once (None): the consumer's ``on_commit`` callback then
+    records the commit with ``tracker.committed``. A failed commit is not fatal: the same
+    prefix, or a longer one, goes with the next.
     """
     positions = tracker.to_commit(only)
     if not positions:
         return None
+    offsets = [TopicPartition(t, p, o) for (t, p), o in positions.items()]
     try:
-        consumer.commit(
-            offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-            asynchronous=False,
-        )
+        if asynchronous:
+            consumer.commit(offsets=offsets, asynchronous=True)
+        else:
+            consumer.commit(offsets=offsets, asynchronous=False)
     except KafkaException as exc:
         log.warning("offset commit failed: %s", exc)
         return None
-    return tracker.committed(positions)
+    return None if asynchronous else tracker.committed(positions)

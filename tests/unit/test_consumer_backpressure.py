@@ -69,3 +69,30 @@ def test_paused_partitions_resume_when_room_frees() -> None:
         c.tracker.done(BULK, o)
     c._backpressure(fake)  # type: ignore[arg-type]
     assert fake.paused == set()
+
+
+class CommitRecorder:
+    """Takes commits like confluent_kafka.Consumer.commit; an asynchronous one answers later."""
+
+    def __init__(self) -> None:
+        self.commits: list[tuple[list[tuple[str, int, int]], bool]] = []
+
+    def commit(self, *, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.commits.append(([(tp.topic, tp.partition, tp.offset) for tp in offsets],
+                             asynchronous))
+
+
+def test_a_periodic_commit_is_recorded_only_when_the_broker_answers() -> None:
+    """The poll loop's commit does not wait; its answer (on_commit) marks it committed."""
+    c = _consumer(10, 0)
+    for o in range(3):
+        c.tracker.add(BULK, o)
+        c.tracker.done(BULK, o)
+    fake = CommitRecorder()
+    c._commit(fake, asynchronous=True)  # type: ignore[arg-type]
+    assert fake.commits == [([(*BULK, 3)], True)]
+    assert c.tracker.to_commit() == {BULK: 3}  # not known to be committed yet
+    c._on_commit(None, [TopicPartition(*BULK, 3)])
+    assert c.tracker.to_commit() == {}
+    c._commit(fake)  # type: ignore[arg-type]  # nothing new: no second commit
+    assert len(fake.commits) == 1
