@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -154,6 +155,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
 
+    _long_running()
+
     async def make() -> web.Application:
         store = Store(settings.database_url, max_size=16)
         await store.open()
@@ -162,6 +165,19 @@ def cmd_api(args: argparse.Namespace) -> int:
     web.run_app(make(), host=settings.api_host, port=settings.api_port, print=None,
                 access_log=None, handle_signals=True)
     return 0
+
+
+def _long_running() -> None:
+    """Garbage collection for a service process, called once its modules are loaded.
+
+    perf on a worker at ~700 jobs/s: 12 % of its CPU in the cyclic collector, which kept
+    walking the tens of thousands of objects every import leaves behind. Those are frozen
+    (never scanned again), and the youngest generation is collected every 50,000
+    allocations instead of 700; the few cycles a job makes wait a little longer.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def _metrics_server(port: int | None) -> None:
@@ -194,6 +210,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap)),
                           make_codec(settings.schema_registry_url),
                           topic_replacement=settings.relay_topic_replacement)
+    _long_running()
     make_relay(settings, publisher).run(stop)
     return 0
 
@@ -204,6 +221,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port)
+    _long_running()
     asyncio.run(Worker(settings).run())
     return 0
 
