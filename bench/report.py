@@ -5,12 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["file_create_ms", "machine", "markdown_table", "result", "text_table", "versions"]
+__all__ = ["machine", "markdown_table", "result", "text_table", "versions"]
 
 
 def machine() -> dict[str, Any]:
@@ -34,24 +32,8 @@ def machine() -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
         # Load when the scenario started: other people's work on the same cores.
         "load_avg_1m_at_start": round(load1, 2), "load_avg_5m_at_start": round(load5, 2),
-        "file_create_ms_at_start": file_create_ms(),
         "all_components_on_one_machine": True,
     }
-
-
-def file_create_ms(count: int = 500) -> float:
-    """Milliseconds to create, write and rename one small file — what the file object store
-    does per artifact. On the bench machine it swung between 0.04 and 0.5 ms minutes apart
-    (same disk, any folder), and the worker's CPU per job with it, so each result says it."""
-    with tempfile.TemporaryDirectory(prefix="calmq-fs-probe-") as folder:
-        started = time.perf_counter()
-        for i in range(count):
-            tmp, final = os.path.join(folder, f".{i}.tmp"), os.path.join(folder, str(i))
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            os.write(fd, b"x" * 400)
-            os.close(fd)
-            os.replace(tmp, final)
-        return round((time.perf_counter() - started) * 1000 / count, 3)
 
 
 def _dist(name: str) -> str:
@@ -105,8 +87,7 @@ def text_table(res: dict[str, Any]) -> str:
     lines += [f"{a:<{w1}}  {b:<{w2}}  {c}" for a, b, c in rows]
     m = res["machine"]
     lines += ["", f"machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), load at start "
-              f"{m.get('load_avg_1m_at_start')}, file create {m.get('file_create_ms_at_start')}"
-              f" ms at start, {m.get('file_create_ms_at_end')} ms at end",
+              f"{m.get('load_avg_1m_at_start')}",
               "versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
     return "\n".join(lines)
 

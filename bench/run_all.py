@@ -38,11 +38,6 @@ def refresh_benchmarks_md(doc: dict[str, Any], path: Path = ROOT / "BENCHMARKS.m
         "started (shared with other work: figures are noisy).",
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()
                                  if k != "load_generator") + ".",
-        "File create (what the file object store does per artifact; it swings on this "
-        "machine's disk): " + "; ".join(
-            f"{r['scenario']} {r['machine'].get('file_create_ms_at_start')}→"
-            f"{r['machine'].get('file_create_ms_at_end')} ms" for r in results
-            if "machine" in r) + ".",
         "Load generator: " + "; ".join(
             f"{r['scenario']}: {r['versions']['load_generator']}" for r in results
             if r.get("versions", {}).get("load_generator")) + ".",

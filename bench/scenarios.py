@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from bench import loadgen, wrk
 from bench.loadgen import LoadResult, percentile
 from bench.procs import LOADGEN, Phase, Sampler
-from bench.report import file_create_ms, machine, result
+from bench.report import machine, result
 from bench.rig import Rig
 from bench.skip_locked import QUERIES as SKIP_LOCKED
 
@@ -760,7 +760,7 @@ def run_scenario(name: str, size: int | None = None, *, log: Log = _stderr,
         res = SCENARIOS[name](size, log=log, sampler=sampler, profile_dir=profile_dir)
     finally:
         sampler.close()
-    res["machine"] = {**info, "file_create_ms_at_end": file_create_ms()}
+    res["machine"] = info
     return res
 
 
