@@ -255,7 +255,7 @@ def accept(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         sampler.end(phase)
         baseline = {**_accept_figures(bload, phase),
                     **_costs(phase, ["plain_insert"], bload.ok)}
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("accept", size, figures, {"plain_insert": baseline},
                   {"accepts_per_s_vs_plain_insert": _ratio(load.rate, bload.rate)},
                   versions, extra_versions={"load_generator": generator})
@@ -392,7 +392,7 @@ def relay(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                     "peak_rss_mb": _r(rss),
                     "cpu_s_per_1000_jobs": _r((cpu + sum(phase.cpu.values())) * 1000 / size, 3),
                     "cpu_s_per_1000_jobs_own": _r(cpu * 1000 / size, 3)}
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("relay", size, figures, {"raw_kafka": baseline},
                   {"drain_events_per_s_vs_raw_kafka": _ratio(figures["drain_events_per_s"],
                                                              baseline["drain_events_per_s"])},
@@ -522,7 +522,7 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         raw_fig = {"jobs_per_s": raw["jobs_per_s"], "peak_rss_mb": _r(rss),
                    "cpu_s_per_1000_jobs": _r((cpu + sum(phase.cpu.values())) * 1000 / size, 3),
                    "cpu_s_per_1000_jobs_own": _r(cpu * 1000 / size, 3)}
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("e2e", size, figures, {"raw_kafka": raw_fig, "skip_locked": skip},
                   {"jobs_per_s_vs_raw_kafka": _ratio(figures["jobs_per_s"], raw_fig["jobs_per_s"]),
                    "jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"], skip["jobs_per_s"])},
@@ -607,7 +607,7 @@ def slow(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         serial = {"jobs_per_s": ser["jobs_per_s"], "completed": ser["count"],
                   "peak_rss_mb": _r(rss), "cpu_s_per_1000_jobs": serial_cpu,
                   "cpu_s_per_1000_jobs_own": serial_cpu}
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("slow", size, figures, {"serial": serial, "skip_locked": skip},
                   {"jobs_per_s_vs_serial": _ratio(figures["jobs_per_s"], serial["jobs_per_s"]),
                    "jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"], skip["jobs_per_s"])},
@@ -647,7 +647,7 @@ def drain(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
 
         skip = _skip_locked_drain(rig, size, env, sampler, log, workers=64, pool_size=64,
                                   timeout=60 + size / 50)
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("drain", size, figures, {"skip_locked": skip},
                   {"jobs_per_s_vs_skip_locked": _ratio(figures["jobs_per_s"],
                                                        skip["jobs_per_s"])},
@@ -735,7 +735,7 @@ def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         log(f"  baseline no_shared_budget: the same {BUDGET_WORKERS} workers, no budget")
         base = _budget_phase(rig, fp.url, api.url, size, 0, "alone", log, sampler)
         figures["provider_tokens_per_minute"] = BUDGET_TPM
-        versions = dict(rig.state.versions if rig.state else {})
+        versions = rig.versions
     return result("budget", size, figures, {"no_shared_budget": base},
                   {"budget_utilization_vs_no_shared_budget": _ratio(
                       figures["budget_utilization"], base["budget_utilization"])}, versions)
