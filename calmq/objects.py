@@ -83,9 +83,10 @@ class FileObjectStore:
         return ObjectRef(uri, hashlib.sha256(data).hexdigest(), content_type, len(data))
 
     async def put(self, key: str, data: bytes, content_type: str) -> ObjectRef:
-        # Off the event loop, always: creating a file is kernel work that cost 0.02 ms on
-        # one day and 0.2-0.6 ms on another on the same ext4 disk (measured on the bench
-        # machine), and on the worker's loop that stalled every job in flight. Small objects
+        # Off the event loop, always: creating a file is kernel work that cost 0.04 ms or
+        # 0.25-0.6 ms on the same disk minutes apart (journal-less ext4 skips recently
+        # deleted inodes one by one), and on the worker's loop that stalled every job in
+        # flight. Small objects
         # go to one writer thread that settles a whole batch with one loop wake-up; large
         # ones to a thread of their own so they hold up no small write.
         if len(data) < 256 * 1024:

@@ -99,8 +99,10 @@ class ParallelConsumer:
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         """An asynchronous commit's answer (served inside poll, on the consumer thread)."""
-        if err is not None and err.code() != KafkaError._NO_OFFSET:
-            log.warning("offset commit failed: %s", err)
+        if err is not None:  # nothing of it is known committed; the next commit retries
+            if err.code() != KafkaError._NO_OFFSET:
+                log.warning("offset commit failed: %s", err)
+            return
         done = {(tp.topic, tp.partition): tp.offset for tp in partitions
                 if tp.error is None and tp.offset >= 0}
         if done:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from processors.consumer import ParallelConsumer
 
@@ -96,3 +96,15 @@ def test_a_periodic_commit_is_recorded_only_when_the_broker_answers() -> None:
     assert c.tracker.to_commit() == {}
     c._commit(fake)  # type: ignore[arg-type]  # nothing new: no second commit
     assert len(fake.commits) == 1
+
+
+def test_a_failed_periodic_commit_is_sent_again() -> None:
+    """A commit the broker refused is not recorded, so the next interval sends it again."""
+    c = _consumer(10, 0)
+    c.tracker.add(BULK, 0)
+    c.tracker.done(BULK, 0)
+    fake = CommitRecorder()
+    c._commit(fake, asynchronous=True)  # type: ignore[arg-type]
+    c._on_commit(KafkaError(KafkaError.REBALANCE_IN_PROGRESS), [TopicPartition(*BULK, 1)])
+    c._commit(fake, asynchronous=True)  # type: ignore[arg-type]
+    assert fake.commits == [([(*BULK, 1)], True), ([(*BULK, 1)], True)]
