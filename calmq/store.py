@@ -322,10 +322,17 @@ class Store:
         finishes = sorted(finishes, key=lambda f: f.job_id)
         records = [f.record_params() for f in finishes if f.record is not None]
         rows = Jsonb([f.row(n) for n, f in enumerate(finishes)])
-        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            if records:  # before finish_attempts: its lease guard is still true then
+        async with self.pool.connection() as conn:
+            if not records:
+                # One statement is its own transaction on this autocommit connection: no
+                # BEGIN and COMMIT round trips, each of which held the rows locked while it
+                # waited for a busy event loop (pg_stat_activity: "idle in transaction").
+                await conn.execute(self._q["finish_attempts"], {"rows": rows})
+                return
+            async with conn.transaction(), conn.cursor() as cur:
+                # Before finish_attempts: its lease guard is still true then.
                 await cur.executemany(self._q["wf_record_step_output"], records)
-            await cur.execute(self._q["finish_attempts"], {"rows": rows})
+                await cur.execute(self._q["finish_attempts"], {"rows": rows})
 
     async def insert_outbox(self, entries: Sequence[dict[str, Any]]) -> None:
         """Outbox rows that belong to no job transition (e.g. an unreadable message)."""
