@@ -469,10 +469,6 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         sampler.end(phase)
         done, _first, last = _calmq_span(rig, tenant_id)
         jobs_per_s = done / max(last - load.started_at, 1e-3)
-        if profile_dir:
-            # A pass of its own: py-spy stops each process 100 times a second, which cost
-            # the measured pass a third of its rate when it ran during it.
-            _profile_pass(rig, url, size // 2, sampler, profile_dir, own, log)
 
         lat_id, key = rig.tenant(f"bench-dispatch-{uuid.uuid4().hex[:6]}")
         log(f"  calmq: accept→dispatch at {DISPATCH_RATE:.0f} jobs/s for {DISPATCH_SECONDS:.0f} s")
@@ -485,6 +481,11 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
                    "submit_errors": sum(load.errors.values()),
                    "accept_p50_ms_under_load": _r(percentile(load.latencies_ms, 50), 2),
                    "dispatch_rate_achieved": _r(fixed.rate), **_costs(phase, own, done)}
+        if profile_dir:
+            # A pass of its own, after the measured ones: py-spy stops each process 100
+            # times a second, which cost the measured pass a third of its rate when it ran
+            # during it.
+            _profile_pass(rig, url, size // 2, sampler, profile_dir, own, log)
         for name in own:
             rig.stop(name)
 
