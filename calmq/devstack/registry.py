@@ -33,6 +33,9 @@ def ensure_registry_jar() -> Path:
         raise InfrastructureError("Maven (mvn) is needed once to fetch Apicurio Registry")
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    # Maven runs in the cache folder, which a fresh machine does not have yet (the Kafka
+    # jars are fetched at the same moment on another thread and may not have made it).
+    cache_root().mkdir(parents=True, exist_ok=True)
     pom = resources.files(__package__).joinpath("registry-pom.xml")
     with resources.as_file(pom) as pom_path:
         result = subprocess.run(
