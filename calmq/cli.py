@@ -149,8 +149,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from calmq.producers.api import build_app
     from calmq.store import Store
-    from producers.api import build_app
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -194,7 +194,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from calmq.codec import make_codec
     from calmq.kafka import producer_config
-    from relay import Publisher, drop_slot, make_relay
+    from calmq.relay import Publisher, drop_slot, make_relay
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -216,7 +216,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from processors import Worker
+    from calmq.processors import Worker
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -234,7 +234,7 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from calmq import topics
     from calmq.codec import make_codec
     from calmq.kafka import consumer_config, producer_config
-    from processors.forwarder import Forwarder
+    from calmq.processors.forwarder import Forwarder
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -316,7 +316,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         return key
 
     if args.action != "create":
-        from producers import keys
+        from calmq.producers import keys
 
         if args.action == "add-key":
             print(f"a new API key for {args.name} (shown once):")
@@ -533,6 +533,13 @@ def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """One scenario on its own throwaway stack; progress on stderr, the result on stdout."""
+    # The benchmarks live in the source checkout, not in the wheel: found beside this package
+    # (calmq/ is in the checkout's root), and handed on to the processes a scenario starts.
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "bench" / "__init__.py").is_file():
+        sys.path.insert(0, str(checkout))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
     try:
         from bench import NotBuiltError, run_scenario, text_table
     except ImportError as exc:

@@ -47,7 +47,8 @@ _CONFLUENT_MAGIC = 0
 
 
 def default_schemas_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "schemas"
+    # calmq/schemas: the repository's schemas/ in a checkout, package data when installed.
+    return Path(__file__).parent / "schemas"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ consumer (Kafka thread) -> runner (asyncio: claim, run the step, group-commit th
 -> the outbox (results, retry tiers, dead letters). ``policy`` decides retry or dead letter.
 """
 
-from processors.policy import Backoff, RetryDecision, decide
-from processors.worker import Worker
+from calmq.processors.policy import Backoff, RetryDecision, decide
+from calmq.processors.worker import Worker
 
 __all__ = ["Backoff", "RetryDecision", "Worker", "decide"]

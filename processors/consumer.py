@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
-from processors import metrics
-from processors.lag import LagSampler
-from processors.offsets import OffsetTracker, commit_prefix, position_of
+from calmq.processors import metrics
+from calmq.processors.lag import LagSampler
+from calmq.processors.offsets import OffsetTracker, commit_prefix, position_of
 
 __all__ = ["ParallelConsumer"]
 

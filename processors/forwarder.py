@@ -24,8 +24,8 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from calmq import events, topics
 from calmq.codec import EventCodec
 from calmq.kafka import header, produce
-from processors import metrics
-from processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
+from calmq.processors import metrics
+from calmq.processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
 
 __all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
 

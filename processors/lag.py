@@ -17,7 +17,7 @@ from typing import Any
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
-from processors import metrics
+from calmq.processors import metrics
 
 __all__ = ["LagSampler", "admin_config"]
 

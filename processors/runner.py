@@ -28,15 +28,15 @@ from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
+from calmq.processors import metrics
+from calmq.processors.offsets import OffsetTracker, Position, position_of
+from calmq.processors.poison import Poison, PoisonSink
+from calmq.processors.policy import Backoff, decide
+from calmq.processors.slots import CallSlots
 from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.effects import StoreEffectLog
 from calmq.workflows.progress import Progress, traceparent
-from processors import metrics
-from processors.offsets import OffsetTracker, Position, position_of
-from processors.poison import Poison, PoisonSink
-from processors.policy import Backoff, decide
-from processors.slots import CallSlots
 
 __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 

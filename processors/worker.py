@@ -16,15 +16,15 @@ from calmq.budget import open_metered_provider
 from calmq.codec import make_codec
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
+from calmq.processors import metrics
+from calmq.processors.consumer import ParallelConsumer
+from calmq.processors.poison import PoisonSink
+from calmq.processors.policy import Backoff
+from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.store import Store
 from calmq.workflows import Workflow, load_workflows
-from processors import metrics
-from processors.consumer import ParallelConsumer
-from processors.poison import PoisonSink
-from processors.policy import Backoff
-from processors.runner import RunnerConfig, StepRunner
 
 __all__ = ["Worker"]
 

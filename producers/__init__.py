@@ -1,5 +1,5 @@
 """The intake side: the HTTP API and the client library that upstream services use."""
 
-from producers.api import build_app
+from calmq.producers.api import build_app
 
 __all__ = ["build_app"]

@@ -33,17 +33,17 @@ from calmq import sql
 from calmq.errors import CalmqError, ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef, ObjectStore, open_object_store
+from calmq.producers.backlog import QueueAge
+from calmq.producers.intake import GroupCommit, insert_params, prepare
+from calmq.producers.notifications import KEYS, WEBHOOKS, Hub
+from calmq.producers.problems import problem
+from calmq.producers.retention import Sweeper, purge
+from calmq.producers.uploads import delete_object, read_object, store_stream, tenant_owns
+from calmq.producers.webhooks import Dispatcher, check_callback_url
 from calmq.reviews import Decision, ReviewDesk
 from calmq.settings import Settings
 from calmq.store import Store, Tenant
 from calmq.workflows import Workflow, find_workflow, load_workflows
-from producers.backlog import QueueAge
-from producers.intake import GroupCommit, insert_params, prepare
-from producers.notifications import KEYS, WEBHOOKS, Hub
-from producers.problems import problem
-from producers.retention import Sweeper, purge
-from producers.uploads import delete_object, read_object, store_stream, tenant_owns
-from producers.webhooks import Dispatcher, check_callback_url
 
 __all__ = ["ROUTES", "RedriveRequest", "SubmitRequest", "build_app", "job_view"]
 
@@ -654,7 +654,7 @@ async def metrics(_request: web.Request) -> web.Response:
 
 
 async def openapi(_request: web.Request) -> web.Response:
-    from producers.openapi import document
+    from calmq.producers.openapi import document
 
     return web.json_response(document())
 

@@ -24,8 +24,8 @@ import psycopg
 
 from calmq import sql
 from calmq.errors import ContractError
+from calmq.producers.intake import Prepared, insert_params, prepare
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
-from producers.intake import Prepared, insert_params, prepare
 
 __all__ = ["ApiError", "Client", "enqueue", "enqueue_async"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from calmq.jobs import Status
-from producers.api import RedriveRequest, ReviewRequest, SubmitRequest
+from calmq.producers.api import RedriveRequest, ReviewRequest, SubmitRequest
 
 __all__ = ["document"]
 

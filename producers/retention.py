@@ -18,9 +18,9 @@ from calmq import sql
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL
 from calmq.objects import ObjectStore
+from calmq.producers.uploads import delete_object, tenant_owns
 from calmq.settings import Settings
 from calmq.store import Store
-from producers.uploads import delete_object, tenant_owns
 
 __all__ = ["Sweeper", "purge"]
 

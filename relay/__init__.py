@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from relay.cdc import CdcRelay, Ledger, drop_slot
-from relay.polling import PollingRelay
-from relay.publisher import OutboxRow, Publisher
+from calmq.relay.cdc import CdcRelay, Ledger, drop_slot
+from calmq.relay.polling import PollingRelay
+from calmq.relay.publisher import OutboxRow, Publisher
 
 if TYPE_CHECKING:
     from calmq.settings import Settings

@@ -53,8 +53,8 @@ from psycopg.rows import dict_row
 
 from calmq import sql
 from calmq.errors import ConfigError, InfrastructureError
-from relay import pgoutput
-from relay.publisher import OutboxRow, Publisher
+from calmq.relay import pgoutput
+from calmq.relay.publisher import OutboxRow, Publisher
 
 __all__ = ["CdcRelay", "Ledger", "drop_slot", "lsn_text"]
 

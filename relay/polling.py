@@ -17,7 +17,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from calmq import sql
-from relay.publisher import OutboxRow, Publisher
+from calmq.relay.publisher import OutboxRow, Publisher
 
 __all__ = ["PollingRelay"]
 

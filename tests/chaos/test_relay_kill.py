@@ -17,7 +17,7 @@ import pytest
 
 from calmq import topics
 from calmq.devstack import StackState
-from relay import pgoutput
+from calmq.relay import pgoutput
 from tests.conftest import wait_for
 from tests.support.relay import (
     RelayDb,

@@ -11,7 +11,7 @@ from urllib.parse import quote, urlparse
 import pytest
 
 from calmq.devstack import StackState
-from producers.client import ApiError, Client
+from calmq.producers.client import ApiError, Client
 from tests.conftest import wait_for
 from tests.e2e.test_api_intake import MP_HEADERS, multipart
 from tests.support.api import Api, create_tenant

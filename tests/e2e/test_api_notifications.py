@@ -15,9 +15,9 @@ import pytest
 
 from calmq.devstack import StackState
 from calmq.migrations import migrate
-from producers import keys
-from producers.client import Client, enqueue
-from producers.webhooks import verify
+from calmq.producers import keys
+from calmq.producers.client import Client, enqueue
+from calmq.producers.webhooks import verify
 from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api

@@ -14,8 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, given
 
 from calmq.devstack import StackState
-from producers.api import ROUTES
-from producers.openapi import document
+from calmq.producers.api import ROUTES
+from calmq.producers.openapi import document
 from tests.support.api import create_tenant
 
 pytestmark = pytest.mark.e2e

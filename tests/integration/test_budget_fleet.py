@@ -24,9 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from calmq.devstack import StackState, processes
+from calmq.producers.client import enqueue
 from calmq.settings import Settings
 from calmq.workflows.summarize import SUMMARIZE
-from producers.client import enqueue
 from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 

@@ -8,8 +8,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from calmq.kafka import consumer_config, create_topics
-from processors import metrics
-from processors.lag import LagSampler, admin_config
+from calmq.processors import metrics
+from calmq.processors.lag import LagSampler, admin_config
 
 
 def test_lag_is_what_the_group_has_not_committed_on_the_partitions_this_worker_owns(

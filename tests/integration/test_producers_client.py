@@ -11,9 +11,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from calmq.devstack import StackState
 from calmq.errors import ContractError, InfrastructureError
+from calmq.producers.client import enqueue, enqueue_async
+from calmq.producers.intake import GroupCommit, insert_params, prepare
 from calmq.workflows import builtin_workflows
-from producers.client import enqueue, enqueue_async
-from producers.intake import GroupCommit, insert_params, prepare
 from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 

@@ -12,9 +12,9 @@ import pytest
 
 from calmq.devstack import StackState
 from calmq.objects import open_object_store
+from calmq.producers.retention import Sweeper
 from calmq.settings import Settings
 from calmq.store import Store
-from producers.retention import Sweeper
 from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 

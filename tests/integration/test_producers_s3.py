@@ -11,7 +11,7 @@ import pytest
 from calmq.devstack import processes
 from calmq.errors import ContractError
 from calmq.objects import S3ObjectStore
-from producers.uploads import delete_object, read_object, store_stream, tenant_owns
+from calmq.producers.uploads import delete_object, read_object, store_stream, tenant_owns
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from calmq import topics
 from calmq.devstack import StackState
 from calmq.devstack.processes import free_port
 from calmq.kafka import create_topics
-from relay import pgoutput
+from calmq.relay import pgoutput
 from tests.conftest import wait_for
 from tests.support.relay import (
     INSERT,

@@ -14,7 +14,7 @@ from calmq import topics
 from calmq.codec import make_codec
 from calmq.devstack import StackState
 from calmq.kafka import producer_config
-from relay import PollingRelay, Publisher
+from calmq.relay import PollingRelay, Publisher
 from tests.support.relay import (
     INSERT,
     RelayDb,

@@ -8,8 +8,14 @@ import uuid
 import pytest
 
 from calmq.errors import ContractError
-from producers.uploads import tenant_owns
-from producers.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, check_callback_url, sign, verify
+from calmq.producers.uploads import tenant_owns
+from calmq.producers.webhooks import (
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    check_callback_url,
+    sign,
+    verify,
+)
 
 T = uuid.UUID("11111111-1111-1111-1111-111111111111")
 BASE = "file:///srv/objects"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError, TopicPartition
 
-from processors.consumer import ParallelConsumer
+from calmq.processors.consumer import ParallelConsumer
 
 INTERACTIVE = ("calmq.p.interactive", 0)
 BULK = ("calmq.p.bulk", 0)

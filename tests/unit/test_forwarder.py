@@ -8,7 +8,7 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from calmq.codec import SingleObjectCodec
-from processors.forwarder import DUE_AT, ORIGIN, Forwarder
+from calmq.processors.forwarder import DUE_AT, ORIGIN, Forwarder
 
 RETRY = "calmq.retry.5s"
 

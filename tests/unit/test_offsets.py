@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from processors.offsets import OffsetTracker
+from calmq.processors.offsets import OffsetTracker
 
 TP = ("calmq.default.bulk", 0)
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from relay.pgoutput import (
+from calmq.relay.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
     Column,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from calmq.errors import FailureClass, StepFailure
-from processors.policy import Backoff, decide
+from calmq.processors.policy import Backoff, decide
 
 TIERS = [("5s", 5.0), ("30s", 30.0), ("2m", 120.0)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from relay.cdc import Ledger, lsn_text
+from calmq.relay.cdc import Ledger, lsn_text
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

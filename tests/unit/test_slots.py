@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from processors.slots import CallSlots
+from calmq.processors.slots import CallSlots
 
 
 async def _started(slots: CallSlots, priority: str, log: list[str], name: str) -> None:
