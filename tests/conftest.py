@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,6 @@ import pytest
 from calmq.devstack import Stack, StackState
 
 _VERSIONS: dict[str, str] = {}
-
-
-def wait_for(check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``check`` until it returns something truthy, or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(delay)  # polling interval of a wait with a deadline, not a synchronisation
-        delay = min(delay * 1.5, 0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
 
 
 def _in_ci() -> bool:

@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from calmq.devstack import StackState, processes
-from tests.conftest import wait_for
 from tests.support.api import create_tenant
 from tests.support.intake import start_api
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.chaos
 

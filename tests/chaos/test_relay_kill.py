@@ -18,7 +18,6 @@ import pytest
 from calmq import topics
 from calmq.devstack import StackState
 from calmq.relay import pgoutput
-from tests.conftest import wait_for
 from tests.support.relay import (
     RelayDb,
     RelayProcess,
@@ -30,6 +29,7 @@ from tests.support.relay import (
     relay_env,
     write_concurrently,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.chaos
 

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from calmq.devstack import StackState, processes
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 from tests.support.workers import BASE, TIERS, Env, Procs, create_pool_topics, fake_stats
 
 pytestmark = pytest.mark.chaos

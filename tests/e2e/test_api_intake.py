@@ -11,9 +11,9 @@ from urllib.parse import urlparse
 import pytest
 
 from calmq.devstack import StackState
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -12,10 +12,10 @@ import pytest
 
 from calmq.devstack import StackState
 from calmq.producers.client import ApiError, Client
-from tests.conftest import wait_for
 from tests.e2e.test_api_intake import MP_HEADERS, multipart
 from tests.support.api import Api, create_tenant
 from tests.support.intake import db
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

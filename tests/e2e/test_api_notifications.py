@@ -18,9 +18,9 @@ from calmq.migrations import migrate
 from calmq.producers import keys
 from calmq.producers.client import Client, enqueue
 from calmq.producers.webhooks import verify
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
 from calmq.devstack import StackState
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

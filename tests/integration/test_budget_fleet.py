@@ -27,8 +27,8 @@ from calmq.devstack import StackState, processes
 from calmq.producers.client import enqueue
 from calmq.settings import Settings
 from calmq.workflows.summarize import SUMMARIZE
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 SCALE = 1
 BULK, INTERACTIVE, WORKERS = 300, 20, 3

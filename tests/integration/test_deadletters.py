@@ -22,8 +22,8 @@ from calmq.devstack import StackState
 from calmq.store import Store
 from calmq.workflows import Workflow
 from calmq.workflows.summarize import SUMMARIZE
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

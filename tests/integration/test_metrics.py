@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from calmq import topics
 from calmq.devstack import StackState
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env
 
 pytestmark = pytest.mark.integration

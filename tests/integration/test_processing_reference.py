@@ -21,7 +21,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
 from calmq.devstack import StackState
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 from tests.support.workers import (
     BASE,
     TERMINAL,

@@ -14,8 +14,8 @@ from calmq.errors import ContractError, InfrastructureError
 from calmq.producers.client import enqueue, enqueue_async
 from calmq.producers.intake import GroupCommit, insert_params, prepare
 from calmq.workflows import builtin_workflows
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from calmq.objects import open_object_store
 from calmq.producers.retention import Sweeper
 from calmq.settings import Settings
 from calmq.store import Store
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,6 @@ from calmq.devstack import StackState
 from calmq.devstack.processes import free_port
 from calmq.kafka import create_topics
 from calmq.relay import pgoutput
-from tests.conftest import wait_for
 from tests.support.relay import (
     INSERT,
     ROOT,
@@ -36,6 +35,7 @@ from tests.support.relay import (
     relay_env,
     write_concurrently,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq import topics
 from calmq.devstack import StackState
-from tests.conftest import wait_for
 from tests.support.api import Api
+from tests.support.waiting import wait_for
 from tests.support.workers import create_tenant_id, metric
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import POOL

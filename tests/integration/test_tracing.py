@@ -14,8 +14,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq import topics
 from calmq.devstack import StackState
-from tests.conftest import wait_for
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 import pytest
 
 from calmq.devstack import StackState
-from tests.conftest import wait_for
 from tests.support.pdf import tiny_pdf
+from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import LEDGER_POOL
 

@@ -26,7 +26,7 @@ from psycopg.types.json import Jsonb
 from calmq import events
 from calmq.kafka import create_topics
 from calmq.migrations import migrate
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

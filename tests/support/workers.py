@@ -30,8 +30,8 @@ from calmq import events, topics
 from calmq.devstack import StackState, processes
 from calmq.kafka import create_topics
 from calmq.store import NewJob, Store
-from tests.conftest import wait_for
 from tests.support.api import Api
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

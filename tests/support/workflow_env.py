@@ -15,9 +15,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from calmq.devstack import StackState, processes
-from tests.conftest import wait_for
 from tests.support.api import Api
 from tests.support.ledger import Ledger
+from tests.support.waiting import wait_for
 from tests.support.workers import Procs, create_pool_topics, create_tenant_id
 from tests.support.workflows import LEDGER_POOL, POOL, POOLS
 

@@ -76,7 +76,7 @@ async def _budget(ledger: MemoryLedger, clock: Clock | None = None) -> TokenBudg
 
 
 async def _until(check: Any, within: float = 2.0) -> None:
-    """Wait for a condition with a deadline (the async twin of tests.conftest.wait_for)."""
+    """Wait for a condition with a deadline (the async twin of tests.support.waiting.wait_for)."""
     async with asyncio.timeout(within):
         while not check():  # noqa: ASYNC110 - polling a condition under a deadline
             await asyncio.sleep(0.005)
