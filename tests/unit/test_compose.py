@@ -83,8 +83,10 @@ def test_calmq_commands_are_real_cli_commands(services: dict[str, dict[str, Any]
 
 
 def test_dockerfile_installs_calmq_with_its_schemas() -> None:
-    """The image copies every package and schemas/, and installs the project."""
+    """The image builds the wheel from every package and schemas/, and installs the wheel."""
     text = (ROOT / "Dockerfile").read_text()
     for folder in ("calmq", "producers", "relay", "processors", "schemas"):
         assert f"COPY {folder} {folder}" in text
-    assert "pip install -e ." in text
+    assert "pip wheel --no-deps --wheel-dir /wheels ." in text
+    assert "pip install /wheels/*.whl" in text
+    assert "pip install -e" not in text
