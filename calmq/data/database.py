@@ -1,0 +1,45 @@
+"""The connection pool every data-layer module runs its queries on.
+
+One ``Database`` per process: the noun modules beside this one (jobs, tenants, outbox, …)
+take it in their constructor and are the only code that reads ``calmq/sql``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import psycopg
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from calmq import sql
+from calmq.errors import InfrastructureError
+
+__all__ = ["Connection", "Database"]
+
+Connection = psycopg.AsyncConnection[DictRow]
+
+
+class Database:
+    """An async pool of autocommit connections whose rows are dicts, and the named queries."""
+
+    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8) -> None:
+        self.url = database_url
+        self.q: Mapping[str, str] = sql.queries()
+        self.pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
+            database_url,
+            connection_class=Connection,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            kwargs={"autocommit": True, "row_factory": dict_row},
+        )
+
+    async def open(self) -> None:
+        try:
+            await self.pool.open(wait=True, timeout=15)
+        except psycopg.Error as exc:
+            raise InfrastructureError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.pool.close()
