@@ -1,4 +1,5 @@
-"""A throwaway stack for one scenario: infrastructure from calmq.devstack, services started here.
+"""A throwaway stack for one scenario: infrastructure from calmq.tooling.devstack, services
+started here.
 
 The scenario chooses each calmq process and its flags (a worker with ``--concurrency
 1000``, a fake provider with ``--latency-ms 2000``) and the baselines' processes, all on
@@ -21,9 +22,9 @@ from typing import Any
 
 import psycopg
 
-from calmq.devstack import Stack, StackState
-from calmq.devstack import processes as procs
 from calmq.errors import InfrastructureError
+from calmq.tooling.devstack import Stack, StackState
+from calmq.tooling.devstack import processes as procs
 
 __all__ = ["Proc", "Rig"]
 

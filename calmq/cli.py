@@ -44,15 +44,15 @@ def _add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
-    from calmq.devstack import default_data_dir
+    from calmq.tooling.devstack import default_data_dir
 
     return Path(args.data_dir) if getattr(args, "data_dir", None) else default_data_dir()
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
     """Settings from env + flags, with empty locations filled from the running local stack."""
-    from calmq.devstack import Stack
     from calmq.settings import Settings
+    from calmq.tooling.devstack import Stack
 
     flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     flags.update({k: v for k, v in overrides.items() if v is not None})
@@ -107,7 +107,7 @@ def _logging(level: str = "INFO", redact: str = "*") -> None:
 # -- dev stack ------------------------------------------------------------------------------
 
 def cmd_dev(args: argparse.Namespace) -> int:
-    from calmq.devstack import SERVICES, Stack
+    from calmq.tooling.devstack import SERVICES, Stack
 
     stack = Stack(_data_dir(args))
     if args.action == "up":
@@ -285,7 +285,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
 
 
 def cmd_fake_provider(args: argparse.Namespace) -> int:
-    from calmq.fake_provider import FakeProviderSettings, serve
+    from calmq.tooling.fake_provider import FakeProviderSettings, serve
 
     values = {
         "port": args.port, "latency_ms": args.latency_ms,
@@ -385,7 +385,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     from calmq.codec import RegistryCodec, SchemaStore
 
     if args.action == "check":
-        from calmq.schemas_check import check_backward
+        from calmq.tooling.schemas_check import check_backward
 
         problems = check_backward(SchemaStore())
         for p in problems:
@@ -404,7 +404,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from calmq.demo import run_demo
+    from calmq.tooling.demo import run_demo
 
     return run_demo(_data_dir(args), keep=args.keep)
 
@@ -511,8 +511,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 
 def cmd_keda(args: argparse.Namespace) -> int:
-    from calmq.autoscaling import write
     from calmq.settings import Settings
+    from calmq.tooling.keda import write
 
     # Not _settings(): a running local stack's 127.0.0.1 addresses must not leak into
     # manifests for a cluster. Empty addresses render as the in-cluster service names.

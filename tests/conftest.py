@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from calmq.devstack import Stack, StackState
+from calmq.tooling.devstack import Stack, StackState
 
 _VERSIONS: dict[str, str] = {}
 

@@ -11,7 +11,7 @@ import aiohttp
 import psycopg
 import pytest
 
-from calmq.devstack import StackState, processes
+from calmq.tooling.devstack import StackState, processes
 from tests.support.api import create_tenant
 from tests.support.intake import start_api
 from tests.support.waiting import wait_for

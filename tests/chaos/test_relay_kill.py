@@ -16,8 +16,8 @@ import psycopg
 import pytest
 
 from calmq import topics
-from calmq.devstack import StackState
 from calmq.relay import pgoutput
+from calmq.tooling.devstack import StackState
 from tests.support.relay import (
     RelayDb,
     RelayProcess,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from calmq.devstack import StackState, processes
+from calmq.tooling.devstack import StackState, processes
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, TIERS, Env, Procs, create_pool_topics, fake_stats
 

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api
 from tests.support.waiting import wait_for

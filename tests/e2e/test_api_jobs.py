@@ -10,8 +10,8 @@ from urllib.parse import quote, urlparse
 
 import pytest
 
-from calmq.devstack import StackState
 from calmq.producers.client import ApiError, Client
+from calmq.tooling.devstack import StackState
 from tests.e2e.test_api_intake import MP_HEADERS, multipart
 from tests.support.api import Api, create_tenant
 from tests.support.intake import db

@@ -13,11 +13,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from calmq.devstack import StackState
 from calmq.migrations import migrate
 from calmq.producers import keys
 from calmq.producers.client import Client, enqueue
 from calmq.producers.webhooks import verify
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api
 from tests.support.waiting import wait_for

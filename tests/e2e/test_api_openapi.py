@@ -13,9 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given
 
-from calmq.devstack import StackState
 from calmq.producers.api import ROUTES
 from calmq.producers.openapi import document
+from calmq.tooling.devstack import StackState
 from tests.support.api import create_tenant
 
 pytestmark = pytest.mark.e2e

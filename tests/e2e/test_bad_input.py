@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for
 

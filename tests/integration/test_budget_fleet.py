@@ -23,9 +23,9 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from calmq.devstack import StackState, processes
 from calmq.producers.client import enqueue
 from calmq.settings import Settings
+from calmq.tooling.devstack import StackState, processes
 from calmq.workflows.summarize import SUMMARIZE
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for

@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from calmq.budget import BucketLimits, PostgresLedger, TokenBudget
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 
 # 600 requests a minute: a 10-request bucket, 2 of them held for interactive.
 LIMITS = BucketLimits(tokens_per_minute=0, requests_per_minute=600, interactive_share=0.2,

@@ -18,8 +18,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
-from calmq.devstack import StackState
 from calmq.store import Store
+from calmq.tooling.devstack import StackState
 from calmq.workflows import Workflow
 from calmq.workflows.summarize import SUMMARIZE
 from tests.support.api import Api, create_tenant

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from calmq import topics
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env
 

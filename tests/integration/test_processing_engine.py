@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 from calmq import events
 from calmq.codec import make_codec
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     BASE,

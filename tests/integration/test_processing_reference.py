@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     BASE,

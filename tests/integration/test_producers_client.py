@@ -9,10 +9,10 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from calmq.devstack import StackState
 from calmq.errors import ContractError, InfrastructureError
 from calmq.producers.client import enqueue, enqueue_async
 from calmq.producers.intake import GroupCommit, insert_params, prepare
+from calmq.tooling.devstack import StackState
 from calmq.workflows import builtin_workflows
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for

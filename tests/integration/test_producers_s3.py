@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from calmq.devstack import processes
 from calmq.errors import ContractError
 from calmq.objects import S3ObjectStore
 from calmq.producers.uploads import delete_object, read_object, store_stream, tenant_owns
+from calmq.tooling.devstack import processes
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 
 from calmq import topics
-from calmq.devstack import StackState
-from calmq.devstack.processes import free_port
 from calmq.kafka import create_topics
 from calmq.relay import pgoutput
+from calmq.tooling.devstack import StackState
+from calmq.tooling.devstack.processes import free_port
 from tests.support.relay import (
     INSERT,
     ROOT,

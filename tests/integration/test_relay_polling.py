@@ -12,9 +12,9 @@ from psycopg.rows import dict_row
 
 from calmq import topics
 from calmq.codec import make_codec
-from calmq.devstack import StackState
 from calmq.kafka import producer_config
 from calmq.relay import PollingRelay, Publisher
+from calmq.tooling.devstack import StackState
 from tests.support.relay import (
     INSERT,
     RelayDb,

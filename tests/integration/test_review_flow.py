@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from calmq import topics
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api
 from tests.support.waiting import wait_for
 from tests.support.workers import create_tenant_id, metric

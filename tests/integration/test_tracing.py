@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from calmq import topics
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for
 

@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.workers import create_pool_topics, create_tenant_id, submit
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from calmq.devstack import StackState
+from calmq.tooling.devstack import StackState
 from tests.support.pdf import tiny_pdf
 from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 
-from calmq.devstack import StackState, processes
+from calmq.tooling.devstack import StackState, processes
 
 
 @dataclass

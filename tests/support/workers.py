@@ -27,9 +27,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from calmq import events, topics
-from calmq.devstack import StackState, processes
 from calmq.kafka import create_topics
 from calmq.store import NewJob, Store
+from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.waiting import wait_for
 

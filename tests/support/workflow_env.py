@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from calmq.devstack import StackState, processes
+from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.ledger import Ledger
 from tests.support.waiting import wait_for

@@ -14,7 +14,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
-from calmq.fake_provider import MODES, FakeProviderSettings, build_app, serve
+from calmq.tooling.fake_provider import MODES, FakeProviderSettings, build_app, serve
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]

@@ -12,8 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from calmq.errors import FailureClass, StepFailure
-from calmq.fake_provider import FakeProviderSettings, build_app
 from calmq.gateway import AnthropicProvider, OpenAIProvider, Provider, classify_status
+from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
 OpenProvider = Callable[..., Awaitable[Provider]]
 

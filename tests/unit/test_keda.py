@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from calmq.autoscaling import budget_cap, render, write
 from calmq.settings import Settings
+from calmq.tooling.keda import budget_cap, render, write
 
 KEDA = Path(__file__).resolve().parents[2] / "deploy" / "keda"
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from calmq.codec import SchemaStore, default_schemas_dir
-from calmq.schemas_check import check_backward
+from calmq.tooling.schemas_check import check_backward
 
 
 def test_shipped_schemas_are_backward_compatible() -> None:

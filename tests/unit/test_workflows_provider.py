@@ -10,8 +10,8 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from calmq.fake_provider import FakeProviderSettings, build_app
 from calmq.gateway import OpenAIProvider
+from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 from calmq.workflows.invoice import INVOICE_SYSTEM_PROMPT
 
 INVOICE = "Vendor: ACME Tools\nInvoice #: INV-77\nTotal: USD 1,002.25"

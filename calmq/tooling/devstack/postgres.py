@@ -15,8 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from calmq.devstack import processes
 from calmq.errors import InfrastructureError
+from calmq.tooling.devstack import processes
 
 __all__ = ["PostgresServer"]
 

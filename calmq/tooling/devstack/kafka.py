@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from calmq.devstack import processes
 from calmq.errors import InfrastructureError
+from calmq.tooling.devstack import processes
 
 __all__ = ["KAFKA_VERSION", "KafkaBroker", "ensure_jars"]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from calmq.devstack import processes
-from calmq.devstack.kafka import cache_root
 from calmq.errors import InfrastructureError
+from calmq.tooling.devstack import processes
+from calmq.tooling.devstack.kafka import cache_root
 
 __all__ = ["APICURIO_VERSION", "SchemaRegistry", "ensure_registry_jar"]
 

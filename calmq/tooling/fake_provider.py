@@ -698,8 +698,8 @@ async def serve(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line entry: ``python -m calmq.fake_provider --port 8090 --latency-ms 2000``."""
-    parser = argparse.ArgumentParser(prog="calmq.fake_provider", description=__doc__)
+    """Command line entry: ``python -m calmq.tooling.fake_provider --port 8090``."""
+    parser = argparse.ArgumentParser(prog="calmq.tooling.fake_provider", description=__doc__)
     defaults = FakeProviderSettings()
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port)

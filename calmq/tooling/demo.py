@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from calmq.devstack import Stack
+from calmq.tooling.devstack import Stack
 
 __all__ = ["run_demo"]
 

@@ -22,8 +22,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from calmq import topics
-from calmq.devstack import kafka, postgres, processes, registry
 from calmq.errors import ConfigError, InfrastructureError
+from calmq.tooling.devstack import kafka, postgres, processes, registry
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
 
