@@ -6,6 +6,9 @@ typed records, never bare rows. See docs/explanation/architecture.md.
 
 from __future__ import annotations
 
+from calmq.data import outbox
 from calmq.data.database import Connection, Database
+from calmq.data.jobs import Job
+from calmq.data.outbox import OutboxEntry
 
-__all__ = ["Connection", "Database"]
+__all__ = ["Connection", "Database", "Job", "OutboxEntry", "outbox"]
