@@ -4,9 +4,13 @@ The shared kernel: settings, the job model, the SQL store, Kafka wiring and topi
 the Avro codec, the model gateway, workflows, the local dev stack and the CLI.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from calmq.errors import CalmqError, ConfigError, ContractError, FailureClass, StepFailure
 from calmq.jobs import EventType, Priority, Status
-from calmq.settings import Settings
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = [
     "CalmqError",
@@ -21,3 +25,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Settings loads pydantic-settings (about 0.25 s): only for those who ask for it, so
+    # that importing any kernel module (the retry policy, the client) stays light.
+    if name == "Settings":
+        from calmq.settings import Settings
+
+        return Settings
+    raise AttributeError(f"module 'calmq' has no attribute {name!r}")

@@ -216,7 +216,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from calmq.processors import Worker
+    from calmq.processors.worker import Worker
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)

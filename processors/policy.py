@@ -12,35 +12,12 @@ import random
 from dataclasses import dataclass
 
 from calmq.errors import StepFailure
+from calmq.retrying import Backoff  # the kernel's one backoff; re-exported for the policy's users
 
 __all__ = ["Backoff", "RetryDecision", "decide"]
 
 
-@dataclass(frozen=True)
-class Backoff:
-    initial: float = 1.0
-    maximum: float = 3600.0
-    multiplier: float = 2.0
-
-    def ceiling(self, attempt: int) -> float:
-        """The exponential cap of attempt ``attempt`` (0 for attempt 0)."""
-        if attempt < 1:
-            return 0.0
-        return min(self.maximum, self.initial * self.multiplier ** (attempt - 1))
-
-    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        """Full jitter over the attempt's own band: uniform in
-        [ceiling(attempt - 1), ceiling(attempt)].
-
-        Plain full jitter draws from [0, ceiling] and so may wait less before the third
-        attempt than before the second; drawing each attempt from the band above the
-        previous cap keeps the spread that breaks up a thundering herd (the whole band is
-        used) while the delays between attempts always grow (until the maximum).
-        """
-        return (rng or random).uniform(self.ceiling(attempt - 1), self.ceiling(attempt))
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RetryDecision:
     retry: bool
     delay: float = 0.0

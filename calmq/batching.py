@@ -1,0 +1,142 @@
+"""Group commit: items that arrive within a few milliseconds share one write.
+
+Used for accepted submits (producers/intake.py), step outcomes (processors/runner.py) and
+model usage (calmq/budget.py): one transaction, one WAL flush, for many items, which is most
+of what lets calmq keep up with a plain ``SKIP LOCKED`` queue while doing more per job.
+
+The shape: ``add`` (fire and forget) or ``submit`` (wait for the item's own result) queue an
+item; after ``window`` seconds (0: at once) the queue is cut into groups of at most
+``max_batch`` and written by up to ``writers`` concurrent writers. What arrives while every
+writer is busy waits for the next free one and so joins a larger group, which is how the
+group size follows the load. ``write`` returns None (every item written) or one error (or
+None) per item, so that one bad row fails only its own request. With ``retry`` set, a group
+whose write raised is written again (jittered backoff) until it succeeds: for work that must
+not be dropped while the database is away; without it the error settles every item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+from calmq.retrying import Backoff, retry_forever
+
+__all__ = ["Batcher", "GroupWrite"]
+
+log = logging.getLogger(__name__)
+
+_Item = TypeVar("_Item")
+
+# Writes one group; returns None if all of it is written, else one error (or None) per item.
+GroupWrite = Callable[[list[_Item]], Awaitable[Sequence[BaseException | None] | None]]
+
+
+class Batcher(Generic[_Item]):
+    def __init__(self, name: str, write: GroupWrite[_Item], *, window: float = 0.0,
+                 max_batch: int = 256, writers: int = 1, retry: Backoff | None = None) -> None:
+        self.name = name
+        self._write = write
+        self.window = window
+        self.max_batch = max_batch
+        self.retry = retry
+        # Each item with the future of its caller (None: added, nobody waits).
+        self._pending: list[tuple[_Item, asyncio.Future[None] | None]] = []
+        self._writing = 0
+        self._slots = asyncio.Semaphore(writers)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._writers: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=self.name)
+
+    @property
+    def pending(self) -> int:
+        """Items not yet written (queued, or in a write under way)."""
+        return len(self._pending) + self._writing
+
+    def add(self, item: _Item) -> None:
+        self._pending.append((item, None))
+        self._idle.clear()
+        self._wake.set()
+
+    async def submit(self, item: _Item) -> None:
+        """Return once ``item`` is written; raise its error if it was not."""
+        if self._task is None:
+            raise RuntimeError(f"{self.name}: start() was not called")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        self._idle.clear()
+        self._wake.set()
+        # Shielded: a caller that goes away (a client hung up, a step timed out) must not
+        # cancel the write its neighbours share.
+        await asyncio.shield(future)
+
+    async def drain(self) -> None:
+        """Wait until everything queued is written."""
+        await self._idle.wait()
+
+    async def close(self, grace: float = 5.0) -> None:
+        """Write what is queued (for up to ``grace`` seconds), then stop."""
+        if self._task is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await self._idle.wait()
+        for task in (self._task, *self._writers):
+            task.cancel()
+        await asyncio.gather(self._task, *self._writers, return_exceptions=True)
+        self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            if self.window:
+                await asyncio.sleep(self.window)  # let concurrent items join this group
+            self._wake.clear()
+            while self._pending:
+                await self._slots.acquire()
+                group = self._pending[: self.max_batch]
+                del self._pending[: len(group)]
+                self._writing += len(group)
+                task = asyncio.create_task(self._write_group(group))
+                self._writers.add(task)
+                task.add_done_callback(self._writers.discard)
+
+    async def _write_group(self, group: list[tuple[_Item, asyncio.Future[None] | None]]) -> None:
+        items = [item for item, _future in group]
+        try:
+            if self.retry is not None:
+                errors = await retry_forever(f"{self.name}: writing a group",
+                                             lambda: self._write(items), backoff=self.retry)
+            else:
+                errors = await self._write(items)
+        except BaseException as exc:
+            _settle(group, [exc] * len(group))
+            if not isinstance(exc, Exception):
+                raise  # cancelled (shutdown): every waiter has been told
+            log.warning("%s: a group of %d failed: %s", self.name, len(group), exc)
+        else:
+            _settle(group, errors)
+        finally:
+            self._writing -= len(group)
+            self._slots.release()
+            if not self._pending and not self._writing:
+                self._idle.set()
+
+
+def _settle(group: list[tuple[_Item, asyncio.Future[None] | None]],
+            errors: Sequence[BaseException | None] | None) -> None:
+    for index, (_item, future) in enumerate(group):
+        if future is None or future.done():
+            continue
+        error = errors[index] if errors is not None else None
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
