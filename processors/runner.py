@@ -18,31 +18,32 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from confluent_kafka import Message
 
-from calmq import events, logs, topics, tracing
+from calmq import logs, tracing
+from calmq.batching import Batcher
 from calmq.codec import EventCodec
 from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
-from calmq.jobs import EventType, Status
+from calmq.jobs import Status
 from calmq.objects import ObjectStore
 from calmq.processors import metrics
+from calmq.processors.failures import FailureStage
 from calmq.processors.offsets import OffsetTracker, Position, position_of
 from calmq.processors.poison import Poison, PoisonSink
-from calmq.processors.policy import Backoff, decide
 from calmq.processors.slots import CallSlots
+from calmq.retrying import RECONNECT, Backoff, retry_forever
 from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.effects import StoreEffectLog
-from calmq.workflows.progress import Progress, traceparent
+from calmq.workflows.progress import Progress
 
 __all__ = ["Committer", "RunnerConfig", "StepRunner"]
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 # Writes an attempt's model usage on its own: (job_id, input, output tokens, cost, calls).
 UsageSink = Callable[[str, int, int, float, int], Awaitable[None]]
 
@@ -64,12 +65,14 @@ class RunnerConfig:
 
 
 class Committer:
-    """Group commit: outcomes that finish within a few ms share one transaction.
+    """Group commit of outcomes: those that finish within a few ms share one transaction,
+    and only once it committed are their offsets marked complete.
 
     Up to ``writers`` groups are written at once on separate connections: with hundreds of
     calls ending together, one serial writer became the ceiling of a worker's throughput
     (a group's transaction costs a few ms per outcome), while groups never touch the same
-    job row, so they do not contend.
+    job row, so they do not contend. A group is written again until the database takes it:
+    dropping it would leave its offsets pending for good.
     """
 
     def __init__(
@@ -78,69 +81,32 @@ class Committer:
     ) -> None:
         self.store = store
         self.tracker = tracker
-        self.window = window
-        self.max_batch = max_batch
-        self._pending: list[tuple[Finish, Position]] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._writing = 0
-        self._slots = asyncio.Semaphore(writers)
-        self._writers: set[asyncio.Task[None]] = set()
+        self._batcher: Batcher[tuple[Finish, Position]] = Batcher(
+            "committer", self._write, window=window, max_batch=max_batch, writers=writers,
+            retry=RECONNECT)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="committer")
+        self._batcher.start()
 
     def add(self, finish: Finish, position: Position) -> None:
-        self._pending.append((finish, position))
-        self._wake.set()
+        self._batcher.add((finish, position))
 
     @property
     def pending(self) -> int:
         """Outcomes not yet durable (queued, or in the transaction being written)."""
-        return len(self._pending) + self._writing
-
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self.window)  # let concurrent completions join this group
-            self._wake.clear()
-            while self._pending:
-                await self._slots.acquire()
-                group = self._pending[: self.max_batch]
-                del self._pending[: len(group)]
-                self._writing += len(group)
-                task = asyncio.create_task(self._write_group(group))
-                self._writers.add(task)
-                task.add_done_callback(self._writers.discard)
-
-    async def _write_group(self, group: list[tuple[Finish, Position]]) -> None:
-        started = time.monotonic()
-        try:
-            await self._write(group)
-        finally:
-            self._writing -= len(group)
-            self._slots.release()
-        metrics.GROUP_WRITE_SECONDS.observe(time.monotonic() - started)
-        metrics.GROUP_SIZE.observe(len(group))
+        return self._batcher.pending
 
     async def _write(self, group: list[tuple[Finish, Position]]) -> None:
-        delay = 0.1
-        while True:
-            try:
-                await self.store.finish([f for f, _ in group])
-                break
-            except Exception:  # the database is away: keep the outcomes, retry
-                log.exception("writing %d outcomes failed; retrying in %.1fs", len(group), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        started = time.monotonic()
+        await self.store.finish([f for f, _ in group])
         for finish, (tp, offset) in group:
             self.tracker.done(tp, offset)
             metrics.finished(finish.status, finish.error)
+        metrics.GROUP_WRITE_SECONDS.observe(time.monotonic() - started)
+        metrics.GROUP_SIZE.observe(len(group))
 
     async def drain(self) -> None:
-        # A short poll: drained once, at shutdown; an Event per write is not worth it.
-        while self.pending:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+        await self._batcher.drain()
 
 
 class StepRunner:
@@ -170,6 +136,9 @@ class StepRunner:
         self.poison = poison
         self.progress = Progress(store, objects, config.review_deadline_seconds)
         self.effects = StoreEffectLog(store)
+        self.failures = FailureStage(worker_id=config.worker_id, tiers=config.tiers,
+                                     backoff=config.backoff, workflows=workflows,
+                                     max_attempts=config.max_attempts)
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
         # Polled messages waiting for a claim, and the claimers working through them.
         self._inbox: list[Message] = []
@@ -242,7 +211,7 @@ class StepRunner:
                 poison.append(Poison(topic, partition, offset, msg.key(), msg.value() or b"",
                                      code, str(exc)))
         if poison:
-            await self._persist("sending poison messages to calmq.dlq",
+            await retry_forever("sending poison messages to calmq.dlq",
                                 lambda: self.poison.send(poison))
             for p in poison:
                 self.tracker.done((p.topic, p.partition), p.offset)
@@ -251,13 +220,13 @@ class StepRunner:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
         started = time.monotonic()
-        rows = await self._persist("claiming a batch", lambda: self.store.claim(
+        rows = await retry_forever("claiming a batch", lambda: self.store.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
-        visible = await self._persist("reading unclaimed jobs", lambda: self.store.visible_jobs(
+        visible = await retry_forever("reading unclaimed jobs", lambda: self.store.visible_jobs(
             unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
@@ -317,20 +286,6 @@ class StepRunner:
         self._deferred[position] = tries
         metrics.CLAIMS_DEFERRED.inc()
         asyncio.get_running_loop().call_later(min(0.005 * 2 ** tries, 1.0), self.submit, [msg])
-
-    @staticmethod
-    async def _persist(what: str, action: Callable[[], Awaitable[_T]]) -> _T:
-        """Run ``action`` until it succeeds: the database or Kafka being away for a while
-        must delay a batch, not lose its offsets (a lost batch task would stall its
-        partitions' commits for good)."""
-        delay = 0.1
-        while True:
-            try:
-                return await action()
-            except Exception:
-                log.exception("%s failed; retrying in %.1fs", what, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def _run(self, job: dict[str, Any], topic: str, position: Position) -> None:
         # This task's context: every record logged while the attempt runs (runner, gateway,
@@ -429,15 +384,15 @@ class StepRunner:
                 output = StepOutput(step.check_output(output.artifact), output.confidence,
                                     output.input_tokens, output.output_tokens)
         except StepFailure as failure:
-            return self._failed(job, topic, failure)
+            return self.failures.outcome(job, topic, failure)
         except ContractError as exc:
-            return self._failed(job, topic, StepFailure(exc.message, code=exc.code,
+            return self.failures.outcome(job, topic, StepFailure(exc.message, code=exc.code,
                                                         failure_class=FailureClass.INPUT))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a step that raised something it did not classify
             log.exception("step %s of job %s raised", job["step"], job["id"])
-            return self._failed(job, topic, StepFailure(f"{type(exc).__name__}: {exc}",
+            return self.failures.outcome(job, topic, StepFailure(f"{type(exc).__name__}: {exc}",
                                                         code="unhandled_exception",
                                                         failure_class=FailureClass.BUG))
         finally:
@@ -460,57 +415,10 @@ class StepRunner:
         raise StepFailure("the job has neither input nor input_ref", code="missing_input",
                           failure_class=FailureClass.INPUT)
 
-    def _base(self, job: dict[str, Any], **kw: Any) -> Finish:
-        return Finish(job_id=job["id"], worker=self.config.worker_id, step=job["step"],
-                      attempt=job["attempt"], **kw)
-
     async def _succeeded(self, job: dict[str, Any], workflow: Workflow, out: StepOutput) -> Finish:
         # Record the output with the job and move it on (next step, review or completed) in
         # the same transaction: calmq/workflows/progress.py.
         return await self.progress.succeeded(job, workflow, out, self.config.worker_id)
-
-    def _failed(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
-        error = {"code": failure.code, "class": failure.failure_class.value,
-                 "message": failure.message[:1000]}
-        budget = self.config.max_attempts or job["max_attempts"]
-        backoff = self.config.backoff
-        workflow = self.workflows.get(job["workflow"])
-        policy = workflow.step(job["step"]).retry if workflow and job["step"] in {
-            s.name for s in workflow.steps} else None
-        if policy is not None:  # the step's own retry policy
-            budget = self.config.max_attempts or policy.max_attempts
-            backoff = Backoff(policy.initial_seconds, policy.maximum_seconds, policy.multiplier)
-            if not policy.retries(failure):
-                budget = 0
-        decision = decide(failure, job["attempt"], budget, self.config.tiers, backoff)
-        if decision.retry:
-            assert decision.tier is not None
-            due = int((time.time() + decision.delay) * 1000)
-            again = events.requested(job)
-            headers = {"calmq-origin-topic": topic, "calmq-due-at": str(due)}
-            if job.get("trace_parent"):
-                headers["traceparent"] = job["trace_parent"]
-            metrics.RETRIES.labels(failure.failure_class.value, decision.tier).inc()
-            metrics.RETRY_DELAY.labels(failure.failure_class.value).observe(decision.delay)
-            return self._base(
-                job, status=Status.RETRYING, event_type=EventType.RETRY_SCHEDULED,
-                outcome="failed", error=error,
-                event_detail={**error, "delay_seconds": round(decision.delay, 3),
-                              "tier": decision.tier},
-                outbox=[events.outbox_entry(topics.retry_route(decision.tier), "job.requested",
-                                            again, headers)],
-            )
-        result = events.result(job, Status.DEAD_LETTER, error=error)
-        dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED, source_topic=topic)
-        metrics.DEAD_LETTERS.labels(failure.failure_class.value).inc()
-        return self._base(
-            job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED, outcome="failed",
-            error=error, event_detail=error,
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
-                                        traceparent(job)),
-                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead,
-                                        traceparent(job))],
-        )
 
     async def abandon(self) -> int:
         """Stop every in-flight attempt (the grace period ran out) and hand its lease back.

@@ -19,11 +19,12 @@ from calmq.objects import open_object_store
 from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.poison import PoisonSink
-from calmq.processors.policy import Backoff
 from calmq.processors.runner import RunnerConfig, StepRunner
+from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.store import Store
+from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
 __all__ = ["Worker"]
@@ -97,7 +98,7 @@ class Worker:
         )
         thread.start()
         log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
-        housekeeping = asyncio.create_task(self._housekeeping(store, runner))
+        side = self._side_tasks(store, runner)
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.1)
@@ -124,24 +125,33 @@ class Worker:
         finally:
             drained.set()
             await asyncio.to_thread(thread.join, 30)
-            housekeeping.cancel()
+            await side.stop()
             await provider.close()
             await store.close()
 
-    async def _housekeeping(self, store: Store, runner: StepRunner) -> None:
-        """Heartbeat leases every third of a lease; requeue expired leases of dead workers."""
+    def _side_tasks(self, store: Store, runner: StepRunner) -> Supervisor:
+        """Heartbeat leases every third of a lease; requeue expired leases of dead workers;
+        apply the expiry outcome to overdue reviews. A failed pass is retried next interval;
+        a task that stops stops the worker (its leases would lapse, or nobody would reap)."""
         interval = max(0.2, self.settings.lease_seconds / 3)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await runner.heartbeat()
-                reaped = await store.reap_expired_leases()
-                if reaped:
-                    metrics.LEASE_EXPIRATIONS.inc(len(reaped))
-                    log.info("requeued %d jobs whose lease expired", len(reaped))
-                # The review timer: reviews past their deadline get the workflow's outcome.
-                expired = await ReviewDesk(store, self.workflows, runner.objects).expire()
-                if expired:
-                    log.info("applied the expiry outcome to %d overdue reviews", expired)
-            except Exception:
-                log.exception("housekeeping failed; trying again next interval")
+
+        def stop_worker(name: str, _exc: BaseException | None) -> None:
+            log.error("stopping the worker: its side task %s stopped", name)
+            self.stop.set()
+
+        async def reap() -> None:
+            reaped = await store.reap_expired_leases()
+            if reaped:
+                metrics.LEASE_EXPIRATIONS.inc(len(reaped))
+                log.info("requeued %d jobs whose lease expired", len(reaped))
+
+        async def expire_reviews() -> None:
+            expired = await ReviewDesk(store, self.workflows, runner.objects).expire()
+            if expired:
+                log.info("applied the expiry outcome to %d overdue reviews", expired)
+
+        side = Supervisor(on_critical=stop_worker)
+        for name, action in (("lease-heartbeat", runner.heartbeat), ("lease-reaper", reap),
+                             ("review-timer", expire_reviews)):
+            side.every(name, interval, action, first_after=interval, critical=True)
+        return side

@@ -1,0 +1,98 @@
+"""Failure handling as one stage: "this attempt failed with X" -> the job's next move.
+
+The runner only classifies what went wrong (a ``StepFailure``); this stage picks the retry
+budget and backoff (the step's own retry policy, else the job's budget and the worker's
+backoff), asks the policy (``policy.decide``) and builds the outcome the group committer
+writes:
+
+- retry: the job becomes ``retrying`` (``retry_scheduled``) and its ``job.requested`` goes to
+  ``calmq.retry.<tier>`` with the topic it came from and the time it is due as headers, where
+  the forwarder holds it until then;
+- dead letter: the job becomes ``dead_letter`` (``dead_lettered``) with a ``job.result`` and a
+  ``job.dead_lettered`` event.
+
+Both in the outcome's one transaction, so a crash never leaves a failed job without its next
+event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from calmq import events, topics
+from calmq.errors import StepFailure
+from calmq.jobs import EventType, Status
+from calmq.processors import metrics
+from calmq.processors.forwarder import DUE_AT, ORIGIN
+from calmq.processors.policy import decide
+from calmq.retrying import Backoff
+from calmq.store import Finish
+from calmq.workflows import Workflow
+from calmq.workflows.progress import traceparent
+
+__all__ = ["FailureStage"]
+
+
+class FailureStage:
+    def __init__(self, *, worker_id: str, tiers: list[tuple[str, float]], backoff: Backoff,
+                 workflows: Mapping[str, Workflow], max_attempts: int | None = None) -> None:
+        self.worker_id = worker_id
+        self.tiers = tiers
+        self.backoff = backoff
+        self.workflows = workflows
+        self.max_attempts = max_attempts  # overrides every job's and step's own budget
+
+    def outcome(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
+        """The outcome of ``job``'s attempt that failed with ``failure``; ``topic``: where the
+        attempt's message came from (a retry goes back there)."""
+        error = {"code": failure.code, "class": failure.failure_class.value,
+                 "message": failure.message[:1000]}
+        budget, backoff = self._budget(job, failure)
+        decision = decide(failure, job["attempt"], budget, self.tiers, backoff)
+        if decision.retry:
+            assert decision.tier is not None
+            due = int((time.time() + decision.delay) * 1000)
+            headers = {ORIGIN: topic, DUE_AT: str(due)}
+            if job.get("trace_parent"):
+                headers["traceparent"] = job["trace_parent"]
+            metrics.RETRIES.labels(failure.failure_class.value, decision.tier).inc()
+            metrics.RETRY_DELAY.labels(failure.failure_class.value).observe(decision.delay)
+            return self._finish(
+                job, status=Status.RETRYING, event_type=EventType.RETRY_SCHEDULED,
+                error=error,
+                event_detail={**error, "delay_seconds": round(decision.delay, 3),
+                              "tier": decision.tier},
+                outbox=[events.outbox_entry(topics.retry_route(decision.tier), "job.requested",
+                                            events.requested(job), headers)],
+            )
+        result = events.result(job, Status.DEAD_LETTER, error=error)
+        dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED,
+                                    source_topic=topic)
+        metrics.DEAD_LETTERS.labels(failure.failure_class.value).inc()
+        return self._finish(
+            job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED,
+            error=error, event_detail=error,
+            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
+                                        traceparent(job)),
+                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead,
+                                        traceparent(job))],
+        )
+
+    def _budget(self, job: dict[str, Any], failure: StepFailure) -> tuple[int, Backoff]:
+        """The attempts ``job`` may use and the backoff between them: its step's own retry
+        policy when the step has one (a failure it does not retry gets no more attempts)."""
+        workflow = self.workflows.get(job["workflow"])
+        policy = workflow.step(job["step"]).retry if workflow and job["step"] in {
+            s.name for s in workflow.steps} else None
+        if policy is None:
+            return self.max_attempts or job["max_attempts"], self.backoff
+        if not policy.retries(failure):
+            return 0, self.backoff
+        return (self.max_attempts or policy.max_attempts,
+                Backoff(policy.initial_seconds, policy.maximum_seconds, policy.multiplier))
+
+    def _finish(self, job: dict[str, Any], **outcome: Any) -> Finish:
+        return Finish(job_id=job["id"], worker=self.worker_id, step=job["step"],
+                      attempt=job["attempt"], outcome="failed", **outcome)
