@@ -53,6 +53,7 @@ class Batcher(Generic[_Item]):
         self._writers: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
+        """Start the writing loop (``add`` and ``submit`` start it too, on first use)."""
         self._task = asyncio.create_task(self._loop(), name=self.name)
 
     @property
@@ -61,6 +62,8 @@ class Batcher(Generic[_Item]):
         return len(self._pending) + self._writing
 
     def add(self, item: _Item) -> None:
+        if self._task is None:
+            self.start()
         self._pending.append((item, None))
         self._idle.clear()
         self._wake.set()
@@ -68,7 +71,7 @@ class Batcher(Generic[_Item]):
     async def submit(self, item: _Item) -> None:
         """Return once ``item`` is written; raise its error if it was not."""
         if self._task is None:
-            raise RuntimeError(f"{self.name}: start() was not called")
+            self.start()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
         self._idle.clear()

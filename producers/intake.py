@@ -13,7 +13,6 @@ cannot fail its neighbours.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import uuid
@@ -27,6 +26,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from calmq import events, sql, topics
+from calmq.batching import Batcher
 from calmq.errors import InfrastructureError
 from calmq.store import NewJob, insert_job_params
 from calmq.workflows import Workflow
@@ -101,60 +101,41 @@ class GroupCommit:
     def __init__(self, pool: AsyncConnectionPool[Any], *, max_batch: int = 256,
                  writers: int = 2) -> None:
         self._pool = pool
-        self._max_batch = max_batch
-        self._writers = writers
-        self._active = 0
-        self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._query = sql.queries()["insert_job"]
         self._batch_query = sql.queries()["api_insert_jobs"]
+        # No window: a submit is written at once when a writer is free; those that arrive
+        # while both are busy share the next transaction.
+        self._batcher: Batcher[dict[str, Any]] = Batcher(
+            "accept-group-commit", self._write, max_batch=max_batch, writers=writers)
         self.batches = 0
         self.jobs = 0
 
     async def submit(self, params: dict[str, Any]) -> None:
         """Return once the job is committed; raise InfrastructureError if it was not."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((params, future))
-        if self._active < self._writers:
-            self._active += 1
-            asyncio.create_task(self._drain())  # noqa: RUF006 - it holds itself via _active
-        # Shielded: a client that hangs up must not cancel its neighbours' write.
-        await asyncio.shield(future)
+        await self._batcher.submit(params)
 
-    async def _drain(self) -> None:
+    async def _write(self, rows: list[dict[str, Any]]) -> list[BaseException | None] | None:
         try:
-            while self._pending:
-                batch = self._pending[: self._max_batch]
-                del self._pending[: self._max_batch]
-                await self._write(batch)
-        finally:
-            self._active -= 1
-
-    async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
-        try:
-            await self._commit([p for p, _ in batch])
+            await self._commit(rows)
         except psycopg.Error as exc:
-            if len(batch) == 1:
-                _settle(batch[0][1], exc)
-                return
+            if len(rows) == 1:
+                return [_infrastructure(exc)]
             log.warning("a group of %d submits failed (%s); writing them one by one",
-                        len(batch), exc)
-            for params, future in batch:
+                        len(rows), exc)
+            # Every request gets its own answer, whatever its neighbours' rows do.
+            errors: list[BaseException | None] = []
+            for params in rows:
                 try:
                     await self._commit([params])
                 except psycopg.Error as one:
-                    _settle(future, one)
+                    errors.append(_infrastructure(one))
                 else:
-                    _settle(future, None)
-            return
-        except BaseException as exc:
-            for _p, future in batch:
-                _settle(future, exc)
-            raise
+                    errors.append(None)
+            return errors
         self.batches += 1
-        self.jobs += len(batch)
-        BATCH_SIZE.observe(len(batch))
-        for _p, future in batch:
-            _settle(future, None)
+        self.jobs += len(rows)
+        BATCH_SIZE.observe(len(rows))
+        return None
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         async with self._pool.connection() as conn:
@@ -179,14 +160,7 @@ def _plain(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    elif isinstance(exc, psycopg.Error):
-        err = InfrastructureError(f"the job could not be written: {exc}")
-        err.__cause__ = exc
-        future.set_exception(err)
-    else:
-        future.set_exception(exc)
+def _infrastructure(exc: psycopg.Error) -> InfrastructureError:
+    err = InfrastructureError(f"the job could not be written: {exc}")
+    err.__cause__ = exc
+    return err
