@@ -1,5 +1,5 @@
-"""The intake side: the HTTP API and the client library that upstream services use."""
+"""The intake side: the HTTP API (``calmq.producers.api.build_app``) and the client library
+that upstream services embed (``calmq.producers.client``).
 
-from calmq.producers.api import build_app
-
-__all__ = ["build_app"]
+Nothing is imported here: ``import calmq.producers.client`` must not load the server.
+"""

@@ -1,232 +1,104 @@
-"""The OpenAPI document served at /openapi.json, written by hand next to producers.api.ROUTES.
+"""The OpenAPI 3.1 document served at /openapi.json, generated from the models and routes.
 
-tests/unit/test_api_openapi.py fails when a route is added to the API without a path here
-(or the reverse), so the two cannot drift apart.
+Schemas come from producers.models (``model_json_schema``, every ``$defs`` entry hoisted
+into ``components/schemas``); paths and operations come from the route table, so a route
+cannot be served undocumented. A submit's ``input`` is documented per workflow: the JSON
+body is a ``oneOf`` of one variant per registered workflow, discriminated by ``workflow``,
+whose ``input`` is that workflow's own input model.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import functools
+import operator
+import re
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Literal
 
-from calmq.jobs import Status
-from calmq.producers.api import RedriveRequest, ReviewRequest, SubmitRequest
+from pydantic import BaseModel, Field, create_model
+
+from calmq.producers import models
+from calmq.producers.models import SubmitRequest
+from calmq.producers.routing import COMPONENTS, Route
+from calmq.workflows import Workflow
 
 __all__ = ["document"]
 
-_PROBLEM = {"$ref": "#/components/schemas/Problem"}
-_JSON = "application/json"
+# Every model a route may reference with routing.ref(); SubmitRequest is generated per
+# workflow instead.
+_DOCUMENTED: tuple[type[BaseModel], ...] = (
+    models.Accepted, models.JobView, models.JobPage, models.JobSummary, models.Redriven,
+    models.ReviewRequest, models.ReviewList, models.RedriveRequest, models.DeadLetterList,
+    models.Problem,
+)
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    return {
-        str(c): {"description": "problem",
-                 "content": {"application/problem+json": {"schema": _PROBLEM}}}
-        for c in codes
-    }
-
-
-def _ok(description: str, ref: str | None = None, content_type: str = _JSON) -> dict[str, Any]:
-    if ref is None:
-        return {"description": description}
-    return {"description": description,
-            "content": {content_type: {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _schemas() -> dict[str, Any]:
-    statuses = [s.value for s in Status]
-    summary_props: dict[str, Any] = {
-        "job_id": {"type": "string", "format": "uuid"},
-        "workflow": {"type": "string"},
-        "status": {"type": "string", "enum": statuses},
-        "attempt": {"type": "integer"},
-        "step": {"type": "string"},
-        "artifact": _nullable({"type": "object", "required": ["uri", "sha256", "content_type",
-                                                              "size"]}),
-        "error": _nullable({"type": "object", "required": ["code", "class", "message"]}),
-        "created_at": {"type": "string", "format": "date-time"},
-        "updated_at": {"type": "string", "format": "date-time"},
-    }
-    event = {"type": "object", "required": ["type", "at", "attempt", "detail"],
-             "properties": {"type": {"type": "string"},
-                            "at": {"type": "string", "format": "date-time"},
-                            "attempt": {"type": "integer"}, "detail": {"type": "object"}}}
-    return {
-        "SubmitRequest": SubmitRequest.model_json_schema(),
-        "ReviewRequest": ReviewRequest.model_json_schema(),
-        "RedriveRequest": RedriveRequest.model_json_schema(),
-        "DeadLetters": {"type": "object", "required": ["dead_letters"], "properties": {
-            "dead_letters": {"type": "array", "items": {
-                "type": "object",
-                "required": ["job_id", "workflow", "step", "attempt", "error", "created_at",
-                             "dead_lettered_at", "redrive_url"],
-                "properties": {"job_id": {"type": "string", "format": "uuid"},
-                               "workflow": {"type": "string"}, "step": {"type": "string"},
-                               "attempt": {"type": "integer"},
-                               "error": _nullable({"type": "object"}),
-                               "created_at": {"type": "string", "format": "date-time"},
-                               "dead_lettered_at": {"type": "string", "format": "date-time"},
-                               "redrive_url": {"type": "string"}}}}}},
-        "Reviews": {"type": "object", "required": ["reviews"], "properties": {"reviews": {
-            "type": "array", "items": {
-                "type": "object",
-                "required": ["job_id", "workflow", "step", "confidence", "output",
-                             "requested_at", "deadline_at", "review_url"],
-                "properties": {"job_id": {"type": "string", "format": "uuid"},
-                               "workflow": {"type": "string"}, "step": {"type": "string"},
-                               "confidence": _nullable({"type": "number"}),
-                               "output": {"type": "object"},
-                               "requested_at": {"type": "string", "format": "date-time"},
-                               "deadline_at": _nullable({"type": "string",
-                                                         "format": "date-time"}),
-                               "review_url": {"type": "string"}}}}}},
-        "Accepted": {"type": "object", "required": ["job_id", "status", "status_url"],
-                     "properties": {"job_id": {"type": "string", "format": "uuid"},
-                                    "status": {"const": "queued"},
-                                    "status_url": {"type": "string"}}},
-        "JobSummary": {"type": "object", "required": list(summary_props),
-                       "properties": summary_props},
-        "Job": {"type": "object", "required": [*summary_props, "events"],
-                "properties": {**summary_props, "events": {"type": "array", "items": event},
-                               # Tokens and cost of every attempt so far (retries included).
-                               "usage": {"type": "object", "properties": {
-                                   "input_tokens": {"type": "integer"},
-                                   "output_tokens": {"type": "integer"},
-                                   "cost_usd": {"type": "number"}}}}},
-        "JobList": {"type": "object", "required": ["jobs", "next_cursor"],
-                    "properties": {"jobs": {"type": "array",
-                                            "items": {"$ref": "#/components/schemas/JobSummary"}},
-                                   "next_cursor": _nullable({"type": "string"})}},
-        "Problem": {
-            "type": "object",
-            "required": ["type", "title", "status", "detail", "code"],
-            "properties": {k: {"type": "integer" if k == "status" else "string"}
-                           for k in ("type", "title", "status", "detail", "code")},
-        },
-    }
-
-
-def document() -> dict[str, Any]:
-    job_path = {"name": "job_id", "in": "path", "required": True,
-                "schema": {"type": "string", "format": "uuid"}}
-    multipart = {"type": "object", "required": ["workflow", "file"], "properties": {
-        "workflow": {"type": "string"}, "file": {"type": "string", "format": "binary"},
-        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
-        "deadline_seconds": {"type": "string", "description": "an integer"},
-        "callback_url": {"type": "string"},
-        "metadata": {"type": "string", "description": "a JSON object"}}}
-    no_auth: list[dict[str, list[str]]] = []
+def document(routes: Iterable[Route], workflows: Mapping[str, Workflow]) -> dict[str, Any]:
+    """The whole document for these routes and these workflows (a fresh, JSON-ready dict)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        paths.setdefault(route.path, {})[route.method.lower()] = copy.deepcopy(route.operation)
     return {
         "openapi": "3.1.0",
         "info": {"title": "calmq", "version": "1",
                  "description": "Intake API of calmq; see docs/reference/api.md."},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": _schemas(),
+            "schemas": _schemas(workflows),
         },
         "security": [{"bearer": []}],
-        "paths": {
-            "/v1/jobs": {
-                "post": {
-                    "operationId": "submitJob",
-                    "parameters": [
-                        {"name": "Idempotency-Key", "in": "header", "required": False,
-                         "schema": {"type": "string", "minLength": 1, "maxLength": 255}}],
-                    "requestBody": {"required": True, "content": {
-                        _JSON: {"schema": {"$ref": "#/components/schemas/SubmitRequest"}},
-                        "multipart/form-data": {"schema": multipart}}},
-                    "responses": {"202": _ok("accepted", "Accepted"),
-                                  **_errors(400, 401, 403, 409, 413, 415, 422, 503)},
-                },
-                "get": {
-                    "operationId": "listJobs",
-                    "parameters": [
-                        {"name": "status", "in": "query", "required": False,
-                         "schema": {"type": "string"},
-                         "description": "one status or a comma list: " + ", ".join(
-                             s.value for s in Status)},
-                        {"name": "workflow", "in": "query", "required": False,
-                         "schema": {"type": "string"}},
-                        {"name": "created_after", "in": "query", "required": False,
-                         "schema": {"type": "string", "format": "date-time"}},
-                        {"name": "created_before", "in": "query", "required": False,
-                         "schema": {"type": "string", "format": "date-time"}},
-                        {"name": "limit", "in": "query", "required": False,
-                         "schema": {"type": "integer", "minimum": 1, "maximum": 200}},
-                        {"name": "cursor", "in": "query", "required": False,
-                         "schema": {"type": "string"}}],
-                    "responses": {"200": _ok("a page of jobs, newest first", "JobList"),
-                                  **_errors(400, 401)},
-                },
-            },
-            "/v1/jobs/{job_id}": {
-                "get": {"operationId": "getJob", "parameters": [job_path],
-                        "responses": {"200": _ok("the job", "Job"), **_errors(401, 404)}},
-                "delete": {"operationId": "deleteJob", "parameters": [job_path],
-                           "responses": {"204": _ok("objects purged, record redacted"),
-                                         **_errors(401, 404, 409)}},
-            },
-            "/v1/jobs/{job_id}/events": {"get": {
-                "operationId": "jobEvents", "parameters": [
-                    job_path,
-                    {"name": "Last-Event-ID", "in": "header", "required": False,
-                     "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "server-sent events",
-                                      "content": {"text/event-stream": {}}},
-                              **_errors(400, 401, 404)},
-            }},
-            "/v1/jobs/{job_id}/artifact": {"get": {
-                "operationId": "getArtifact", "parameters": [job_path],
-                "responses": {"200": {"description": "the artifact's bytes"},
-                              **_errors(401, 404)},
-            }},
-            "/v1/jobs/{job_id}/cancel": {"post": {
-                "operationId": "cancelJob", "parameters": [job_path],
-                "responses": {"200": _ok("cancelled", "Job"), **_errors(401, 404, 409)},
-            }},
-            "/v1/jobs/{job_id}/review": {"post": {
-                "operationId": "reviewJob", "parameters": [job_path],
-                "requestBody": {"required": True, "content": {_JSON: {
-                    "schema": {"$ref": "#/components/schemas/ReviewRequest"}}}},
-                "responses": {"200": _ok("decided", "Job"), **_errors(401, 404, 409, 415, 422)},
-            }},
-            "/v1/reviews": {"get": {
-                "operationId": "listReviews",
-                "parameters": [{"name": "limit", "in": "query", "required": False,
-                                "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
-                "responses": {"200": _ok("jobs awaiting review, oldest first", "Reviews"),
-                              **_errors(401, 422)},
-            }},
-            "/v1/dead-letters": {"get": {
-                "operationId": "listDeadLetters",
-                "parameters": [
-                    *({"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
-                      for n in ("failure_class", "code", "workflow")),
-                    *({"name": n, "in": "query", "required": False,
-                       "schema": {"type": "string", "format": "date-time"}}
-                      for n in ("since", "until")),
-                    {"name": "limit", "in": "query", "required": False,
-                     "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
-                "responses": {"200": _ok("dead-lettered jobs, oldest death first",
-                                         "DeadLetters"), **_errors(401, 422)},
-            }},
-            "/v1/dead-letters/{job_id}/redrive": {"post": {
-                "operationId": "redriveDeadLetter", "parameters": [job_path],
-                "requestBody": {"required": True, "content": {_JSON: {
-                    "schema": {"$ref": "#/components/schemas/RedriveRequest"}}}},
-                "responses": {"200": _ok("requeued (or, with dry_run, unchanged)", "Job"),
-                              **_errors(401, 404, 409, 415, 422)},
-            }},
-            "/healthz": {"get": {"operationId": "healthz", "security": no_auth,
-                                 "responses": {"200": {"description": "alive"}}}},
-            "/readyz": {"get": {"operationId": "readyz", "security": no_auth,
-                                "responses": {"200": {"description": "ready"}, **_errors(503)}}},
-            "/metrics": {"get": {"operationId": "metrics", "security": no_auth,
-                                 "responses": {"200": {"description": "Prometheus text"}}}},
-            "/openapi.json": {"get": {"operationId": "openapi", "security": no_auth,
-                                      "responses": {"200": {"description": "this document"}}}},
-        },
+        "paths": paths,
     }
+
+
+def _schemas(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
+    # One generation pass over every model, so a name two models share (two workflows'
+    # ``Input``) is disambiguated by pydantic instead of overwritten here.
+    fields: dict[str, Any] = {m.__name__: (m, ...) for m in _DOCUMENTED}
+    fields["SubmitRequest"] = (_submit_body(workflows), ...)
+    holder = create_model("OpenApiSchemas", **fields)
+    generated = holder.model_json_schema(ref_template=COMPONENTS + "{model}")
+    schemas: dict[str, Any] = generated.get("$defs", {})
+    submit = dict(generated["properties"]["SubmitRequest"])
+    submit.pop("title", None)
+    schemas["SubmitRequest"] = submit
+    schemas["SubmitForm"] = _submit_form(workflows)
+    return dict(sorted(schemas.items()))
+
+
+def _submit_body(workflows: Mapping[str, Workflow]) -> Any:
+    """The type of a JSON submit: one SubmitRequest variant per workflow."""
+    variants = [_submit_variant(wf) for _name, wf in sorted(workflows.items())]
+    if not variants:
+        return SubmitRequest
+    if len(variants) == 1:
+        return variants[0]
+    return Annotated[functools.reduce(operator.or_, variants), Field(discriminator="workflow")]
+
+
+def _submit_variant(workflow: Workflow) -> type[SubmitRequest]:
+    # Built at run time from the registry, which mypy cannot see: the field types are Any.
+    name: Any = Literal.__getitem__(workflow.name)
+    input_type: Any = workflow.input_model | None
+    camel = "".join(p.capitalize() for p in re.split(r"[^0-9A-Za-z]+", workflow.name) if p)
+    variant: type[SubmitRequest] = create_model(
+        f"Submit{camel}",
+        __base__=SubmitRequest,
+        __doc__=f"POST /v1/jobs for workflow {workflow.name} (version {workflow.version}).",
+        workflow=(name, ...),
+        input=(input_type, None),
+    )
+    return variant
+
+
+def _submit_form(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
+    """The multipart submit: the file is the input; other fields are text (JSON for metadata)."""
+    names = sorted(workflows)
+    workflow: dict[str, Any] = {"type": "string", "enum": names} if names else {"type": "string"}
+    return {"type": "object", "required": ["workflow", "file"], "properties": {
+        "workflow": workflow, "file": {"type": "string", "format": "binary"},
+        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
+        "deadline_seconds": {"type": "string", "description": "an integer"},
+        "callback_url": {"type": "string"},
+        "metadata": {"type": "string", "description": "a JSON object"}}}

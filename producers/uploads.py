@@ -1,4 +1,4 @@
-"""Objects the API moves by stream: uploads in, artifacts out, and purges.
+"""Objects the API moves by stream: multipart uploads in, artifacts out, and purges.
 
 The kernel's ObjectStore puts and gets whole byte strings, which suits artifacts a worker
 writes; an upload of up to ``max_upload_bytes`` must never be held whole in memory, so the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 import uuid
@@ -20,12 +21,17 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import unquote, urlparse
 
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
 from calmq.errors import ContractError, NotFound
 from calmq.objects import FileObjectStore, ObjectRef, ObjectStore, S3ObjectStore
 
-__all__ = ["ChunkSource", "delete_object", "read_object", "store_stream", "tenant_owns"]
+__all__ = ["FIELD_MAX", "ChunkSource", "delete_object", "read_form", "read_object",
+           "store_stream", "tenant_owns"]
 
 _CHUNK = 64 * 1024
+FIELD_MAX = 1024 * 1024  # a non-file multipart field; the JSON body has the same limit
 
 
 class ChunkSource(Protocol):
@@ -101,6 +107,80 @@ async def _copy(source: ChunkSource, fh: IO[bytes], limit: int) -> tuple[str, in
         digest.update(chunk)
         fh.write(chunk)
     return digest.hexdigest(), size
+
+
+async def _field_text(part: BodyPartReader) -> str:
+    data = bytearray()
+    while chunk := await part.read_chunk(_CHUNK):
+        data += chunk
+        if len(data) > FIELD_MAX:
+            raise ContractError(f"field {part.name} is over {FIELD_MAX} bytes",
+                                code="body_too_large", status=413)
+    try:
+        return data.decode(part.get_charset(default="utf-8"))
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise ContractError(f"field {part.name} is not text", code="invalid_multipart") from exc
+
+
+async def read_form(
+    request: web.Request, objects: ObjectStore, prefix: str, max_upload: int,
+    stored: list[ObjectRef],
+) -> tuple[dict[str, Any], bytes]:
+    """A multipart submit's fields, with its ``file`` part streamed to the object store.
+
+    The file goes under ``prefix`` and is appended to ``stored`` as soon as it is written,
+    so the caller can delete it if the request fails later. ``input_ref`` names the file;
+    the digest covers every field and the file's hash (the Idempotency-Key's body hash).
+    """
+    fields: dict[str, Any] = {}
+    digest = hashlib.sha256()
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader) or not part.name:
+                raise ContractError("every part needs a name; nested multipart is not supported",
+                                    code="invalid_multipart")
+            if part.name == "file":
+                if stored:
+                    raise ContractError("send one part named file", code="invalid_multipart")
+                ref = await store_stream(
+                    objects, f"{prefix}/{uuid.uuid4()}", part,
+                    part.headers.get("Content-Type", "application/octet-stream")[:200],
+                    max_upload)
+                stored.append(ref)
+                digest.update(f"file={ref.sha256}".encode())
+            else:
+                if part.name in fields:
+                    raise ContractError(f"field {part.name} is sent twice",
+                                        code="invalid_multipart")
+                text = await _field_text(part)
+                fields[part.name] = text
+                digest.update(f"{part.name}={text}".encode())
+    except (ValueError, AssertionError, RuntimeError, HttpProcessingError) as exc:
+        # aiohttp's reader raises these for a missing boundary, a bad part header or a body
+        # that ends mid-part.
+        raise ContractError(f"the multipart body is malformed: {exc}",
+                            code="invalid_multipart") from exc
+    for name in ("input", "metadata"):
+        if name in fields:
+            try:
+                fields[name] = json.loads(fields[name])
+            except ValueError as exc:
+                raise ContractError(f"field {name} is not JSON", code="invalid_json") from exc
+    if "deadline_seconds" in fields:
+        try:
+            fields["deadline_seconds"] = int(fields["deadline_seconds"])
+        except ValueError as exc:
+            raise ContractError("deadline_seconds is not an integer", code="invalid_body",
+                                status=422) from exc
+    if not stored:
+        raise ContractError("a multipart submit needs a part named file", code="missing_file",
+                            status=422)
+    if "input" in fields or "input_ref" in fields:
+        raise ContractError("a multipart submit carries its input as the file part",
+                            code="invalid_body", status=422)
+    fields["input_ref"] = stored[0].uri
+    return fields, digest.digest()
 
 
 async def read_object(objects: ObjectStore, uri: str) -> tuple[int, AsyncIterator[bytes]]:

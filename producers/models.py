@@ -1,0 +1,206 @@
+"""Every body the API reads or writes, as a pydantic model: the one source of its shapes.
+
+Request models validate what clients send (``producers.parsing``). Response models
+describe what the API answers; producers/openapi.py generates /openapi.json from both, and
+tests/unit/test_api_models.py holds the bodies ``producers.views`` builds to them. The
+views build plain dicts rather than instances: a GET, a list page or an SSE stream would
+otherwise pay a model construction and dump per job for a shape that is already right.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from calmq.jobs import Status
+
+__all__ = [
+    "Accepted",
+    "Artifact",
+    "DeadLetter",
+    "DeadLetterList",
+    "JobError",
+    "JobEvent",
+    "JobPage",
+    "JobSummary",
+    "JobView",
+    "Problem",
+    "RedriveRequest",
+    "Redriven",
+    "ReviewItem",
+    "ReviewList",
+    "ReviewRequest",
+    "SubmitRequest",
+    "Usage",
+]
+
+_MAX_DEADLINE = 30 * 24 * 3600
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+class SubmitRequest(BaseModel):
+    """The body of POST /v1/jobs (or the fields of its multipart form)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    workflow: str = Field(min_length=1, max_length=100)
+    # The workflow checks it against its own input model (documented per workflow).
+    input: dict[str, Any] | None = None
+    input_ref: str | None = Field(default=None, max_length=2000)
+    priority: Literal["interactive", "bulk"] = "bulk"
+    deadline_seconds: int | None = Field(default=None, gt=0, le=_MAX_DEADLINE)
+    callback_url: str | None = Field(default=None, max_length=2000)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReviewRequest(BaseModel):
+    """The body of POST /v1/jobs/{id}/review."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    decision: Literal["approve", "reject"]
+    fields: dict[str, Any] = Field(default_factory=dict)
+    reviewer: str = Field(min_length=1, max_length=200)
+    reason: str | None = Field(default=None, max_length=1000)
+
+
+class RedriveRequest(BaseModel):
+    """The body of POST /v1/dead-letters/{job_id}/redrive."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: str = Field(min_length=1, max_length=1000)
+    by: str | None = Field(default=None, min_length=1, max_length=200)  # default: the tenant
+    dry_run: bool = False
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+class Accepted(BaseModel):
+    """The 202 answer of POST /v1/jobs."""
+
+    job_id: uuid.UUID
+    status: Literal["queued"]
+    status_url: str
+
+
+class Artifact(BaseModel):
+    """Where a job's result is: a reference into the object store, never the bytes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    uri: str
+    sha256: str
+    content_type: str
+    size: int
+
+
+class JobError(BaseModel):
+    """Why a job failed: a stable code, its failure class and a message for people."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    code: str
+    failure_class: str = Field(alias="class")
+    message: str
+
+
+class JobEvent(BaseModel):
+    """One entry of a job's history (also the data of each SSE event)."""
+
+    type: str
+    at: datetime
+    attempt: int
+    detail: dict[str, Any]
+
+
+class Usage(BaseModel):
+    """Tokens and cost of every model call of the job so far, retries included."""
+
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+
+
+class JobSummary(BaseModel):
+    """A job without its history: an entry of GET /v1/jobs."""
+
+    job_id: uuid.UUID
+    workflow: str
+    status: Status
+    attempt: int
+    step: str
+    artifact: Artifact | None
+    error: JobError | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class JobView(JobSummary):
+    """GET /v1/jobs/{id}: the same shape at every stage (DESIGN.md §4)."""
+
+    usage: Usage
+    events: list[JobEvent]
+
+
+class Redriven(JobView):
+    """The answer of a redrive: the job, and what the redrive did to it."""
+
+    redrive: dict[str, Any]
+
+
+class JobPage(BaseModel):
+    """A page of GET /v1/jobs, newest first; ``next_cursor`` is None on the last page."""
+
+    jobs: list[JobSummary]
+    next_cursor: str | None
+
+
+class ReviewItem(BaseModel):
+    """A job waiting in ``awaiting_review``, with the output a person decides on."""
+
+    job_id: uuid.UUID
+    workflow: str
+    step: str
+    confidence: float | None
+    output: dict[str, Any]
+    requested_at: datetime
+    deadline_at: datetime | None
+    review_url: str
+
+
+class ReviewList(BaseModel):
+    reviews: list[ReviewItem]
+
+
+class DeadLetter(BaseModel):
+    """A dead-lettered job, with the error that put it there."""
+
+    job_id: uuid.UUID
+    workflow: str
+    step: str
+    attempt: int
+    error: JobError | None
+    created_at: datetime
+    dead_lettered_at: datetime
+    redrive_url: str
+
+
+class DeadLetterList(BaseModel):
+    dead_letters: list[DeadLetter]
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details, the body of every error; ``code`` is stable."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str

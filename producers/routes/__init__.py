@@ -1,0 +1,15 @@
+"""The API's routes by resource; ``ROUTES`` is the whole table, in registration order.
+
+build_app registers exactly this table and producers.openapi documents exactly it, so the
+served routes and the documented paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from calmq.producers.routes import dead_letters, docs, health, jobs, reviews
+from calmq.producers.routing import Route
+
+__all__ = ["ROUTES"]
+
+ROUTES: tuple[Route, ...] = (
+    *jobs.ROUTES, *reviews.ROUTES, *dead_letters.ROUTES, *health.ROUTES, *docs.ROUTES)

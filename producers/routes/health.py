@@ -1,0 +1,41 @@
+"""Operations: liveness, readiness (PostgreSQL answers) and Prometheus metrics. No API key."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from calmq.producers.context import STORE
+from calmq.producers.problems import problem
+from calmq.producers.routing import PUBLIC, Route, problems
+
+__all__ = ["ROUTES"]
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    try:
+        async with request.app[STORE].pool.connection() as conn:
+            await conn.execute("SELECT 1")
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        return problem(503, "database_unavailable", f"PostgreSQL does not answer: {exc}")
+    return web.json_response({"ok": True})
+
+
+async def metrics(_request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+ROUTES = [
+    Route("GET", "/healthz", healthz, {
+        "operationId": "healthz", **PUBLIC, "responses": {"200": {"description": "alive"}}}),
+    Route("GET", "/readyz", readyz, {
+        "operationId": "readyz", **PUBLIC,
+        "responses": {"200": {"description": "ready"}, **problems(503)}}),
+    Route("GET", "/metrics", metrics, {
+        "operationId": "metrics", **PUBLIC,
+        "responses": {"200": {"description": "Prometheus text"}}}),
+]

@@ -1,0 +1,344 @@
+"""The jobs resource: submit, read, list, follow (SSE), fetch the artifact, cancel, delete.
+
+Nothing is written for a request that is rejected, and a rejected or failed submit leaves
+no uploaded file behind. Every query is scoped by the caller's tenant; another tenant's job
+id answers 404 exactly like an unknown one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+
+from calmq import sql
+from calmq.errors import ContractError, NotFound
+from calmq.jobs import TERMINAL, Status
+from calmq.objects import ObjectRef
+from calmq.producers.auth import tenant
+from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.intake import insert_params, prepare
+from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
+from calmq.producers.parsing import job_id, limit, read_body, validate
+from calmq.producers.retention import purge
+from calmq.producers.routing import (
+    JOB_ID,
+    LIMIT,
+    Route,
+    answer,
+    problems,
+    query,
+    ref,
+)
+from calmq.producers.timestamps import format_time, parse_time
+from calmq.producers.uploads import delete_object, read_form, read_object, tenant_owns
+from calmq.producers.views import event_view, job_summary, job_view
+from calmq.producers.webhooks import check_callback_url
+from calmq.store import Tenant
+from calmq.workflows import find_workflow
+
+__all__ = ["ROUTES"]
+
+ACCEPTED = Counter("calmq_jobs_accepted_total", "Jobs accepted by the API",
+                   ["workflow", "priority"])
+CANCELLED = Counter("calmq_jobs_cancelled_total", "Jobs cancelled through the API")
+ACCEPT_SECONDS = Histogram("calmq_accept_seconds", "Time to accept a job",
+                           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1))
+
+_SSE_KEEPALIVE = 15.0
+_LIST_PARAMS = frozenset({"status", "workflow", "created_after", "created_before", "limit",
+                          "cursor"})
+
+
+# -- submit -------------------------------------------------------------------------------------
+
+async def submit(request: web.Request) -> web.Response:
+    started = time.perf_counter()
+    caller = await tenant(request)
+    stored: list[ObjectRef] = []
+    try:
+        response = await _submit(request, caller, stored)
+    except BaseException:
+        for ref_ in stored:  # a rejected or failed request leaves nothing behind
+            await asyncio.shield(delete_object(request.app[OBJECTS], ref_.uri))
+        raise
+    ACCEPT_SECONDS.observe(time.perf_counter() - started)
+    return response
+
+
+async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
+                  ) -> web.Response:
+    settings = request.app[SETTINGS]
+    multipart = request.content_type.startswith("multipart/")
+    if multipart:
+        fields, raw = await read_form(request, request.app[OBJECTS], f"{caller.id}/inputs",
+                                      settings.max_upload_bytes, stored)
+        req = validate(SubmitRequest, fields)
+    else:
+        req, raw = await read_body(request, SubmitRequest)
+    workflow = find_workflow(req.workflow, request.app[WORKFLOWS])
+    if (req.input is None) == (req.input_ref is None):
+        raise ContractError("send exactly one of input and input_ref", code="invalid_body",
+                            status=422)
+    data = workflow.validate_input(req.input) if req.input is not None else None
+    if req.input_ref is not None and not multipart and not tenant_owns(
+            settings.object_store_url, caller.id, req.input_ref):
+        raise ContractError("input_ref must point inside your tenant's prefix of the store",
+                            code="input_ref_forbidden", status=403)
+    if req.callback_url is not None:
+        await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not (0 < len(key) <= 255):
+        raise ContractError("Idempotency-Key must be 1 to 255 characters", code="invalid_header")
+    job, event, route = prepare(
+        workflow, caller.id, input=data, input_ref=req.input_ref, priority=req.priority,
+        deadline_seconds=req.deadline_seconds, callback_url=req.callback_url,
+        metadata=req.metadata, trace_parent=request.headers.get("traceparent"),
+        idempotency_key=key,
+        request_hash=(raw if multipart else hashlib.sha256(raw).digest()) if key else None,
+    )
+    if key is None:
+        await request.app[GROUP_COMMIT].submit(insert_params(job, event, route))
+        new_id, created = job.id, True
+    else:
+        # With a key, the key row must be written in the job's transaction and a concurrent
+        # twin must see it: the store's one-job transaction does both.
+        new_id, created = await request.app[STORE].submit(job, event, route)
+    if created:
+        ACCEPTED.labels(job.workflow, job.priority).inc()
+    else:
+        for ref_ in stored:  # the earlier job has its own copy of the file
+            await delete_object(request.app[OBJECTS], ref_.uri)
+    stored.clear()  # committed: the object now belongs to the job
+    return web.json_response(
+        {"job_id": str(new_id), "status": "queued", "status_url": f"/v1/jobs/{new_id}"},
+        status=202,
+    )
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+async def get_job(request: web.Request) -> web.Response:
+    caller = await tenant(request)
+    job = await request.app[STORE].job_view(caller.id, job_id(request))
+    if job is None:
+        raise NotFound("no such job")
+    return web.json_response(job_view(job))
+
+
+def _encode_cursor(created_at: datetime, ident: uuid.UUID) -> str:
+    text = f"{format_time(created_at)}|{ident}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(value: str | None) -> tuple[datetime | None, uuid.UUID | None]:
+    if value is None:
+        return None, None
+    try:
+        at, _, ident = base64.urlsafe_b64decode(value.encode() + b"==").decode().partition("|")
+        return parse_time("cursor", at), uuid.UUID(ident)
+    except (ContractError, ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise ContractError("cursor is not one this API gave out",
+                            code="invalid_cursor") from exc
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    caller = await tenant(request)
+    params = request.query
+    unknown = sorted(set(params) - _LIST_PARAMS)
+    if unknown:
+        raise ContractError(f"unknown query parameter(s) {', '.join(unknown)}",
+                            code="invalid_query")
+    statuses = [s for v in params.getall("status", []) for s in v.split(",") if s] or None
+    valid = {s.value for s in Status}
+    if statuses and not set(statuses) <= valid:
+        raise ContractError(f"status is one of {', '.join(sorted(valid))}", code="invalid_query")
+    page_size = limit(params, default=50)
+    cursor_at, cursor_id = _decode_cursor(params.get("cursor"))
+    values = {
+        "tenant_id": caller.id, "statuses": statuses, "workflow": params.get("workflow"),
+        "created_after": parse_time("created_after", params.get("created_after")),
+        "created_before": parse_time("created_before", params.get("created_before")),
+        "cursor_at": cursor_at, "cursor_id": cursor_id, "limit": page_size + 1,
+    }
+    async with request.app[STORE].pool.connection() as conn:
+        cur = await conn.execute(sql.queries()["api_list_jobs"], values)
+        rows = await cur.fetchall()
+    page, more = rows[:page_size], len(rows) > page_size
+    next_cursor = _encode_cursor(page[-1]["created_at"], page[-1]["id"]) if more else None
+    return web.json_response({"jobs": [job_summary(r) for r in page],
+                              "next_cursor": next_cursor})
+
+
+# -- notifications --------------------------------------------------------------------------------
+
+def _last_event_id(request: web.Request) -> int:
+    raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ContractError("Last-Event-ID is the id of an event this stream sent",
+                            code="invalid_header") from exc
+    return max(value, 0)
+
+
+async def job_events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: the job's history, then each new event as it is written."""
+    caller = await tenant(request)
+    ident = job_id(request)
+    after = _last_event_id(request)
+    store, hub, q = request.app[STORE], request.app[HUB], sql.queries()
+
+    async def read() -> tuple[str | None, list[dict[str, Any]]]:
+        async with store.pool.connection() as conn:
+            # Status first, then events: a terminal status implies its event is visible.
+            cur = await conn.execute(q["api_job_status"], {"id": ident, "tenant_id": caller.id})
+            row = await cur.fetchone()
+            if row is None:
+                return None, []
+            cur = await conn.execute(q["api_job_events_after"], {"id": ident, "after": after})
+            return row["status"], await cur.fetchall()
+
+    wake = hub.subscribe(str(ident))  # before the first read, so no event falls in between
+    try:
+        status, rows = await read()
+        if status is None:
+            raise NotFound("no such job")
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        while True:
+            for r in rows:
+                data = json.dumps({"job_id": str(ident), **event_view(r)})
+                await resp.write(f"id: {r['id']}\nevent: {r['type']}\ndata: {data}\n\n".encode())
+                after = r["id"]
+            if status in TERMINAL:
+                await resp.write(f"event: end\ndata: {json.dumps({'status': status})}\n\n".encode())
+                break
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=_SSE_KEEPALIVE)
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+            wake.clear()
+            if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
+                break
+            status, rows = await read()
+            if status is None:
+                break
+        await resp.write_eof()
+        return resp
+    finally:
+        hub.unsubscribe(str(ident), wake)
+
+
+# -- artifact, cancel, delete ---------------------------------------------------------------------
+
+async def get_artifact(request: web.Request) -> web.StreamResponse:
+    caller = await tenant(request)
+    job = await request.app[STORE].job_view(caller.id, job_id(request))
+    if job is None:
+        raise NotFound("no such job")
+    artifact = job["artifact"]
+    if not artifact:
+        raise NotFound(f"the job is {job['status']} and has no artifact",
+                       code="artifact_not_found")
+    size, chunks = await read_object(request.app[OBJECTS], artifact["uri"])
+    resp = web.StreamResponse(headers={
+        "Content-Type": str(artifact.get("content_type") or "application/octet-stream"),
+        "Content-Length": str(size),
+        "ETag": f'"{artifact.get("sha256", "")}"'})
+    await resp.prepare(request)
+    async for chunk in chunks:
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    caller = await tenant(request)
+    ident = job_id(request)
+    store = request.app[STORE]
+    if not await store.cancel(caller.id, ident):
+        job = await store.job_view(caller.id, ident)
+        if job is None:
+            raise NotFound("no such job")
+        raise ContractError(f"the job is {job['status']} already", code="job_terminal",
+                            status=409)
+    CANCELLED.inc()
+    job = await store.job_view(caller.id, ident)
+    assert job is not None
+    return web.json_response(job_view(job))
+
+
+async def delete_job(request: web.Request) -> web.Response:
+    caller = await tenant(request)
+    await purge(request.app[STORE], request.app[OBJECTS], request.app[SETTINGS],
+                caller.id, job_id(request))
+    return web.Response(status=204)
+
+
+_DATE_TIME = {"type": "string", "format": "date-time"}
+
+ROUTES = [
+    Route("POST", "/v1/jobs", submit, {
+        "operationId": "submitJob",
+        "parameters": [
+            {"name": "Idempotency-Key", "in": "header", "required": False,
+             "schema": {"type": "string", "minLength": 1, "maxLength": 255}}],
+        # Both schemas are generated per workflow by producers.openapi.
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ref("SubmitRequest")},
+            "multipart/form-data": {"schema": ref("SubmitForm")}}},
+        "responses": {"202": answer("accepted", Accepted),
+                      **problems(400, 401, 403, 409, 413, 415, 422, 503)},
+    }),
+    Route("GET", "/v1/jobs", list_jobs, {
+        "operationId": "listJobs",
+        "parameters": [
+            query("status", {"type": "string"},
+                  "one status or a comma list: " + ", ".join(s.value for s in Status)),
+            query("workflow", {"type": "string"}),
+            query("created_after", _DATE_TIME),
+            query("created_before", _DATE_TIME),
+            LIMIT,
+            query("cursor", {"type": "string"})],
+        "responses": {"200": answer("a page of jobs, newest first", JobPage),
+                      **problems(400, 401)},
+    }),
+    Route("GET", "/v1/jobs/{job_id}", get_job, {
+        "operationId": "getJob", "parameters": [JOB_ID],
+        "responses": {"200": answer("the job", JobView), **problems(401, 404)},
+    }),
+    Route("DELETE", "/v1/jobs/{job_id}", delete_job, {
+        "operationId": "deleteJob", "parameters": [JOB_ID],
+        "responses": {"204": answer("objects purged, record redacted"),
+                      **problems(401, 404, 409)},
+    }),
+    Route("GET", "/v1/jobs/{job_id}/events", job_events, {
+        "operationId": "jobEvents", "parameters": [
+            JOB_ID,
+            {"name": "Last-Event-ID", "in": "header", "required": False,
+             "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "server-sent events; each data is a JobEvent",
+                              "content": {"text/event-stream": {}}},
+                      **problems(400, 401, 404)},
+    }),
+    Route("GET", "/v1/jobs/{job_id}/artifact", get_artifact, {
+        "operationId": "getArtifact", "parameters": [JOB_ID],
+        "responses": {"200": answer("the artifact's bytes"), **problems(401, 404)},
+    }),
+    Route("POST", "/v1/jobs/{job_id}/cancel", cancel_job, {
+        "operationId": "cancelJob", "parameters": [JOB_ID],
+        "responses": {"200": answer("cancelled", JobView), **problems(401, 404, 409)},
+    }),
+]
