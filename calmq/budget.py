@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Histogram
 
 from calmq import sql
+from calmq.batching import Batcher
 from calmq.errors import FailureClass, StepFailure
 from calmq.gateway import ModelReply, Provider, current_clock, current_scope, open_provider
 from calmq.pricing import ModelPrice, cost_usd
+from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Pauses of the budget's dispatcher while the ledger is away (it used to be a fixed 0.5 s).
+_LEDGER_RETRY = Backoff(initial=0.1, maximum=1.0)
 
 PRIORITIES = ("interactive", "bulk")
 _RATE_WINDOW = 10.0  # seconds of admissions that give a process's budget rate
@@ -439,15 +444,18 @@ class TokenBudget:
         return min(due, default=None)
 
     async def _dispatch(self) -> None:
+        # The database is away: keep the waiters and try again soon (at most a second: a
+        # call waits on this), jittered so that the fleet's workers do not ask in lockstep.
+        reconnect = Reconnect("token budget ledger call", _LEDGER_RETRY)
         while True:
             try:
                 await self._dispatch_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the database is away: keep the waiters, try again shortly
-                log.exception("token budget %s/%s: ledger call failed; retrying",
-                              self.provider, self.model)
-                await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - any ledger failure: keep the waiters
+                await asyncio.sleep(reconnect.failed(exc))  # an outage's pause, not a sync
+            else:
+                reconnect.succeeded()
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake early when a new call arrives (it may be interactive)."""
@@ -515,26 +523,17 @@ class UsageRecorder:
 
     def __init__(self, pool: AsyncConnectionPool[Any], *, window: float = 0.005) -> None:
         self.pool = pool
-        self.window = window
         self._q = sql.queries()
-        self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # One writer: usage rows of one job would contend; retried while the database is
+        # away, since an attempt's tokens are spent whether or not they are written.
+        self._batcher: Batcher[dict[str, Any]] = Batcher(
+            "usage-recorder", self._write, window=window, max_batch=500, retry=RECONNECT)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="usage-recorder")
+        self._batcher.start()
 
     async def close(self) -> None:
-        if self._pending and self._task is not None:
-            self._idle.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5):
-                    await self._idle.wait()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._batcher.close(grace=5.0)
 
     async def record(self, job_id: str, input_tokens: int, output_tokens: int,
                      cost: float, calls: int = 1) -> None:
@@ -542,45 +541,17 @@ class UsageRecorder:
             job = uuid.UUID(job_id)
         except ValueError:
             return  # not a calmq job (a hand-made call): nothing to add it to
-        if self._task is None:
-            raise RuntimeError("UsageRecorder.start() was not called")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append(({"job_id": job, "input_tokens": input_tokens,
-                               "output_tokens": output_tokens, "cost_usd": cost,
-                               "model_calls": calls}, future))
-        self._wake.set()
-        # Shielded: a step cancelled meanwhile (timeout) still has its usage written.
-        await asyncio.shield(future)
+        # A step cancelled meanwhile (timeout) still has its usage written: the batcher
+        # shields the write from its caller.
+        await self._batcher.submit({"job_id": job, "input_tokens": input_tokens,
+                                    "output_tokens": output_tokens, "cost_usd": cost,
+                                    "model_calls": calls})
 
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            await asyncio.sleep(self.window)
-            self._wake.clear()
-            while self._pending:
-                group = self._pending[:500]
-                del self._pending[: len(group)]
-                await self._write(group)
-            self._idle.set()
-
-    async def _write(self, group: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
-        delay = 0.1
+    async def _write(self, group: list[dict[str, Any]]) -> None:
         # One job's rows in id order, so two groups never lock two jobs in opposite orders.
-        rows = sorted((p for p, _ in group), key=lambda p: p["job_id"])
-        while True:
-            try:
-                async with self.pool.connection() as conn, conn.transaction(), \
-                        conn.cursor() as cur:
-                    await cur.executemany(self._q["budget_record_usage"], rows)
-                break
-            except Exception:
-                log.exception("recording usage of %d calls failed; retrying in %.1fs",
-                              len(rows), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        for _, future in group:
-            if not future.done():
-                future.set_result(None)
+        rows = sorted(group, key=lambda p: p["job_id"])
+        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            await cur.executemany(self._q["budget_record_usage"], rows)
 
 
 # -- the provider wrapper -----------------------------------------------------------------
