@@ -17,7 +17,8 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from calmq.errors import CalmqError, ConfigError
 
@@ -27,20 +28,80 @@ _STACK_KEYS = ("database_url", "kafka_bootstrap", "schema_registry_url", "object
                "api_url", "fake_provider_url")
 
 
-# -- argument plumbing ----------------------------------------------------------------------
+# -- flags ------------------------------------------------------------------------------------
+#
+# A flag is either a setting or a command's own option. A setting's flag is made from its
+# Settings field (name, type, help), and its CALMQ_ variable is read once, by Settings.load.
+# An option (--json, --data-dir, --api-key, ...) reads its CALMQ_ variable itself, and the
+# parser keeps the names of those variables so that Settings.load does not take one of them
+# for a misspelt setting.
 
-def _env_default(flag: str, default: Any = None) -> Any:
-    return os.environ.get("CALMQ_" + flag.lstrip("-").replace("-", "_").upper(), default)
+_TRUE = ("1", "true", "yes")
 
 
-def _add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
-    """A flag whose default comes from CALMQ_<FLAG> (flags win over the environment)."""
-    if kw.get("action") == "store_true":
-        kw["default"] = _env_default(flag, "") in ("1", "true", "yes")
-    else:
-        kw.setdefault("default", None)
-        kw["default"] = _env_default(flag, kw["default"])
-    p.add_argument(flag, **kw)
+def _option_env(dest: str) -> str:
+    from calmq.settings import ENV_PREFIX
+
+    return ENV_PREFIX + dest.upper()
+
+
+def _field_kind(name: str) -> dict[str, Any]:
+    """The argparse type, choices or action of a Settings field, from its annotation."""
+    from calmq.settings import Settings
+
+    kind: Any = Settings.model_fields[name].annotation
+    if get_origin(kind) in (Union, UnionType):  # an optional value: float | None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Literal:
+        return {"choices": list(get_args(kind))}
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if kind in (int, float):
+        return {"type": kind}
+    return {}  # strings, and what pydantic parses from a string (durations, JSON, secrets)
+
+
+class _Flags:
+    """Adds the commands' flags; remembers which CALMQ_ variables are options, not settings."""
+
+    def __init__(self) -> None:
+        self.option_env: set[str] = set()
+
+    def setting(self, p: argparse.ArgumentParser, name: str, *aliases: str) -> None:
+        """``--<name>`` for the Settings field ``name``: typed and described by the field."""
+        from calmq.settings import ENV_PREFIX, Settings
+
+        field = Settings.model_fields[name]
+        default = "" if field.default in (None, "") else f"; default {field.default}"
+        p.add_argument(
+            "--" + name.replace("_", "-"), *aliases, dest=name, default=None,
+            help=f"{field.description} [{ENV_PREFIX}{name.upper()}{default}]",
+            **_field_kind(name),
+        )
+
+    def option(self, p: argparse.ArgumentParser, flag: str, *aliases: str,
+               **kw: Any) -> None:
+        """A command's own flag, which reads CALMQ_<DEST> (the flag wins over it)."""
+        from calmq.settings import Settings
+
+        action = p.add_argument(flag, *aliases, **kw)
+        if action.dest in Settings.model_fields:
+            raise ValueError(f"--{action.dest} is a setting: add it with _Flags.setting")
+        env = _option_env(action.dest)
+        action.help = f"{action.help or ''} [{env}]".lstrip()
+        self.option_env.add(env)
+        if env not in os.environ:
+            return
+        if kw.get("action") == "store_true":
+            action.default = os.environ[env].lower() in _TRUE
+        else:
+            # argparse converts a string default with the flag's type, as if it were given.
+            action.default = os.environ[env]
+
+
+def _settings_environ(args: argparse.Namespace) -> dict[str, str]:
+    """The environment without the options' CALMQ_ variables, which are no settings."""
+    return {k: v for k, v in os.environ.items() if k not in args.option_env}
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
@@ -62,7 +123,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
             env_key = "CALMQ_" + key.upper()
             if not flags.get(key) and not os.environ.get(env_key) and state.env.get(env_key):
                 flags[key] = state.env[env_key]
-    settings = Settings.load(flags, environ=_settings_environ())
+    settings = Settings.load(flags, environ=_settings_environ(args))
     missing = [k for k in ("database_url", "kafka_bootstrap") if not getattr(settings, k)]
     if missing and getattr(args, "needs_stack", True):
         raise ConfigError(
@@ -71,28 +132,6 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
             code="no_stack",
         )
     return settings
-
-
-def _settings_environ() -> dict[str, str]:
-    # Non-setting flags (CALMQ_DATA_DIR, CALMQ_JSON, ...) are read by argparse, not Settings.
-    from calmq.settings import ENV_PREFIX, Settings
-
-    known = {ENV_PREFIX + n.upper() for n in Settings.model_fields}
-    flag_only = {ENV_PREFIX + n for n in _FLAG_ONLY}
-    out = {}
-    for k, v in os.environ.items():
-        if k.startswith(ENV_PREFIX) and k not in known and k in flag_only:
-            continue
-        out[k] = v
-    return out
-
-
-_FLAG_ONLY = {"DATA_DIR", "JSON", "SERVICES", "SIZE", "METRICS_PORT", "PORT", "WORKFLOW",
-              "PRIORITY", "TEXT", "MODE", "WAIT", "JOBS", "API_KEY", "LATENCY_MS",
-              "REQUESTS_PER_MINUTE", "TOKENS_PER_MINUTE", "SLOW_SECONDS", "KEEP", "INPUT",
-              # calmq dlq, calmq keda render
-              "FAILURE_CLASS", "CODE", "TENANT", "SINCE", "UNTIL", "LIMIT", "REASON", "BY",
-              "RATE", "DRY_RUN", "OUTPUT_DIR"}
 
 
 def _logging(level: str = "INFO", redact: str = "*") -> None:
@@ -517,18 +556,10 @@ def cmd_keda(args: argparse.Namespace) -> int:
     # Not _settings(): a running local stack's 127.0.0.1 addresses must not leak into
     # manifests for a cluster. Empty addresses render as the in-cluster service names.
     flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
-    settings = Settings.load(flags, environ=_settings_environ())
+    settings = Settings.load(flags, environ=_settings_environ(args))
     for path in write(settings, Path(args.output_dir or "deploy/keda")):
         print(f"wrote {path}")
     return 0
-
-
-def cmd_not_built(what: str) -> Callable[[argparse.Namespace], int]:
-    def run(_args: argparse.Namespace) -> int:
-        print(f"calmq {what} is not built yet", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -556,95 +587,111 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -- parser ---------------------------------------------------------------------------------
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("calmq")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        from calmq import __version__
+
+        return __version__
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="calmq", description=__doc__)
+    root.add_argument("--version", action="version", version=f"calmq {_version()}")
     sub = root.add_subparsers(dest="command", required=True)
+    flags = _Flags()
+    setting, option = flags.setting, flags.option
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help_: str,
                 stack: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.set_defaults(fn=fn, needs_stack=stack)
-        _add(p, "--data-dir", help="the local stack's folder (default: a per-user temp dir)")
+        option(p, "--data-dir", help="the local stack's folder (default: a per-user temp dir)")
         return p
 
     p = command("dev", cmd_dev, "the local stack: up, down, status, env", stack=False)
     p.add_argument("action", choices=["up", "down", "status", "env"])
-    _add(p, "--services", help="comma list of calmq services to start (default: all)")
-    _add(p, "--json", action="store_true", help="status as JSON")
+    option(p, "--services", help="comma list of calmq services to start (default: all)")
+    option(p, "--json", action="store_true", help="status as JSON")
 
     p = command("demo", cmd_demo, "start the stack, run a handful of jobs, stop", stack=False)
-    _add(p, "--keep", action="store_true", help="leave the stack running afterwards")
+    option(p, "--keep", action="store_true", help="leave the stack running afterwards")
 
     p = command("api", cmd_api, "run the intake API")
-    _add(p, "--api-port", type=int)
-    _add(p, "--api-host")
+    setting(p, "api_port")
+    setting(p, "api_host")
     p = command("relay", cmd_relay, "run the outbox relay")
-    _add(p, "--metrics-port", type=int)
-    p.add_argument("--relay-mode", "--mode", dest="relay_mode", choices=["cdc", "polling"],
-                   default=None, help="cdc (default: logical replication) or polling")
-    _add(p, "--relay-slot", help="the replication slot (default calmq_outbox)")
+    option(p, "--metrics-port", type=int)
+    setting(p, "relay_mode", "--mode")
+    setting(p, "relay_slot")
+    # No CALMQ_ variable: an exported one would drop the slot at every start.
     p.add_argument("--drop-slot", action="store_true",
                    help="remove the relay's replication slot on purpose, then exit")
     p = command("worker", cmd_worker, "run a stream processor")
-    _add(p, "--pool")
-    _add(p, "--priorities")
-    _add(p, "--concurrency", type=int)
-    _add(p, "--metrics-port", type=int)
-    _add(p, "--step-timeout-seconds", type=float)
-    _add(p, "--max-attempts", type=int)
+    setting(p, "pool")
+    setting(p, "priorities")
+    setting(p, "concurrency")
+    option(p, "--metrics-port", type=int)
+    setting(p, "step_timeout_seconds")
+    setting(p, "max_attempts")
     p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due")
-    _add(p, "--metrics-port", type=int)
+    option(p, "--metrics-port", type=int)
     command("reaper", cmd_reaper, "requeue jobs whose lease expired")
     p = command("fake-provider", cmd_fake_provider, "run the fake model provider", stack=False)
-    _add(p, "--port", type=int)
-    _add(p, "--latency-ms", type=int)
-    _add(p, "--requests-per-minute", type=int)
-    _add(p, "--tokens-per-minute", type=int)
-    _add(p, "--slow-seconds", type=float)
+    option(p, "--port", type=int)
+    option(p, "--latency-ms", type=int)
+    option(p, "--requests-per-minute", type=int)
+    option(p, "--tokens-per-minute", type=int)
+    option(p, "--slow-seconds", type=float)
 
     p = command("tenants", cmd_tenants, "manage tenants")
     p.add_argument("action", choices=["create", "add-key", "revoke-key", "webhook-secret"])
     p.add_argument("name")
-    p.add_argument("--key-prefix", help="revoke-key: only the key starting so (12 chars)")
+    option(p, "--key-prefix", help="revoke-key: only the key starting so (12 chars)")
     p = command("submit", cmd_submit, "submit a job through the API")
-    _add(p, "--api-key")
-    _add(p, "--workflow", default="summarize")
-    _add(p, "--priority", default="interactive", choices=["interactive", "bulk"])
-    _add(p, "--text")
-    _add(p, "--mode")
-    _add(p, "--input", help="the whole input as JSON")
+    option(p, "--api-key")
+    option(p, "--workflow", default="summarize")
+    option(p, "--priority", default="interactive", choices=["interactive", "bulk"])
+    option(p, "--text")
+    option(p, "--mode")
+    option(p, "--input", help="the whole input as JSON")
     p = command("status", cmd_status, "show a job")
-    _add(p, "--api-key")
+    option(p, "--api-key")
     p.add_argument("job_id")
     p = command("dlq", cmd_dlq, "dead letters: list, show, redrive")
     p.add_argument("action", choices=["list", "show", "redrive"])
     p.add_argument("rest", nargs="*", help="job ids (show: one; redrive: none means the filter)")
-    _add(p, "--failure-class", help="transient, input, permission, policy, verifier, ...")
-    _add(p, "--code", help="the error code, e.g. malformed_output")
-    _add(p, "--workflow")
-    _add(p, "--tenant", help="tenant name")
-    _add(p, "--since", help="dead-lettered at or after: ISO time or a duration ago (2h)")
-    _add(p, "--until", help="dead-lettered before: ISO time or a duration ago")
-    _add(p, "--limit", type=int, help="at most this many (default 100)")
-    _add(p, "--reason", help="redrive: why (recorded in the history)")
-    _add(p, "--by", help="redrive: who (default user@host)")
-    _add(p, "--rate", type=float, help="redrive: at most this many jobs per second")
-    _add(p, "--dry-run", action="store_true", help="redrive: say what would happen, write nothing")
-    _add(p, "--json", action="store_true")
+    option(p, "--failure-class", help="transient, input, permission, policy, verifier, ...")
+    option(p, "--code", help="the error code, e.g. malformed_output")
+    option(p, "--workflow")
+    option(p, "--tenant", help="tenant name")
+    option(p, "--since", help="dead-lettered at or after: ISO time or a duration ago (2h)")
+    option(p, "--until", help="dead-lettered before: ISO time or a duration ago")
+    option(p, "--limit", type=int, help="at most this many (default 100)")
+    option(p, "--reason", help="redrive: why (recorded in the history)")
+    option(p, "--by", help="redrive: who (default user@host)")
+    option(p, "--rate", type=float, help="redrive: at most this many jobs per second")
+    option(p, "--dry-run", action="store_true",
+           help="redrive: say what would happen, write nothing")
+    option(p, "--json", action="store_true")
     p = command("topics", cmd_topics, "create calmq's topics")
     p.add_argument("action", choices=["create"])
-    _add(p, "--pool")
+    setting(p, "pool")
     p = command("schemas", cmd_schemas, "register or check the Avro schemas", stack=False)
     p.add_argument("action", choices=["register", "check"])
     p = command("keda", cmd_keda, "render KEDA manifests", stack=False)
     p.add_argument("action", choices=["render"])
-    _add(p, "--output-dir", help="where to write (default deploy/keda)")
-    _add(p, "--concurrency", type=int, help="each worker's concurrency")
-    _add(p, "--keda-pools", help="comma list of pools (default: the workflows' pools)")
+    option(p, "--output-dir", help="where to write (default deploy/keda)")
+    setting(p, "concurrency")
+    setting(p, "keda_pools")
     p = command("bench", cmd_bench, "run a benchmark scenario", stack=False)
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"])
-    _add(p, "--size", type=int)
-    _add(p, "--json", action="store_true")
+    option(p, "--size", type=int)
+    option(p, "--json", action="store_true")
+    root.set_defaults(option_env=frozenset(flags.option_env))
     return root
 
 

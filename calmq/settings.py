@@ -57,8 +57,8 @@ class Settings(BaseSettings):
     fake_provider_url: str = ""
 
     # Intake API.
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(default=8080, ge=0, le=65535)
+    api_host: str = Field(default="127.0.0.1", description="address the API listens on")
+    api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
@@ -78,13 +78,18 @@ class Settings(BaseSettings):
     model: str = "fake-small"
 
     # Workers.
-    pool: str = Field(default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$")
-    priorities: str = "interactive,bulk"
-    concurrency: int = Field(default=256, ge=1, le=100_000)
+    pool: str = Field(default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
+                      description="the worker pool: a worker consumes calmq.<pool>.<priority>")
+    priorities: str = Field(default="interactive,bulk",
+                            description="priorities a worker consumes, first ahead of the rest")
+    concurrency: int = Field(default=256, ge=1, le=100_000,
+                             description="call slots per worker process (model calls at once)")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
-    step_timeout_seconds: float | None = Field(default=None, gt=0)
-    max_attempts: int | None = Field(default=None, ge=1)
+    step_timeout_seconds: float | None = Field(
+        default=None, gt=0, description="overrides every step's timeout (default: per step)")
+    max_attempts: int | None = Field(
+        default=None, ge=1, description="overrides every job's attempt budget (default: per step)")
     commit_interval_ms: int = Field(default=200, ge=1)
     grace_seconds: float = Field(default=10.0, ge=0)
 
@@ -99,12 +104,14 @@ class Settings(BaseSettings):
     topic_replication: int = Field(default=1, ge=1)
 
     # Relay.
-    relay_mode: Literal["polling", "cdc"] = "cdc"
+    relay_mode: Literal["polling", "cdc"] = Field(
+        default="cdc", description="cdc (logical replication, needs wal_level=logical) or polling")
     relay_batch: int = Field(default=2000, ge=1)
     relay_idle_ms: int = Field(default=5, ge=1)
     outbox_retention_seconds: float = Field(default=600.0, ge=0)
     # CDC relay: names are per database, slots are per server (a test database needs its own).
-    relay_slot: str = Field(default="calmq_outbox", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    relay_slot: str = Field(default="calmq_outbox", pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+                            description="CDC relay: the logical replication slot")
     relay_publication: str = Field(default="calmq_outbox", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     relay_wal_warn_bytes: int = Field(default=1 << 30, ge=1)
     relay_housekeeping_seconds: float = Field(default=5.0, gt=0)
@@ -148,7 +155,8 @@ class Settings(BaseSettings):
     # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
-    keda_pools: str = ""  # comma list; empty: every pool the registered workflows route to
+    keda_pools: str = Field(
+        default="", description="comma list of pools (default: every pool the workflows use)")
     keda_namespace: str = "calmq"
     keda_image: str = "calmq:latest"
     keda_lag_threshold: int = Field(default=20, ge=1)  # messages of lag per replica

@@ -1,0 +1,112 @@
+"""The calmq command's flags: settings flags come from the Settings model, options read CALMQ_."""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from calmq.cli import main, parser
+from calmq.settings import ENV_PREFIX, Settings
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in command._actions if a.option_strings and a.dest != "help"]
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq --version` prints `calmq <version>` from the installed package's metadata."""
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"calmq {version('calmq')}"
+
+
+def test_a_setting_flag_is_named_and_typed_by_its_field() -> None:
+    """Every flag whose dest is a Settings field is --<field>, typed by the field's annotation."""
+    seen = set()
+    for name, command in _commands().items():
+        for action in _flags(command):
+            if action.dest not in Settings.model_fields:
+                continue
+            seen.add(action.dest)
+            assert action.option_strings[0] == "--" + action.dest.replace("_", "-"), name
+            assert f"{ENV_PREFIX}{action.dest.upper()}" in (action.help or ""), name
+            assert Settings.model_fields[action.dest].description, f"describe {action.dest}"
+    assert {"concurrency", "pool", "relay_mode", "api_port", "keda_pools"} <= seen
+    args = parser().parse_args(["worker", "--concurrency", "8", "--step-timeout-seconds", "2.5"])
+    assert (args.concurrency, args.step_timeout_seconds) == (8, 2.5)
+    assert parser().parse_args(["relay", "--mode", "polling"]).relay_mode == "polling"
+
+
+@pytest.mark.parametrize(
+    "argv", [["worker", "--concurrency", "many"], ["relay", "--relay-mode", "kafka"]]
+)
+def test_a_setting_flag_rejects_what_its_field_would(argv: list[str]) -> None:
+    """A value the field's type or choices refuse is a usage error (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        parser().parse_args(argv)
+    assert info.value.code == 2
+
+
+def test_options_read_their_calmq_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An option that is no setting takes CALMQ_<OPTION> as its default; the flag wins."""
+    monkeypatch.setenv("CALMQ_DATA_DIR", "/srv/calmq")
+    monkeypatch.setenv("CALMQ_JSON", "true")
+    monkeypatch.setenv("CALMQ_LIMIT", "7")
+    args = parser().parse_args(["dlq", "list"])
+    assert (args.data_dir, args.json, args.limit) == ("/srv/calmq", True, 7)
+    assert parser().parse_args(["dlq", "list", "--limit", "3"]).limit == 3
+
+
+def test_every_option_variable_is_known_to_the_parser() -> None:
+    """Each option's CALMQ_ variable is in the parser's list of non-setting variables."""
+    known = parser().parse_args(["reaper"]).option_env
+    for name, command in _commands().items():
+        for action in _flags(command):
+            if action.dest in Settings.model_fields or action.dest == "drop_slot":
+                continue
+            assert f"{ENV_PREFIX}{action.dest.upper()}" in known, (name, action.dest)
+
+
+def _render(tmp_path: Path, *flags: str) -> int:
+    return main(["keda", "render", "--output-dir", str(tmp_path), *flags])
+
+
+def test_setting_flag_wins_over_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--keda-pools` beats CALMQ_KEDA_POOLS, which beats the default; both reach Settings."""
+    monkeypatch.setenv("CALMQ_KEDA_POOLS", "ocr")
+    assert _render(tmp_path / "env") == 0
+    assert sorted(p.name for p in (tmp_path / "env").glob("*.yaml")) == [
+        "worker-ocr-deployment.yaml", "worker-ocr-scaledobject.yaml"]
+    assert _render(tmp_path / "flag", "--keda-pools", "gpu") == 0
+    assert {p.name.split("-")[1] for p in (tmp_path / "flag").glob("*.yaml")} == {"gpu"}
+
+
+def test_option_variables_are_not_unknown_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CALMQ_API_KEY, CALMQ_JSON and the like are options' variables, not misspelt settings."""
+    for name in ("CALMQ_API_KEY", "CALMQ_JSON", "CALMQ_DATA_DIR", "CALMQ_PORT"):
+        monkeypatch.setenv(name, "1" if name != "CALMQ_DATA_DIR" else str(tmp_path / "stack"))
+    assert _render(tmp_path / "out") == 0
+
+
+def test_unknown_variable_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CALMQ_ variable that is neither a setting nor an option fails the command, named."""
+    monkeypatch.setenv("CALMQ_CONCURENCY", "8")
+    assert _render(tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "unknown_setting" in err
+    assert "CALMQ_CONCURENCY" in err
