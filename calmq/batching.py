@@ -115,7 +115,7 @@ class Batcher(Generic[_Item]):
         items = [item for item, _future in group]
         try:
             if self.retry is not None:
-                errors = await retry_forever(f"{self.name}: writing a group",
+                errors = await retry_forever(f"{self.name}: writing a group failed",
                                              lambda: self._write(items), backoff=self.retry)
             else:
                 errors = await self._write(items)

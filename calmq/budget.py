@@ -446,7 +446,7 @@ class TokenBudget:
     async def _dispatch(self) -> None:
         # The database is away: keep the waiters and try again soon (at most a second: a
         # call waits on this), jittered so that the fleet's workers do not ask in lockstep.
-        reconnect = Reconnect("token budget ledger call", _LEDGER_RETRY)
+        reconnect = Reconnect("a token budget ledger call failed", _LEDGER_RETRY)
         while True:
             try:
                 await self._dispatch_once()

@@ -74,8 +74,8 @@ class Reconnect:
 
     For loops that cannot be a single ``retry_forever`` call (a thread that waits on a stop
     event, a connection that resets the count once it is up again). ``what`` names the
-    operation in the log and in the ``calmq_retries_total{what}`` metric: keep it a fixed
-    phrase.
+    failure in the log and in the ``calmq_retries_total{what}`` metric ("claiming a batch
+    failed"): keep it a fixed phrase.
     """
 
     __slots__ = ("_top", "backoff", "failures", "rng", "what")
@@ -99,8 +99,8 @@ class Reconnect:
         self.failures += 1
         delay = self.backoff.delay(min(self.failures, self._top), self.rng)
         _retries().labels(self.what).inc()
-        log.warning("%s failed (%s); retrying in %.2f s", self.what,
-                    f"{type(exc).__name__}: {exc}" if exc is not None else "no reason given",
+        log.warning("%s (%s); retrying in %.2f s", self.what,
+                    f"{type(exc).__name__}: {str(exc).strip()}" if exc is not None else "failed",
                     delay, exc_info=exc if self.failures == 1 else None,
                     extra={"retry_of": self.what, "failures": self.failures})
         return delay

@@ -211,7 +211,7 @@ class StepRunner:
                 poison.append(Poison(topic, partition, offset, msg.key(), msg.value() or b"",
                                      code, str(exc)))
         if poison:
-            await retry_forever("sending poison messages to calmq.dlq",
+            await retry_forever("sending poison messages to calmq.dlq failed",
                                 lambda: self.poison.send(poison))
             for p in poison:
                 self.tracker.done((p.topic, p.partition), p.offset)
@@ -220,14 +220,15 @@ class StepRunner:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
         started = time.monotonic()
-        rows = await retry_forever("claiming a batch", lambda: self.store.claim(
+        rows = await retry_forever("claiming a batch failed", lambda: self.store.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
-        visible = await retry_forever("reading unclaimed jobs", lambda: self.store.visible_jobs(
-            unclaimed)) if unclaimed else {}
+        visible = await retry_forever(
+            "reading unclaimed jobs failed",
+            lambda: self.store.visible_jobs(unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
             row = claimed.pop(job_id, None)
