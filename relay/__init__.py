@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from calmq.relay.cdc import CdcRelay, Ledger, drop_slot
+from calmq.relay.cdc import CdcRelay, PendingTransactions, drop_slot
 from calmq.relay.polling import PollingRelay
 from calmq.relay.publisher import OutboxRow, Publisher
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
 
-__all__ = ["CdcRelay", "Ledger", "OutboxRow", "PollingRelay", "Publisher", "drop_slot",
-           "make_relay"]
+__all__ = ["CdcRelay", "OutboxRow", "PendingTransactions", "PollingRelay", "Publisher",
+           "drop_slot", "make_relay"]
 
 
 def make_relay(settings: Settings, publisher: Publisher) -> CdcRelay | PollingRelay:

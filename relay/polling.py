@@ -13,11 +13,9 @@ import logging
 import threading
 import time
 
-import psycopg
-from psycopg.rows import dict_row
-
-from calmq import sql
-from calmq.relay.publisher import OutboxRow, Publisher
+from calmq.data import relay as bookkeeping
+from calmq.data.relay import OutboxPosition, SyncConnection
+from calmq.relay.publisher import Publisher
 
 __all__ = ["PollingRelay"]
 
@@ -42,13 +40,11 @@ class PollingRelay:
         self.idle_seconds = idle_seconds
         self.retention_seconds = retention_seconds
         self.published = 0
-        self._q = sql.queries()
 
     def run(self, stop: threading.Event) -> None:
         """Relay until ``stop`` is set; the page in hand is flushed and saved first."""
-        with psycopg.connect(self.database_url, autocommit=True, row_factory=dict_row) as conn:
-            row = conn.execute(self._q["relay_cursor"], {"name": self.name}).fetchone()
-            cursor = (row["txid"], row["seq"]) if row else ("0", 0)
+        with bookkeeping.connect(self.database_url) as conn:
+            cursor = bookkeeping.load_position(conn, self.name)
             last_prune = time.monotonic()
             while not stop.is_set():
                 moved = self.step(conn, cursor)
@@ -57,33 +53,17 @@ class PollingRelay:
                     continue
                 cursor = moved
                 if time.monotonic() - last_prune > 5:
-                    conn.execute(
-                        self._q["prune_outbox"],
-                        {"txid": cursor[0], "seq": cursor[1],
-                         "retention_seconds": self.retention_seconds},
-                    )
+                    bookkeeping.prune_outbox(conn, cursor, self.retention_seconds)
                     last_prune = time.monotonic()
 
-    def step(
-        self, conn: psycopg.Connection[dict], cursor: tuple[str, int]  # type: ignore[type-arg]
-    ) -> tuple[str, int] | None:
+    def step(self, conn: SyncConnection, cursor: OutboxPosition) -> OutboxPosition | None:
         """Publish one page after ``cursor``; returns the new cursor, or None if idle."""
-        rows = conn.execute(
-            self._q["outbox_page"], {"txid": cursor[0], "seq": cursor[1], "limit": self.batch}
-        ).fetchall()
+        rows, moved = bookkeeping.outbox_page(conn, cursor, self.batch)
         if not rows:
             return None
-        for r in rows:
-            self.publisher.send(
-                OutboxRow(str(r["id"]), r["aggregatetype"], r["aggregateid"], r["type"],
-                          r["payload"], r["headers"])
-            )
+        for row in rows:
+            self.publisher.send(row)
         self.publisher.flush()
-        last = rows[-1]
-        new_cursor = (str(last["txid"]), int(last["seq"]))
-        conn.execute(
-            self._q["save_relay_cursor"],
-            {"name": self.name, "txid": new_cursor[0], "seq": new_cursor[1]},
-        )
+        bookkeeping.save_position(conn, self.name, moved)
         self.published += len(rows)
-        return new_cursor
+        return moved

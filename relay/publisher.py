@@ -14,13 +14,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
 from calmq import topics
 from calmq.codec import EventCodec
+from calmq.data.relay import OutboxRow
 from calmq.errors import ContractError, InfrastructureError
 from calmq.kafka import produce
 
@@ -31,16 +31,6 @@ ROUTED_BY_VALUE = "${routedByValue}"
 TOPIC_REPLACEMENT = topics.PREFIX + ROUTED_BY_VALUE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OutboxRow:
-    id: str
-    aggregatetype: str
-    aggregateid: str
-    type: str
-    payload: dict[str, Any]
-    headers: dict[str, str]
 
 
 class Publisher:

@@ -12,6 +12,7 @@ from psycopg.rows import dict_row
 
 from calmq import topics
 from calmq.codec import make_codec
+from calmq.data.relay import OutboxPosition
 from calmq.kafka import producer_config
 from calmq.relay import PollingRelay, Publisher
 from calmq.tooling.devstack import StackState
@@ -56,9 +57,9 @@ def test_interleaved_transactions_committing_out_of_id_order_are_both_published(
         second.commit()             # the higher seq commits first
         # The first transaction is still open, so nothing is below the snapshot's xmin yet:
         # a relay paging by seq alone would publish b and move past a1 for ever.
-        assert relay.step(relay_conn, ("0", 0)) is None
+        assert relay.step(relay_conn, OutboxPosition()) is None
         first.commit()
-        cursor = relay.step(relay_conn, ("0", 0))
+        cursor = relay.step(relay_conn, OutboxPosition())
         assert cursor is not None
         assert relay.step(relay_conn, cursor) is None
     try:
@@ -69,7 +70,7 @@ def test_interleaved_transactions_committing_out_of_id_order_are_both_published(
         with psycopg.connect(db.url) as conn:
             saved = conn.execute("SELECT txid::text, seq FROM relay_cursor"
                                  " WHERE name = 'interleaved'").fetchone()
-        assert saved == cursor
+        assert saved == (cursor.txid, cursor.seq)
     finally:
         reader.close()
 

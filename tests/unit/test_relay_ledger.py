@@ -1,17 +1,17 @@
-"""Unit tests for relay.cdc.Ledger: which end LSN the CDC relay may confirm."""
+"""Unit tests for relay.cdc.PendingTransactions: which end LSN the CDC relay may confirm."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from calmq.relay.cdc import Ledger, lsn_text
+from calmq.relay.cdc import PendingTransactions, lsn_text
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_nothing_is_confirmable_until_every_record_is_acked() -> None:
     """A committed transaction with an unacked record is not confirmable."""
-    ledger = Ledger()
+    ledger = PendingTransactions()
     txn = ledger.begin(1, T0)
     first, second = ledger.sent(txn), ledger.sent(txn)
     ledger.commit(txn, 100)
@@ -26,7 +26,7 @@ def test_nothing_is_confirmable_until_every_record_is_acked() -> None:
 
 def test_an_unacked_earlier_transaction_holds_back_later_acked_ones() -> None:
     """Confirmation never passes an earlier transaction whose records are not all acked."""
-    ledger = Ledger()
+    ledger = PendingTransactions()
     early, late = ledger.begin(1, T0), ledger.begin(2, T0)
     early_ack, late_ack = ledger.sent(early), ledger.sent(late)
     ledger.commit(early, 100)
@@ -41,7 +41,7 @@ def test_an_unacked_earlier_transaction_holds_back_later_acked_ones() -> None:
 
 def test_a_transaction_still_being_received_is_never_confirmed() -> None:
     """Acked records of a transaction whose Commit has not arrived confirm nothing."""
-    ledger = Ledger()
+    ledger = PendingTransactions()
     txn = ledger.begin(7, T0)
     ledger.sent(txn)()
     assert ledger.confirmable() is None
@@ -53,7 +53,7 @@ def test_a_transaction_still_being_received_is_never_confirmed() -> None:
 
 def test_empty_committed_transaction_is_confirmable_at_once() -> None:
     """A transaction with no outbox row confirms as soon as its Commit arrives."""
-    ledger = Ledger()
+    ledger = PendingTransactions()
     ledger.commit(ledger.begin(3, T0), 50)
     done = ledger.confirmable()
     assert done is not None
