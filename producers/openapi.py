@@ -25,13 +25,11 @@ from calmq.workflows import Workflow
 
 __all__ = ["document"]
 
-# Every model a route may reference with routing.ref(); SubmitRequest is generated per
-# workflow instead.
-_DOCUMENTED: tuple[type[BaseModel], ...] = (
-    models.Accepted, models.JobView, models.JobPage, models.JobSummary, models.Redriven,
-    models.ReviewRequest, models.ReviewList, models.RedriveRequest, models.DeadLetterList,
-    models.Problem,
-)
+# Every public model of producers.models is a component a route may reference with
+# routing.ref(); SubmitRequest is generated per workflow instead (see _submit_body).
+_DOCUMENTED: tuple[type[BaseModel], ...] = tuple(
+    m for m in (getattr(models, name) for name in models.__all__)
+    if isinstance(m, type) and issubclass(m, BaseModel) and m is not SubmitRequest)
 
 
 def document(routes: Iterable[Route], workflows: Mapping[str, Workflow]) -> dict[str, Any]:
