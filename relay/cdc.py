@@ -5,9 +5,9 @@ built-in ``pgoutput`` plugin, read over the streaming replication protocol with 
 ``LogicalReplicationConnection``. Transactions arrive in commit order; every row is
 produced at once (idempotent producer, key = job id, so one job's events keep their order)
 and a transaction's **end** LSN is confirmed to the server only when Kafka acknowledged
-every record of it and of every transaction before it (:class:`Ledger`). After a crash the
-slot streams again from the last confirmed transaction: duplicates of unconfirmed
-transactions, never a gap.
+every record of it and of every transaction before it (:class:`PendingTransactions`). After
+a crash the slot streams again from the last confirmed transaction: duplicates of
+unconfirmed transactions, never a gap.
 
 Two details keep that promise:
 
@@ -44,27 +44,24 @@ from functools import cache
 from typing import Any
 
 import psycopg
-import psycopg.sql
 import psycopg2
 import psycopg2.extensions
 import psycopg2.extras
 from prometheus_client import Counter, Gauge
-from psycopg.rows import dict_row
 
-from calmq import sql
+from calmq.data import relay as bookkeeping
+from calmq.data.relay import Horizon, SlotState, SyncConnection
 from calmq.errors import ConfigError, InfrastructureError
 from calmq.relay import pgoutput
 from calmq.relay.publisher import OutboxRow, Publisher
 from calmq.retrying import Backoff, Reconnect
 
-__all__ = ["CdcRelay", "Ledger", "drop_slot", "lsn_text"]
+__all__ = ["CdcRelay", "PendingTransactions", "drop_slot", "lsn_text"]
 
 log = logging.getLogger(__name__)
 
 # Pauses before streaming again after a lost connection: 1 s doubling to 30 s, as before.
 _RESUME = Backoff(initial=1.0, maximum=30.0)
-
-_OUTBOX = "outbox"
 
 
 def lsn_text(lsn: int) -> str:
@@ -92,8 +89,8 @@ class Confirmable:
 
 
 @dataclass
-class Ledger:
-    """Transactions in commit order, and how far the slot may be confirmed.
+class PendingTransactions:
+    """Transactions not yet confirmed, in commit order, and how far the slot may be confirmed.
 
     ``confirmable`` returns the end LSN of the newest transaction such that it and every
     transaction before it are committed and fully acknowledged; a transaction still being
@@ -173,19 +170,18 @@ def drop_slot(database_url: str, slot: str) -> bool:
 
     Raises ConfigError(code='slot_active') while a relay streams from it.
     """
-    q = sql.queries()
-    with psycopg.connect(database_url, autocommit=True, row_factory=dict_row) as conn:
-        row = conn.execute(q["relay_slot"], {"slot": slot}).fetchone()
-        if row is not None and row["active"]:
+    with bookkeeping.connect(database_url) as conn:
+        state = bookkeeping.slot_state(conn, slot)
+        if state is not None and state.active:
             raise ConfigError(
-                f"slot {slot} is in use by server process {row['active_pid']}: stop the relay "
+                f"slot {slot} is in use by server process {state.active_pid}: stop the relay "
                 "first", code="slot_active",
             )
         with conn.transaction():
-            conn.execute(q["relay_forget_slot"], {"slot": slot})
-            if row is not None:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-    return row is not None
+            bookkeeping.forget_slot(conn, slot)
+            if state is not None:
+                bookkeeping.drop_slot(conn, slot)
+    return state is not None
 
 
 class CdcRelay:
@@ -226,7 +222,6 @@ class CdcRelay:
         self.transactions = 0
         self.pruned = 0
         self.confirmed_lsn = 0
-        self._q = sql.queries()
         self._relations: dict[int, pgoutput.Relation] = {}
         self._last_feedback = 0.0
         self._m = _metrics()
@@ -242,52 +237,40 @@ class CdcRelay:
         )
         return conn
 
-    def _ensure_publication(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
-        row = conn.execute(self._q["relay_wal_level"]).fetchone()
-        if row is None or row["wal_level"] != "logical":
+    def _ensure_publication(self, conn: SyncConnection) -> None:
+        level = bookkeeping.wal_level(conn)
+        if level != "logical":
             raise ConfigError(
                 f"the CDC relay needs wal_level=logical (the server has "
-                f"{row['wal_level'] if row else 'unknown'}): set it and restart PostgreSQL, "
+                f"{level or 'unknown'}): set it and restart PostgreSQL, "
                 "or run `calmq relay --mode polling`",
                 code="wal_level_not_logical",
             )
-        if conn.execute(self._q["relay_publication_exists"],
-                        {"publication": self.publication}).fetchone() is None:
-            # Inserts only: the router publishes events, never later edits or deletions.
+        if not bookkeeping.publication_exists(conn, self.publication):
             # DuplicateObject: another relay made it at the same moment.
             with contextlib.suppress(psycopg.errors.DuplicateObject):
-                conn.execute(
-                    f"CREATE PUBLICATION {self.publication} FOR TABLE {_OUTBOX} "
-                    "WITH (publish = 'insert')"
-                )
+                bookkeeping.create_publication(conn, self.publication)
 
-    def _slot_state(self, conn: psycopg.Connection[dict[str, Any]]) -> dict[str, Any] | None:
-        row: dict[str, Any] | None = conn.execute(
-            self._q["relay_slot"], {"slot": self.slot}).fetchone()
-        return row
-
-    def _wait_inactive(self, conn: psycopg.Connection[dict[str, Any]],
-                       stop: threading.Event) -> dict[str, Any] | None:
+    def _wait_inactive(self, conn: SyncConnection, stop: threading.Event) -> SlotState | None:
         """The slot's state once no other process streams from it (None: no slot)."""
         warned = 0.0
         while True:
-            state = self._slot_state(conn)
-            if state is None or not state["active"]:
+            state = bookkeeping.slot_state(conn, self.slot)
+            if state is None or not state.active:
                 return state
             if time.monotonic() - warned > 30:
                 # After kill -9 the old walsender exits as soon as it sees the socket close;
                 # a live relay on the same slot keeps this one waiting as a standby.
                 log.warning("slot %s is in use by server process %s; waiting",
-                            self.slot, state["active_pid"])
+                            self.slot, state.active_pid)
                 warned = time.monotonic()
             if stop.wait(0.2):
                 return state
 
     def _create_slot_and_catch_up(self, rconn: psycopg2.extensions.connection,
-                                  conn: psycopg.Connection[dict[str, Any]],
-                                  stop: threading.Event) -> bool:
+                                  conn: SyncConnection, stop: threading.Event) -> bool:
         """Create the slot and publish what committed before it; False if stopped."""
-        conn.execute(self._q["relay_mark_pending"], {"slot": self.slot})
+        bookkeeping.mark_pending(conn, self.slot)
         cur = rconn.cursor()
         cur.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput (SNAPSHOT 'export')")
         created = cur.fetchone()
@@ -297,47 +280,40 @@ class CdcRelay:
         count = 0
         # The exported snapshot lives until the next command on the replication connection.
         with conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            conn.execute(psycopg.sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
-                psycopg.sql.Literal(snapshot_name)))
-            cursor = conn.execute(self._q["relay_cursor"], {"name": self.cursor_name}).fetchone()
-            after = (cursor["txid"], cursor["seq"]) if cursor else ("0", 0)
-            with conn.cursor(name="relay_snapshot") as rows:
-                rows.execute(self._q["relay_snapshot_rows"], {"txid": after[0], "seq": after[1]})
-                for r in rows:
-                    self.publisher.send(OutboxRow(
-                        str(r["id"]), r["aggregatetype"], r["aggregateid"], r["type"],
-                        r["payload"], r["headers"]))
+            bookkeeping.use_snapshot(conn, snapshot_name)
+            # The polling relay's cursor as of the snapshot: what it published already.
+            after = bookkeeping.load_position(conn, self.cursor_name)
+            with contextlib.closing(bookkeeping.snapshot_rows(conn, after)) as rows:
+                for row in rows:
+                    self.publisher.send(row)
                     count += 1
                     if stop.is_set():
                         break
         self.publisher.flush()
         if stop.is_set():
             return False
-        conn.execute(self._q["relay_mark_caught_up"], {"slot": self.slot, "lsn": consistent_lsn})
+        bookkeeping.mark_caught_up(conn, self.slot, consistent_lsn)
         self.published += count
         log.info("slot %s caught up: %d rows published from its snapshot", self.slot, count)
         return True
 
     def prepare(self, stop: threading.Event) -> psycopg2.extensions.connection | None:
         """Publication, slot and catch-up; the replication connection ready to stream."""
-        with psycopg.connect(self.database_url, autocommit=True, row_factory=dict_row) as conn:
+        with bookkeeping.connect(self.database_url) as conn:
             self._ensure_publication(conn)
             state = self._wait_inactive(conn, stop)
             if stop.is_set():
                 return None
-            if state is not None and state["ours"] and not state["caught_up"]:
+            if state is not None and state.ours and not state.caught_up:
                 log.warning("slot %s has no finished catch-up: dropping and making it again",
                             self.slot)
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (self.slot,))
+                bookkeeping.drop_slot(conn, self.slot)
                 state = None
-            elif state is not None and not state["ours"]:
+            elif state is not None and not state.ours:
                 # Made by another relay (Debezium's connector): it confirmed only what it
                 # published, so streaming on from it loses nothing.
-                log.info("adopting existing slot %s at %s", self.slot,
-                         state["confirmed_flush_lsn"])
-                conn.execute(self._q["relay_mark_caught_up"],
-                             {"slot": self.slot, "lsn": state["confirmed_flush_lsn"]})
+                log.info("adopting existing slot %s at %s", self.slot, state.confirmed_flush_lsn)
+                bookkeeping.mark_caught_up(conn, self.slot, state.confirmed_flush_lsn)
             rconn = self._replication_connection()
             try:
                 if state is None and not self._create_slot_and_catch_up(rconn, conn, stop):
@@ -389,7 +365,7 @@ class CdcRelay:
             options={"proto_version": "1", "publication_names": self.publication},
         )
         log.info("streaming slot %s (publication %s)", self.slot, self.publication)
-        ledger = Ledger()
+        ledger = PendingTransactions()
         txn: _Txn | None = None
         publisher = self.publisher
         lag_seconds = self._m["lag_seconds"].labels(self.slot)
@@ -460,7 +436,7 @@ class CdcRelay:
         if relation is None:
             raise InfrastructureError(f"Insert for relation {insert.relation_id} before its "
                                       "Relation message")
-        if relation.name != _OUTBOX:
+        if relation.name != bookkeeping.OUTBOX_TABLE:
             return None  # a publication widened by hand: only outbox rows are events
         values = pgoutput.row_as_dict(relation, insert)
         return OutboxRow(
@@ -469,7 +445,8 @@ class CdcRelay:
             json.loads(values["headers"] or "{}"),
         )
 
-    def _confirm(self, cur: Any, ledger: Ledger, lag_seconds: Any, published: Any) -> None:
+    def _confirm(self, cur: Any, ledger: PendingTransactions, lag_seconds: Any,
+                 published: Any) -> None:
         done = ledger.confirmable()
         if done is None:
             return
@@ -489,15 +466,14 @@ class CdcRelay:
     # -- housekeeping -----------------------------------------------------------------------
 
     def _housekeeping(self, stop: threading.Event) -> None:
-        horizons: deque[tuple[float, str, int]] = deque()
+        horizons: deque[tuple[float, Horizon]] = deque()
         warned = 0.0
-        conn: psycopg.Connection[dict[str, Any]] | None = None
+        conn: SyncConnection | None = None
         try:
             while not stop.is_set():
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(self.database_url, autocommit=True,
-                                               row_factory=dict_row)
+                        conn = bookkeeping.connect(self.database_url)
                     warned = self._housekeep_once(conn, horizons, warned, stop)
                 except psycopg.Error as exc:
                     log.warning("relay housekeeping failed, will retry: %s", exc)
@@ -509,38 +485,35 @@ class CdcRelay:
             if conn is not None:
                 conn.close()
 
-    def _housekeep_once(self, conn: psycopg.Connection[dict[str, Any]],
-                        horizons: deque[tuple[float, str, int]], warned: float,
-                        stop: threading.Event) -> float:
-        lag = conn.execute(self._q["relay_slot_lag"], {"slot": self.slot}).fetchone()
+    def _housekeep_once(self, conn: SyncConnection, horizons: deque[tuple[float, Horizon]],
+                        warned: float, stop: threading.Event) -> float:
+        lag = bookkeeping.slot_lag(conn, self.slot)
         if lag is None:
             return warned
-        self._m["lag_bytes"].labels(self.slot).set(lag["lag_bytes"] or 0)
-        self._m["retained_bytes"].labels(self.slot).set(lag["retained_bytes"] or 0)
-        retained = lag["retained_bytes"] or 0
+        self._m["lag_bytes"].labels(self.slot).set(lag.lag_bytes)
+        self._m["retained_bytes"].labels(self.slot).set(lag.retained_bytes)
+        retained = lag.retained_bytes
         if retained > self.wal_warn_bytes and time.monotonic() - warned > 60:
             log.warning("slot %s holds back %d bytes of WAL, more than relay_wal_warn_bytes "
                         "(%d): is the relay keeping up? `calmq relay --drop-slot` removes an "
                         "abandoned slot", self.slot, retained, self.wal_warn_bytes)
             warned = time.monotonic()
         now = time.monotonic()
-        horizon = conn.execute(self._q["relay_horizon"]).fetchone()
+        horizon = bookkeeping.horizon(conn)
         if horizon is not None:
-            horizons.append((now, horizon["xmin"], int(horizon["lsn"])))
+            horizons.append((now, horizon))
             if len(horizons) > 10_000:
                 # A slot that confirms nothing for days: forgetting the oldest horizon only
                 # delays deletion, it never deletes an unpublished row.
                 horizons.popleft()
         # The newest horizon older than the retention whose WAL position the slot confirmed.
-        confirmed = int(lag["confirmed_lsn"] or 0)
         chosen = None
         while horizons and horizons[0][0] <= now - self.retention_seconds \
-                and horizons[0][2] <= confirmed:
-            chosen = horizons.popleft()
+                and horizons[0][1].lsn <= lag.confirmed_lsn:
+            chosen = horizons.popleft()[1]
         if chosen is not None:
             while True:
-                deleted = conn.execute(self._q["relay_prune_published"],
-                                       {"xmin": chosen[1], "limit": self.prune_batch}).rowcount
+                deleted = bookkeeping.prune_published(conn, chosen.xmin, self.prune_batch)
                 self.pruned += deleted
                 self._m["pruned"].labels(self.slot).inc(deleted)
                 if deleted < self.prune_batch or stop.is_set():
