@@ -27,6 +27,7 @@ test-unit: install
 lint: install
 	$(BIN)/ruff check calmq producers relay processors tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 typecheck: install
 	$(BIN)/mypy
