@@ -1,7 +1,8 @@
 """calmq: slow AI steps out of the request, on Kafka and PostgreSQL.
 
-The shared kernel: settings, the job model, the SQL store, Kafka wiring and topic names,
-the Avro codec, the model gateway, workflows, the local dev stack and the CLI.
+The shared kernel: settings, the job model, the data layer, Kafka wiring and topic names,
+the Avro codec, the model gateway, workflows and the CLI. The tooling that production does
+not run (fake provider, dev stack, demo, KEDA rendering, schema checks) is calmq.tooling.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ __all__ = [
     "StepFailure",
 ]
 
+# The one place the version is written: pyproject.toml reads it (tool.setuptools.dynamic).
 __version__ = "0.1.0"
 
 

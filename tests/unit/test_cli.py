@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import calmq
 from calmq.cli import main, parser
 from calmq.settings import ENV_PREFIX, Settings
 
@@ -22,11 +23,12 @@ def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
-    """`calmq --version` prints `calmq <version>` from the installed package's metadata."""
+    """`calmq --version` prints `calmq <version>`: the metadata's, which is calmq.__version__."""
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"calmq {version('calmq')}"
+    assert version("calmq") == calmq.__version__
 
 
 def test_a_setting_flag_is_named_and_typed_by_its_field() -> None:
