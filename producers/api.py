@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from calmq.errors import CalmqError, ContractError
 from calmq.objects import ObjectStore, open_object_store
-from calmq.producers.backlog import QueueAge
+from calmq.producers.backlog import QueueAge, queue_age_gauge
 from calmq.producers.context import (
     AUTH_CACHE,
     GROUP_COMMIT,
@@ -37,6 +37,7 @@ from calmq.producers.routes import ROUTES
 from calmq.producers.views import job_view
 from calmq.producers.webhooks import Dispatcher
 from calmq.settings import Settings
+from calmq.supervision import Supervisor
 from calmq.store import Store
 from calmq.workflows import Workflow, load_workflows
 
@@ -103,20 +104,27 @@ def build_app(
     sweeper = Sweeper(settings, store, app[OBJECTS])
     queue_age = QueueAge(store, settings.queue_age_interval_seconds)
 
+    # The side tasks: a failed pass is logged, counted and tried again; none of them stops
+    # the API (accepting jobs matters more than any of them).
+    side = Supervisor()
+
     async def start_background(_app: web.Application) -> None:
         if not background:
             return
         hub.start()
         if settings.webhook_dispatcher:
             hub.on(WEBHOOKS, dispatcher.wake)
-            dispatcher.start()
-        sweeper.start()
-        queue_age.start()
+            side.spawn("webhook-dispatcher", dispatcher.run)
+        side.every("retention-sweeper", sweeper.interval, sweeper.sweep)
+        queue_age_gauge()  # present on /metrics from the start, even with nothing waiting
+        if queue_age.interval > 0:
+            side.every("queue-age", queue_age.interval, queue_age.sample)
 
     async def stop_background(_app: web.Application) -> None:
-        for part in (queue_age, sweeper, dispatcher, hub):
+        await side.stop()
+        for close in (dispatcher.close, hub.stop):
             with contextlib.suppress(Exception):
-                await part.stop()
+                await close()
         await store.close()
 
     async def close_streams(_app: web.Application) -> None:

@@ -9,9 +9,6 @@ dashboards take ``max`` over instances. A pair that had waiting jobs and has non
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from functools import cache
 
 from prometheus_client import Gauge
@@ -20,9 +17,6 @@ from calmq import sql
 from calmq.store import Store
 
 __all__ = ["QueueAge", "queue_age_gauge"]
-
-log = logging.getLogger(__name__)
-
 
 @cache
 def queue_age_gauge() -> Gauge:
@@ -35,20 +29,8 @@ def queue_age_gauge() -> Gauge:
 class QueueAge:
     def __init__(self, store: Store, interval: float) -> None:
         self._store = store
-        self._interval = interval
+        self.interval = interval  # between samples, taken by a side task; 0: never
         self._seen: set[tuple[str, str]] = set()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        queue_age_gauge()  # present on /metrics from the start, even with nothing waiting
-        if self._interval > 0:
-            self._task = asyncio.create_task(self._run(), name="queue-age")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     async def sample(self) -> dict[tuple[str, str], float]:
         """Read the ages once and set the gauge; returns them."""
@@ -63,13 +45,3 @@ class QueueAge:
             gauge.labels(*pair).set(age)
         self._seen |= ages.keys()
         return ages
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.sample()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("sampling the queue age failed; trying again next interval")
-            await asyncio.sleep(self._interval)  # the sampling period, not a synchronisation

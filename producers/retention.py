@@ -8,9 +8,7 @@ purge or sweep finishes the work; the reverse order could leave objects nobody p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import uuid
 from typing import Any
 
@@ -23,9 +21,6 @@ from calmq.settings import Settings
 from calmq.store import Store
 
 __all__ = ["Sweeper", "purge"]
-
-log = logging.getLogger(__name__)
-
 
 async def purge(store: Store, objects: ObjectStore, settings: Settings,
                 tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
@@ -53,34 +48,14 @@ async def purge(store: Store, objects: ObjectStore, settings: Settings,
 
 
 class Sweeper:
-    """Background retention: old idempotency keys and old terminal jobs' data."""
+    """Retention: old idempotency keys and old terminal jobs' data, one ``sweep`` a pass."""
 
     def __init__(self, settings: Settings, store: Store, objects: ObjectStore,
                  interval: float = 60.0) -> None:
         self._settings = settings
         self._store = store
         self._objects = objects
-        self._interval = interval
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="retention-sweeper")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("retention sweep failed; trying again next interval")
-            await asyncio.sleep(self._interval)  # the sweep's period, not a synchronisation
+        self.interval = interval  # between sweeps, run as a side task (calmq.supervision)
 
     async def sweep(self, limit: int = 500) -> dict[str, int]:
         """One pass; returns how many keys were pruned and jobs purged."""

@@ -4,8 +4,9 @@ A terminal job event (completed, dead_lettered, cancelled) of a job with a
 ``callback_url`` becomes a ``webhook_deliveries`` row in the same transaction as the event
 (trigger of migration 0004), so no callback is lost when a process dies. The dispatcher
 runs inside every API process: it claims due rows with SKIP LOCKED, POSTs the job's status
-document, records each attempt in ``webhook_attempts`` and retries with exponential
-backoff and full jitter up to ``webhook_max_attempts``.
+document, records each attempt in ``webhook_attempts`` and retries up to
+``webhook_max_attempts`` with the kernel's backoff (calmq.retrying: exponential, jittered
+over each attempt's band, so a later retry never comes sooner than an earlier one).
 
 Signature (Stripe-style, verifiable with :func:`verify`)::
 
@@ -22,7 +23,7 @@ import hmac
 import ipaddress
 import json
 import logging
-import random
+import math
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ import aiohttp
 
 from calmq import sql
 from calmq.errors import ContractError
+from calmq.retrying import Backoff
 from calmq.settings import Settings
 from calmq.store import Store
 
@@ -114,24 +116,18 @@ class Dispatcher:
         self._view = view
         self._q = sql.queries()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def wake(self) -> None:
         self._wake.set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="webhook-dispatcher")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+    async def close(self) -> None:
+        """Close the HTTP session (after the side task running ``run`` stopped)."""
         if self._session is not None:
             await self._session.close()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Deliver until cancelled: the API runs this as a side task (calmq.supervision)."""
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._settings.webhook_timeout_seconds))
         while True:
@@ -201,7 +197,7 @@ class Dispatcher:
         else:
             status = "pending"
         base = self._settings.webhook_backoff_seconds
-        delay = random.uniform(0, base * 2 ** (row["attempts"] - 1))  # full jitter
+        delay = Backoff(base, math.inf).delay(row["attempts"])
         async with self._store.pool.connection() as conn, conn.transaction():
             await conn.execute(self._q["api_webhook_attempt"], {
                 "id": row["id"], "attempt": row["attempts"], "status_code": status_code,
