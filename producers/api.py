@@ -37,8 +37,8 @@ from calmq.producers.routes import ROUTES
 from calmq.producers.views import job_view
 from calmq.producers.webhooks import Dispatcher
 from calmq.settings import Settings
-from calmq.supervision import Supervisor
 from calmq.store import Store
+from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
 __all__ = ["ROUTES", "build_app"]
