@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections import defaultdict
 from collections.abc import Callable
 
 import psycopg
 
-__all__ = ["JOB_EVENTS", "KEYS", "WEBHOOKS", "Hub"]
+from calmq.retrying import Reconnect
 
-log = logging.getLogger(__name__)
+__all__ = ["JOB_EVENTS", "KEYS", "WEBHOOKS", "Hub"]
 
 JOB_EVENTS = "calmq_job_events"
 WEBHOOKS = "calmq_webhooks"
@@ -83,7 +82,7 @@ class Hub:
                 cb()
 
     async def _run(self) -> None:
-        delay = 0.1
+        reconnect = Reconnect("the LISTEN connection was lost")
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
@@ -94,7 +93,7 @@ class Hub:
                     self.connected.set()
                     # Anything sent while we were not listening is lost: wake everyone once.
                     self._wake_all()
-                    delay = 0.1
+                    reconnect.succeeded()
                     async for note in conn.notifies():
                         if note.channel == JOB_EVENTS:
                             for job_id in note.payload.split(","):
@@ -107,7 +106,6 @@ class Hub:
                 raise
             except psycopg.Error as exc:
                 self.connected.clear()
-                log.warning("LISTEN connection lost (%s); reconnecting", exc)
                 self._wake_all()
-                await asyncio.sleep(delay)  # reconnect backoff, not a synchronisation
-                delay = min(delay * 2, 5.0)
+                # Jittered: every API replica lost it at once when the database restarted.
+                await asyncio.sleep(reconnect.failed(exc))  # an outage's pause, not a sync
