@@ -25,6 +25,8 @@ from confluent_kafka import Message
 from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec
+from calmq.data import Finish, Store
+from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
@@ -35,9 +37,7 @@ from calmq.processors.offsets import OffsetTracker, Position, position_of
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
-from calmq.store import Finish, Store
 from calmq.workflows import StepContext, StepOutput, Workflow
-from calmq.workflows.effects import StoreEffectLog
 from calmq.workflows.progress import Progress
 
 __all__ = ["Committer", "RunnerConfig", "StepRunner"]
@@ -98,7 +98,7 @@ class Committer:
 
     async def _write(self, group: list[tuple[Finish, Position]]) -> None:
         started = time.monotonic()
-        await self.store.finish([f for f, _ in group])
+        await self.store.attempts.finish([f for f, _ in group])
         for finish, (tp, offset) in group:
             self.tracker.done(tp, offset)
             metrics.finished(finish.status, finish.error)
@@ -135,7 +135,7 @@ class StepRunner:
         self.slots = CallSlots(config.concurrency, config.interactive_reserve)
         self.poison = poison
         self.progress = Progress(store, objects, config.review_deadline_seconds)
-        self.effects = StoreEffectLog(store)
+        self.effects = SideEffects(store)
         self.failures = FailureStage(worker_id=config.worker_id, tiers=config.tiers,
                                      backoff=config.backoff, workflows=workflows,
                                      max_attempts=config.max_attempts)
@@ -220,7 +220,7 @@ class StepRunner:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
         started = time.monotonic()
-        rows = await retry_forever("claiming a batch failed", lambda: self.store.claim(
+        rows = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         claimed = {row["id"]: row for row in rows}
@@ -228,7 +228,7 @@ class StepRunner:
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
         visible = await retry_forever(
             "reading unclaimed jobs failed",
-            lambda: self.store.visible_jobs(unclaimed)) if unclaimed else {}
+            lambda: self.store.jobs.visible(unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
             row = claimed.pop(job_id, None)
@@ -435,7 +435,7 @@ class StepRunner:
         if tasks:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             try:
-                await self.store.release_leases(list(tasks), self.config.worker_id)
+                await self.store.jobs.release_leases(list(tasks), self.config.worker_id)
             except Exception:
                 log.exception("releasing %d leases failed", len(tasks))
         return len(tasks)
@@ -447,7 +447,8 @@ class StepRunner:
         ids = list(self._running)
         if not ids:
             return
-        held = await self.store.heartbeat(ids, self.config.worker_id, self.config.lease_seconds)
+        held = await self.store.jobs.heartbeat(ids, self.config.worker_id,
+                                               self.config.lease_seconds)
         for job_id in ids:
             task = self._running.get(job_id)
             if job_id not in held and task is not None:

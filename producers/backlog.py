@@ -13,10 +13,11 @@ from functools import cache
 
 from prometheus_client import Gauge
 
-from calmq import sql
-from calmq.store import Store
+from calmq.data import Database
+from calmq.data.observability import queue_ages
 
 __all__ = ["QueueAge", "queue_age_gauge"]
+
 
 @cache
 def queue_age_gauge() -> Gauge:
@@ -27,17 +28,14 @@ def queue_age_gauge() -> Gauge:
 
 
 class QueueAge:
-    def __init__(self, store: Store, interval: float) -> None:
-        self._store = store
+    def __init__(self, db: Database, interval: float) -> None:
+        self._db = db
         self.interval = interval  # between samples, taken by a side task; 0: never
         self._seen: set[tuple[str, str]] = set()
 
     async def sample(self) -> dict[tuple[str, str], float]:
         """Read the ages once and set the gauge; returns them."""
-        async with self._store.pool.connection() as conn:
-            cur = await conn.execute(sql.queries()["obs_queue_age"])
-            rows = await cur.fetchall()
-        ages = {(str(r["pool"]), str(r["priority"])): float(r["age_seconds"]) for r in rows}
+        ages = await queue_ages(self._db)
         gauge = queue_age_gauge()
         for pair in self._seen - ages.keys():
             gauge.labels(*pair).set(0)

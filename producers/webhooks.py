@@ -32,11 +32,11 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from calmq import sql
+from calmq.data import Store
+from calmq.data.webhooks import DeliveryStatus, WebhookDeliveries, WebhookDelivery
 from calmq.errors import ContractError
 from calmq.retrying import Backoff
 from calmq.settings import Settings
-from calmq.store import Store
 
 __all__ = [
     "SIGNATURE_HEADER",
@@ -114,7 +114,7 @@ class Dispatcher:
         self._settings = settings
         self._store = store
         self._view = view
-        self._q = sql.queries()
+        self._deliveries = WebhookDeliveries(store)
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
 
@@ -145,41 +145,37 @@ class Dispatcher:
             self._wake.clear()
 
     async def _next_due(self) -> float:
-        async with self._store.pool.connection() as conn:
-            cur = await conn.execute(self._q["api_next_webhook_due"])
-            row = await cur.fetchone()
-        if row is None or row["seconds"] is None:
+        seconds = await self._deliveries.next_due()
+        if seconds is None:
             return 30.0
-        return max(0.01, min(30.0, float(row["seconds"])))
+        return max(0.01, min(30.0, seconds))
 
     async def deliver_due(self, limit: int = 32) -> int:
         """Claim and send every due delivery (up to ``limit``); returns how many were tried."""
         lease = self._settings.webhook_timeout_seconds * 2 + 5
-        async with self._store.pool.connection() as conn:
-            cur = await conn.execute(self._q["api_claim_webhooks"],
-                                     {"limit": limit, "lease_seconds": lease})
-            rows = await cur.fetchall()
-        await asyncio.gather(*(self._deliver(r) for r in rows))
-        return len(rows)
+        due = await self._deliveries.claim(limit, lease)
+        await asyncio.gather(*(self._deliver(d) for d in due))
+        return len(due)
 
-    async def _deliver(self, row: dict[str, Any]) -> None:
-        job = await self._store.job_view(row["tenant_id"], row["job_id"])
-        body = json.dumps({"event": row["event_type"],
-                           "job": self._view(job) if job else {"job_id": str(row["job_id"])}},
+    async def _deliver(self, delivery: WebhookDelivery) -> None:
+        job = await self._store.jobs.view(delivery.tenant_id, delivery.job_id)
+        body = json.dumps({"event": delivery.event_type,
+                           "job": self._view(job) if job else {"job_id": str(delivery.job_id)}},
                           separators=(",", ":")).encode()
         ts = int(time.time())
         headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(ts),
-                   SIGNATURE_HEADER: sign(row["webhook_secret"], ts, body),
-                   "Calmq-Delivery": str(row["id"]), "User-Agent": "calmq-webhooks"}
+                   SIGNATURE_HEADER: sign(delivery.webhook_secret, ts, body),
+                   "Calmq-Delivery": str(delivery.id), "User-Agent": "calmq-webhooks"}
         started = time.monotonic()
         status_code: int | None = None
         error: str | None = None
         final = False
         try:
             # Checked again at send time: DNS may have changed since the submit.
-            await check_callback_url(row["url"], allow_private=self._settings.webhook_allow_private)
+            await check_callback_url(delivery.url,
+                                     allow_private=self._settings.webhook_allow_private)
             assert self._session is not None
-            async with self._session.post(row["url"], data=body, headers=headers,
+            async with self._session.post(delivery.url, data=body, headers=headers,
                                           allow_redirects=False) as resp:
                 status_code = resp.status
                 await resp.read()
@@ -190,19 +186,18 @@ class Dispatcher:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         duration = int((time.monotonic() - started) * 1000)
+        status: DeliveryStatus
         if error is None:
             status = "delivered"
-        elif final or row["attempts"] >= self._settings.webhook_max_attempts:
+        elif final or delivery.attempts >= self._settings.webhook_max_attempts:
             status = "failed"
         else:
             status = "pending"
         base = self._settings.webhook_backoff_seconds
-        delay = Backoff(base, math.inf).delay(row["attempts"])
-        async with self._store.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._q["api_webhook_attempt"], {
-                "id": row["id"], "attempt": row["attempts"], "status_code": status_code,
-                "error": error, "duration_ms": duration})
-            await conn.execute(self._q["api_webhook_done"], {
-                "id": row["id"], "status": status, "delay_seconds": max(delay, 0.05)})
+        delay = Backoff(base, math.inf).delay(delivery.attempts)
+        await self._deliveries.record(delivery, status=status, status_code=status_code,
+                                      error=error, duration_ms=duration,
+                                      retry_in=max(delay, 0.05))
         if status != "delivered":
-            log.info("webhook %s for job %s: %s (%s)", row["id"], row["job_id"], error, status)
+            log.info("webhook %s for job %s: %s (%s)", delivery.id, delivery.job_id, error,
+                     status)

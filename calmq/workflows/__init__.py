@@ -19,6 +19,7 @@ from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import CallScope, Provider
 
 if TYPE_CHECKING:
+    from calmq.data.steps import EffectRecord
     from calmq.objects import ObjectStore
     from calmq.settings import Settings
 
@@ -40,7 +41,7 @@ __all__ = [
 class EffectLog(Protocol):
     """Where "record then call then confirm" keeps its records (calmq.workflows.effects)."""
 
-    async def lookup(self, job_id: str, key: str) -> dict[str, Any] | None: ...
+    async def lookup(self, job_id: str, key: str) -> EffectRecord | None: ...
 
     async def called(self, job_id: str, key: str) -> int: ...
 

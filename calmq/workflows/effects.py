@@ -14,15 +14,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from psycopg.types.json import Jsonb
-
+from calmq.data.steps import EffectRecord
 from calmq.errors import FailureClass, StepFailure
 
 if TYPE_CHECKING:
-    from calmq.store import Store
     from calmq.workflows import StepContext
 
-__all__ = ["MemoryEffectLog", "StoreEffectLog", "once"]
+# The log in PostgreSQL is calmq.data.steps.SideEffects.
+__all__ = ["MemoryEffectLog", "once"]
 
 
 async def once(
@@ -36,57 +35,28 @@ async def once(
                           "StepContext.effects)", code="no_effect_log",
                           failure_class=FailureClass.BUG)
     earlier = await log.lookup(ctx.job_id, key)
-    if earlier is not None and earlier["state"] == "confirmed":
-        response: dict[str, Any] = earlier["response"] or {}
-        return response
+    if earlier is not None and earlier.state == "confirmed":
+        return earlier.response or {}
     await log.called(ctx.job_id, key)
     response = await call(key)
     await log.confirmed(ctx.job_id, key, response)
     return response
 
 
-class StoreEffectLog:
-    """The effect log in PostgreSQL (table side_effects). Each record is its own commit:
-    it must be durable before the external call is made."""
-
-    def __init__(self, store: Store) -> None:
-        from calmq import sql
-
-        self._store = store
-        self._q = sql.queries()
-
-    async def lookup(self, job_id: str, key: str) -> dict[str, Any] | None:
-        async with self._store.pool.connection() as conn:
-            cur = await conn.execute(self._q["wf_effect_get"], {"job_id": job_id, "key": key})
-            row: dict[str, Any] | None = await cur.fetchone()
-        return row
-
-    async def called(self, job_id: str, key: str) -> int:
-        async with self._store.pool.connection() as conn:
-            cur = await conn.execute(self._q["wf_effect_called"], {"job_id": job_id, "key": key})
-            row = await cur.fetchone()
-        return int(row["calls"]) if row else 0
-
-    async def confirmed(self, job_id: str, key: str, response: dict[str, Any]) -> None:
-        async with self._store.pool.connection() as conn:
-            await conn.execute(self._q["wf_effect_confirmed"],
-                               {"job_id": job_id, "key": key, "response": Jsonb(response)})
-
-
 class MemoryEffectLog:
     """The same interface in memory, for testing a step alone."""
 
     def __init__(self) -> None:
-        self.records: dict[tuple[str, str], dict[str, Any]] = {}
+        self.records: dict[tuple[str, str], EffectRecord] = {}
 
-    async def lookup(self, job_id: str, key: str) -> dict[str, Any] | None:
+    async def lookup(self, job_id: str, key: str) -> EffectRecord | None:
         return self.records.get((job_id, key))
 
     async def called(self, job_id: str, key: str) -> int:
-        record = self.records.setdefault((job_id, key),
-                                         {"state": "called", "calls": 0, "response": None})
-        record["calls"] += 1
-        return int(record["calls"])
+        record = self.records.setdefault((job_id, key), EffectRecord("called", 0))
+        record.calls += 1
+        return record.calls
 
     async def confirmed(self, job_id: str, key: str, response: dict[str, Any]) -> None:
-        self.records[(job_id, key)].update(state="confirmed", response=response)
+        record = self.records[(job_id, key)]
+        record.state, record.response = "confirmed", response

@@ -13,15 +13,17 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from calmq import events, sql, topics
+from calmq import events, topics
+from calmq.data import outbox
+from calmq.data.attempts import Finish
+from calmq.data.steps import StepRecord, StepRecords
 from calmq.errors import FailureClass, StepFailure
 from calmq.jobs import EventType, Status
-from calmq.store import Finish
 from calmq.workflows import Step, StepOutput, Workflow
 
 if TYPE_CHECKING:
+    from calmq.data import Database
     from calmq.objects import ObjectStore
-    from calmq.store import Store
 
 __all__ = ["STEP_COMPLETED", "Progress", "artifact_key", "traceparent"]
 
@@ -42,45 +44,40 @@ def traceparent(job: dict[str, Any]) -> dict[str, str]:
 
 
 class Progress:
-    def __init__(self, store: Store, objects: ObjectStore, review_deadline_seconds: float) -> None:
-        self.store = store
+    def __init__(self, db: Database, objects: ObjectStore, review_deadline_seconds: float) -> None:
+        self.steps = StepRecords(db)
         self.objects = objects
         self.review_deadline_seconds = review_deadline_seconds
-        self._q = sql.queries()
 
-    async def recorded(self, job: dict[str, Any], workflow: Workflow) -> dict[str, dict[str, Any]]:
+    async def recorded(self, job: dict[str, Any], workflow: Workflow) -> dict[str, StepRecord]:
         """The recorded step outputs of a multi-step job, by step (one-step jobs: none)."""
         if len(workflow.steps) < 2:
             return {}
-        async with self.store.pool.connection() as conn:
-            cur = await conn.execute(self._q["wf_step_outputs"], {"job_id": job["id"]})
-            rows = await cur.fetchall()
-        return {r["step"]: r for r in rows}
+        return await self.steps.outputs(job["id"])
 
     @staticmethod
-    def replay(step: Step, recorded: dict[str, dict[str, Any]]) -> StepOutput | None:
+    def replay(step: Step, recorded: dict[str, StepRecord]) -> StepOutput | None:
         """The output of a step that ran (and was reviewed) already, to move on without it."""
         row = recorded.get(step.name)
-        if row is None or row["state"] not in _FINAL:
+        if row is None or row.state not in _FINAL:
             return None
-        return StepOutput(artifact=dict(row["output"]), confidence=None)
+        return StepOutput(artifact=dict(row.output), confidence=None)
 
     @staticmethod
     def step_input(
-        workflow: Workflow, step: Step, recorded: dict[str, dict[str, Any]]
+        workflow: Workflow, step: Step, recorded: dict[str, StepRecord]
     ) -> dict[str, Any] | None:
         """The previous step's recorded output; None for the first step (the job's input)."""
         previous = workflow.previous_step(step.name)
         if previous is None:
             return None
         row = recorded.get(previous.name)
-        if row is None or row["state"] not in _FINAL:
+        if row is None or row.state not in _FINAL:
             raise StepFailure(
                 f"step {step.name} has no recorded output of {previous.name} to start from",
                 code="missing_step_output", failure_class=FailureClass.BUG,
             )
-        data: dict[str, Any] = dict(row["output"])
-        return data
+        return dict(row.output)
 
     async def succeeded(
         self, job: dict[str, Any], workflow: Workflow, out: StepOutput, worker: str
@@ -114,8 +111,9 @@ class Progress:
                 event_detail={"step": step.name, "next_step": following.name, "pool": pool,
                               **tokens},
                 record=record,
-                outbox=[events.outbox_entry(topics.work_route(pool, job["priority"]),
-                                            "job.requested", requested, traceparent(job))],
+                outbox=[outbox.entry(topics.work_route(pool, job["priority"]), "job.requested",
+                                     requested, key=job["id"],
+                                     trace_parent=job.get("trace_parent"))],
             )
         artifact = await self.write_artifact(job, out.artifact)
         result = events.result(job, Status.COMPLETED, artifact=artifact)
@@ -123,8 +121,8 @@ class Progress:
             **base, status=Status.COMPLETED, event_type=EventType.COMPLETED, artifact=artifact,
             event_detail={"artifact": artifact["uri"], **tokens},
             record=record if len(workflow.steps) > 1 else None,
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
-                                        traceparent(job))],
+            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job["id"],
+                                 trace_parent=job.get("trace_parent"))],
         )
 
     async def write_artifact(self, job: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:

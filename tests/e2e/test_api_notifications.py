@@ -13,8 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from calmq.migrations import migrate
-from calmq.producers import keys
+from calmq.data import tenants
+from calmq.data.migrations import migrate
 from calmq.producers.client import Client, enqueue
 from calmq.producers.webhooks import verify
 from calmq.tooling.devstack import StackState
@@ -155,7 +155,7 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
     api_process, database_url = local_api
     name = f"hook-{uuid.uuid4().hex[:8]}"
     api = Api(api_process.url, create_tenant(database_url, name))
-    secret = keys.webhook_secret(database_url, name)
+    secret = tenants.webhook_secret(database_url, name)
     with Receiver(fail_first=1) as receiver:
         job_id = api.submit({"text": "call me back", "mode": "success"},
                             callback_url=receiver.url)

@@ -10,10 +10,10 @@ from urllib.parse import urlparse
 import psycopg
 import pytest
 
+from calmq.data import Store
 from calmq.objects import open_object_store
 from calmq.producers.retention import Sweeper
 from calmq.settings import Settings
-from calmq.store import Store
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for

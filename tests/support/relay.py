@@ -24,8 +24,8 @@ from confluent_kafka import Consumer, TopicPartition
 from psycopg.types.json import Jsonb
 
 from calmq import events
+from calmq.data.migrations import migrate
 from calmq.kafka import create_topics
-from calmq.migrations import migrate
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from calmq.data import Database
+from calmq.data.steps import StepRecord
 from calmq.errors import ConfigError, FailureClass, StepFailure
 from calmq.gateway import EmbeddingReply, ModelReply
 from calmq.jobs import Status
 from calmq.objects import ObjectRef
 from calmq.settings import Settings
-from calmq.store import Store
 from calmq.workflows import (
     RetryPolicy,
     Step,
@@ -186,7 +187,7 @@ JOB = {"id": "00000000-0000-0000-0000-000000000001",
 
 
 def _progress(objects: MemoryObjects) -> Progress:
-    return Progress(Store("postgresql://unused"), objects, review_deadline_seconds=60)  # type: ignore[arg-type]
+    return Progress(Database("postgresql://unused"), objects, review_deadline_seconds=60)
 
 
 async def test_a_finished_step_records_its_output_and_queues_the_next_on_its_pool() -> None:
@@ -234,8 +235,8 @@ def test_a_recorded_step_is_replayed_not_run_and_feeds_the_next() -> None:
     """A recorded (done or approved) output replays the step; the next step's input is the
     previous step's recorded output; a pending review is not a result yet."""
     wf = _three_steps()
-    recorded = {"a": {"state": "approved", "output": {"fixed": 1}},
-                "b": {"state": "pending_review", "output": {"y": 2}}}
+    recorded = {"a": StepRecord("a", "approved", {"fixed": 1}),
+                "b": StepRecord("b", "pending_review", {"y": 2})}
     assert Progress.replay(wf.step("a"), recorded) == StepOutput({"fixed": 1})
     assert Progress.replay(wf.step("b"), recorded) is None
     assert Progress.step_input(wf, wf.step("b"), recorded) == {"fixed": 1}
@@ -279,7 +280,7 @@ async def test_an_unconfirmed_side_effect_is_called_again_with_the_same_key() ->
         await once(ctx(step="post", effects=log), "ledger", crashing)
     assert await once(ctx(step="post", effects=log), "ledger", call) == {"ok": True}
     assert keys == ["job-1:post:ledger", "job-1:post:ledger"]
-    assert log.records[("job-1", "job-1:post:ledger")]["calls"] == 2
+    assert log.records[("job-1", "job-1:post:ledger")].calls == 2
 
 
 # -- the examples, step by step ------------------------------------------------------------

@@ -197,7 +197,7 @@ class Stack:
             db_url = pg.url
         else:
             state.parts.append(Part("postgres", None, _host_port(db_url), "postgres"))
-        from calmq.migrations import migrate
+        from calmq.data.migrations import migrate
 
         migrate(db_url)
         state.versions["postgres"] = postgres.server_version(db_url)

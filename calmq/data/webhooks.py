@@ -1,0 +1,66 @@
+"""Webhook deliveries: claiming the due ones, and recording each attempt's outcome.
+
+The rows are written by the job_events trigger (migration 0004) in the transaction of the
+terminal event, so a callback is never lost; the dispatcher (calmq.producers.webhooks)
+only claims, sends and records.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from calmq.data.database import Database
+
+__all__ = ["DeliveryStatus", "WebhookDeliveries", "WebhookDelivery"]
+
+DeliveryStatus = Literal["delivered", "failed", "pending"]
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookDelivery:
+    """A claimed delivery; ``attempts`` counts this one."""
+
+    id: uuid.UUID
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    url: str
+    event_type: str
+    attempts: int
+    webhook_secret: str
+
+
+class WebhookDeliveries:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def next_due(self) -> float | None:
+        """Seconds until the next pending delivery is due (negative: overdue); None if none."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["api_next_webhook_due"])
+            row = await cur.fetchone()
+        return None if row is None or row["seconds"] is None else float(row["seconds"])
+
+    async def claim(self, limit: int, lease_seconds: float) -> list[WebhookDelivery]:
+        """Due deliveries for this dispatcher, each leased for ``lease_seconds`` (SKIP LOCKED:
+        several API processes share the work)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["api_claim_webhooks"],
+                                     {"limit": limit, "lease_seconds": lease_seconds})
+            rows = await cur.fetchall()
+        return [WebhookDelivery(r["id"], r["job_id"], r["tenant_id"], r["url"], r["event_type"],
+                                r["attempts"], r["webhook_secret"]) for r in rows]
+
+    async def record(
+        self, delivery: WebhookDelivery, *, status: DeliveryStatus, status_code: int | None,
+        error: str | None, duration_ms: int, retry_in: float,
+    ) -> None:
+        """The attempt and the delivery's new status in one transaction; a ``pending``
+        delivery is due again in ``retry_in`` seconds."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            await conn.execute(self._db.q["api_webhook_attempt"], {
+                "id": delivery.id, "attempt": delivery.attempts, "status_code": status_code,
+                "error": error, "duration_ms": duration_ms})
+            await conn.execute(self._db.q["api_webhook_done"], {
+                "id": delivery.id, "status": status, "delay_seconds": retry_in})
