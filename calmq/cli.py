@@ -188,8 +188,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from calmq.data import Store
     from calmq.producers.api import build_app
-    from calmq.store import Store
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -291,7 +291,7 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
 
 
 def cmd_reaper(args: argparse.Namespace) -> int:
-    from calmq.store import Store
+    from calmq.data import Store
 
     settings = _settings(args)
     _logging(settings.log_level, settings.log_redact_fields)
@@ -308,7 +308,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
                           open_object_store(settings.object_store_url))
         try:
             while True:
-                reaped = await store.reap_expired_leases()
+                reaped = await store.jobs.reap_expired_leases()
                 if reaped:
                     logging.getLogger("calmq.reaper").info("requeued %d jobs", len(reaped))
                 expired = await desk.expire()
@@ -340,7 +340,7 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
 # -- tenants, jobs --------------------------------------------------------------------------
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from calmq.store import Store
+    from calmq.data import Store
 
     settings = _settings(args)
 
@@ -348,24 +348,24 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         store = Store(settings.database_url, max_size=1)
         await store.open()
         try:
-            tenant, key = await store.create_tenant(args.name)
+            tenant, key = await store.tenants.create(args.name)
         finally:
             await store.close()
         print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
         return key
 
     if args.action != "create":
-        from calmq.producers import keys
+        from calmq.data import tenants
 
         if args.action == "add-key":
             print(f"a new API key for {args.name} (shown once):")
-            print(keys.add_key(settings.database_url, args.name))
+            print(tenants.add_key(settings.database_url, args.name))
         elif args.action == "revoke-key":
-            revoked = keys.revoke_keys(settings.database_url, args.name, args.key_prefix)
+            revoked = tenants.revoke_keys(settings.database_url, args.name, args.key_prefix)
             print(f"revoked {len(revoked)} key(s) of {args.name}: {' '.join(revoked)}")
             return 0 if revoked else 1
         else:
-            print(keys.webhook_secret(settings.database_url, args.name))
+            print(tenants.webhook_secret(settings.database_url, args.name))
         return 0
     print(asyncio.run(create()))
     return 0
@@ -482,9 +482,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     import socket
     import uuid
 
+    from calmq.data import Store
     from calmq.deadletters import DeadLetters
     from calmq.objects import open_object_store
-    from calmq.store import Store
     from calmq.workflows import load_workflows
 
     settings = _settings(args)

@@ -28,10 +28,10 @@ from typing import Any, Literal
 from psycopg.types.json import Jsonb
 
 from calmq import events, sql, topics
+from calmq.data import Store
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
-from calmq.store import Store
 from calmq.workflows import Workflow, builtin_workflows
 
 __all__ = ["DeadLetterFilter", "DeadLetters", "RedriveOutcome"]

@@ -1,17 +1,25 @@
 """Job events as they travel through the outbox: one builder per event type.
 
 The dicts built here are the outbox ``payload`` (jsonb) and, encoded by calmq.codec, the
-Kafka message value; their fields are the Avro schemas' fields in schemas/.
+Kafka message value; their fields are the Avro schemas' fields in schemas/. A builder reads
+the job's fields by name from a record (calmq.data's ``Job``, ``NewJob``) or a row (a
+mapping), so ``requested`` needs no edit when the job and its schema gain a field.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from functools import cache
+from pathlib import Path
 from typing import Any
 
-__all__ = ["dead_lettered", "outbox_entry", "requested", "result"]
+__all__ = ["dead_lettered", "requested", "result"]
+
+_SCHEMAS = Path(__file__).parent / "schemas"
 
 
 def _ms(value: datetime | None) -> int | None:
@@ -22,41 +30,61 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def requested(job: dict[str, Any], *, attempt: int | None = None) -> dict[str, Any]:
-    """``job.requested`` for a job row (or the same fields of a new job)."""
-    return {
-        "event_id": str(uuid.uuid4()),
-        "job_id": str(job["id"]),
-        "tenant_id": str(job["tenant_id"]),
-        "workflow": job["workflow"],
-        "workflow_version": job["workflow_version"],
-        "step": job["step"],
-        "attempt": job["attempt"] if attempt is None else attempt,
-        "priority": job["priority"],
-        "pool": job["pool"],
-        "input_ref": job.get("input_ref"),
-        "deadline_at": _ms(job.get("deadline_at")),
-        "created_at": _ms(job.get("created_at")) or _now_ms(),
-        "trace_parent": job.get("trace_parent"),
-    }
+def _reader(job: object) -> Callable[[str], Any]:
+    """Field access by name for a record or a row; a field it lacks reads as None."""
+    if isinstance(job, Mapping):
+        return job.get
+    return lambda name: getattr(job, name, None)
+
+
+@cache
+def _requested_fields() -> tuple[str, ...]:
+    """The field names of the newest ``job.requested`` schema, read once."""
+    folder = _SCHEMAS / "job_requested"
+    newest = max(folder.glob("v*.avsc"), key=lambda p: int(p.stem[1:]))
+    return tuple(f["name"] for f in json.loads(newest.read_text("utf-8"))["fields"])
+
+
+def requested(job: object, *, attempt: int | None = None) -> dict[str, Any]:
+    """``job.requested`` for a job (``attempt``: the one it asks for, default the job's).
+
+    Every field of the schema is the job's field of that name (``job_id`` is its ``id``):
+    ids as strings, times as epoch milliseconds.
+    """
+    get = _reader(job)
+    event: dict[str, Any] = {}
+    for name in _requested_fields():
+        value = get("id" if name == "job_id" else name)
+        if isinstance(value, uuid.UUID):
+            value = str(value)
+        elif isinstance(value, datetime):
+            value = _ms(value)
+        event[name] = value
+    event["event_id"] = str(uuid.uuid4())
+    if attempt is not None:
+        event["attempt"] = attempt
+    if event.get("created_at") is None:  # a new job: insert_job puts the commit time in
+        event["created_at"] = _now_ms()
+    return event
 
 
 def result(
-    job: dict[str, Any],
+    job: object,
     status: str,
     *,
     artifact: dict[str, Any] | None = None,
     error: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``job.result``: the job reached a terminal status."""
+    get = _reader(job)
     return {
         "event_id": str(uuid.uuid4()),
-        "job_id": str(job["id"]),
-        "tenant_id": str(job["tenant_id"]),
-        "workflow": job["workflow"],
+        "job_id": str(get("id")),
+        "tenant_id": str(get("tenant_id")),
+        "workflow": get("workflow"),
         "status": status,
-        "step": job["step"],
-        "attempt": job["attempt"],
+        "step": get("step"),
+        "attempt": get("attempt"),
         "artifact": artifact,
         "error": error,
         "at": _now_ms(),
@@ -64,38 +92,27 @@ def result(
 
 
 def dead_lettered(
-    job: dict[str, Any] | None,
+    job: object | None,
     *,
     errors: list[dict[str, Any]] | None = None,
     last_event: str | None = None,
     source_topic: str | None = None,
     raw_value: bytes | None = None,
 ) -> dict[str, Any]:
-    """``job.dead_lettered``; for a job the store fills ``errors`` with every attempt's error."""
+    """``job.dead_lettered``; for a job, finish_attempts fills ``errors`` with every attempt's
+    error. ``job`` None: a message that names no readable job."""
+    get = _reader(job) if job is not None else None
     return {
         "event_id": str(uuid.uuid4()),
-        "job_id": str(job["id"]) if job else None,
-        "tenant_id": str(job["tenant_id"]) if job else None,
-        "workflow": job["workflow"] if job else None,
-        "step": job["step"] if job else None,
-        "attempt": job["attempt"] if job else 0,
+        "job_id": str(get("id")) if get else None,
+        "tenant_id": str(get("tenant_id")) if get else None,
+        "workflow": get("workflow") if get else None,
+        "step": get("step") if get else None,
+        "attempt": get("attempt") if get else 0,
         "errors": errors or [],
         "last_event": last_event,
         "source_topic": source_topic,
         # jsonb cannot hold bytes: the relay's codec writes Avro bytes from a latin-1 string.
         "raw_value": raw_value.decode("latin-1") if raw_value is not None else None,
         "at": _now_ms(),
-    }
-
-
-def outbox_entry(
-    route: str, event_type: str, payload: dict[str, Any], headers: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """One element of the ``outbox`` list of calmq.store.Finish."""
-    return {
-        "id": payload["event_id"],
-        "route": route,
-        "type": event_type,
-        "payload": payload,
-        "headers": headers or {},
     }

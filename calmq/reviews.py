@@ -23,10 +23,10 @@ from prometheus_client import Histogram
 from psycopg.types.json import Jsonb
 
 from calmq import events, sql, topics
+from calmq.data import Store
 from calmq.errors import ContractError, NotFound, StepFailure
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
-from calmq.store import Store
 from calmq.workflows import Workflow
 from calmq.workflows.progress import artifact_key, traceparent
 

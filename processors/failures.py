@@ -22,15 +22,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from calmq import events, topics
+from calmq.data import outbox
+from calmq.data.attempts import Finish
 from calmq.errors import StepFailure
 from calmq.jobs import EventType, Status
 from calmq.processors import metrics
 from calmq.processors.forwarder import DUE_AT, ORIGIN
 from calmq.processors.policy import decide
 from calmq.retrying import Backoff
-from calmq.store import Finish
 from calmq.workflows import Workflow
-from calmq.workflows.progress import traceparent
 
 __all__ = ["FailureStage"]
 
@@ -55,8 +55,6 @@ class FailureStage:
             assert decision.tier is not None
             due = int((time.time() + decision.delay) * 1000)
             headers = {ORIGIN: topic, DUE_AT: str(due)}
-            if job.get("trace_parent"):
-                headers["traceparent"] = job["trace_parent"]
             metrics.RETRIES.labels(failure.failure_class.value, decision.tier).inc()
             metrics.RETRY_DELAY.labels(failure.failure_class.value).observe(decision.delay)
             return self._finish(
@@ -64,8 +62,9 @@ class FailureStage:
                 error=error,
                 event_detail={**error, "delay_seconds": round(decision.delay, 3),
                               "tier": decision.tier},
-                outbox=[events.outbox_entry(topics.retry_route(decision.tier), "job.requested",
-                                            events.requested(job), headers)],
+                outbox=[outbox.entry(topics.retry_route(decision.tier), "job.requested",
+                                     events.requested(job), key=job["id"],
+                                     trace_parent=job.get("trace_parent"), headers=headers)],
             )
         result = events.result(job, Status.DEAD_LETTER, error=error)
         dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED,
@@ -74,10 +73,10 @@ class FailureStage:
         return self._finish(
             job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED,
             error=error, event_detail=error,
-            outbox=[events.outbox_entry(topics.RESULTS_ROUTE, "job.result", result,
-                                        traceparent(job)),
-                    events.outbox_entry(topics.DLQ_ROUTE, "job.dead_lettered", dead,
-                                        traceparent(job))],
+            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job["id"],
+                                 trace_parent=job.get("trace_parent")),
+                    outbox.entry(topics.DLQ_ROUTE, "job.dead_lettered", dead, key=job["id"],
+                                 trace_parent=job.get("trace_parent"))],
         )
 
     def _budget(self, job: dict[str, Any], failure: StepFailure) -> tuple[int, Backoff]:

@@ -14,6 +14,7 @@ from confluent_kafka import Producer
 from calmq import topics
 from calmq.budget import open_metered_provider
 from calmq.codec import make_codec
+from calmq.data import Store
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.processors import metrics
@@ -23,7 +24,6 @@ from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
-from calmq.store import Store
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -140,7 +140,7 @@ class Worker:
             self.stop.set()
 
         async def reap() -> None:
-            reaped = await store.reap_expired_leases()
+            reaped = await store.jobs.reap_expired_leases()
             if reaped:
                 metrics.LEASE_EXPIRATIONS.inc(len(reaped))
                 log.info("requeued %d jobs whose lease expired", len(reaped))

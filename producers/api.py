@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter
 
+from calmq.data import Store
 from calmq.errors import CalmqError, ContractError
 from calmq.objects import ObjectStore, open_object_store
 from calmq.producers.backlog import QueueAge, queue_age_gauge
@@ -37,7 +38,6 @@ from calmq.producers.routes import ROUTES
 from calmq.producers.views import job_view
 from calmq.producers.webhooks import Dispatcher
 from calmq.settings import Settings
-from calmq.store import Store
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 

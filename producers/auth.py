@@ -10,9 +10,9 @@ import time
 
 from aiohttp import web
 
+from calmq.data import Tenant
 from calmq.errors import ContractError
 from calmq.producers.context import AUTH_CACHE, SETTINGS, STORE
-from calmq.store import Tenant
 
 __all__ = ["tenant"]
 
@@ -33,7 +33,7 @@ async def tenant(request: web.Request) -> Tenant:
     if hit is not None and hit[0] > now:
         found = hit[1]
     else:
-        found = await request.app[STORE].tenant_for_key(key)
+        found = await request.app[STORE].tenants.for_key(key)
         if len(cache) > _CACHE_MAX:
             cache.clear()
         cache[key] = (now + request.app[SETTINGS].auth_cache_seconds, found)

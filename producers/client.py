@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 import psycopg
 
-from calmq import sql
+from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
-from calmq.producers.intake import Prepared, insert_params, prepare
+from calmq.producers.intake import prepare
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
 
 __all__ = ["ApiError", "Client", "enqueue", "enqueue_async"]
@@ -35,7 +35,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
     workflows: Mapping[str, Workflow] | None,
-) -> Prepared:
+) -> NewJob:
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
                             status=422)
@@ -67,9 +67,9 @@ def enqueue(
     ``callback_url`` is not checked for private addresses here: the caller is inside the
     trust boundary; the webhook dispatcher still refuses them unless allowed.
     """
-    job, event, route = _prepared(tenant_id, workflow, input, input_ref, priority,
-                                  deadline_seconds, callback_url, metadata, workflows)
-    conn.execute(sql.queries()["insert_job"], insert_params(job, event, route))
+    job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
+                    callback_url, metadata, workflows)
+    insert_job_sync(conn, job)
     return job.id
 
 
@@ -87,9 +87,9 @@ async def enqueue_async(
     workflows: Mapping[str, Workflow] | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for an async psycopg connection."""
-    job, event, route = _prepared(tenant_id, workflow, input, input_ref, priority,
-                                  deadline_seconds, callback_url, metadata, workflows)
-    await conn.execute(sql.queries()["insert_job"], insert_params(job, event, route))
+    job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
+                    callback_url, metadata, workflows)
+    await insert_job(conn, job)
     return job.id
 
 

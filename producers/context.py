@@ -11,11 +11,11 @@ from typing import Any
 
 from aiohttp import web
 
+from calmq.data import Store, Tenant
 from calmq.objects import ObjectStore
 from calmq.producers.intake import GroupCommit
 from calmq.producers.notifications import Hub
 from calmq.settings import Settings
-from calmq.store import Store, Tenant
 from calmq.workflows import Workflow
 
 __all__ = ["AUTH_CACHE", "GROUP_COMMIT", "HUB", "OBJECTS", "OPENAPI", "SETTINGS", "STORE",

@@ -1,14 +1,43 @@
-"""Jobs: the typed job record and the queries that create, claim, move and read jobs."""
+"""Jobs: the typed job records and every query that creates, claims, moves or reads a job.
+
+``NewJob`` is a submission about to be written, ``Job`` a job as a worker holds it after a
+claim. ``Jobs(db)`` runs the
+queries of calmq/sql/jobs.sql on the pool; ``insert_job`` and ``insert_job_sync`` write a
+new job on a connection the caller owns (the client library enqueues inside the caller's
+transaction), and import nothing of the server.
+
+Adding a column to jobs touches the migration, the Avro schema when events carry it,
+calmq/sql/jobs.sql and the record here: the insert parameters are NewJob's fields, and
+``job.requested`` is filled from the record by the Avro schema's field names (calmq.events).
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-__all__ = ["Job"]
+import psycopg
+from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
+
+from calmq import events, sql, topics
+from calmq.data.database import Database
+from calmq.data.outbox import OutboxEntry, entry
+from calmq.errors import ContractError, InfrastructureError
+from calmq.jobs import Status
+
+__all__ = [
+    "Idempotency",
+    "Job",
+    "Jobs",
+    "NewJob",
+    "insert_job",
+    "insert_job_sync",
+    "insert_jobs",
+]
 
 
 @dataclass(slots=True)
@@ -44,3 +73,257 @@ class Job:
         per-field work on the hot path.
         """
         return cls(**row)
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A validated submission: exactly the columns ``insert_job`` writes, by name."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    workflow: str
+    workflow_version: int
+    priority: str
+    pool: str
+    step: str
+    max_attempts: int
+    input: dict[str, Any] | None
+    input_ref: str | None
+    metadata: dict[str, Any]
+    callback_url: str | None
+    deadline_at: datetime | None
+    trace_parent: str | None
+
+    @property
+    def attempt(self) -> int:
+        """A new job has made no attempt yet (``job.requested`` carries it)."""
+        return 0
+
+
+_NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
+
+
+@dataclass(frozen=True, slots=True)
+class Idempotency:
+    """An ``Idempotency-Key`` and the hash of the request body it was first sent with."""
+
+    key: str
+    request_hash: bytes
+
+
+def _insert_params(job: NewJob) -> dict[str, Any]:
+    """``insert_job``'s parameters: every NewJob field by name, its event and outbox row."""
+    params = {name: getattr(job, name) for name in _NEW_JOB_FIELDS}
+    for name, value in params.items():
+        if isinstance(value, dict | list):
+            params[name] = Jsonb(value)
+    out = _requested(job)
+    params.update(event_id=out.id, route=out.route, payload=Jsonb(out.payload),
+                  headers=Jsonb(out.headers))
+    return params
+
+
+def _requested(job: NewJob) -> OutboxEntry:
+    # created_at: the database's commit-side clock replaces it (insert_job).
+    return entry(topics.work_route(job.pool, job.priority), "job.requested",
+                 events.requested(job), key=job.id, trace_parent=job.trace_parent)
+
+
+def _json_params(job: NewJob) -> dict[str, Any]:
+    """``_insert_params`` as JSON values, one element of ``insert_jobs``' array."""
+    out: dict[str, Any] = {}
+    for name, value in _insert_params(job).items():
+        if isinstance(value, Jsonb):
+            out[name] = value.obj
+        elif isinstance(value, uuid.UUID):
+            out[name] = str(value)
+        elif isinstance(value, datetime):
+            out[name] = value.isoformat()
+        else:
+            out[name] = value
+    return out
+
+
+async def insert_job(conn: psycopg.AsyncConnection[Any], job: NewJob) -> None:
+    """Write the job, its ``queued`` event and its outbox row on ``conn`` (one statement).
+
+    Nothing is committed here: on the caller's connection the job commits or rolls back
+    with the caller's own transaction.
+    """
+    await conn.execute(sql.queries()["insert_job"], _insert_params(job))
+
+
+def insert_job_sync(conn: psycopg.Connection[Any], job: NewJob) -> None:
+    """``insert_job`` on a synchronous psycopg connection."""
+    conn.execute(sql.queries()["insert_job"], _insert_params(job))
+
+
+async def insert_jobs(conn: psycopg.AsyncConnection[Any], jobs: Sequence[NewJob]) -> None:
+    """Write many new jobs in ONE statement (the API's group commit)."""
+    if len(jobs) == 1:
+        await insert_job(conn, jobs[0])
+        return
+    await conn.execute(sql.queries()["insert_jobs"],
+                       {"jobs": Jsonb([_json_params(j) for j in jobs])})
+
+
+class Jobs:
+    """The job queries that run on the pool: submit, read, claim, lease, reap, cancel."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._q = db.q
+
+    # -- intake -------------------------------------------------------------------------
+
+    async def submit(self, job: NewJob, idempotency: Idempotency) -> tuple[uuid.UUID, bool]:
+        """Write the job and its idempotency key in ONE transaction.
+
+        Returns ``(job id, created)``; with a key seen before and the same request, the
+        earlier job's id and ``False``. A different request under the same key raises
+        ContractError 409.
+        """
+        params = _insert_params(job)
+        async with self._db.pool.connection() as conn:
+            for _ in range(3):
+                earlier = await self._earlier_job(conn, job.tenant_id, idempotency)
+                if earlier is not None:
+                    return earlier, False
+                try:
+                    async with conn.transaction():
+                        await conn.execute(self._q["insert_job"], params)
+                        await conn.execute(self._q["insert_idempotency_key"], {
+                            "tenant_id": job.tenant_id, "key": idempotency.key,
+                            "request_hash": idempotency.request_hash, "job_id": job.id})
+                    return job.id, True
+                except psycopg.errors.UniqueViolation:
+                    # A concurrent request with the same key won the race: answer its job.
+                    continue
+        raise InfrastructureError("idempotency key kept conflicting; retry the request")
+
+    async def _earlier_job(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
+                           idempotency: Idempotency) -> uuid.UUID | None:
+        cur = await conn.execute(self._q["find_idempotency_key"],
+                                 {"tenant_id": tenant_id, "key": idempotency.key})
+        row = await cur.fetchone()
+        if row is None:
+            return None
+        if bytes(row["request_hash"]) != idempotency.request_hash:
+            raise ContractError(
+                "this Idempotency-Key was used before with a different request body",
+                code="idempotency_key_reused", status=409)
+        job_id: uuid.UUID = row["job_id"]
+        return job_id
+
+    # -- reading ------------------------------------------------------------------------
+
+    async def view(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> DictRow | None:
+        """The job and its history (``events``), or None when it does not exist for this
+        tenant. A row, not a record: the API's views (producers.views) shape it."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["job_for_tenant"],
+                                     {"id": job_id, "tenant_id": tenant_id})
+            row = await cur.fetchone()
+            if row is None:
+                return None
+            cur = await conn.execute(self._q["job_events"], {"id": job_id})
+            row["events"] = await cur.fetchall()
+        return row
+
+    async def page(self, **filters: Any) -> list[DictRow]:
+        """One page of a tenant's jobs, newest first (``api_list_jobs``' parameters)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["api_list_jobs"], filters)
+            return await cur.fetchall()
+
+    async def status_and_events(self, tenant_id: uuid.UUID, job_id: uuid.UUID,
+                                after: int) -> tuple[str | None, list[DictRow]]:
+        """The job's status and its history after event ``after`` (None: no such job).
+
+        Status first, then events, on one connection: a terminal status implies its event
+        is visible.
+        """
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["api_job_status"],
+                                     {"id": job_id, "tenant_id": tenant_id})
+            row = await cur.fetchone()
+            if row is None:
+                return None, []
+            cur = await conn.execute(self._q["api_job_events_after"],
+                                     {"id": job_id, "after": after})
+            return str(row["status"]), await cur.fetchall()
+
+    async def ping(self) -> None:
+        """Raise unless PostgreSQL answers (readiness)."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute("SELECT 1")
+
+    # -- processing ---------------------------------------------------------------------
+
+    async def claim(
+        self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float,
+        steps: dict[uuid.UUID, str] | None = None,
+    ) -> list[DictRow]:
+        """Claim every claimable job of a batch in one statement (one round trip).
+
+        With ``steps`` (job id -> the step its message asks for), a job that has moved on to
+        another step is not claimed: its message is stale, and the next step's own message
+        goes to that step's pool. Each row holds exactly ``Job``'s fields (``Job.from_row``).
+        """
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(
+                self._q["claim_jobs"],
+                {"ids": sorted(ids), "worker": worker, "lease_seconds": lease_seconds,
+                 "steps": Jsonb({str(k): v for k, v in steps.items()}) if steps else None},
+            )
+            return await cur.fetchall()
+
+    async def visible(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
+        """(step, status) of each job this session can see (a missing id: not visible)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["visible_jobs"], {"ids": list(ids)})
+            return {r["id"]: (r["step"], r["status"]) for r in await cur.fetchall()}
+
+    async def heartbeat(
+        self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float
+    ) -> set[uuid.UUID]:
+        """Extend the leases this worker still holds; returns the ids it still holds."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(
+                self._q["heartbeat"],
+                {"ids": list(ids), "worker": worker, "lease_seconds": lease_seconds})
+            return {r["id"] for r in await cur.fetchall()}
+
+    async def release_leases(self, ids: Sequence[uuid.UUID], worker: str) -> set[uuid.UUID]:
+        """Expire now the leases ``worker`` holds on ``ids`` (it stops without finishing them)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["release_leases"],
+                                     {"ids": list(ids), "worker": worker})
+            return {r["id"] for r in await cur.fetchall()}
+
+    async def reap_expired_leases(self, limit: int = 500) -> list[Job]:
+        """Requeue jobs whose lease expired, re-emitting job.requested in the same transaction."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["reap_expired_leases"], {"limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
+        """Cancel a job that is not terminal; its result event goes out through the outbox."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["cancel_job"], {"id": job_id, "tenant_id": tenant_id})
+            row = await cur.fetchone()
+            if row is None:
+                return False
+            result = entry(topics.RESULTS_ROUTE, "job.result",
+                           events.result(row, Status.CANCELLED), key=job_id,
+                           trace_parent=row["trace_parent"])
+            await conn.execute(self._q["insert_outbox"], result.params())
+        return True

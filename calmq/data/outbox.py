@@ -1,19 +1,24 @@
 """The outbox: events that leave calmq, written in the same transaction as the change.
 
-Every event is an ``OutboxEntry`` made by ``entry``; the relay publishes each row to the topic
-of its route (``aggregatetype``), keyed by ``key`` (``aggregateid``), with ``id`` and
-``eventType`` headers (what Debezium's Outbox Event Router would publish).
+Every event is an ``OutboxEntry`` made by ``entry`` and written by ``insert`` (a worker's
+finished attempts: by calmq.data.attempts, in the statement that moves the jobs). The relay
+publishes each row to the topic of its route (``aggregatetype``), keyed by ``key``
+(``aggregateid``), with ``id`` and ``eventType`` headers (Debezium's Outbox Event Router).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
-__all__ = ["OutboxEntry", "entry"]
+from calmq import sql
+
+__all__ = ["OutboxEntry", "entry", "insert"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +63,14 @@ def entry(
     if trace_parent:
         found["traceparent"] = trace_parent
     return OutboxEntry(str(payload["event_id"]), route, event_type, str(key), payload, found)
+
+
+async def insert(conn: psycopg.AsyncConnection[Any], entries: Sequence[OutboxEntry]) -> None:
+    """Write ``entries`` on ``conn``, inside the caller's transaction (the change they
+    announce commits with them)."""
+    query = sql.queries()["insert_outbox"]
+    if len(entries) == 1:
+        await conn.execute(query, entries[0].params())
+        return
+    async with conn.cursor() as cur:
+        await cur.executemany(query, [e.params() for e in entries])

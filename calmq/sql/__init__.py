@@ -15,7 +15,7 @@ _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 def queries() -> dict[str, str]:
     """Every ``-- name: x`` section of the ``*.sql`` files in this folder, by name.
 
-    One file per area (queries.sql for jobs, others named after what they serve); a name
+    One file per noun or area (jobs.sql, tenants.sql, outbox.sql, ...); a name
     defined twice is an error, so files cannot shadow each other silently.
     """
     found: dict[str, str] = {}

@@ -1,5 +1,5 @@
 -- Named queries of the intake API (producers/): listing, streaming, deletion, webhooks,
--- keys and retention. Names start with api_ so they cannot collide with other areas.
+-- retention. Names start with api_ so they cannot collide with other areas.
 
 -- name: api_list_jobs
 -- Newest first; the cursor is the (created_at, id) of the last row of the previous page,
@@ -50,28 +50,6 @@ LIMIT %(limit)s;
 DELETE FROM idempotency_keys
 WHERE created_at < now() - make_interval(secs => %(retention_seconds)s);
 
--- name: api_revoke_tenant_keys
--- Revoke keys of a tenant by prefix (or all of them with prefix NULL); the NOTIFY tells
--- every API process to drop its auth cache at once instead of waiting for the TTL.
-WITH revoked AS (
-    UPDATE api_keys k SET revoked_at = now()
-    FROM tenants t
-    WHERE t.id = k.tenant_id AND t.name = %(name)s AND k.revoked_at IS NULL
-      AND (%(key_prefix)s::text IS NULL OR k.key_prefix = %(key_prefix)s::text)
-    RETURNING k.key_prefix
-), woken AS (
-    SELECT pg_notify('calmq_api_keys', '') FROM (SELECT 1 FROM revoked LIMIT 1) r
-)
-SELECT key_prefix, (SELECT count(*) FROM woken) AS notified FROM revoked;
-
--- name: api_add_tenant_key
-INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
-SELECT %(id)s, id, %(key_hash)s, %(key_prefix)s FROM tenants WHERE name = %(name)s
-RETURNING key_prefix;
-
--- name: api_tenant_webhook_secret
-SELECT webhook_secret FROM tenants WHERE name = %(name)s;
-
 -- name: api_claim_webhooks
 -- Due deliveries for this dispatcher; SKIP LOCKED lets several API processes share them,
 -- and pushing next_at forward is the lease: a dispatcher killed mid-send leaves the row
@@ -104,32 +82,3 @@ WHERE id = %(id)s;
 -- name: api_next_webhook_due
 SELECT EXTRACT(EPOCH FROM (min(next_at) - now()))::float8 AS seconds
 FROM webhook_deliveries WHERE status = 'pending';
-
--- name: api_insert_jobs
--- Group commit: many submits in ONE statement (rows as a JSON array), so a batch costs one
--- parse, plan and execution instead of one per job. Same rows as insert_job writes.
-WITH src AS (
-    SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS r(
-        id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
-        pool text, step text, max_attempts integer, input jsonb, input_ref text,
-        metadata jsonb, callback_url text, deadline_at timestamptz, trace_parent text,
-        event_id uuid, route text, payload jsonb, headers jsonb)
-), job AS (
-    INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
-                      max_attempts, input, input_ref, metadata, callback_url, deadline_at,
-                      trace_parent)
-    SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
-           max_attempts, input, input_ref, COALESCE(metadata, '{}'), callback_url, deadline_at,
-           trace_parent
-    FROM src
-    RETURNING id, created_at
-), event AS (
-    INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'queued', 0, '{}'::jsonb FROM job
-)
-INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
-SELECT s.event_id, s.route, j.id::text, 'job.requested',
-       s.payload || jsonb_build_object(
-           'created_at', (extract(epoch FROM j.created_at) * 1000)::bigint),
-       COALESCE(s.headers, '{}')
-FROM job j JOIN src s ON s.id = j.id;

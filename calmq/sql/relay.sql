@@ -1,5 +1,5 @@
 -- Queries of the outbox relay's CDC mode (relay/cdc.py). The polling relay's own queries
--- (outbox_page, relay_cursor, save_relay_cursor, prune_outbox) are in queries.sql.
+-- (outbox_page, relay_cursor, save_relay_cursor, prune_outbox) are in outbox.sql.
 
 -- name: relay_wal_level
 SELECT current_setting('wal_level') AS wal_level;

@@ -41,7 +41,7 @@ def _call(method: str, url: str, key: str, body: Any = None) -> tuple[int, Any]:
 def run_demo(data_dir: Path, *, keep: bool = False) -> int:
     import asyncio
 
-    from calmq.store import Store
+    from calmq.data import Store
 
     stack = Stack(data_dir)
     if stack.running():
@@ -54,7 +54,7 @@ def run_demo(data_dir: Path, *, keep: bool = False) -> int:
             store = Store(state.env["CALMQ_DATABASE_URL"], max_size=1)
             await store.open()
             try:
-                _t, key = await store.create_tenant(f"demo-{int(time.time())}")
+                _t, key = await store.tenants.create(f"demo-{int(time.time())}")
                 return key
             finally:
                 await store.close()

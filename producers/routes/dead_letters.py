@@ -45,7 +45,7 @@ async def redrive_dead_letter(request: web.Request) -> web.Response:
     if outcome.outcome == "rejected":
         raise ContractError(outcome.message, code=outcome.code or "redrive_rejected",
                             status=409 if outcome.code == "deadline_passed" else 422)
-    job = await request.app[STORE].job_view(caller.id, ident)
+    job = await request.app[STORE].jobs.view(caller.id, ident)
     assert job is not None
     return web.json_response({**job_view(job), "redrive": outcome.as_dict()})
 

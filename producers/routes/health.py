@@ -18,8 +18,7 @@ async def healthz(_request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     try:
-        async with request.app[STORE].pool.connection() as conn:
-            await conn.execute("SELECT 1")
+        await request.app[STORE].jobs.ping()
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return problem(503, "database_unavailable", f"PostgreSQL does not answer: {exc}")
     return web.json_response({"ok": True})

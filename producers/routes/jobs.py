@@ -20,13 +20,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from calmq import sql
+from calmq.data import Idempotency, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
-from calmq.producers.intake import insert_params, prepare
+from calmq.producers.intake import prepare
 from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
 from calmq.producers.retention import purge
@@ -43,7 +43,6 @@ from calmq.producers.timestamps import format_time, parse_time
 from calmq.producers.uploads import delete_object, read_form, read_object, tenant_owns
 from calmq.producers.views import event_view, job_summary, job_view
 from calmq.producers.webhooks import check_callback_url
-from calmq.store import Tenant
 from calmq.workflows import find_workflow
 
 __all__ = ["ROUTES"]
@@ -99,20 +98,19 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (0 < len(key) <= 255):
         raise ContractError("Idempotency-Key must be 1 to 255 characters", code="invalid_header")
-    job, event, route = prepare(
+    job = prepare(
         workflow, caller.id, input=data, input_ref=req.input_ref, priority=req.priority,
         deadline_seconds=req.deadline_seconds, callback_url=req.callback_url,
         metadata=req.metadata, trace_parent=request.headers.get("traceparent"),
-        idempotency_key=key,
-        request_hash=(raw if multipart else hashlib.sha256(raw).digest()) if key else None,
     )
     if key is None:
-        await request.app[GROUP_COMMIT].submit(insert_params(job, event, route))
+        await request.app[GROUP_COMMIT].submit(job)
         new_id, created = job.id, True
     else:
         # With a key, the key row must be written in the job's transaction and a concurrent
         # twin must see it: the store's one-job transaction does both.
-        new_id, created = await request.app[STORE].submit(job, event, route)
+        new_id, created = await request.app[STORE].jobs.submit(job, Idempotency(
+            key, raw if multipart else hashlib.sha256(raw).digest()))
     if created:
         ACCEPTED.labels(job.workflow, job.priority).inc()
     else:
@@ -129,7 +127,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
 
 async def get_job(request: web.Request) -> web.Response:
     caller = await tenant(request)
-    job = await request.app[STORE].job_view(caller.id, job_id(request))
+    job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")
     return web.json_response(job_view(job))
@@ -170,9 +168,7 @@ async def list_jobs(request: web.Request) -> web.Response:
         "created_before": parse_time("created_before", params.get("created_before")),
         "cursor_at": cursor_at, "cursor_id": cursor_id, "limit": page_size + 1,
     }
-    async with request.app[STORE].pool.connection() as conn:
-        cur = await conn.execute(sql.queries()["api_list_jobs"], values)
-        rows = await cur.fetchall()
+    rows = await request.app[STORE].jobs.page(**values)
     page, more = rows[:page_size], len(rows) > page_size
     next_cursor = _encode_cursor(page[-1]["created_at"], page[-1]["id"]) if more else None
     return web.json_response({"jobs": [job_summary(r) for r in page],
@@ -196,17 +192,10 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     caller = await tenant(request)
     ident = job_id(request)
     after = _last_event_id(request)
-    store, hub, q = request.app[STORE], request.app[HUB], sql.queries()
+    store, hub = request.app[STORE], request.app[HUB]
 
     async def read() -> tuple[str | None, list[dict[str, Any]]]:
-        async with store.pool.connection() as conn:
-            # Status first, then events: a terminal status implies its event is visible.
-            cur = await conn.execute(q["api_job_status"], {"id": ident, "tenant_id": caller.id})
-            row = await cur.fetchone()
-            if row is None:
-                return None, []
-            cur = await conn.execute(q["api_job_events_after"], {"id": ident, "after": after})
-            return row["status"], await cur.fetchall()
+        return await store.jobs.status_and_events(caller.id, ident, after)
 
     wake = hub.subscribe(str(ident))  # before the first read, so no event falls in between
     try:
@@ -245,7 +234,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
 
 async def get_artifact(request: web.Request) -> web.StreamResponse:
     caller = await tenant(request)
-    job = await request.app[STORE].job_view(caller.id, job_id(request))
+    job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")
     artifact = job["artifact"]
@@ -268,14 +257,14 @@ async def cancel_job(request: web.Request) -> web.Response:
     caller = await tenant(request)
     ident = job_id(request)
     store = request.app[STORE]
-    if not await store.cancel(caller.id, ident):
-        job = await store.job_view(caller.id, ident)
+    if not await store.jobs.cancel(caller.id, ident):
+        job = await store.jobs.view(caller.id, ident)
         if job is None:
             raise NotFound("no such job")
         raise ContractError(f"the job is {job['status']} already", code="job_terminal",
                             status=409)
     CANCELLED.inc()
-    job = await store.job_view(caller.id, ident)
+    job = await store.jobs.view(caller.id, ident)
     assert job is not None
     return web.json_response(job_view(job))
 

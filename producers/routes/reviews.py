@@ -25,7 +25,7 @@ async def review_job(request: web.Request) -> web.Response:
     req, _raw = await read_body(request, ReviewRequest)
     await _desk(request).decide(caller.id, ident,
                                 Decision(req.decision, req.reviewer, req.fields, req.reason))
-    job = await request.app[STORE].job_view(caller.id, ident)
+    job = await request.app[STORE].jobs.view(caller.id, ident)
     assert job is not None
     return web.json_response(job_view(job))
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from calmq.data import Store
 from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
-from calmq.store import Store
 from calmq.tooling.devstack import StackState
 from calmq.workflows import Workflow
 from calmq.workflows.summarize import SUMMARIZE

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from calmq.store import Store
+from calmq.data import Store
 
 
 class Api:
@@ -59,7 +59,7 @@ def create_tenant(database_url: str, name: str) -> str:
         store = Store(database_url, max_size=1)
         await store.open()
         try:
-            _tenant, key = await store.create_tenant(name)
+            _tenant, key = await store.tenants.create(name)
             return key
         finally:
             await store.close()

@@ -3,7 +3,7 @@
 The stack's own worker consumes the ``default`` pool; these tests start their own
 ``calmq worker --pool <test pool>`` (and ``calmq forwarder``) processes with settings of
 their own (short lease, small retry tiers, a step timeout) and submit jobs straight to that
-pool with ``Store.submit`` -- the job row, its history and its outbox row in one
+pool with ``calmq.data.insert_job`` -- the job row, its history and its outbox row in one
 transaction, exactly as the API writes them, but with the pool chosen by the test (the HTTP
 contract has no pool field: a workflow's pool decides it).
 """
@@ -26,9 +26,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from calmq import events, topics
+from calmq import topics
+from calmq.data import NewJob, Store, insert_job
 from calmq.kafka import create_topics
-from calmq.store import NewJob, Store
 from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.waiting import wait_for
@@ -159,7 +159,7 @@ def create_tenant_id(database_url: str, name: str) -> tuple[uuid.UUID, str]:
         store = Store(database_url, max_size=1)
         await store.open()
         try:
-            tenant, key = await store.create_tenant(name)
+            tenant, key = await store.tenants.create(name)
             return tenant.id, key
         finally:
             await store.close()
@@ -183,14 +183,9 @@ def submit(database_url: str, tenant_id: uuid.UUID, pool: str, inputs: list[dict
                     input=data, input_ref=None, metadata={}, callback_url=None,
                     deadline_at=deadline_at, trace_parent=None,
                 )
-                row = {"id": job.id, "tenant_id": job.tenant_id, "workflow": job.workflow,
-                       "workflow_version": 1, "step": job.step, "attempt": 0,
-                       "priority": priority, "pool": pool, "input_ref": None,
-                       "deadline_at": deadline_at, "trace_parent": None}
-                event = events.requested(row)
-                event.pop("created_at")
-                job_id, _ = await store.submit(job, event, topics.work_route(pool, priority))
-                return str(job_id)
+                async with store.pool.connection() as conn:
+                    await insert_job(conn, job)
+                return str(job.id)
 
             out: list[str] = []
             for i in range(0, len(inputs), 200):

@@ -201,9 +201,9 @@ async def test_a_finished_step_records_its_output_and_queues_the_next_on_its_poo
     assert finish.record == {"state": "done", "output": {"x": 1}, "confidence": None,
                              "next_pool": "gpu", "next_max_attempts": 3}
     [out] = finish.outbox
-    assert out["route"] == "gpu.bulk"
-    assert out["type"] == "job.requested"
-    assert (out["payload"]["step"], out["payload"]["attempt"]) == ("b", 0)
+    assert out.route == "gpu.bulk"
+    assert out.type == "job.requested"
+    assert (out.payload["step"], out.payload["attempt"]) == ("b", 0)
 
 
 async def test_low_confidence_waits_for_review_with_a_deadline() -> None:
@@ -228,7 +228,7 @@ async def test_the_last_step_completes_with_the_artifact() -> None:
     assert finish.status == "completed"
     assert finish.artifact is not None
     assert json.loads(objects.data[finish.artifact["uri"]]) == {"done": True}
-    assert [o["type"] for o in finish.outbox] == ["job.result"]
+    assert [o.type for o in finish.outbox] == ["job.result"]
 
 
 def test_a_recorded_step_is_replayed_not_run_and_feeds_the_next() -> None:

@@ -1,0 +1,105 @@
+"""Attempts: how each attempt ended, written for a whole group of jobs in one statement.
+
+A worker collects ``Finish`` outcomes for a few milliseconds and hands the group to
+``Attempts.finish`` (group commit): one ``finish_attempts`` statement moves every job, closes
+its attempt row, writes its history event and its outbox entries.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from calmq.data.database import Database
+from calmq.data.outbox import OutboxEntry
+
+__all__ = ["Attempts", "Finish"]
+
+_NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
+
+
+@dataclass(slots=True)
+class Finish:
+    """How one attempt ended: the job's next status, its history event, its outbox entries."""
+
+    job_id: uuid.UUID
+    worker: str
+    step: str
+    attempt: int
+    status: str
+    event_type: str
+    outcome: str
+    event_detail: dict[str, Any] = field(default_factory=dict)
+    artifact: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    next_step: str | None = None
+    reset_attempt: bool = False
+    outbox: list[OutboxEntry] = field(default_factory=list)
+    # A workflow step's output to record with the move (calmq/workflows, wf_record_step_output):
+    # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
+    record: dict[str, Any] | None = None
+    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd}.
+    usage: dict[str, Any] | None = None
+
+    def record_params(self) -> dict[str, Any]:
+        """``wf_record_step_output``'s parameters (only for a Finish with a ``record``)."""
+        assert self.record is not None
+        r = self.record
+        return {"job_id": self.job_id, "worker": self.worker, "step": self.step,
+                "state": r["state"], "output": Jsonb(r["output"]),
+                "confidence": r.get("confidence"),
+                "review_deadline_at": r.get("review_deadline_at"),
+                "next_pool": r.get("next_pool"), "next_max_attempts": r.get("next_max_attempts")}
+
+    def row(self, ord_: int) -> dict[str, Any]:
+        """This outcome as one row of finish_attempts' JSON array (``ord``: its place)."""
+        return {
+            "job_id": str(self.job_id),
+            "worker": self.worker,
+            "step": self.step,
+            "attempt": self.attempt,
+            "status": self.status,
+            "event_type": self.event_type,
+            "outcome": self.outcome,
+            "event_detail": self.event_detail,
+            "artifact": self.artifact,
+            "error": self.error,
+            "next_step": self.next_step,
+            "reset_attempt": self.reset_attempt,
+            "outbox": [e.as_json(n) for n, e in enumerate(self.outbox)],
+            **(self.usage or _NO_USAGE),
+            "ord": ord_,
+        }
+
+
+class Attempts:
+    """Group commit of finished attempts."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._q = db.q
+
+    async def finish(self, finishes: Sequence[Finish]) -> None:
+        """Record a group of finished attempts in ONE transaction (group commit)."""
+        if not finishes:
+            return
+        # Job rows are locked in id order, like claim and heartbeat, so that concurrent
+        # group commits and heartbeats cannot deadlock.
+        finishes = sorted(finishes, key=lambda f: f.job_id)
+        records = [f.record_params() for f in finishes if f.record is not None]
+        rows = Jsonb([f.row(n) for n, f in enumerate(finishes)])
+        async with self._db.pool.connection() as conn:
+            if not records:
+                # One statement is its own transaction on this autocommit connection: no
+                # BEGIN and COMMIT round trips, each of which held the rows locked while it
+                # waited for a busy event loop (pg_stat_activity: "idle in transaction").
+                await conn.execute(self._q["finish_attempts"], {"rows": rows})
+                return
+            async with conn.transaction(), conn.cursor() as cur:
+                # Before finish_attempts: its lease guard is still true then.
+                await cur.executemany(self._q["wf_record_step_output"], records)
+                await cur.execute(self._q["finish_attempts"], {"rows": rows})

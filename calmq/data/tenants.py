@@ -1,0 +1,123 @@
+"""Tenants and their API keys: create, authenticate, add and revoke keys, webhook secrets.
+
+A key is shown once, when it is made; only its SHA-256 hash and its first 12 characters
+(the prefix people name it by) are stored. Revocation commits ``revoked_at`` and sends
+``NOTIFY calmq_api_keys`` in the same transaction; every API process drops its auth cache
+on that notification, so a revoked key answers 401 at once (a missed notification: the cache
+entry still expires after ``auth_cache_seconds``).
+
+``Tenants(db)`` is the async side (API, CLI ``tenants create``); ``add_key``,
+``revoke_keys`` and ``webhook_secret`` take a database URL and run synchronously, for the
+CLI commands that open one connection and leave.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import dict_row
+
+from calmq import sql
+from calmq.data.database import Database
+from calmq.errors import ContractError, NotFound
+
+__all__ = [
+    "Tenant",
+    "Tenants",
+    "add_key",
+    "hash_key",
+    "key_prefix",
+    "new_key",
+    "revoke_keys",
+    "webhook_secret",
+]
+
+_KEY_PREFIX = "cq_"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: uuid.UUID
+    name: str
+
+
+def new_key() -> str:
+    """A fresh API key (``cq_`` and 43 URL-safe characters)."""
+    return _KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> bytes:
+    """What is stored of a key: its SHA-256 digest."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_prefix(key: str) -> str:
+    """The part of a key that is stored in clear, to name it (list, revoke)."""
+    return key[:12]
+
+
+class Tenants:
+    """Tenants and keys on the pool."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._q = db.q
+
+    async def create(self, name: str) -> tuple[Tenant, str]:
+        """A new tenant and its first API key (returned once; only its hash is stored)."""
+        key = new_key()
+        async with self._db.pool.connection() as conn, conn.transaction():
+            try:
+                cur = await conn.execute(self._q["create_tenant"],
+                                         {"id": uuid.uuid4(), "name": name})
+            except psycopg.errors.UniqueViolation as exc:
+                raise ContractError(
+                    f"a tenant named {name!r} exists already", code="tenant_exists", status=409
+                ) from exc
+            row = await cur.fetchone()
+            assert row is not None
+            await conn.execute(self._q["create_api_key"], {
+                "id": uuid.uuid4(), "tenant_id": row["id"], "key_hash": hash_key(key),
+                "key_prefix": key_prefix(key)})
+        return Tenant(row["id"], row["name"]), key
+
+    async def for_key(self, key: str) -> Tenant | None:
+        """The tenant an API key belongs to, or None (unknown or revoked)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["tenant_for_key"], {"key_hash": hash_key(key)})
+            row = await cur.fetchone()
+        return Tenant(row["id"], row["name"]) if row else None
+
+
+def add_key(database_url: str, tenant: str) -> str:
+    """A new API key for the tenant named ``tenant`` (returned once)."""
+    key = new_key()
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        row = conn.execute(sql.queries()["add_api_key"], {
+            "id": uuid.uuid4(), "name": tenant, "key_hash": hash_key(key),
+            "key_prefix": key_prefix(key)}).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
+    return key
+
+
+def revoke_keys(database_url: str, tenant: str, prefix: str | None = None) -> list[str]:
+    """Revoke the tenant's key with this prefix (its first 12 characters), or all of them;
+    returns the revoked keys' prefixes."""
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        rows = conn.execute(sql.queries()["revoke_api_keys"], {
+            "name": tenant, "key_prefix": key_prefix(prefix) if prefix else None}).fetchall()
+    return [str(r["key_prefix"]) for r in rows]
+
+
+def webhook_secret(database_url: str, tenant: str) -> str:
+    """The secret that signs the tenant's webhook callbacks."""
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        row = conn.execute(sql.queries()["tenant_webhook_secret"], {"name": tenant}).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
+    return str(row["webhook_secret"])

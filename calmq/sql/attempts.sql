@@ -1,0 +1,64 @@
+-- How attempts ended, a group at a time (calmq/data/attempts.py).
+
+-- name: finish_attempts
+-- Record how a group of attempts ended (with their model calls' tokens and cost), move the
+-- jobs, write their history and their outbox events: ONE statement for the whole group
+-- (its rows: a JSON array, see Finish.row in calmq/data/attempts.py), so the history trigger runs
+-- once and the planner once, not once per job. Job rows are locked in id order, like claim
+-- and heartbeat. The guard on lease_owner makes a late finish (after a reaper or a cancel
+-- took the job) a no-op for that job.
+WITH input AS (
+    SELECT *
+    FROM jsonb_to_recordset(%(rows)s::jsonb)
+         AS r(job_id uuid, worker text, step text, attempt integer, status text,
+              event_type text, outcome text, event_detail jsonb, artifact jsonb, error jsonb,
+              next_step text, reset_attempt boolean, outbox jsonb, model_calls integer,
+              input_tokens bigint, output_tokens bigint, cost_usd float8, ord bigint)
+), target AS (
+    SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id
+    WHERE j.lease_owner = i.worker AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
+), moved AS (
+    UPDATE jobs j SET status = i.status,
+                      artifact = COALESCE(i.artifact, j.artifact),
+                      error = i.error,
+                      errors = CASE WHEN i.error IS NULL THEN j.errors
+                                    ELSE j.errors || jsonb_build_array(i.error
+                                         || jsonb_build_object('attempt', j.attempt)) END,
+                      lease_owner = NULL, lease_expires_at = NULL,
+                      attempt = CASE WHEN i.reset_attempt THEN 0 ELSE j.attempt END,
+                      step = COALESCE(i.next_step, j.step),
+                      input_tokens = j.input_tokens + i.input_tokens,
+                      output_tokens = j.output_tokens + i.output_tokens,
+                      cost_usd = j.cost_usd + i.cost_usd,
+                      updated_at = now()
+    FROM target t, input i
+    WHERE j.id = t.id AND i.job_id = t.id
+    RETURNING j.id, j.errors
+), attempt_rows AS (
+    UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
+                              error_code = i.error ->> 'code',
+                              error_class = i.error ->> 'class',
+                              error_message = i.error ->> 'message',
+                              model_calls = a.model_calls + i.model_calls,
+                              input_tokens = a.input_tokens + i.input_tokens,
+                              output_tokens = a.output_tokens + i.output_tokens,
+                              cost_usd = a.cost_usd + i.cost_usd
+    FROM input i JOIN moved m ON m.id = i.job_id
+    WHERE a.job_id = i.job_id AND a.step = i.step AND a.attempt = i.attempt
+), events AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT i.job_id, i.event_type, i.attempt, i.event_detail
+    FROM input i JOIN moved m ON m.id = i.job_id
+    ORDER BY i.ord
+)
+INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+SELECT e.id, e.route, m.id::text, e.type,
+       CASE WHEN e.type = 'job.dead_lettered'
+            THEN e.payload || jsonb_build_object('errors', m.errors) ELSE e.payload END,
+       e.headers
+FROM input i JOIN moved m ON m.id = i.job_id,
+     jsonb_to_recordset(i.outbox)
+         AS e(id uuid, route text, type text, payload jsonb, headers jsonb, n integer)
+ORDER BY i.ord, e.n;

@@ -1,0 +1,173 @@
+-- Jobs (calmq/data/jobs.py): intake, idempotency, reading, claim, leases, reaping,
+-- cancel. The status guards in these WHERE clauses are calmq.jobs' moves
+-- (tests/integration/test_job_moves.py holds them to the table).
+
+-- name: find_idempotency_key
+SELECT request_hash, job_id FROM idempotency_keys
+WHERE tenant_id = %(tenant_id)s AND key = %(key)s;
+
+-- name: insert_idempotency_key
+INSERT INTO idempotency_keys (tenant_id, key, request_hash, job_id)
+VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
+
+-- name: insert_job
+-- The job row, its first history event and its outbox row in one statement: one round trip.
+WITH job AS (
+    INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
+                      max_attempts, input, input_ref, metadata, callback_url, deadline_at,
+                      trace_parent)
+    VALUES (%(id)s, %(tenant_id)s, %(workflow)s, %(workflow_version)s, 'queued', %(priority)s,
+            %(pool)s, %(step)s, %(max_attempts)s, %(input)s, %(input_ref)s, %(metadata)s,
+            %(callback_url)s, %(deadline_at)s, %(trace_parent)s)
+    RETURNING id, created_at
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'queued', 0, '{}'::jsonb FROM job
+)
+INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+SELECT %(event_id)s, %(route)s, id::text, 'job.requested',
+       %(payload)s::jsonb || jsonb_build_object(
+           'created_at', (extract(epoch FROM created_at) * 1000)::bigint),
+       %(headers)s
+FROM job
+RETURNING (SELECT created_at FROM job) AS created_at;
+
+-- name: insert_jobs
+-- Group commit: many submits in ONE statement (rows as a JSON array), so a batch costs one
+-- parse, plan and execution instead of one per job. Same rows as insert_job writes.
+WITH src AS (
+    SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS r(
+        id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
+        pool text, step text, max_attempts integer, input jsonb, input_ref text,
+        metadata jsonb, callback_url text, deadline_at timestamptz, trace_parent text,
+        event_id uuid, route text, payload jsonb, headers jsonb)
+), job AS (
+    INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
+                      max_attempts, input, input_ref, metadata, callback_url, deadline_at,
+                      trace_parent)
+    SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
+           max_attempts, input, input_ref, COALESCE(metadata, '{}'), callback_url, deadline_at,
+           trace_parent
+    FROM src
+    RETURNING id, created_at
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'queued', 0, '{}'::jsonb FROM job
+)
+INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+SELECT s.event_id, s.route, j.id::text, 'job.requested',
+       s.payload || jsonb_build_object(
+           'created_at', (extract(epoch FROM j.created_at) * 1000)::bigint),
+       COALESCE(s.headers, '{}')
+FROM job j JOIN src s ON s.id = j.id;
+
+-- name: job_for_tenant
+SELECT id, tenant_id, workflow, workflow_version, status, priority, pool, step, attempt,
+       max_attempts, artifact, error, created_at, updated_at,
+       input_tokens, output_tokens, cost_usd
+FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
+
+-- name: job_events
+SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
+
+-- name: claim_jobs
+-- Claim every job of a polled batch in one statement. A job is claimable when it is
+-- waiting (queued, retrying) or running under an expired lease (its worker died; the
+-- history then says requeued_after_restart before the new running event).
+WITH target AS (
+    SELECT id, status AS old_status FROM jobs
+    WHERE id = ANY(%(ids)s)
+      -- a message for a step the job has left behind is stale (multi-step workflows)
+      AND (%(steps)s::jsonb IS NULL OR step = %(steps)s::jsonb ->> id::text)
+      AND (status IN ('queued', 'retrying')
+           OR (status = 'running' AND lease_expires_at < now()))
+    ORDER BY id
+    FOR UPDATE
+), claimed AS (
+    UPDATE jobs j SET status = 'running', attempt = j.attempt + 1,
+                      lease_owner = %(worker)s,
+                      lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
+                      updated_at = now()
+    FROM target t WHERE j.id = t.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, t.old_status
+), requeued AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'requeued_after_restart', attempt - 1, '{"reason": "lease_expired"}'::jsonb
+    FROM claimed WHERE old_status = 'running'
+), attempts AS (
+    INSERT INTO job_attempts (job_id, step, attempt, worker, started_at)
+    SELECT id, step, attempt, %(worker)s, now() FROM claimed
+    ON CONFLICT (job_id, step, attempt) DO NOTHING
+), running AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'running', attempt, jsonb_build_object('worker', %(worker)s::text) FROM claimed
+)
+SELECT * FROM claimed;
+
+-- name: visible_jobs
+-- Which of a batch's unclaimed jobs this session can see: step and status.
+SELECT id, step, status FROM jobs WHERE id = ANY(%(ids)s);
+
+-- name: heartbeat
+-- Rows are locked in id order, the order claim and finish use too: concurrent heartbeats,
+-- claims and group commits of one worker then never deadlock on each other.
+WITH held AS (
+    SELECT id FROM jobs
+    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM held WHERE j.id = held.id
+RETURNING j.id;
+
+-- name: release_leases
+-- A worker that stops before its in-flight attempts finished hands their leases back:
+-- the lease expires now, so the message's redelivery (or the reaper) takes the job at once
+-- and the history reads requeued_after_restart, running.
+UPDATE jobs SET lease_expires_at = now(), updated_at = now()
+WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
+RETURNING id;
+
+-- name: reap_expired_leases
+-- Jobs whose worker stopped heartbeating (killed, partitioned): back to queued, with the
+-- history saying so, and a fresh job.requested through the outbox.
+WITH expired AS (
+    SELECT id FROM jobs
+    WHERE status = 'running' AND lease_expires_at < now()
+    ORDER BY lease_expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE jobs j SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,
+                      updated_at = now()
+    FROM expired e WHERE j.id = e.id
+    -- the columns claim_jobs returns: both are read as calmq.data.jobs.Job
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, 'running'::text AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'requeued_after_restart', attempt, '{"reason": "lease_expired"}'::jsonb
+    FROM requeued
+), abandoned AS (
+    UPDATE job_attempts a SET finished_at = now(), outcome = 'abandoned'
+    FROM requeued r
+    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt AND a.finished_at IS NULL
+)
+SELECT * FROM requeued;
+
+-- name: cancel_job
+WITH cancelled AS (
+    UPDATE jobs SET status = 'cancelled', lease_owner = NULL, lease_expires_at = NULL,
+                    updated_at = now()
+    WHERE id = %(id)s AND tenant_id = %(tenant_id)s
+      AND status NOT IN ('completed', 'dead_letter', 'cancelled')
+    RETURNING id, tenant_id, workflow, step, attempt, trace_parent
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'cancelled', attempt, '{}'::jsonb FROM cancelled
+)
+SELECT * FROM cancelled;

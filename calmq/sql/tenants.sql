@@ -1,0 +1,34 @@
+-- Tenants and API keys (calmq/data/tenants.py).
+
+-- name: create_tenant
+INSERT INTO tenants (id, name) VALUES (%(id)s, %(name)s) RETURNING id, name, created_at;
+
+-- name: create_api_key
+INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
+VALUES (%(id)s, %(tenant_id)s, %(key_hash)s, %(key_prefix)s);
+
+-- name: tenant_for_key
+SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+WHERE k.key_hash = %(key_hash)s AND k.revoked_at IS NULL;
+
+-- name: add_api_key
+INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
+SELECT %(id)s, id, %(key_hash)s, %(key_prefix)s FROM tenants WHERE name = %(name)s
+RETURNING key_prefix;
+
+-- name: revoke_api_keys
+-- Revoke keys of a tenant by prefix (or all of them with prefix NULL); the NOTIFY tells
+-- every API process to drop its auth cache at once instead of waiting for the TTL.
+WITH revoked AS (
+    UPDATE api_keys k SET revoked_at = now()
+    FROM tenants t
+    WHERE t.id = k.tenant_id AND t.name = %(name)s AND k.revoked_at IS NULL
+      AND (%(key_prefix)s::text IS NULL OR k.key_prefix = %(key_prefix)s::text)
+    RETURNING k.key_prefix
+), woken AS (
+    SELECT pg_notify('calmq_api_keys', '') FROM (SELECT 1 FROM revoked LIMIT 1) r
+)
+SELECT key_prefix, (SELECT count(*) FROM woken) AS notified FROM revoked;
+
+-- name: tenant_webhook_secret
+SELECT webhook_secret FROM tenants WHERE name = %(name)s;
