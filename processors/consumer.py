@@ -16,7 +16,6 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from calmq.processors import metrics
-from calmq.processors.lag import LagSampler
 from calmq.processors.offsets import OffsetTracker, commit_prefix, position_of
 
 __all__ = ["ParallelConsumer"]
@@ -36,10 +35,8 @@ class ParallelConsumer:
         batch_size: int = 500,
         interactive_reserve: int | None = None,
         settling: Callable[[], int] | None = None,
-        lag_interval: float = 5.0,
     ) -> None:
         self.config = config
-        self.lag_interval = lag_interval
         # Messages whose attempt ended and whose outcome is being written: they hold no
         # model call any more, so they do not count against the bound (up to another
         # bound's worth), or a slow group commit would leave call slots idle.
@@ -51,7 +48,7 @@ class ParallelConsumer:
         self.batch_size = batch_size
         self.tracker = OffsetTracker()
         self._assigned: set[tuple[str, int]] = set()
-        # What the lag sampler's thread reads: replaced whole, never changed in place.
+        # What the lag sampler reads from another thread: replaced whole, never in place.
         self._owned: tuple[tuple[str, int], ...] = ()
         self._paused_kinds: set[str] = set()  # "bulk" / "interactive" while paused
         # Interactive work may exceed the bound by this much, so it is fetched ahead of bulk
@@ -60,6 +57,11 @@ class ParallelConsumer:
             else interactive_reserve
         self._consumer: Consumer | None = None
         self.ready = threading.Event()  # set once the first assignment arrived
+
+    @property
+    def owned(self) -> tuple[tuple[str, int], ...]:
+        """The partitions assigned to this consumer; safe to read from another thread."""
+        return self._owned
 
     # -- rebalance callbacks (run inside poll, on the consumer thread) --------------------
 
@@ -156,10 +158,6 @@ class ParallelConsumer:
             on_lost=self._on_lost,
         )
         last_commit = time.monotonic()
-        sampler = LagSampler(self.config, self.topics, lambda: self._owned,
-                             self.lag_interval) if self.lag_interval > 0 else None
-        if sampler is not None:
-            sampler.start()
         try:
             while not stop.is_set():
                 room = self._backpressure(consumer)
@@ -198,6 +196,4 @@ class ParallelConsumer:
                 self._commit(consumer)
             self._commit(consumer)
         finally:
-            if sampler is not None:
-                sampler.stop()
             consumer.close()

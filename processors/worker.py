@@ -10,6 +10,7 @@ import socket
 import threading
 
 from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 
 from calmq import topics
 from calmq.budget import open_metered_provider
@@ -19,6 +20,7 @@ from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
+from calmq.processors.lag import LagSampler, admin_config
 from calmq.processors.poison import PoisonSink
 from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
@@ -65,7 +67,6 @@ class Worker:
             max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: runner.committer.pending,
-            lag_interval=s.consumer_lag_interval_seconds,
         )
         codec = make_codec(s.schema_registry_url)
         runner = StepRunner(
@@ -98,7 +99,7 @@ class Worker:
         )
         thread.start()
         log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
-        side = self._side_tasks(store, runner)
+        side = self._side_tasks(store, runner, consumer)
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.1)
@@ -129,10 +130,12 @@ class Worker:
             await provider.close()
             await store.close()
 
-    def _side_tasks(self, store: Store, runner: StepRunner) -> Supervisor:
+    def _side_tasks(self, store: Store, runner: StepRunner,
+                    consumer: ParallelConsumer) -> Supervisor:
         """Heartbeat leases every third of a lease; requeue expired leases of dead workers;
-        apply the expiry outcome to overdue reviews. A failed pass is retried next interval;
-        a task that stops stops the worker (its leases would lapse, or nobody would reap)."""
+        apply the expiry outcome to overdue reviews; sample consumer lag. A failed pass is
+        retried next interval; a lease task that stops stops the worker (its leases would
+        lapse, or nobody would reap)."""
         interval = max(0.2, self.settings.lease_seconds / 3)
 
         def stop_worker(name: str, _exc: BaseException | None) -> None:
@@ -154,4 +157,14 @@ class Worker:
         for name, action in (("lease-heartbeat", runner.heartbeat), ("lease-reaper", reap),
                              ("review-timer", expire_reviews)):
             side.every(name, interval, action, first_after=interval, critical=True)
+        lag_interval = self.settings.consumer_lag_interval_seconds
+        if lag_interval > 0:
+            lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)
+            admin = AdminClient(admin_config(consumer.config))
+
+            async def sample_lag() -> None:
+                # In a thread: a sample is a few blocking broker round trips.
+                await asyncio.to_thread(lag.sample, admin)
+
+            side.every("consumer-lag", lag_interval, sample_lag, first_after=lag_interval)
         return side

@@ -28,7 +28,7 @@ def test_lag_is_what_the_group_has_not_committed_on_the_partitions_this_worker_o
     committer.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)
     committer.close()
 
-    sampler = LagSampler(config, [topic], lambda: [(topic, 0), (topic, 1)], interval=1)
+    sampler = LagSampler(config, [topic], lambda: [(topic, 0), (topic, 1)])
     lag = sampler.sample(AdminClient(admin_config(config)))
 
     assert lag == {topic: (5 - 2) + 4}  # uncommitted partition 1 counts from its start
