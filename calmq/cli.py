@@ -18,9 +18,12 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from calmq.errors import CalmqError, ConfigError
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = ["main"]
 
@@ -110,7 +113,7 @@ def _data_dir(args: argparse.Namespace) -> Path:
     return Path(args.data_dir) if getattr(args, "data_dir", None) else default_data_dir()
 
 
-def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     """Settings from env + flags, with empty locations filled from the running local stack."""
     from calmq.settings import Settings
     from calmq.tooling.devstack import Stack
