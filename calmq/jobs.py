@@ -1,7 +1,7 @@
 """The job: its statuses, the events of its history, and the legal moves between statuses.
 
-The state machine lives here, in one table, so that the store, the workers and the API
-agree on it. docs/explanation/job-state-machine.md draws the same table.
+The state machine lives here, in one table (``MOVES``), so that the data layer, the workers
+and the API agree on it. docs/explanation/job-state-machine.md draws the same table.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "MOVES",
     "TERMINAL",
     "EventType",
     "Priority",
@@ -48,29 +49,29 @@ class EventType(StrEnum):
     REDRIVEN = "redriven"
 
 
-_MOVES: dict[Status, frozenset[Status]] = {
-    Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.DEAD_LETTER}),
-    Status.RUNNING: frozenset(
-        {
-            Status.COMPLETED,
-            Status.RETRYING,
-            Status.DEAD_LETTER,
-            Status.AWAITING_REVIEW,
-            Status.CANCELLED,
-            Status.QUEUED,  # lease expired: the reaper requeues it
-            Status.RUNNING,  # next step of a multi-step workflow
-        }
-    ),
-    Status.RETRYING: frozenset({Status.RUNNING, Status.CANCELLED, Status.DEAD_LETTER}),
-    Status.AWAITING_REVIEW: frozenset(
-        {Status.QUEUED, Status.COMPLETED, Status.DEAD_LETTER, Status.CANCELLED}
-    ),
-    Status.COMPLETED: frozenset(),
-    Status.DEAD_LETTER: frozenset({Status.QUEUED}),  # redrive
-    Status.CANCELLED: frozenset(),
-}
+# Every legal move, declared once, with the statement that makes it. The SQL guards of
+# those statements (calmq/sql) must agree: tests/integration/test_job_moves.py runs each
+# guarded statement from every status and compares what moved with this table.
+MOVES: frozenset[tuple[Status, Status]] = frozenset({
+    (Status.QUEUED, Status.RUNNING),  # claim_jobs
+    (Status.RETRYING, Status.RUNNING),  # claim_jobs: the forwarder re-sent it when due
+    (Status.RUNNING, Status.RUNNING),  # claim_jobs: its lease expired, another worker takes it
+    (Status.RUNNING, Status.COMPLETED),  # finish_attempts
+    (Status.RUNNING, Status.RETRYING),  # finish_attempts: transient failure, attempts left
+    (Status.RUNNING, Status.DEAD_LETTER),  # finish_attempts
+    (Status.RUNNING, Status.AWAITING_REVIEW),  # finish_attempts: confidence below threshold
+    (Status.RUNNING, Status.QUEUED),  # finish_attempts (next step), reap_expired_leases
+    (Status.AWAITING_REVIEW, Status.QUEUED),  # wf_review_resume: approved, next step
+    (Status.AWAITING_REVIEW, Status.COMPLETED),  # wf_review_complete: approved, last step
+    (Status.AWAITING_REVIEW, Status.DEAD_LETTER),  # wf_review_dead_letter: rejected, expired
+    (Status.QUEUED, Status.CANCELLED),  # cancel_job
+    (Status.RUNNING, Status.CANCELLED),  # cancel_job: the worker aborts at its next heartbeat
+    (Status.RETRYING, Status.CANCELLED),  # cancel_job
+    (Status.AWAITING_REVIEW, Status.CANCELLED),  # cancel_job
+    (Status.DEAD_LETTER, Status.QUEUED),  # dlq_requeue: redrive, fresh attempt budget
+})
 
 
 def can_move(current: Status, target: Status) -> bool:
     """Whether a job in ``current`` may move to ``target``."""
-    return target in _MOVES[current]
+    return (current, target) in MOVES

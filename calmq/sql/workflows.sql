@@ -63,20 +63,20 @@ WHERE job_id = %(job_id)s AND step = %(step)s;
 -- name: wf_review_resume
 UPDATE jobs SET status = 'queued', step = %(next_step)s, pool = %(pool)s, attempt = 0,
                 max_attempts = %(max_attempts)s, review_deadline_at = NULL, updated_at = now()
-WHERE id = %(id)s
+WHERE id = %(id)s AND status = 'awaiting_review'
 RETURNING id, tenant_id, workflow, workflow_version, priority, pool, step, attempt,
           input_ref, deadline_at, created_at, trace_parent;
 
 -- name: wf_review_complete
 UPDATE jobs SET status = 'completed', artifact = %(artifact)s, error = NULL,
                 review_deadline_at = NULL, updated_at = now()
-WHERE id = %(id)s;
+WHERE id = %(id)s AND status = 'awaiting_review';
 
 -- name: wf_review_dead_letter
 UPDATE jobs SET status = 'dead_letter', error = %(error)s,
                 errors = errors || jsonb_build_array(%(error)s || jsonb_build_object('attempt', attempt)),
                 review_deadline_at = NULL, updated_at = now()
-WHERE id = %(id)s
+WHERE id = %(id)s AND status = 'awaiting_review'
 RETURNING errors;
 
 -- name: wf_insert_event
