@@ -11,7 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from calmq.errors import ContractError, InfrastructureError
 from calmq.producers.client import enqueue, enqueue_async
-from calmq.producers.intake import GroupCommit, insert_params, prepare
+from calmq.producers.intake import GroupCommit, prepare
 from calmq.tooling.devstack import StackState
 from calmq.workflows import builtin_workflows
 from tests.support.api import Api, create_tenant
@@ -107,7 +107,7 @@ async def test_group_commit_shares_transactions_and_isolates_a_bad_row(
         jobs = [prepare(workflow, tenant[0], input={"text": f"g{i}"}) for i in range(300)]
         bad = prepare(workflow, uuid.uuid4(), input={"text": "no such tenant"})
         results = await asyncio.gather(
-            *(group.submit(insert_params(*j)) for j in [*jobs[:150], bad, *jobs[150:]]),
+            *(group.submit(j) for j in [*jobs[:150], bad, *jobs[150:]]),
             return_exceptions=True)
     finally:
         await pool.close()
@@ -115,8 +115,8 @@ async def test_group_commit_shares_transactions_and_isolates_a_bad_row(
     assert [r for i, r in enumerate(results) if i != 150] == [None] * 300
     assert group.batches < 300
     with psycopg.connect(url) as conn:
-        ids = [j[0].id for j in jobs]
+        ids = [j.id for j in jobs]
         row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)", (ids,)).fetchone()
         assert row == (300,)
         assert conn.execute("SELECT count(*) FROM jobs WHERE id = %s",
-                            (bad[0].id,)).fetchone() == (0,)
+                            (bad.id,)).fetchone() == (0,)
