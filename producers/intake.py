@@ -36,21 +36,24 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = Histogram("calmq_accept_batch_size", "Submits written per group-commit transaction",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
+
 def prepare(
     workflow: Workflow,
     tenant_id: uuid.UUID,
     *,
-    input: dict[str, Any] | None = None,
-    input_ref: str | None = None,
     priority: str = "bulk",
     deadline_seconds: int | None = None,
-    callback_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
-    trace_parent: str | None = None,
     job_id: uuid.UUID | None = None,
+    **columns: Any,
 ) -> NewJob:
     """The new job of a submission whose input is already validated: at the workflow's
-    first step, in that step's pool, with that step's attempt budget."""
+    first step, in that step's pool, with that step's attempt budget.
+
+    ``columns`` are the submission's other fields, each the NewJob field of that name
+    (``input``, ``input_ref``, ``callback_url``, ``trace_parent``): a column added to NewJob
+    and to the request model reaches the row without an edit here.
+    """
     first = workflow.steps[0]
     return NewJob(
         id=job_id or uuid.uuid4(),
@@ -61,13 +64,10 @@ def prepare(
         pool=first.pool or workflow.pool,
         step=first.name,
         max_attempts=first.attempts,
-        input=input,
-        input_ref=input_ref,
         metadata=dict(metadata or {}),
-        callback_url=callback_url,
         deadline_at=(datetime.now(UTC) + timedelta(seconds=deadline_seconds)
                      if deadline_seconds else None),
-        trace_parent=trace_parent,
+        **columns,
     )
 
 

@@ -7,15 +7,17 @@ new job on a connection the caller owns (the client library enqueues inside the 
 transaction), and import nothing of the server.
 
 Adding a column to jobs touches the migration, the Avro schema when events carry it,
-calmq/sql/jobs.sql and the record here: the insert parameters are NewJob's fields, and
-``job.requested`` is filled from the record by the Avro schema's field names (calmq.events).
+calmq/sql/jobs.sql and the records here; for a field clients send, the API's request model
+(producers/models.py) too, whose fields reach NewJob by name (producers.intake.prepare).
+Nothing else: the insert parameters are NewJob's fields, and ``job.requested`` is filled
+from the record by the Avro schema's field names (calmq.events).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -87,12 +89,12 @@ class NewJob:
     pool: str
     step: str
     max_attempts: int
-    input: dict[str, Any] | None
-    input_ref: str | None
-    metadata: dict[str, Any]
-    callback_url: str | None
-    deadline_at: datetime | None
-    trace_parent: str | None
+    input: dict[str, Any] | None = None
+    input_ref: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    callback_url: str | None = None
+    deadline_at: datetime | None = None
+    trace_parent: str | None = None
 
     @property
     def attempt(self) -> int:

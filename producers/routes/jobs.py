@@ -98,11 +98,9 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (0 < len(key) <= 255):
         raise ContractError("Idempotency-Key must be 1 to 255 characters", code="invalid_header")
-    job = prepare(
-        workflow, caller.id, input=data, input_ref=req.input_ref, priority=req.priority,
-        deadline_seconds=req.deadline_seconds, callback_url=req.callback_url,
-        metadata=req.metadata, trace_parent=request.headers.get("traceparent"),
-    )
+    # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
+    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data},
+                  trace_parent=request.headers.get("traceparent"))
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)
         new_id, created = job.id, True
