@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from psycopg.types.json import Jsonb
-
-from calmq import events, sql, topics
-from calmq.data import Store
+from calmq.data import Database
+from calmq.data.deadletters import DeadJob, DeadLetterRecords
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
@@ -91,27 +89,33 @@ class RedriveOutcome:
                 "message": self.message, "round": self.round}
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How a redriven job runs: today's workflow version, its step's pool and budget."""
+
+    workflow_version: int
+    pool: str
+    max_attempts: int
+
+
 class DeadLetters:
     """Review and redrive operations on the store's dead-lettered jobs."""
 
     def __init__(
         self,
-        store: Store,
+        db: Database,
         *,
         workflows: dict[str, Workflow] | None = None,
         objects: ObjectStore | None = None,
     ) -> None:
-        self.store = store
+        self.records = DeadLetterRecords(db)
         self.workflows = workflows if workflows is not None else builtin_workflows()
         self.objects = objects  # None: inputs by reference are not re-read before a redrive
-        self._q = sql.queries()
 
     async def find(self, where: DeadLetterFilter | None = None) -> list[dict[str, Any]]:
         """Dead-lettered jobs matching ``where``, oldest death first."""
-        where = where or DeadLetterFilter()
-        async with self.store.pool.connection() as conn:
-            cur = await conn.execute(self._q["dlq_list"], where.params())
-            return await cur.fetchall()
+        rows: list[dict[str, Any]] = await self.records.find((where or DeadLetterFilter()).params())
+        return rows
 
     async def show(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> dict[str, Any]:
         """The whole record of a job: row, attempts of every round, history, last output.
@@ -119,16 +123,9 @@ class DeadLetters:
         Works for a job in any status, so that a person can see why it is not (or no
         longer) a dead letter. Raises NotFound for an unknown job (or another tenant's).
         """
-        async with self.store.pool.connection() as conn:
-            cur = await conn.execute(self._q["dlq_job"], {"id": job_id, "tenant_id": tenant_id})
-            job = await cur.fetchone()
-            if job is None:
-                raise NotFound(f"no job {job_id}")
-            cur = await conn.execute(self._q["dlq_attempts"], {"id": job_id})
-            job["attempts"] = [{"round": r["round"], **r["record"]}
-                               for r in await cur.fetchall()]
-            cur = await conn.execute(self._q["dlq_events"], {"id": job_id})
-            job["events"] = await cur.fetchall()
+        job: dict[str, Any] | None = await self.records.record(job_id, tenant_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}")
         job["last_output"] = _last_output(job)
         return job
 
@@ -168,72 +165,54 @@ class DeadLetters:
         self, job_id: uuid.UUID, *, by: str, reason: str, tenant_id: uuid.UUID | None,
         dry_run: bool,
     ) -> RedriveOutcome:
-        async with self.store.pool.connection() as conn:
-            cur = await conn.execute(self._q["dlq_job"], {"id": job_id, "tenant_id": tenant_id})
-            job = await cur.fetchone()
+        job = await self.records.job(job_id, tenant_id)
         if job is None:
             raise NotFound(f"no job {job_id}")
-        if job["status"] != Status.DEAD_LETTER:
+        if job.status != Status.DEAD_LETTER:
             return RedriveOutcome(job_id, "skipped", "not_dead_lettered",
-                                  f"the job is {job['status']}, not a dead letter")
+                                  f"the job is {job.status}, not a dead letter")
         try:
             workflow, plan = await self._plan(job)
         except ContractError as exc:
             return RedriveOutcome(job_id, "rejected", exc.code, exc.message)
         if dry_run:
             return RedriveOutcome(job_id, "would_redrive", None,
-                                  f"would requeue at step {job['step']} of {workflow.name} "
-                                  f"v{workflow.version} with {plan['max_attempts']} attempts")
-        detail = {"by": by, "reason": reason[:1000], "previous_error": job["error"],
+                                  f"would requeue at step {job.step} of {workflow.name} "
+                                  f"v{workflow.version} with {plan.max_attempts} attempts")
+        detail = {"by": by, "reason": reason[:1000], "previous_error": job.error,
                   "workflow_version": workflow.version}
-        async with self.store.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(
-                self._q["dlq_requeue"], {"id": job_id, "detail": Jsonb(detail), **plan}
-            )
-            row = await cur.fetchone()
-            if row is None:  # someone else redrove (or cancelled) it since we read it
-                return RedriveOutcome(job_id, "skipped", "not_dead_lettered",
-                                      "the job stopped being a dead letter during the redrive")
-            event = events.requested(row)
-            await conn.execute(self._q["insert_outbox"], {
-                "id": event["event_id"],
-                "route": topics.work_route(row["pool"], row["priority"]),
-                "aggregateid": str(row["id"]),
-                "type": "job.requested",
-                "payload": Jsonb(event),
-                "headers": Jsonb({"traceparent": row["trace_parent"]} if row["trace_parent"]
-                                 else {}),
-            })
+        moved = await self.records.requeue(job_id, detail=detail,
+                                           workflow_version=plan.workflow_version,
+                                           pool=plan.pool, max_attempts=plan.max_attempts)
+        if moved is None:  # someone else redrove (or cancelled) it since we read it
+            return RedriveOutcome(job_id, "skipped", "not_dead_lettered",
+                                  "the job stopped being a dead letter during the redrive")
         return RedriveOutcome(job_id, "redriven", None,
-                              f"requeued at step {row['step']} with {plan['max_attempts']} "
-                              "attempts", round=row["round"])
+                              f"requeued at step {moved.step} with {plan.max_attempts} "
+                              "attempts", round=moved.round)
 
-    async def _plan(self, job: dict[str, Any]) -> tuple[Workflow, dict[str, Any]]:
+    async def _plan(self, job: DeadJob) -> tuple[Workflow, _Plan]:
         """Today's workflow, step and budget for the job; ContractError if it cannot run."""
-        workflow = self.workflows.get(job["workflow"])
+        workflow = self.workflows.get(job.workflow)
         if workflow is None:
-            raise ContractError(f"no workflow named {job['workflow']!r} exists today",
+            raise ContractError(f"no workflow named {job.workflow!r} exists today",
                                 code="unknown_workflow", status=422)
-        step = workflow.step(job["step"])  # ContractError unknown_step if it was removed
-        deadline = job["deadline_at"]
+        step = workflow.step(job.step)  # ContractError unknown_step if it was removed
+        deadline = job.deadline_at
         if deadline is not None and deadline <= datetime.now(deadline.tzinfo):
             raise ContractError(
                 f"the job's deadline passed at {deadline.isoformat()}; submit it again instead",
                 code="deadline_passed", status=409)
-        if job["input"] is not None:
-            workflow.validate_input(job["input"])
-        elif job["input_ref"] and self.objects is not None:
-            raw = await self.objects.get(job["input_ref"])
+        if job.input is not None:
+            workflow.validate_input(job.input)
+        elif job.input_ref and self.objects is not None:
+            raw = await self.objects.get(job.input_ref)
             try:
                 data = json.loads(raw)
             except ValueError:
                 data = {"text": raw.decode("utf-8", "replace")}
             workflow.validate_input(data if isinstance(data, dict) else {"text": str(data)})
-        return workflow, {
-            "workflow_version": workflow.version,
-            "pool": step.pool or workflow.pool,
-            "max_attempts": step.max_attempts,
-        }
+        return workflow, _Plan(workflow.version, step.pool or workflow.pool, step.max_attempts)
 
 
 def _last_output(job: dict[str, Any]) -> Any:

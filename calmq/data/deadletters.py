@@ -1,0 +1,103 @@
+"""Dead letters: the dead-lettered jobs' records, and the redrive that queues one again.
+
+The redrive is one statement guarded by ``status = 'dead_letter'`` (calmq/sql/ops.sql,
+``dlq_requeue``): it archives the round's attempts, writes the ``redriven`` event and
+queues the job; its ``job.requested`` is written through the outbox in the same
+transaction. Whether a job may be redriven, and with which budget, is calmq.deadletters'.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
+
+from calmq import events, topics
+from calmq.data import outbox
+from calmq.data.database import Database
+
+__all__ = ["DeadJob", "DeadLetterRecords", "Redriven"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadJob:
+    """What a redrive reads of a job (in any status: it may not be a dead letter)."""
+
+    id: uuid.UUID
+    status: str
+    workflow: str
+    step: str
+    input: dict[str, Any] | None
+    input_ref: str | None
+    deadline_at: datetime | None
+    error: dict[str, Any] | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> DeadJob:
+        return cls(row["id"], row["status"], row["workflow"], row["step"], row["input"],
+                   row["input_ref"], row["deadline_at"], row["error"])
+
+
+@dataclass(frozen=True, slots=True)
+class Redriven:
+    """A job queued again: at ``step``, in redrive ``round`` (1 for the first)."""
+
+    id: uuid.UUID
+    step: str
+    round: int
+
+
+class DeadLetterRecords:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def find(self, filters: Mapping[str, Any]) -> list[DictRow]:
+        """Dead-lettered jobs matching ``filters`` (every ``dlq_list`` parameter; None: no
+        filter), oldest death first. Rows: the API's views and the CLI render them whole."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["dlq_list"], filters)
+            return await cur.fetchall()
+
+    async def record(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None) -> DictRow | None:
+        """The whole record of a job: its row, ``attempts`` of every round (round 0 the
+        current one) and ``events``; None for an unknown job or another tenant's."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["dlq_job"], {"id": job_id, "tenant_id": tenant_id})
+            job = await cur.fetchone()
+            if job is None:
+                return None
+            cur = await conn.execute(self._db.q["dlq_attempts"], {"id": job_id})
+            job["attempts"] = [{"round": r["round"], **r["record"]}
+                               for r in await cur.fetchall()]
+            cur = await conn.execute(self._db.q["dlq_events"], {"id": job_id})
+            job["events"] = await cur.fetchall()
+        return job
+
+    async def job(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None) -> DeadJob | None:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["dlq_job"], {"id": job_id, "tenant_id": tenant_id})
+            row = await cur.fetchone()
+        return DeadJob.from_row(row) if row is not None else None
+
+    async def requeue(
+        self, job_id: uuid.UUID, *, detail: dict[str, Any], workflow_version: int, pool: str,
+        max_attempts: int,
+    ) -> Redriven | None:
+        """Queue a dead letter again with its ``job.requested``; None if it is no longer a
+        dead letter (redriven or cancelled by someone else meanwhile): nothing is written."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["dlq_requeue"], {
+                "id": job_id, "detail": Jsonb(detail), "workflow_version": workflow_version,
+                "pool": pool, "max_attempts": max_attempts})
+            row = await cur.fetchone()
+            if row is None:
+                return None
+            await outbox.insert(conn, [outbox.entry(
+                topics.work_route(row["pool"], row["priority"]), "job.requested",
+                events.requested(row), key=row["id"], trace_parent=row["trace_parent"])])
+        return Redriven(row["id"], row["step"], row["round"])
