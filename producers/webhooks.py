@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from calmq.data import Store
+from calmq.data import JobDetail, Store
 from calmq.data.webhooks import DeliveryStatus, WebhookDeliveries, WebhookDelivery
 from calmq.errors import ContractError
 from calmq.retrying import Backoff
@@ -110,7 +110,7 @@ class Dispatcher:
     """Delivers due webhook rows; woken by NOTIFY calmq_webhooks, else by the next due time."""
 
     def __init__(self, settings: Settings, store: Store,
-                 view: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+                 view: Callable[[JobDetail], dict[str, Any]]) -> None:
         self._settings = settings
         self._store = store
         self._view = view

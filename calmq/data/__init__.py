@@ -14,9 +14,12 @@ from calmq.data import outbox
 from calmq.data.attempts import Attempts, Finish
 from calmq.data.database import Connection, Database
 from calmq.data.jobs import (
+    HistoryEvent,
     Idempotency,
     Job,
+    JobDetail,
     Jobs,
+    JobSnapshot,
     NewJob,
     insert_job,
     insert_job_sync,
@@ -31,8 +34,11 @@ __all__ = [
     "Connection",
     "Database",
     "Finish",
+    "HistoryEvent",
     "Idempotency",
     "Job",
+    "JobDetail",
+    "JobSnapshot",
     "Jobs",
     "NewJob",
     "OutboxEntry",

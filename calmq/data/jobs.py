@@ -1,7 +1,8 @@
 """Jobs: the typed job records and every query that creates, claims, moves or reads a job.
 
 ``NewJob`` is a submission about to be written, ``Job`` a job as a worker holds it after a
-claim. ``Jobs(db)`` runs the
+claim, ``JobSnapshot`` and ``JobDetail`` (with its ``HistoryEvent`` list) a job as its
+tenant reads it. ``Jobs(db)`` runs the
 queries of calmq/sql/jobs.sql on the pool; ``insert_job`` and ``insert_job_sync`` write a
 new job on a connection the caller owns (the client library enqueues inside the caller's
 transaction), and import nothing of the server.
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -32,8 +34,11 @@ from calmq.errors import ContractError, InfrastructureError
 from calmq.jobs import Status
 
 __all__ = [
+    "HistoryEvent",
     "Idempotency",
     "Job",
+    "JobDetail",
+    "JobSnapshot",
     "Jobs",
     "NewJob",
     "insert_job",
@@ -103,6 +108,42 @@ class NewJob:
 
 
 _NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEvent:
+    """One entry of a job's history (``id``: its place, the SSE event id)."""
+
+    id: int
+    type: str
+    at: datetime
+    attempt: int
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class JobSnapshot:
+    """A job as a page of GET /v1/jobs lists it: the ``api_list_jobs`` columns."""
+
+    id: uuid.UUID
+    workflow: str
+    status: str
+    attempt: int
+    step: str
+    artifact: dict[str, Any] | None
+    error: dict[str, Any] | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail(JobSnapshot):
+    """A job as GET /v1/jobs/{id} answers it: the snapshot, its usage and its history."""
+
+    input_tokens: int
+    output_tokens: int
+    cost_usd: Decimal  # numeric in PostgreSQL
+    events: list[HistoryEvent]
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,9 +260,8 @@ class Jobs:
 
     # -- reading ------------------------------------------------------------------------
 
-    async def view(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> DictRow | None:
-        """The job and its history (``events``), or None when it does not exist for this
-        tenant. A row, not a record: the API's views (producers.views) shape it."""
+    async def view(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> JobDetail | None:
+        """The job and its history, or None when it does not exist for this tenant."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["job_for_tenant"],
                                      {"id": job_id, "tenant_id": tenant_id})
@@ -229,17 +269,17 @@ class Jobs:
             if row is None:
                 return None
             cur = await conn.execute(self._q["job_events"], {"id": job_id})
-            row["events"] = await cur.fetchall()
-        return row
+            history = [HistoryEvent(**e) for e in await cur.fetchall()]
+        return JobDetail(**row, events=history)
 
-    async def page(self, **filters: Any) -> list[DictRow]:
+    async def page(self, **filters: Any) -> list[JobSnapshot]:
         """One page of a tenant's jobs, newest first (``api_list_jobs``' parameters)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["api_list_jobs"], filters)
-            return await cur.fetchall()
+            return [JobSnapshot(**r) for r in await cur.fetchall()]
 
     async def status_and_events(self, tenant_id: uuid.UUID, job_id: uuid.UUID,
-                                after: int) -> tuple[str | None, list[DictRow]]:
+                                after: int) -> tuple[str | None, list[HistoryEvent]]:
         """The job's status and its history after event ``after`` (None: no such job).
 
         Status first, then events, on one connection: a terminal status implies its event
@@ -253,7 +293,7 @@ class Jobs:
                 return None, []
             cur = await conn.execute(self._q["api_job_events_after"],
                                      {"id": job_id, "after": after})
-            return str(row["status"]), await cur.fetchall()
+            return str(row["status"]), [HistoryEvent(**e) for e in await cur.fetchall()]
 
     async def ping(self) -> None:
         """Raise unless PostgreSQL answers (readiness)."""

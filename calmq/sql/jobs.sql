@@ -62,13 +62,13 @@ SELECT s.event_id, s.route, j.id::text, 'job.requested',
 FROM job j JOIN src s ON s.id = j.id;
 
 -- name: job_for_tenant
-SELECT id, tenant_id, workflow, workflow_version, status, priority, pool, step, attempt,
-       max_attempts, artifact, error, created_at, updated_at,
+-- calmq.data.jobs.JobDetail's columns (its events: job_events)
+SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
        input_tokens, output_tokens, cost_usd
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events
-SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
+SELECT id, type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
 
 -- name: claim_jobs
 -- Claim every job of a polled batch in one statement. A job is claimable when it is

@@ -15,12 +15,11 @@ import json
 import time
 import uuid
 from datetime import datetime
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from calmq.data import Idempotency, Tenant
+from calmq.data import HistoryEvent, Idempotency, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef
@@ -168,7 +167,7 @@ async def list_jobs(request: web.Request) -> web.Response:
     }
     rows = await request.app[STORE].jobs.page(**values)
     page, more = rows[:page_size], len(rows) > page_size
-    next_cursor = _encode_cursor(page[-1]["created_at"], page[-1]["id"]) if more else None
+    next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None
     return web.json_response({"jobs": [job_summary(r) for r in page],
                               "next_cursor": next_cursor})
 
@@ -192,7 +191,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
     after = _last_event_id(request)
     store, hub = request.app[STORE], request.app[HUB]
 
-    async def read() -> tuple[str | None, list[dict[str, Any]]]:
+    async def read() -> tuple[str | None, list[HistoryEvent]]:
         return await store.jobs.status_and_events(caller.id, ident, after)
 
     wake = hub.subscribe(str(ident))  # before the first read, so no event falls in between
@@ -207,8 +206,8 @@ async def job_events(request: web.Request) -> web.StreamResponse:
         while True:
             for r in rows:
                 data = json.dumps({"job_id": str(ident), **event_view(r)})
-                await resp.write(f"id: {r['id']}\nevent: {r['type']}\ndata: {data}\n\n".encode())
-                after = r["id"]
+                await resp.write(f"id: {r.id}\nevent: {r.type}\ndata: {data}\n\n".encode())
+                after = r.id
             if status in TERMINAL:
                 await resp.write(f"event: end\ndata: {json.dumps({'status': status})}\n\n".encode())
                 break
@@ -235,9 +234,9 @@ async def get_artifact(request: web.Request) -> web.StreamResponse:
     job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")
-    artifact = job["artifact"]
+    artifact = job.artifact
     if not artifact:
-        raise NotFound(f"the job is {job['status']} and has no artifact",
+        raise NotFound(f"the job is {job.status} and has no artifact",
                        code="artifact_not_found")
     size, chunks = await read_object(request.app[OBJECTS], artifact["uri"])
     resp = web.StreamResponse(headers={
@@ -259,7 +258,7 @@ async def cancel_job(request: web.Request) -> web.Response:
         job = await store.jobs.view(caller.id, ident)
         if job is None:
             raise NotFound("no such job")
-        raise ContractError(f"the job is {job['status']} already", code="job_terminal",
+        raise ContractError(f"the job is {job.status} already", code="job_terminal",
                             status=409)
     CANCELLED.inc()
     job = await store.jobs.view(caller.id, ident)

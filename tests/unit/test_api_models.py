@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from calmq.data import HistoryEvent, JobDetail
 from calmq.errors import ContractError
 from calmq.producers.models import DeadLetter, JobView, ReviewItem
 from calmq.producers.openapi import document
@@ -44,7 +45,9 @@ def _refs(node: Any) -> set[str]:
 def test_views_fit_their_response_models() -> None:
     """The dicts the routes answer with validate against the documented response models."""
     row = _job_row()
-    view = JobView.model_validate(job_view(row))
+    detail = JobDetail(**{k: v for k, v in row.items() if k != "events"},
+                       events=[HistoryEvent(id=1, **e) for e in row["events"]])
+    view = JobView.model_validate(job_view(detail))
     assert view.usage.output_tokens == 0
     assert view.error is not None
     assert view.error.failure_class == "policy"
