@@ -66,8 +66,8 @@ async def submit(request: web.Request) -> web.Response:
     try:
         response = await _submit(request, caller, stored)
     except BaseException:
-        for ref_ in stored:  # a rejected or failed request leaves nothing behind
-            await asyncio.shield(delete_object(request.app[OBJECTS], ref_.uri))
+        for obj in stored:  # a rejected or failed request leaves nothing behind
+            await asyncio.shield(delete_object(request.app[OBJECTS], obj.uri))
         raise
     ACCEPT_SECONDS.observe(time.perf_counter() - started)
     return response
@@ -111,8 +111,8 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     if created:
         ACCEPTED.labels(job.workflow, job.priority).inc()
     else:
-        for ref_ in stored:  # the earlier job has its own copy of the file
-            await delete_object(request.app[OBJECTS], ref_.uri)
+        for obj in stored:  # the earlier job has its own copy of the file
+            await delete_object(request.app[OBJECTS], obj.uri)
     stored.clear()  # committed: the object now belongs to the job
     return web.json_response(
         {"job_id": str(new_id), "status": "queued", "status_url": f"/v1/jobs/{new_id}"},
