@@ -64,7 +64,7 @@ def _retries() -> Counter:
     from prometheus_client import Counter
 
     # ``what`` is a fixed phrase per call site (a handful), never a message or an id.
-    return Counter("calmq_retries_total",
+    return Counter("calmq_operation_retries_total",
                    "Failed tries of an operation retried until it succeeds, by operation",
                    ["what"])
 
@@ -74,8 +74,8 @@ class Reconnect:
 
     For loops that cannot be a single ``retry_forever`` call (a thread that waits on a stop
     event, a connection that resets the count once it is up again). ``what`` names the
-    failure in the log and in the ``calmq_retries_total{what}`` metric ("claiming a batch
-    failed"): keep it a fixed phrase.
+    failure in the log and in the ``calmq_operation_retries_total{what}`` metric ("claiming
+    a batch failed"): keep it a fixed phrase.
     """
 
     __slots__ = ("_top", "backoff", "failures", "rng", "what")

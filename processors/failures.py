@@ -22,8 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from calmq import events, topics
-from calmq.data import outbox
-from calmq.data.attempts import Finish
+from calmq.data import Finish, Job, outbox
 from calmq.errors import StepFailure
 from calmq.jobs import EventType, Status
 from calmq.processors import metrics
@@ -44,13 +43,13 @@ class FailureStage:
         self.workflows = workflows
         self.max_attempts = max_attempts  # overrides every job's and step's own budget
 
-    def outcome(self, job: dict[str, Any], topic: str, failure: StepFailure) -> Finish:
+    def outcome(self, job: Job, topic: str, failure: StepFailure) -> Finish:
         """The outcome of ``job``'s attempt that failed with ``failure``; ``topic``: where the
         attempt's message came from (a retry goes back there)."""
         error = {"code": failure.code, "class": failure.failure_class.value,
                  "message": failure.message[:1000]}
         budget, backoff = self._budget(job, failure)
-        decision = decide(failure, job["attempt"], budget, self.tiers, backoff)
+        decision = decide(failure, job.attempt, budget, self.tiers, backoff)
         if decision.retry:
             assert decision.tier is not None
             due = int((time.time() + decision.delay) * 1000)
@@ -63,8 +62,8 @@ class FailureStage:
                 event_detail={**error, "delay_seconds": round(decision.delay, 3),
                               "tier": decision.tier},
                 outbox=[outbox.entry(topics.retry_route(decision.tier), "job.requested",
-                                     events.requested(job), key=job["id"],
-                                     trace_parent=job.get("trace_parent"), headers=headers)],
+                                     events.requested(job), key=job.id,
+                                     trace_parent=job.trace_parent, headers=headers)],
             )
         result = events.result(job, Status.DEAD_LETTER, error=error)
         dead = events.dead_lettered(job, last_event=EventType.DEAD_LETTERED,
@@ -73,25 +72,25 @@ class FailureStage:
         return self._finish(
             job, status=Status.DEAD_LETTER, event_type=EventType.DEAD_LETTERED,
             error=error, event_detail=error,
-            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job["id"],
-                                 trace_parent=job.get("trace_parent")),
-                    outbox.entry(topics.DLQ_ROUTE, "job.dead_lettered", dead, key=job["id"],
-                                 trace_parent=job.get("trace_parent"))],
+            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job.id,
+                                 trace_parent=job.trace_parent),
+                    outbox.entry(topics.DLQ_ROUTE, "job.dead_lettered", dead, key=job.id,
+                                 trace_parent=job.trace_parent)],
         )
 
-    def _budget(self, job: dict[str, Any], failure: StepFailure) -> tuple[int, Backoff]:
+    def _budget(self, job: Job, failure: StepFailure) -> tuple[int, Backoff]:
         """The attempts ``job`` may use and the backoff between them: its step's own retry
         policy when the step has one (a failure it does not retry gets no more attempts)."""
-        workflow = self.workflows.get(job["workflow"])
-        policy = workflow.step(job["step"]).retry if workflow and job["step"] in {
+        workflow = self.workflows.get(job.workflow)
+        policy = workflow.step(job.step).retry if workflow and job.step in {
             s.name for s in workflow.steps} else None
         if policy is None:
-            return self.max_attempts or job["max_attempts"], self.backoff
+            return self.max_attempts or job.max_attempts, self.backoff
         if not policy.retries(failure):
             return 0, self.backoff
         return (self.max_attempts or policy.max_attempts,
                 Backoff(policy.initial_seconds, policy.maximum_seconds, policy.multiplier))
 
-    def _finish(self, job: dict[str, Any], **outcome: Any) -> Finish:
-        return Finish(job_id=job["id"], worker=self.worker_id, step=job["step"],
-                      attempt=job["attempt"], outcome="failed", **outcome)
+    def _finish(self, job: Job, **outcome: Any) -> Finish:
+        return Finish(job_id=job.id, worker=self.worker_id, step=job.step,
+                      attempt=job.attempt, outcome="failed", **outcome)

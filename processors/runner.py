@@ -25,7 +25,7 @@ from confluent_kafka import Message
 from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec
-from calmq.data import Finish, Store
+from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
@@ -223,7 +223,7 @@ class StepRunner:
         rows = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
-        claimed = {row["id"]: row for row in rows}
+        claimed = {row["id"]: Job.from_row(row) for row in rows}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
         visible = await retry_forever(
@@ -231,18 +231,18 @@ class StepRunner:
             lambda: self.store.jobs.visible(unclaimed)) if unclaimed else {}
         for msg, job_id in wanted:
             position = position_of(msg)
-            row = claimed.pop(job_id, None)
-            if row is None and job_id not in claimed_ids and self._ahead(
+            job = claimed.pop(job_id, None)
+            if job is None and job_id not in claimed_ids and self._ahead(
                     job_id, steps, workflow_of, visible):
                 self._defer(msg, position)
                 continue
             self._deferred.pop(position, None)
-            if row is None:
+            if job is None:
                 # Terminal, cancelled, or held by a live lease: acknowledge, no model call.
                 self.tracker.done(*position)
                 metrics.SKIPPED.inc()
                 continue
-            task = asyncio.create_task(self._run(row, position[0][0], position))
+            task = asyncio.create_task(self._run(job, position[0][0], position))
             self._running[job_id] = task
 
     def _ahead(self, job_id: uuid.UUID, steps: dict[uuid.UUID, str],
@@ -288,19 +288,20 @@ class StepRunner:
         metrics.CLAIMS_DEFERRED.inc()
         asyncio.get_running_loop().call_later(min(0.005 * 2 ** tries, 1.0), self.submit, [msg])
 
-    async def _run(self, job: dict[str, Any], topic: str, position: Position) -> None:
+    async def _run(self, job: Job, topic: str, position: Position) -> None:
         # This task's context: every record logged while the attempt runs (runner, gateway,
         # budget) names the job, attempt and trace; the model clock times its model calls.
-        logs.bind(job_id=str(job["id"]), attempt=job["attempt"], step=job["step"],
-                  trace_id=logs.trace_id(job.get("trace_parent")))
+        logs.bind(job_id=str(job.id), attempt=job.attempt, step=job.step,
+                  trace_id=logs.trace_id(job.trace_parent))
         # The attempt's model calls are timed and metered here; their tokens and cost go into
         # the outcome's transaction (one write per attempt, not one more per call).
         clock = model_clock()
         started = time.monotonic()
         try:
-            with tracing.span("calmq.attempt", job.get("trace_parent"),
-                              **{"calmq.job_id": str(job["id"]), "calmq.attempt": job["attempt"],
-                                 "calmq.step": str(job["step"])}):
+            attributes: dict[str, str | int] = {
+                "calmq.job_id": str(job.id), "calmq.attempt": job.attempt,
+                "calmq.step": job.step}
+            with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self._attempt(job, topic)
         except asyncio.CancelledError:
             if not self._abandoning:
@@ -312,46 +313,44 @@ class StepRunner:
             await self._record_usage(job, clock)
             return
         finally:
-            self._running.pop(job["id"], None)
+            self._running.pop(job.id, None)
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         self._observe(job, finish, time.monotonic() - started, clock.seconds)
         self.committer.add(finish, position)
 
-    async def _record_usage(self, job: dict[str, Any], clock: ModelClock) -> None:
+    async def _record_usage(self, job: Job, clock: ModelClock) -> None:
         if not clock.calls or self.usage is None:
             return
         try:
-            await self.usage(str(job["id"]), clock.input_tokens, clock.output_tokens,
+            await self.usage(str(job.id), clock.input_tokens, clock.output_tokens,
                              clock.cost_usd, clock.calls)
         except Exception:  # metering must not keep a stopped attempt from ending
-            log.exception("recording the usage of an abandoned attempt of %s failed", job["id"])
+            log.exception("recording the usage of an abandoned attempt of %s failed", job.id)
 
     @staticmethod
-    def _observe(job: dict[str, Any], finish: Finish, seconds: float, model: float) -> None:
-        workflow = str(job["workflow"])
+    def _observe(job: Job, finish: Finish, seconds: float, model: float) -> None:
+        workflow = str(job.workflow)
         metrics.MODEL_SECONDS.labels(workflow).observe(model)
         metrics.OTHER_SECONDS.labels(workflow).observe(max(0.0, seconds - model))
         if finish.status == Status.COMPLETED:
-            created = job.get("created_at")
-            if created is not None:
-                latency = (datetime.now(UTC) - created).total_seconds()
-                metrics.JOB_LATENCY.labels(workflow).observe(max(0.0, latency))
-            metrics.JOB_ATTEMPTS.labels(workflow).observe(job["attempt"])
+            latency = (datetime.now(UTC) - job.created_at).total_seconds()
+            metrics.JOB_LATENCY.labels(workflow).observe(max(0.0, latency))
+            metrics.JOB_ATTEMPTS.labels(workflow).observe(job.attempt)
         log.info("attempt finished: %s", finish.status, extra={
             "status": str(finish.status), "seconds": round(seconds, 4),
             "model_seconds": round(model, 4),
             "error_code": (finish.error or {}).get("code")})
 
-    async def _attempt(self, job: dict[str, Any], topic: str) -> Finish:
+    async def _attempt(self, job: Job, topic: str) -> Finish:
         started = time.monotonic()
-        workflow = self.workflows.get(job["workflow"])
+        workflow = self.workflows.get(job.workflow)
         try:
             if workflow is None:
-                raise StepFailure(f"no workflow named {job['workflow']!r} on this worker",
+                raise StepFailure(f"no workflow named {job.workflow!r} on this worker",
                                   code="unknown_workflow", failure_class=FailureClass.INPUT)
-            step = workflow.step(job["step"])
-            deadline = job.get("deadline_at")
+            step = workflow.step(job.step)
+            deadline = job.deadline_at
             if deadline is not None and deadline < datetime.now(UTC):
                 raise StepFailure("the job deadline passed before it could run",
                                   code="deadline_exceeded", failure_class=FailureClass.DEADLINE)
@@ -366,13 +365,13 @@ class StepRunner:
                     data = await self._input(job)
                 if log.isEnabledFor(logging.DEBUG):  # the formatter redacts "input" fields
                     log.debug("step %s starts", step.name, extra={"input": data})
-                ctx = StepContext(str(job["id"]), str(job["tenant_id"]), step.name,
-                                  job["attempt"], self.provider, self.objects, self.effects,
-                                  priority=job["priority"], workflow=job["workflow"])
+                ctx = StepContext(str(job.id), str(job.tenant_id), step.name,
+                                  job.attempt, self.provider, self.objects, self.effects,
+                                  priority=job.priority, workflow=job.workflow)
                 enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
                 timeout = self.config.step_timeout_seconds or step.timeout_seconds
                 # Claimed ahead, a job may wait here for a slot; its timeout starts after.
-                await self.slots.acquire(job["priority"])
+                await self.slots.acquire(job.priority)
                 try:
                     async with asyncio.timeout(timeout):
                         output = await step.run(ctx, data)
@@ -392,7 +391,7 @@ class StepRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a step that raised something it did not classify
-            log.exception("step %s of job %s raised", job["step"], job["id"])
+            log.exception("step %s of job %s raised", job.step, job.id)
             return self.failures.outcome(job, topic, StepFailure(f"{type(exc).__name__}: {exc}",
                                                         code="unhandled_exception",
                                                         failure_class=FailureClass.BUG))
@@ -401,22 +400,21 @@ class StepRunner:
         assert workflow is not None
         return await self._succeeded(job, workflow, output)
 
-    async def _input(self, job: dict[str, Any]) -> dict[str, Any]:
-        if job.get("input") is not None:
-            data: dict[str, Any] = job["input"]
-            return data
-        if job.get("input_ref"):
-            raw = await self.objects.get(job["input_ref"])
+    async def _input(self, job: Job) -> dict[str, Any]:
+        if job.input is not None:
+            return job.input
+        if job.input_ref:
+            raw = await self.objects.get(job.input_ref)
             try:
                 loaded = json.loads(raw)
             except ValueError:
                 # Not JSON (a text or PDF upload): the step may read the bytes itself.
-                return {"text": raw.decode("utf-8", "replace"), "input_ref": job["input_ref"]}
+                return {"text": raw.decode("utf-8", "replace"), "input_ref": job.input_ref}
             return loaded if isinstance(loaded, dict) else {"text": str(loaded)}
         raise StepFailure("the job has neither input nor input_ref", code="missing_input",
                           failure_class=FailureClass.INPUT)
 
-    async def _succeeded(self, job: dict[str, Any], workflow: Workflow, out: StepOutput) -> Finish:
+    async def _succeeded(self, job: Job, workflow: Workflow, out: StepOutput) -> Finish:
         # Record the output with the job and move it on (next step, review or completed) in
         # the same transaction: calmq/workflows/progress.py.
         return await self.progress.succeeded(job, workflow, out, self.config.worker_id)

@@ -10,6 +10,8 @@ output with the job and, in the same transaction, moves the job to its next step
 from __future__ import annotations
 
 import json
+import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +24,10 @@ from calmq.jobs import EventType, Status
 from calmq.workflows import Step, StepOutput, Workflow
 
 if TYPE_CHECKING:
-    from calmq.data import Database
+    from calmq.data import Database, Job
     from calmq.objects import ObjectStore
 
-__all__ = ["STEP_COMPLETED", "Progress", "artifact_key", "traceparent"]
+__all__ = ["STEP_COMPLETED", "Progress", "artifact_key"]
 
 # History event when a step finished and the job moved on to the next one.
 STEP_COMPLETED = "step_completed"
@@ -33,14 +35,10 @@ STEP_COMPLETED = "step_completed"
 _FINAL = ("done", "approved")
 
 
-def artifact_key(job: dict[str, Any]) -> str:
+def artifact_key(tenant_id: uuid.UUID, job_id: uuid.UUID, step: str) -> str:
     # One folder per tenant, not per job: on a filesystem store a new folder per job cost a
     # millisecond of journal work on every completion, serialized on the parent folder.
-    return f"{job['tenant_id']}/artifacts/{job['id']}.{job['step']}.json"
-
-
-def traceparent(job: dict[str, Any]) -> dict[str, str]:
-    return {"traceparent": job["trace_parent"]} if job.get("trace_parent") else {}
+    return f"{tenant_id}/artifacts/{job_id}.{step}.json"
 
 
 class Progress:
@@ -49,11 +47,11 @@ class Progress:
         self.objects = objects
         self.review_deadline_seconds = review_deadline_seconds
 
-    async def recorded(self, job: dict[str, Any], workflow: Workflow) -> dict[str, StepRecord]:
+    async def recorded(self, job: Job, workflow: Workflow) -> dict[str, StepRecord]:
         """The recorded step outputs of a multi-step job, by step (one-step jobs: none)."""
         if len(workflow.steps) < 2:
             return {}
-        return await self.steps.outputs(job["id"])
+        return await self.steps.outputs(job.id)
 
     @staticmethod
     def replay(step: Step, recorded: dict[str, StepRecord]) -> StepOutput | None:
@@ -80,11 +78,11 @@ class Progress:
         return dict(row.output)
 
     async def succeeded(
-        self, job: dict[str, Any], workflow: Workflow, out: StepOutput, worker: str
+        self, job: Job, workflow: Workflow, out: StepOutput, worker: str
     ) -> Finish:
-        step = workflow.step(job["step"])
-        base = {"job_id": job["id"], "worker": worker, "step": step.name,
-                "attempt": job["attempt"], "outcome": "completed"}
+        step = workflow.step(job.step)
+        base: dict[str, Any] = {"job_id": job.id, "worker": worker, "step": step.name,
+                                "attempt": job.attempt, "outcome": "completed"}
         tokens = {"input_tokens": out.input_tokens, "output_tokens": out.output_tokens}
         record: dict[str, Any] = {"state": "done", "output": out.artifact,
                                   "confidence": out.confidence}
@@ -103,7 +101,7 @@ class Progress:
         if following is not None:
             pool = workflow.pool_of(following)
             record.update(next_pool=pool, next_max_attempts=following.attempts)
-            moved = {**job, "step": following.name, "attempt": 0, "pool": pool}
+            moved = replace(job, step=following.name, attempt=0, pool=pool)
             requested = events.requested(moved)
             return Finish(
                 **base, status=Status.QUEUED, event_type=STEP_COMPLETED,
@@ -111,9 +109,9 @@ class Progress:
                 event_detail={"step": step.name, "next_step": following.name, "pool": pool,
                               **tokens},
                 record=record,
-                outbox=[outbox.entry(topics.work_route(pool, job["priority"]), "job.requested",
-                                     requested, key=job["id"],
-                                     trace_parent=job.get("trace_parent"))],
+                outbox=[outbox.entry(topics.work_route(pool, job.priority), "job.requested",
+                                     requested, key=job.id,
+                                     trace_parent=job.trace_parent)],
             )
         artifact = await self.write_artifact(job, out.artifact)
         result = events.result(job, Status.COMPLETED, artifact=artifact)
@@ -121,11 +119,12 @@ class Progress:
             **base, status=Status.COMPLETED, event_type=EventType.COMPLETED, artifact=artifact,
             event_detail={"artifact": artifact["uri"], **tokens},
             record=record if len(workflow.steps) > 1 else None,
-            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job["id"],
-                                 trace_parent=job.get("trace_parent"))],
+            outbox=[outbox.entry(topics.RESULTS_ROUTE, "job.result", result, key=job.id,
+                                 trace_parent=job.trace_parent)],
         )
 
-    async def write_artifact(self, job: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:
+    async def write_artifact(self, job: Job, output: dict[str, Any]) -> dict[str, Any]:
         body = json.dumps(output, separators=(",", ":")).encode()
-        ref = await self.objects.put(artifact_key(job), body, "application/json")
+        key = artifact_key(job.tenant_id, job.id, job.step)
+        ref = await self.objects.put(key, body, "application/json")
         return dict(ref.as_dict())

@@ -14,7 +14,7 @@ FAST = Backoff(initial=0.001, maximum=0.004)
 
 
 def _retries(what: str) -> float:
-    return REGISTRY.get_sample_value("calmq_retries_total", {"what": what}) or 0.0
+    return REGISTRY.get_sample_value("calmq_operation_retries_total", {"what": what}) or 0.0
 
 
 def test_pauses_grow_then_stay_spread_over_the_top_band() -> None:
@@ -39,7 +39,7 @@ def test_success_starts_the_next_outage_from_the_shortest_pause() -> None:
 
 
 def test_each_failure_is_counted_under_its_operation() -> None:
-    """calmq_retries_total{what} rises by one per failure."""
+    """calmq_operation_retries_total{what} rises by one per failure."""
     before = _retries("test: counted")
     state = Reconnect("test: counted", FAST)
     state.failed(OSError("down"))

@@ -7,14 +7,16 @@ import hashlib
 import json
 import sys
 import types
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from calmq.data import Database
+from calmq.data import Database, Job
 from calmq.data.steps import StepRecord
 from calmq.errors import ConfigError, FailureClass, StepFailure
 from calmq.gateway import EmbeddingReply, ModelReply
@@ -180,10 +182,11 @@ def test_builtin_invoice_posts_to_the_ledger_url_setting() -> None:
 # -- durable progress ----------------------------------------------------------------------
 
 
-JOB = {"id": "00000000-0000-0000-0000-000000000001",
-       "tenant_id": "00000000-0000-0000-0000-000000000002", "workflow": "three",
-       "workflow_version": 1, "priority": "bulk", "pool": "cpu", "step": "a", "attempt": 2,
-       "input_ref": None, "deadline_at": None, "created_at": None, "trace_parent": None}
+JOB = Job(id=uuid.UUID("00000000-0000-0000-0000-000000000001"),
+          tenant_id=uuid.UUID("00000000-0000-0000-0000-000000000002"), workflow="three",
+          workflow_version=1, priority="bulk", pool="cpu", step="a", attempt=2, max_attempts=3,
+          input={"text": "x"}, input_ref=None, metadata={}, deadline_at=None,
+          trace_parent=None, created_at=datetime(2026, 1, 1, tzinfo=UTC), old_status="queued")
 
 
 def _progress(objects: MemoryObjects) -> Progress:
@@ -194,7 +197,7 @@ async def test_a_finished_step_records_its_output_and_queues_the_next_on_its_poo
     """A step's success records its output and, in the same Finish, moves the job to the
     next step with a fresh attempt budget and a job.requested on that step's pool route."""
     finish = await _progress(MemoryObjects()).succeeded(
-        {**JOB, "step": "a"}, _three_steps(pool="cpu"), StepOutput({"x": 1}), "w1")
+        replace(JOB, step="a"), _three_steps(pool="cpu"), StepOutput({"x": 1}), "w1")
     assert (finish.status, finish.event_type, finish.next_step) == ("queued", STEP_COMPLETED, "b")
     assert finish.reset_attempt
     assert finish.artifact is None
@@ -223,7 +226,7 @@ async def test_low_confidence_waits_for_review_with_a_deadline() -> None:
 async def test_the_last_step_completes_with_the_artifact() -> None:
     """The last step's output becomes the artifact in the object store; job.result goes out."""
     objects = MemoryObjects()
-    finish = await _progress(objects).succeeded({**JOB, "step": "c"}, _three_steps(),
+    finish = await _progress(objects).succeeded(replace(JOB, step="c"), _three_steps(),
                                                 StepOutput({"done": True}), "w1")
     assert finish.status == "completed"
     assert finish.artifact is not None
