@@ -108,6 +108,8 @@ class NewJob:
 
 
 _NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
+# Columns of type jsonb: psycopg needs them wrapped (decided once, from the annotations).
+_NEW_JOB_JSON = tuple(f.name for f in fields(NewJob) if str(f.type).startswith("dict"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +159,9 @@ class Idempotency:
 def _insert_params(job: NewJob) -> dict[str, Any]:
     """``insert_job``'s parameters: every NewJob field by name, its event and outbox row."""
     params = {name: getattr(job, name) for name in _NEW_JOB_FIELDS}
-    for name, value in params.items():
-        if isinstance(value, dict | list):
-            params[name] = Jsonb(value)
+    for name in _NEW_JOB_JSON:
+        if params[name] is not None:
+            params[name] = Jsonb(params[name])
     out = _requested(job)
     params.update(event_id=out.id, route=out.route, payload=Jsonb(out.payload),
                   headers=Jsonb(out.headers))
