@@ -301,7 +301,9 @@ def cmd_reaper(args: argparse.Namespace) -> int:
 
     async def loop() -> None:
         from calmq.objects import open_object_store
+        from calmq.processors.reaper import schedule_reaper
         from calmq.reviews import ReviewDesk
+        from calmq.supervision import Supervisor
         from calmq.workflows import load_workflows
 
         store = Store(settings.database_url, max_size=2)
@@ -309,17 +311,14 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, load_workflows(settings),
                           open_object_store(settings.object_store_url))
+        side = Supervisor()
+        schedule_reaper(side, store, desk, max(0.5, settings.lease_seconds / 3))
         try:
-            while True:
-                reaped = await store.jobs.reap_expired_leases()
-                if reaped:
-                    logging.getLogger("calmq.reaper").info("requeued %d jobs", len(reaped))
-                expired = await desk.expire()
-                if expired:
-                    logging.getLogger("calmq.reaper").info("%d reviews expired", expired)
-                await asyncio.sleep(max(0.5, settings.lease_seconds / 3))
+            await side.failed.wait()  # a failed pass is retried; a stopped task ends us
         finally:
+            await side.stop()
             await store.close()
+        raise SystemExit(1)
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(loop())

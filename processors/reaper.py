@@ -1,0 +1,41 @@
+"""The reaper and the review timer: the fleet's housekeeping, as supervised side tasks.
+
+Every worker runs them beside its lease heartbeat, and ``calmq reaper`` runs them on their
+own (for a fleet scaled to zero workers). Each pass is one statement or a few: a job whose
+lease expired (its worker died) is requeued with ``requeued_after_restart`` and a fresh
+``job.requested``; a review past its deadline gets its workflow's expiry outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from calmq.data import Store
+from calmq.processors import metrics
+from calmq.reviews import ReviewDesk
+from calmq.supervision import Supervisor
+
+__all__ = ["schedule_reaper"]
+
+log = logging.getLogger(__name__)
+
+
+def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
+                    first_after: float = 0.0) -> None:
+    """Run the reaper and the review timer under ``side`` every ``interval`` seconds, as
+    critical tasks: a process whose reaper stopped must not look healthy."""
+
+    async def reap() -> None:
+        reaped = await store.jobs.reap_expired_leases()
+        if reaped:
+            metrics.LEASE_EXPIRATIONS.inc(len(reaped))
+            log.info("requeued %d jobs whose lease expired", len(reaped))
+
+    async def expire_reviews() -> None:
+        expired = await desk.expire()
+        if expired:
+            log.info("applied the expiry outcome to %d overdue reviews", expired)
+
+    side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)
+    side.every("review-timer", interval, expire_reviews, first_after=first_after,
+               critical=True)
