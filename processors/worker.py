@@ -22,6 +22,7 @@ from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.lag import LagSampler, admin_config
 from calmq.processors.poison import PoisonSink
+from calmq.processors.reaper import schedule_reaper
 from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
@@ -142,21 +143,11 @@ class Worker:
             log.error("stopping the worker: its side task %s stopped", name)
             self.stop.set()
 
-        async def reap() -> None:
-            reaped = await store.jobs.reap_expired_leases()
-            if reaped:
-                metrics.LEASE_EXPIRATIONS.inc(len(reaped))
-                log.info("requeued %d jobs whose lease expired", len(reaped))
-
-        async def expire_reviews() -> None:
-            expired = await ReviewDesk(store, self.workflows, runner.objects).expire()
-            if expired:
-                log.info("applied the expiry outcome to %d overdue reviews", expired)
-
         side = Supervisor(on_critical=stop_worker)
-        for name, action in (("lease-heartbeat", runner.heartbeat), ("lease-reaper", reap),
-                             ("review-timer", expire_reviews)):
-            side.every(name, interval, action, first_after=interval, critical=True)
+        side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
+                   critical=True)
+        schedule_reaper(side, store, ReviewDesk(store, self.workflows, runner.objects),
+                        interval, first_after=interval)
         lag_interval = self.settings.consumer_lag_interval_seconds
         if lag_interval > 0:
             lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)
