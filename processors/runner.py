@@ -220,10 +220,10 @@ class StepRunner:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
         started = time.monotonic()
-        rows = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
+        jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
-        claimed = {row["id"]: Job.from_row(row) for row in rows}
+        claimed = {job.id: job for job in jobs}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
         visible = await retry_forever(

@@ -307,12 +307,12 @@ class Jobs:
     async def claim(
         self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float,
         steps: dict[uuid.UUID, str] | None = None,
-    ) -> list[DictRow]:
+    ) -> list[Job]:
         """Claim every claimable job of a batch in one statement (one round trip).
 
         With ``steps`` (job id -> the step its message asks for), a job that has moved on to
         another step is not claimed: its message is stale, and the next step's own message
-        goes to that step's pool. Each row holds exactly ``Job``'s fields (``Job.from_row``).
+        goes to that step's pool.
         """
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(
@@ -320,7 +320,7 @@ class Jobs:
                 {"ids": sorted(ids), "worker": worker, "lease_seconds": lease_seconds,
                  "steps": Jsonb({str(k): v for k, v in steps.items()}) if steps else None},
             )
-            return await cur.fetchall()
+            return [Job.from_row(r) for r in await cur.fetchall()]
 
     async def visible(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
         """(step, status) of each job this session can see (a missing id: not visible)."""
