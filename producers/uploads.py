@@ -27,11 +27,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from calmq.errors import ContractError, NotFound
 from calmq.objects import FileObjectStore, ObjectRef, ObjectStore, S3ObjectStore
 
-__all__ = ["FIELD_MAX", "ChunkSource", "delete_object", "read_form", "read_object",
-           "store_stream", "tenant_owns"]
+__all__ = ["ChunkSource", "delete_object", "read_form", "read_object", "store_stream",
+           "tenant_owns"]
 
 _CHUNK = 64 * 1024
-FIELD_MAX = 1024 * 1024  # a non-file multipart field; the JSON body has the same limit
+_FIELD_MAX = 1024 * 1024  # a non-file multipart field; the JSON body has the same limit
 
 
 class ChunkSource(Protocol):
@@ -113,8 +113,8 @@ async def _field_text(part: BodyPartReader) -> str:
     data = bytearray()
     while chunk := await part.read_chunk(_CHUNK):
         data += chunk
-        if len(data) > FIELD_MAX:
-            raise ContractError(f"field {part.name} is over {FIELD_MAX} bytes",
+        if len(data) > _FIELD_MAX:
+            raise ContractError(f"field {part.name} is over {_FIELD_MAX} bytes",
                                 code="body_too_large", status=413)
     try:
         return data.decode(part.get_charset(default="utf-8"))

@@ -31,6 +31,7 @@ from calmq.producers.parsing import job_id, limit, read_body, validate
 from calmq.producers.retention import purge
 from calmq.producers.routing import (
     JOB_ID,
+    JSON,
     LIMIT,
     Route,
     answer,
@@ -283,7 +284,7 @@ ROUTES = [
              "schema": {"type": "string", "minLength": 1, "maxLength": 255}}],
         # Both schemas are generated per workflow by producers.openapi.
         "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref("SubmitRequest")},
+            JSON: {"schema": ref("SubmitRequest")},
             "multipart/form-data": {"schema": ref("SubmitForm")}}},
         "responses": {"202": answer("accepted", Accepted),
                       **problems(400, 401, 403, 409, 413, 415, 422, 503)},
