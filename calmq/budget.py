@@ -4,7 +4,8 @@ The provider's quota is the scarce resource: past it, more workers only produce 
 faster. The budget holds the whole fleet under the quota (docs/explanation/token-budget.md):
 
 - PostgreSQL keeps one row per provider and model with two token buckets (bulk and
-  interactive), for tokens and for requests (migration 0005). A ``Ledger`` talks to it.
+  interactive), for tokens and for requests (migration 0005). ``SharedBuckets`` is what a
+  process asks; calmq.data.budget.BudgetLedger answers from those rows.
 - Each worker process has one ``TokenBudget`` per model. Its dispatcher task leases short
   slices from the ledger (a few statements a second per worker, not one per call), hands
   them to waiting calls, interactive first, and gives back what was not spent once a slice
@@ -35,25 +36,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from calmq import sql
 from calmq.batching import Batcher
+from calmq.data.budget import BudgetLedger, Grant, Usage, UsageLedger
 from calmq.errors import FailureClass, StepFailure
 from calmq.gateway import ModelReply, Provider, current_clock, current_scope, open_provider
 from calmq.pricing import ModelPrice, cost_usd
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
-    from psycopg_pool import AsyncConnectionPool
-
+    from calmq.data import Database
     from calmq.settings import Settings
 
 __all__ = [
     "BucketLimits",
     "BudgetedProvider",
     "Grant",
-    "Ledger",
-    "PostgresLedger",
     "Reservation",
+    "SharedBuckets",
     "TokenBudget",
     "UsageRecorder",
     "estimate_prompt_tokens",
@@ -151,17 +150,8 @@ class BucketLimits:
         return self._rate(self.tokens_per_minute, self.token_cap)
 
 
-@dataclass(frozen=True)
-class Grant:
-    """A slice of budget from the ledger; nothing granted means wait ``wait_seconds``."""
-
-    tokens: float
-    requests: float
-    wait_seconds: float = 0.0
-
-
-class Ledger(Protocol):
-    """Where the fleet's buckets live (PostgreSQL in production)."""
+class SharedBuckets(Protocol):
+    """Where the fleet's buckets live (calmq.data.budget.BudgetLedger: PostgreSQL)."""
 
     async def configure(self, provider: str, model: str, limits: BucketLimits) -> None: ...
 
@@ -175,62 +165,6 @@ class Ledger(Protocol):
     ) -> None: ...
 
     async def pause(self, provider: str, model: str, seconds: float) -> None: ...
-
-
-class PostgresLedger:
-    """The buckets as rows of ``budget_buckets``; every change is one statement."""
-
-    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
-        self.pool = pool
-        self._q = sql.queries()
-
-    async def _run(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(self._q[name], params)
-            if cur.description is None:
-                return None
-            row = await cur.fetchone()
-            return dict(row) if row is not None else None
-
-    async def configure(self, provider: str, model: str, limits: BucketLimits) -> None:
-        await self._run("budget_configure", {
-            "provider": provider, "model": model,
-            "tokens_per_minute": limits.tokens_per_minute,
-            "requests_per_minute": limits.requests_per_minute,
-            "token_rate": limits.token_rate, "request_rate": limits.request_rate,
-            "token_cap": limits.token_cap, "request_cap": limits.request_cap,
-            "interactive_share": limits.interactive_share,
-        })
-
-    async def take(
-        self, provider: str, model: str, priority: str, *, need_tokens: float,
-        want_tokens: float, want_requests: float,
-    ) -> Grant:
-        row = await self._run("budget_take", {
-            "provider": provider, "model": model, "priority": priority,
-            "need_tokens": need_tokens, "want_tokens": want_tokens,
-            "want_requests": want_requests,
-        })
-        assert row is not None
-        if not row["known"]:  # someone deleted the row: configure() again on the next start
-            return Grant(want_tokens, want_requests)
-        return Grant(row["granted_tokens"], row["granted_requests"], row["wait_seconds"])
-
-    async def give_back(
-        self, provider: str, model: str, priority: str, tokens: float, requests: float
-    ) -> None:
-        await self._run("budget_give_back", {
-            "provider": provider, "model": model, "priority": priority,
-            "tokens": tokens, "requests": requests,
-        })
-
-    async def pause(self, provider: str, model: str, seconds: float) -> None:
-        await self._run("budget_pause", {"provider": provider, "model": model,
-                                         "seconds": seconds})
-
-    async def bucket(self, provider: str, model: str) -> dict[str, Any] | None:
-        """The bucket row as stored (for `calmq` tooling and tests)."""
-        return await self._run("budget_bucket", {"provider": provider, "model": model})
 
 
 # -- the per-process budget -------------------------------------------------------------
@@ -274,7 +208,7 @@ class TokenBudget:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: SharedBuckets,
         provider: str,
         model: str,
         limits: BucketLimits,
@@ -521,13 +455,12 @@ class UsageRecorder:
     written. ``record`` returns once the row is written.
     """
 
-    def __init__(self, pool: AsyncConnectionPool[Any], *, window: float = 0.005) -> None:
-        self.pool = pool
-        self._q = sql.queries()
+    def __init__(self, db: Database, *, window: float = 0.005) -> None:
+        self._usage = UsageLedger(db)
         # One writer: usage rows of one job would contend; retried while the database is
         # away, since an attempt's tokens are spent whether or not they are written.
-        self._batcher: Batcher[dict[str, Any]] = Batcher(
-            "usage-recorder", self._write, window=window, max_batch=500, retry=RECONNECT)
+        self._batcher: Batcher[Usage] = Batcher(
+            "usage-recorder", self._usage.add, window=window, max_batch=500, retry=RECONNECT)
 
     def start(self) -> None:
         self._batcher.start()
@@ -543,15 +476,7 @@ class UsageRecorder:
             return  # not a calmq job (a hand-made call): nothing to add it to
         # A step cancelled meanwhile (timeout) still has its usage written: the batcher
         # shields the write from its caller.
-        await self._batcher.submit({"job_id": job, "input_tokens": input_tokens,
-                                    "output_tokens": output_tokens, "cost_usd": cost,
-                                    "model_calls": calls})
-
-    async def _write(self, group: list[dict[str, Any]]) -> None:
-        # One job's rows in id order, so two groups never lock two jobs in opposite orders.
-        rows = sorted(group, key=lambda p: p["job_id"])
-        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            await cur.executemany(self._q["budget_record_usage"], rows)
+        await self._batcher.submit(Usage(job, input_tokens, output_tokens, cost, calls))
 
 
 # -- the provider wrapper -----------------------------------------------------------------
@@ -702,7 +627,7 @@ def limits_from_settings(settings: Settings) -> BucketLimits:
 
 
 async def open_metered_provider(
-    settings: Settings, pool: AsyncConnectionPool[Any], *, shared_budget: bool = True
+    settings: Settings, db: Database, *, shared_budget: bool = True
 ) -> BudgetedProvider:
     """The worker's provider: the configured gateway, metered, under the fleet budget when
     ``budget_tokens_per_minute`` or ``budget_requests_per_minute`` is set (and
@@ -715,10 +640,10 @@ async def open_metered_provider(
     if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):
         # The bucket is per endpoint and model: two OpenAI-compatible servers do not share
         # a quota even when they serve the same model name.
-        budget = TokenBudget(PostgresLedger(pool), f"{settings.provider}:{url.rstrip('/')}",
+        budget = TokenBudget(BudgetLedger(db), f"{settings.provider}:{url.rstrip('/')}",
                              settings.model, limits, slice_seconds=settings.budget_slice_seconds)
         await budget.start()
-    usage = UsageRecorder(pool)
+    usage = UsageRecorder(db)
     usage.start()
     return BudgetedProvider(
         inner, provider=settings.provider, model=settings.model, budget=budget, usage=usage,

@@ -60,7 +60,7 @@ class Worker:
         store = Store(s.database_url, max_size=12)  # 4 group-commit writers, claims, leases
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
-        provider = await open_metered_provider(s, store.pool)
+        provider = await open_metered_provider(s, store)
         consumer = ParallelConsumer(
             consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}"),
             self.topics(),

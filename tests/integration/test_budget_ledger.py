@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest_asyncio
-from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
 
-from calmq.budget import BucketLimits, PostgresLedger, TokenBudget
+from calmq.budget import BucketLimits, TokenBudget
+from calmq.data import Database
+from calmq.data.budget import BudgetLedger
 from calmq.tooling.devstack import StackState
 
 # 600 requests a minute: a 10-request bucket, 2 of them held for interactive.
@@ -20,20 +19,18 @@ LIMITS = BucketLimits(tokens_per_minute=0, requests_per_minute=600, interactive_
 
 
 @pytest_asyncio.fixture
-async def pool(stack: StackState) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=4, open=False,
-        kwargs={"autocommit": True, "row_factory": dict_row})
-    await pool.open(wait=True)
-    yield pool
-    await pool.close()
+async def db(stack: StackState) -> AsyncIterator[Database]:
+    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=4)
+    await db.open()
+    yield db
+    await db.close()
 
 
-async def _bucket(pool: AsyncConnectionPool[Any], limits: BucketLimits = LIMITS) -> str:
+async def _bucket(db: Database, limits: BucketLimits = LIMITS) -> str:
     """A fresh bucket row whose buckets are full (as after a second of no traffic)."""
     model = f"m-{uuid.uuid4().hex[:8]}"
-    await PostgresLedger(pool).configure("test", model, limits)
-    async with pool.connection() as conn:
+    await BudgetLedger(db).configure("test", model, limits)
+    async with db.pool.connection() as conn:
         await conn.execute("UPDATE budget_buckets SET refilled_at = clock_timestamp()"
                            " - interval '1 minute' WHERE provider = 'test' AND model = %s",
                            (model,))
@@ -41,11 +38,11 @@ async def _bucket(pool: AsyncConnectionPool[Any], limits: BucketLimits = LIMITS)
 
 
 async def test_bulk_gets_only_its_share_and_interactive_the_rest(
-    pool: AsyncConnectionPool[Any],
+    db: Database,
 ) -> None:
     """From full buckets bulk leases 8 of 10 requests; interactive can still lease the 2."""
-    ledger = PostgresLedger(pool)
-    model = await _bucket(pool)
+    ledger = BudgetLedger(db)
+    model = await _bucket(db)
     bulk = await ledger.take("test", model, "bulk", need_tokens=1, want_tokens=1,
                              want_requests=100)
     assert bulk.requests == 8
@@ -59,11 +56,11 @@ async def test_bulk_gets_only_its_share_and_interactive_the_rest(
 
 
 async def test_given_back_budget_can_be_leased_again_but_not_beyond_capacity(
-    pool: AsyncConnectionPool[Any],
+    db: Database,
 ) -> None:
     """Unspent requests go back to the bucket; giving back more never exceeds its capacity."""
-    ledger = PostgresLedger(pool)
-    model = await _bucket(pool)
+    ledger = BudgetLedger(db)
+    model = await _bucket(db)
     await ledger.take("test", model, "bulk", need_tokens=1, want_tokens=1, want_requests=100)
     await ledger.give_back("test", model, "bulk", 0, 3)
     assert (await ledger.take("test", model, "bulk", need_tokens=1, want_tokens=1,
@@ -71,13 +68,13 @@ async def test_given_back_budget_can_be_leased_again_but_not_beyond_capacity(
     await ledger.give_back("test", model, "bulk", 0, 1000)
     row = await ledger.bucket("test", model)
     assert row is not None
-    assert row["bulk_requests"] <= LIMITS.request_cap * 0.8 + 1e-9
+    assert row.bulk_requests <= LIMITS.request_cap * 0.8 + 1e-9
 
 
-async def test_pause_stops_every_lease_until_it_ends(pool: AsyncConnectionPool[Any]) -> None:
+async def test_pause_stops_every_lease_until_it_ends(db: Database) -> None:
     """After a pause no priority gets anything, and the wait says when the pause ends."""
-    ledger = PostgresLedger(pool)
-    model = await _bucket(pool)
+    ledger = BudgetLedger(db)
+    model = await _bucket(db)
     await ledger.pause("test", model, 30)
     for priority in ("bulk", "interactive"):
         grant = await ledger.take("test", model, priority, need_tokens=1, want_tokens=1,
@@ -87,31 +84,31 @@ async def test_pause_stops_every_lease_until_it_ends(pool: AsyncConnectionPool[A
 
 
 async def test_big_call_is_granted_once_the_bucket_is_full_and_leaves_a_debt(
-    pool: AsyncConnectionPool[Any],
+    db: Database,
 ) -> None:
     """A call larger than the bucket is not starved: it runs from a full bucket, which owes."""
     limits = BucketLimits(tokens_per_minute=6_000, requests_per_minute=0, burst_seconds=1.0)
-    ledger = PostgresLedger(pool)
-    model = await _bucket(pool, limits)
+    ledger = BudgetLedger(db)
+    model = await _bucket(db, limits)
     grant = await ledger.take("test", model, "bulk", need_tokens=500, want_tokens=500,
                               want_requests=1)
     assert grant.tokens == 500
     row = await ledger.bucket("test", model)
     assert row is not None
-    assert row["bulk_tokens"] < 0
+    assert row.bulk_tokens < 0
     follow = await ledger.take("test", model, "bulk", need_tokens=10, want_tokens=10,
                                want_requests=1)
     assert follow.tokens == 0
 
 
 async def test_three_processes_never_lease_more_than_the_rate_allows(
-    pool: AsyncConnectionPool[Any],
+    db: Database,
 ) -> None:
     """Three budgets hammering one bucket get no more than a bucket plus its refill."""
     limits = BucketLimits(tokens_per_minute=0, requests_per_minute=1200, interactive_share=0.2,
                           burst_seconds=1.0, lease_seconds=0.5)
     model = f"m-{uuid.uuid4().hex[:8]}"
-    budgets = [TokenBudget(PostgresLedger(pool), "test", model, limits) for _ in range(3)]
+    budgets = [TokenBudget(BudgetLedger(db), "test", model, limits) for _ in range(3)]
     for budget in budgets:
         await budget.start()
     loop = asyncio.get_running_loop()

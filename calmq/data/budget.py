@@ -1,0 +1,128 @@
+"""The token budget's ledger: the fleet's shared buckets (table budget_buckets), and the
+tokens and cost each model call adds to its job and attempt.
+
+The bucket arithmetic runs inside PostgreSQL (migration 0005's functions), so every
+change is one statement; how a process leases and spends slices is calmq.budget's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from calmq.data.database import Database
+
+if TYPE_CHECKING:
+    from calmq.budget import BucketLimits
+
+__all__ = ["BucketState", "BudgetLedger", "Grant", "Usage", "UsageLedger"]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A slice of budget from the ledger; nothing granted means wait ``wait_seconds``."""
+
+    tokens: float
+    requests: float
+    wait_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """One provider and model's buckets as stored (for tooling and tests)."""
+
+    provider: str
+    model: str
+    tokens_per_minute: int
+    requests_per_minute: int
+    token_rate: float
+    request_rate: float
+    token_cap: float
+    request_cap: float
+    interactive_share: float
+    bulk_tokens: float
+    bulk_requests: float
+    interactive_tokens: float
+    interactive_requests: float
+    refilled_at: datetime
+    paused_until: datetime | None  # None: never paused
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Model calls' tokens and cost, to add to a job and its current attempt."""
+
+    job_id: uuid.UUID
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    model_calls: int
+
+
+class BudgetLedger:
+    """The buckets as rows of ``budget_buckets``; a ``calmq.budget.SharedBuckets``."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def _run(self, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q[name], params)
+            if cur.description is None:
+                return None
+            return await cur.fetchone()
+
+    async def configure(self, provider: str, model: str, limits: BucketLimits) -> None:
+        await self._run("budget_configure", {
+            "provider": provider, "model": model,
+            "tokens_per_minute": limits.tokens_per_minute,
+            "requests_per_minute": limits.requests_per_minute,
+            "token_rate": limits.token_rate, "request_rate": limits.request_rate,
+            "token_cap": limits.token_cap, "request_cap": limits.request_cap,
+            "interactive_share": limits.interactive_share,
+        })
+
+    async def take(
+        self, provider: str, model: str, priority: str, *, need_tokens: float,
+        want_tokens: float, want_requests: float,
+    ) -> Grant:
+        row = await self._run("budget_take", {
+            "provider": provider, "model": model, "priority": priority,
+            "need_tokens": need_tokens, "want_tokens": want_tokens,
+            "want_requests": want_requests,
+        })
+        assert row is not None
+        if not row["known"]:  # someone deleted the row: configure() again on the next start
+            return Grant(want_tokens, want_requests)
+        return Grant(row["granted_tokens"], row["granted_requests"], row["wait_seconds"])
+
+    async def give_back(
+        self, provider: str, model: str, priority: str, tokens: float, requests: float
+    ) -> None:
+        await self._run("budget_give_back", {
+            "provider": provider, "model": model, "priority": priority,
+            "tokens": tokens, "requests": requests,
+        })
+
+    async def pause(self, provider: str, model: str, seconds: float) -> None:
+        await self._run("budget_pause", {"provider": provider, "model": model,
+                                         "seconds": seconds})
+
+    async def bucket(self, provider: str, model: str) -> BucketState | None:
+        row = await self._run("budget_bucket", {"provider": provider, "model": model})
+        return BucketState(**row) if row is not None else None
+
+
+class UsageLedger:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def add(self, usages: Sequence[Usage]) -> None:
+        """Add each usage to its job and attempt, in one transaction. One job's rows in id
+        order, so two concurrent writers never lock two jobs in opposite orders."""
+        rows = [asdict(u) for u in sorted(usages, key=lambda u: u.job_id)]
+        async with self._db.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            await cur.executemany(self._db.q["budget_record_usage"], rows)
