@@ -42,13 +42,14 @@ class Batcher(Generic[_Item]):
         self.window = window
         self.max_batch = max_batch
         self.retry = retry
-        # Each item with the future of its caller (None: added, nobody waits).
-        self._pending: list[tuple[_Item, asyncio.Future[None] | None]] = []
+        # Queued items, and beside each the future of its caller (None: added, nobody
+        # waits). Two lists, not a list of pairs: ``add`` is on the worker's hot path.
+        self._pending: list[_Item] = []
+        self._futures: list[asyncio.Future[None] | None] = []
         self._writing = 0
         self._slots = asyncio.Semaphore(writers)
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._idle = asyncio.Event()  # set by the writer that leaves nothing pending
         self._task: asyncio.Task[None] | None = None
         self._writers: set[asyncio.Task[None]] = set()
 
@@ -64,8 +65,8 @@ class Batcher(Generic[_Item]):
     def add(self, item: _Item) -> None:
         if self._task is None:
             self.start()
-        self._pending.append((item, None))
-        self._idle.clear()
+        self._pending.append(item)
+        self._futures.append(None)
         self._wake.set()
 
     async def submit(self, item: _Item) -> None:
@@ -73,8 +74,8 @@ class Batcher(Generic[_Item]):
         if self._task is None:
             self.start()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
-        self._idle.clear()
+        self._pending.append(item)
+        self._futures.append(future)
         self._wake.set()
         # Shielded: a caller that goes away (a client hung up, a step timed out) must not
         # cancel the write its neighbours share.
@@ -82,7 +83,9 @@ class Batcher(Generic[_Item]):
 
     async def drain(self) -> None:
         """Wait until everything queued is written."""
-        await self._idle.wait()
+        while self.pending:
+            self._idle.clear()
+            await self._idle.wait()
 
     async def close(self, grace: float = 5.0) -> None:
         """Write what is queued (for up to ``grace`` seconds), then stop."""
@@ -90,7 +93,7 @@ class Batcher(Generic[_Item]):
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace):
-                await self._idle.wait()
+                await self.drain()
         for task in (self._task, *self._writers):
             task.cancel()
         await asyncio.gather(self._task, *self._writers, return_exceptions=True)
@@ -105,27 +108,28 @@ class Batcher(Generic[_Item]):
             while self._pending:
                 await self._slots.acquire()
                 group = self._pending[: self.max_batch]
-                del self._pending[: len(group)]
+                futures = self._futures[: len(group)]
+                del self._pending[: len(group)], self._futures[: len(group)]
                 self._writing += len(group)
-                task = asyncio.create_task(self._write_group(group))
+                task = asyncio.create_task(self._write_group(group, futures))
                 self._writers.add(task)
                 task.add_done_callback(self._writers.discard)
 
-    async def _write_group(self, group: list[tuple[_Item, asyncio.Future[None] | None]]) -> None:
-        items = [item for item, _future in group]
+    async def _write_group(self, group: list[_Item],
+                           futures: list[asyncio.Future[None] | None]) -> None:
         try:
             if self.retry is not None:
                 errors = await retry_forever(f"{self.name}: writing a group failed",
-                                             lambda: self._write(items), backoff=self.retry)
+                                             lambda: self._write(group), backoff=self.retry)
             else:
-                errors = await self._write(items)
+                errors = await self._write(group)
         except BaseException as exc:
-            _settle(group, [exc] * len(group))
+            _settle(futures, [exc] * len(group))
             if not isinstance(exc, Exception):
                 raise  # cancelled (shutdown): every waiter has been told
             log.warning("%s: a group of %d failed: %s", self.name, len(group), exc)
         else:
-            _settle(group, errors)
+            _settle(futures, errors)
         finally:
             self._writing -= len(group)
             self._slots.release()
@@ -133,9 +137,11 @@ class Batcher(Generic[_Item]):
                 self._idle.set()
 
 
-def _settle(group: list[tuple[_Item, asyncio.Future[None] | None]],
+def _settle(futures: list[asyncio.Future[None] | None],
             errors: Sequence[BaseException | None] | None) -> None:
-    for index, (_item, future) in enumerate(group):
+    if not any(futures):  # added, not submitted: nobody waits (the committer)
+        return
+    for index, future in enumerate(futures):
         if future is None or future.done():
             continue
         error = errors[index] if errors is not None else None

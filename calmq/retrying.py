@@ -86,16 +86,18 @@ class Reconnect:
         self.backoff = backoff
         self.rng = rng
         self.failures = 0
-        # The first attempt whose band reaches the maximum. Counting stops there: the
-        # band above it is a single point (the maximum), and a fleet waiting exactly the
-        # maximum would be in lockstep again.
-        top = 1
-        while backoff.ceiling(top) < backoff.maximum and top < 64:
-            top += 1
-        self._top = top
+        self._top = 0  # found at the first failure: most operations never fail
 
     def failed(self, exc: BaseException | None = None) -> float:
         """Count a failure, log it, and return how long to wait before the next try."""
+        if not self._top:
+            # The first attempt whose band reaches the maximum. Counting stops there: the
+            # band above it is a single point (the maximum), and a fleet waiting exactly
+            # the maximum would be in lockstep again.
+            top = 1
+            while self.backoff.ceiling(top) < self.backoff.maximum and top < 64:
+                top += 1
+            self._top = top
         self.failures += 1
         delay = self.backoff.delay(min(self.failures, self._top), self.rng)
         _retries().labels(self.what).inc()
