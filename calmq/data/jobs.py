@@ -38,6 +38,7 @@ __all__ = [
     "Idempotency",
     "Job",
     "JobDetail",
+    "JobFilter",
     "JobSnapshot",
     "Jobs",
     "NewJob",
@@ -146,6 +147,24 @@ class JobDetail(JobSnapshot):
     output_tokens: int
     cost_usd: Decimal  # numeric in PostgreSQL
     events: list[HistoryEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    """Which of a tenant's jobs a page lists (None: any), and where the page starts: after
+    the (created_at, id) of the previous page's last job, newest first."""
+
+    tenant_id: uuid.UUID
+    limit: int
+    statuses: list[str] | None = None
+    workflow: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    cursor_at: datetime | None = None
+    cursor_id: uuid.UUID | None = None
+
+
+_FILTER_FIELDS = tuple(f.name for f in fields(JobFilter))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,10 +293,11 @@ class Jobs:
             history = [HistoryEvent(**e) for e in await cur.fetchall()]
         return JobDetail(**row, events=history)
 
-    async def page(self, **filters: Any) -> list[JobSnapshot]:
-        """One page of a tenant's jobs, newest first (``api_list_jobs``' parameters)."""
+    async def page(self, which: JobFilter) -> list[JobSnapshot]:
+        """One page of a tenant's jobs, newest first."""
+        params = {name: getattr(which, name) for name in _FILTER_FIELDS}
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["api_list_jobs"], filters)
+            cur = await conn.execute(self._q["api_list_jobs"], params)
             return [JobSnapshot(**r) for r in await cur.fetchall()]
 
     async def status_and_events(self, tenant_id: uuid.UUID, job_id: uuid.UUID,

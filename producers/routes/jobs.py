@@ -19,7 +19,7 @@ from datetime import datetime
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from calmq.data import HistoryEvent, Idempotency, Tenant
+from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef
@@ -160,13 +160,13 @@ async def list_jobs(request: web.Request) -> web.Response:
         raise ContractError(f"status is one of {', '.join(sorted(valid))}", code="invalid_query")
     page_size = limit(params, default=50)
     cursor_at, cursor_id = _decode_cursor(params.get("cursor"))
-    values = {
-        "tenant_id": caller.id, "statuses": statuses, "workflow": params.get("workflow"),
-        "created_after": parse_time("created_after", params.get("created_after")),
-        "created_before": parse_time("created_before", params.get("created_before")),
-        "cursor_at": cursor_at, "cursor_id": cursor_id, "limit": page_size + 1,
-    }
-    rows = await request.app[STORE].jobs.page(**values)
+    which = JobFilter(
+        tenant_id=caller.id, statuses=statuses, workflow=params.get("workflow"),
+        created_after=parse_time("created_after", params.get("created_after")),
+        created_before=parse_time("created_before", params.get("created_before")),
+        cursor_at=cursor_at, cursor_id=cursor_id, limit=page_size + 1,
+    )
+    rows = await request.app[STORE].jobs.page(which)
     page, more = rows[:page_size], len(rows) > page_size
     next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None
     return web.json_response({"jobs": [job_summary(r) for r in page],
