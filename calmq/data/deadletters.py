@@ -1,6 +1,6 @@
 """Dead letters: the dead-lettered jobs' records, and the redrive that queues one again.
 
-The redrive is one statement guarded by ``status = 'dead_letter'`` (calmq/sql/ops.sql,
+The redrive is one statement guarded by ``status = 'dead_letter'`` (calmq/sql/deadletters.sql,
 ``dlq_requeue``): it archives the round's attempts, writes the ``redriven`` event and
 queues the job; its ``job.requested`` is written through the outbox in the same
 transaction. Whether a job may be redriven, and with which budget, is calmq.deadletters'.

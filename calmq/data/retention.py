@@ -41,13 +41,13 @@ class Retention:
     async def redact(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
         """Drop a terminal job's data and its history's details, keeping status and shape."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._db.q["api_redact_job"], {"id": job_id, "tenant_id": tenant_id})
-            await conn.execute(self._db.q["api_redact_events"], {"id": job_id})
+            await conn.execute(self._db.q["retention_redact_job"], {"id": job_id, "tenant_id": tenant_id})
+            await conn.execute(self._db.q["retention_redact_events"], {"id": job_id})
 
     async def prune_idempotency_keys(self, retention_seconds: float) -> int:
         """Delete idempotency keys older than the retention; returns how many."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["api_prune_idempotency_keys"],
+            cur = await conn.execute(self._db.q["retention_prune_idempotency_keys"],
                                      {"retention_seconds": retention_seconds})
             return cur.rowcount
 
@@ -56,7 +56,7 @@ class Retention:
     ) -> list[tuple[uuid.UUID, uuid.UUID]]:
         """``(tenant_id, job_id)`` of terminal jobs past retention that still hold data."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["api_expired_jobs"],
+            cur = await conn.execute(self._db.q["retention_expired_jobs"],
                                      {"retention_seconds": retention_seconds, "limit": limit})
             rows = await cur.fetchall()
         return [(r["tenant_id"], r["id"]) for r in rows]

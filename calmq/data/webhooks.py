@@ -38,7 +38,7 @@ class WebhookDeliveries:
     async def next_due(self) -> float | None:
         """Seconds until the next pending delivery is due (negative: overdue); None if none."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["api_next_webhook_due"])
+            cur = await conn.execute(self._db.q["webhook_next_due"])
             row = await cur.fetchone()
         return None if row is None or row["seconds"] is None else float(row["seconds"])
 
@@ -46,7 +46,7 @@ class WebhookDeliveries:
         """Due deliveries for this dispatcher, each leased for ``lease_seconds`` (SKIP LOCKED:
         several API processes share the work)."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["api_claim_webhooks"],
+            cur = await conn.execute(self._db.q["webhook_claim"],
                                      {"limit": limit, "lease_seconds": lease_seconds})
             rows = await cur.fetchall()
         return [WebhookDelivery(r["id"], r["job_id"], r["tenant_id"], r["url"], r["event_type"],
@@ -59,8 +59,8 @@ class WebhookDeliveries:
         """The attempt and the delivery's new status in one transaction; a ``pending``
         delivery is due again in ``retry_in`` seconds."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._db.q["api_webhook_attempt"], {
+            await conn.execute(self._db.q["webhook_attempt"], {
                 "id": delivery.id, "attempt": delivery.attempts, "status_code": status_code,
                 "error": error, "duration_ms": duration_ms})
-            await conn.execute(self._db.q["api_webhook_done"], {
+            await conn.execute(self._db.q["webhook_done"], {
                 "id": delivery.id, "status": status, "delay_seconds": retry_in})

@@ -1,4 +1,4 @@
--- Operations: dead-letter review and redrive (calmq/deadletters.py). Names start with dlq_.
+-- Dead letters (calmq/data/deadletters.py): review and redrive. Names start with dlq_.
 
 -- name: dlq_list
 -- Dead-lettered jobs, oldest death first; every filter is optional (NULL: no filter).

@@ -1,0 +1,35 @@
+-- Webhook deliveries (calmq/data/webhooks.py); the rows are written by the job_events
+-- trigger (migrations 0004 and 0009).
+
+-- name: webhook_claim
+-- Due deliveries for this dispatcher; SKIP LOCKED lets several API processes share them,
+-- and pushing next_at forward is the lease: a dispatcher killed mid-send leaves the row
+-- to be tried again after lease_seconds.
+WITH due AS (
+    SELECT id FROM webhook_deliveries
+    WHERE status = 'pending' AND next_at <= now()
+    ORDER BY next_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE webhook_deliveries d
+SET next_at = now() + make_interval(secs => %(lease_seconds)s), attempts = d.attempts + 1
+FROM due, tenants t
+WHERE d.id = due.id AND t.id = d.tenant_id
+RETURNING d.id, d.job_id, d.tenant_id, d.url, d.event_type, d.attempts, t.webhook_secret;
+
+-- name: webhook_attempt
+INSERT INTO webhook_attempts (delivery_id, attempt, status_code, error, duration_ms)
+VALUES (%(id)s, %(attempt)s, %(status_code)s, %(error)s, %(duration_ms)s);
+
+-- name: webhook_done
+UPDATE webhook_deliveries
+SET status = %(status)s,
+    next_at = CASE WHEN %(status)s = 'pending'
+                   THEN now() + make_interval(secs => %(delay_seconds)s) ELSE next_at END,
+    finished_at = CASE WHEN %(status)s = 'pending' THEN NULL ELSE now() END
+WHERE id = %(id)s;
+
+-- name: webhook_next_due
+SELECT EXTRACT(EPOCH FROM (min(next_at) - now()))::float8 AS seconds
+FROM webhook_deliveries WHERE status = 'pending';
