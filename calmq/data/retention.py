@@ -41,7 +41,8 @@ class Retention:
     async def redact(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
         """Drop a terminal job's data and its history's details, keeping status and shape."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._db.q["retention_redact_job"], {"id": job_id, "tenant_id": tenant_id})
+            await conn.execute(self._db.q["retention_redact_job"],
+                               {"id": job_id, "tenant_id": tenant_id})
             await conn.execute(self._db.q["retention_redact_events"], {"id": job_id})
 
     async def prune_idempotency_keys(self, retention_seconds: float) -> int:
