@@ -126,7 +126,7 @@ class HistoryEvent:
 
 @dataclass(frozen=True, slots=True)
 class JobSnapshot:
-    """A job as a page of GET /v1/jobs lists it: the ``api_list_jobs`` columns."""
+    """A job as a page of GET /v1/jobs lists it: the ``list_jobs`` columns."""
 
     id: uuid.UUID
     workflow: str
@@ -297,7 +297,7 @@ class Jobs:
         """One page of a tenant's jobs, newest first."""
         params = {name: getattr(which, name) for name in _FILTER_FIELDS}
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["api_list_jobs"], params)
+            cur = await conn.execute(self._q["list_jobs"], params)
             return [JobSnapshot(**r) for r in await cur.fetchall()]
 
     async def status_and_events(self, tenant_id: uuid.UUID, job_id: uuid.UUID,
@@ -308,12 +308,12 @@ class Jobs:
         is visible.
         """
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["api_job_status"],
+            cur = await conn.execute(self._q["job_status"],
                                      {"id": job_id, "tenant_id": tenant_id})
             row = await cur.fetchone()
             if row is None:
                 return None, []
-            cur = await conn.execute(self._q["api_job_events_after"],
+            cur = await conn.execute(self._q["job_events_after"],
                                      {"id": job_id, "after": after})
             return str(row["status"]), [HistoryEvent(**e) for e in await cur.fetchall()]
 

@@ -31,7 +31,7 @@ class Retention:
     async def job_data(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> JobData | None:
         """The tenant's job as a purge sees it; None for another tenant's or no job."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["api_job_status"],
+            cur = await conn.execute(self._db.q["job_status"],
                                      {"id": job_id, "tenant_id": tenant_id})
             row = await cur.fetchone()
         if row is None:

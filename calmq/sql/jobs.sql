@@ -70,6 +70,29 @@ FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 -- name: job_events
 SELECT id, type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
 
+-- name: list_jobs
+-- Newest first; the cursor is the (created_at, id) of the last row of the previous page,
+-- which the jobs_tenant_created index serves without an OFFSET scan.
+SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at
+FROM jobs
+WHERE tenant_id = %(tenant_id)s
+  AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+  AND (%(created_after)s::timestamptz IS NULL OR created_at >= %(created_after)s::timestamptz)
+  AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s::timestamptz)
+  AND (%(cursor_at)s::timestamptz IS NULL
+       OR (created_at, id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s;
+
+-- name: job_events_after
+SELECT id, type, at, attempt, detail FROM job_events
+WHERE job_id = %(id)s AND id > %(after)s ORDER BY id;
+
+-- name: job_status
+SELECT status, input_ref, artifact, redacted_at FROM jobs
+WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
+
 -- name: claim_jobs
 -- Claim every job of a polled batch in one statement. A job is claimable when it is
 -- waiting (queued, retrying) or running under an expired lease (its worker died; the
