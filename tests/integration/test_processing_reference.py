@@ -2,7 +2,7 @@
 
 Each case runs on its own test pool (calmq.<pool>.interactive/bulk) served by worker and
 forwarder processes this module starts with its own settings, so the stack's default worker
-never takes these jobs. Jobs are written with Store.submit (as the API writes them, with the
+never takes these jobs. Jobs are written with calmq.data.insert_job (as the API writes them, with the
 pool chosen by the test; see tests/support/workers.py); their status is read over HTTP.
 """
 
