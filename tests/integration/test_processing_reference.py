@@ -2,8 +2,9 @@
 
 Each case runs on its own test pool (calmq.<pool>.interactive/bulk) served by worker and
 forwarder processes this module starts with its own settings, so the stack's default worker
-never takes these jobs. Jobs are written with calmq.data.insert_job (as the API writes them, with the
-pool chosen by the test; see tests/support/workers.py); their status is read over HTTP.
+never takes these jobs. Jobs are written with calmq.data.insert_job (as the API writes them,
+with the pool chosen by the test; see tests/support/workers.py); their status is read over
+HTTP.
 """
 
 from __future__ import annotations
