@@ -107,6 +107,11 @@ class NewJob:
         """A new job has made no attempt yet (``job.requested`` carries it)."""
         return 0
 
+    @property
+    def created_at(self) -> None:
+        """Not yet: ``insert_job`` puts the commit time into its ``job.requested``."""
+        return None
+
 
 _NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
 # Columns of type jsonb: psycopg needs them wrapped (decided once, from the annotations).
