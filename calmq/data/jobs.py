@@ -2,10 +2,9 @@
 
 ``NewJob`` is a submission about to be written, ``Job`` a job as a worker holds it after a
 claim, ``JobSnapshot`` and ``JobDetail`` (with its ``HistoryEvent`` list) a job as its
-tenant reads it. ``Jobs(db)`` runs the
-queries of calmq/sql/jobs.sql on the pool; ``insert_job`` and ``insert_job_sync`` write a
-new job on a connection the caller owns (the client library enqueues inside the caller's
-transaction), and import nothing of the server.
+tenant reads it. ``Jobs(db)`` runs the queries of calmq/sql/jobs.sql on the pool;
+``insert_job`` and ``insert_job_sync`` write a new job on a connection the caller owns (the
+client library enqueues inside the caller's transaction) and import nothing of the server.
 
 Adding a column to jobs touches the migration, the Avro schema when events carry it,
 calmq/sql/jobs.sql and the records here; for a field clients send, the API's request model
