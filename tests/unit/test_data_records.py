@@ -76,6 +76,17 @@ def test_claim_returns_exactly_the_job_fields() -> None:
         assert columns == wanted, name
 
 
+def test_every_requeue_returns_what_job_requested_reads() -> None:
+    """A redrive and a resumed review return every job field their job.requested needs."""
+    q = Database("postgresql://unused").q
+    wanted = {"id" if n == "job_id" else n for n in _newest_fields("job_requested")}
+    wanted.discard("event_id")
+    for name in ("dlq_requeue", "wf_review_resume"):
+        returning = re.findall(r"RETURNING (.*?)(?:\n\)|;)", q[name], re.DOTALL)[0]
+        columns = {c.strip().split(".")[-1] for c in returning.split(",")}
+        assert wanted <= columns, (name, wanted - columns)
+
+
 def test_an_outbox_entry_carries_the_event_id_key_and_trace() -> None:
     """entry() takes its id from the event, keys by the job and adds the traceparent."""
     job = _job(trace_parent="00-abc-def-01")
