@@ -480,6 +480,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
+    import dataclasses
     import getpass
     import socket
     import uuid
@@ -506,11 +507,11 @@ def cmd_dlq(args: argparse.Namespace) -> int:
             if args.action == "list":
                 rows = await dlq.find(_dlq_filter(args))
                 if args.json:
-                    print(json.dumps(_jsonable(rows), indent=2))
+                    print(json.dumps(_jsonable([dataclasses.asdict(r) for r in rows]), indent=2))
                 for r in [] if args.json else rows:
-                    err = r["error"] or {}
-                    print(f"{r['id']}  {r['dead_lettered_at']:%Y-%m-%d %H:%M:%S}  "
-                          f"{r['tenant']:<16} {r['workflow']}/{r['step']}  "
+                    err = r.error or {}
+                    print(f"{r.id}  {r.dead_lettered_at:%Y-%m-%d %H:%M:%S}  "
+                          f"{r.tenant:<16} {r.workflow}/{r.step}  "
                           f"{err.get('class', '?')}/{err.get('code', '?')}: "
                           f"{(err.get('message') or '')[:80]}")
                 if not args.json:
@@ -529,7 +530,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 raise ConfigError("name job ids or at least one filter (--code, --since, ...); "
                                   "a bare redrive would requeue every dead letter",
                                   code="redrive_needs_target")
-            targets = ids(args.rest) if args.rest else [r["id"] for r in await dlq.find(where)]
+            targets = ids(args.rest) if args.rest else [r.id for r in await dlq.find(where)]
             if not args.reason:
                 raise ConfigError("say why with --reason (it goes into the job's history)",
                                   code="redrive_needs_reason")

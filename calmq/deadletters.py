@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from calmq.data import Database
-from calmq.data.deadletters import DeadJob, DeadLetterRecords
+from calmq.data.deadletters import DeadJob, DeadLetter, DeadLetterRecords
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
@@ -112,10 +112,9 @@ class DeadLetters:
         self.workflows = workflows if workflows is not None else builtin_workflows()
         self.objects = objects  # None: inputs by reference are not re-read before a redrive
 
-    async def find(self, where: DeadLetterFilter | None = None) -> list[dict[str, Any]]:
+    async def find(self, where: DeadLetterFilter | None = None) -> list[DeadLetter]:
         """Dead-lettered jobs matching ``where``, oldest death first."""
-        rows: list[dict[str, Any]] = await self.records.find((where or DeadLetterFilter()).params())
-        return rows
+        return await self.records.find((where or DeadLetterFilter()).params())
 
     async def show(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> dict[str, Any]:
         """The whole record of a job: row, attempts of every round, history, last output.

@@ -24,7 +24,7 @@ from prometheus_client import Histogram
 from calmq import events, topics
 from calmq.data import Database
 from calmq.data.outbox import entry
-from calmq.data.reviews import ReviewDecision, ReviewJob, Reviews
+from calmq.data.reviews import PendingReview, ReviewDecision, ReviewJob, Reviews
 from calmq.errors import ContractError, NotFound, StepFailure
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
@@ -67,12 +67,11 @@ class ReviewDesk:
     async def pending(
         self, tenant_id: uuid.UUID, *, limit: int = 100,
         after: tuple[datetime, uuid.UUID] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[PendingReview]:
         """The tenant's jobs awaiting review, oldest first, with the model's output."""
         after_at, after_id = after or (_EPOCH, uuid.UUID(int=0))
-        rows: list[dict[str, Any]] = await self.reviews.pending(
-            tenant_id, limit=limit, after_at=after_at, after_id=after_id)
-        return rows
+        return await self.reviews.pending(tenant_id, limit=limit, after_at=after_at,
+                                          after_id=after_id)
 
     async def decide(self, tenant_id: uuid.UUID, job_id: uuid.UUID, decision: Decision) -> str:
         """Apply a person's decision; returns the job's new status.

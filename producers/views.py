@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from calmq.data import HistoryEvent, JobDetail, JobSnapshot
+from calmq.data.deadletters import DeadLetter
+from calmq.data.reviews import PendingReview
 from calmq.producers.timestamps import format_time
 
 __all__ = ["dead_letter_item", "event_view", "job_summary", "job_view", "review_item"]
@@ -47,19 +49,19 @@ def _usage(job: JobDetail) -> dict[str, Any]:
             "cost_usd": float(job.cost_usd or 0)}
 
 
-def review_item(row: dict[str, Any]) -> dict[str, Any]:
+def review_item(review: PendingReview) -> dict[str, Any]:
     """``models.ReviewItem`` of a job awaiting review."""
-    return {"job_id": str(row["id"]), "workflow": row["workflow"], "step": row["step"],
-            "confidence": row["confidence"], "output": row["output"],
-            "requested_at": format_time(row["updated_at"]),
-            "deadline_at": format_time(row["review_deadline_at"]),
-            "review_url": f"/v1/jobs/{row['id']}/review"}
+    return {"job_id": str(review.id), "workflow": review.workflow, "step": review.step,
+            "confidence": review.confidence, "output": review.output,
+            "requested_at": format_time(review.updated_at),
+            "deadline_at": format_time(review.review_deadline_at),
+            "review_url": f"/v1/jobs/{review.id}/review"}
 
 
-def dead_letter_item(row: dict[str, Any]) -> dict[str, Any]:
+def dead_letter_item(dead: DeadLetter) -> dict[str, Any]:
     """``models.DeadLetter`` of a dead-lettered job."""
-    return {"job_id": str(row["id"]), "workflow": row["workflow"], "step": row["step"],
-            "attempt": row["attempt"], "error": row["error"],
-            "created_at": format_time(row["created_at"]),
-            "dead_lettered_at": format_time(row["dead_lettered_at"]),
-            "redrive_url": f"/v1/dead-letters/{row['id']}/redrive"}
+    return {"job_id": str(dead.id), "workflow": dead.workflow, "step": dead.step,
+            "attempt": dead.attempt, "error": dead.error,
+            "created_at": format_time(dead.created_at),
+            "dead_lettered_at": format_time(dead.dead_lettered_at),
+            "redrive_url": f"/v1/dead-letters/{dead.id}/redrive"}

@@ -21,7 +21,25 @@ from calmq import events, topics
 from calmq.data import outbox
 from calmq.data.database import Database
 
-__all__ = ["DeadJob", "DeadLetterRecords", "Redriven"]
+__all__ = ["DeadJob", "DeadLetter", "DeadLetterRecords", "Redriven"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A dead-lettered job as listed (the columns of dlq_list)."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    tenant: str
+    workflow: str
+    workflow_version: int
+    priority: str
+    pool: str
+    step: str
+    attempt: int
+    error: dict[str, Any] | None
+    created_at: datetime
+    dead_lettered_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +74,12 @@ class DeadLetterRecords:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def find(self, filters: Mapping[str, Any]) -> list[DictRow]:
+    async def find(self, filters: Mapping[str, Any]) -> list[DeadLetter]:
         """Dead-lettered jobs matching ``filters`` (every ``dlq_list`` parameter; None: no
-        filter), oldest death first. Rows: the API's views and the CLI render them whole."""
+        filter), oldest death first."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["dlq_list"], filters)
-            return await cur.fetchall()
+            return [DeadLetter(**r) for r in await cur.fetchall()]
 
     async def record(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None) -> DictRow | None:
         """The whole record of a job: its row, ``attempts`` of every round (round 0 the

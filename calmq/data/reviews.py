@@ -21,7 +21,21 @@ from calmq.data import outbox
 from calmq.data.database import Connection, Database
 from calmq.data.outbox import OutboxEntry
 
-__all__ = ["ReviewDecision", "ReviewJob", "Reviews"]
+__all__ = ["PendingReview", "ReviewDecision", "ReviewJob", "Reviews"]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReview:
+    """A job waiting for a person, with what the model said (wf_pending_reviews)."""
+
+    id: uuid.UUID
+    workflow: str
+    step: str
+    review_deadline_at: datetime | None
+    updated_at: datetime  # when it entered awaiting_review
+    created_at: datetime
+    output: dict[str, Any]
+    confidence: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +130,14 @@ class Reviews:
         self._db = db
 
     async def pending(self, tenant_id: uuid.UUID, *, limit: int, after_at: datetime,
-                      after_id: uuid.UUID) -> list[DictRow]:
+                      after_id: uuid.UUID) -> list[PendingReview]:
         """The tenant's jobs awaiting review after ``(after_at, after_id)``, oldest first,
-        with the model's output (rows: the API's views shape them)."""
+        with the model's output."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["wf_pending_reviews"],
                                      {"tenant_id": tenant_id, "limit": limit,
                                       "after_at": after_at, "after_id": after_id})
-            return await cur.fetchall()
+            return [PendingReview(**r) for r in await cur.fetchall()]
 
     async def expired(self, limit: int) -> list[uuid.UUID]:
         """Jobs whose review deadline passed, earliest deadline first."""

@@ -172,8 +172,8 @@ def test_dry_run_writes_nothing_and_filters_select(stack: StackState, api: Api,
     assert [o.outcome for o in dry] == ["would_redrive"]
     assert api.job(dead)["status"] == "dead_letter"
     assert [e["type"] for e in api.job(dead)["events"]] == ["queued", "running", "dead_lettered"]
-    assert dead in [str(r["id"]) for r in mine]
-    assert dead not in [str(r["id"]) for r in other]
+    assert dead in [str(r.id) for r in mine]
+    assert dead not in [str(r.id) for r in other]
 
 
 class _StricterInput(BaseModel):

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from calmq.data import HistoryEvent, JobDetail
+from calmq.data.deadletters import DeadLetter as DeadLetterRow
+from calmq.data.reviews import PendingReview
 from calmq.errors import ContractError
 from calmq.producers.models import DeadLetter, JobView, ReviewItem
 from calmq.producers.openapi import document
@@ -52,9 +54,12 @@ def test_views_fit_their_response_models() -> None:
     assert view.error is not None
     assert view.error.failure_class == "policy"
     assert json.loads(view.model_dump_json(by_alias=True))["error"]["class"] == "policy"
-    ReviewItem.model_validate(review_item({**row, "confidence": 0.5, "output": {"summary": ""},
-                                           "review_deadline_at": None}))
-    DeadLetter.model_validate(dead_letter_item({**row, "dead_lettered_at": AT}))
+    ReviewItem.model_validate(review_item(PendingReview(
+        row["id"], row["workflow"], row["step"], review_deadline_at=None, updated_at=AT,
+        created_at=AT, output={"summary": ""}, confidence=0.5)))
+    DeadLetter.model_validate(dead_letter_item(DeadLetterRow(
+        row["id"], uuid.uuid4(), "t", row["workflow"], 1, "bulk", "default", row["step"],
+        row["attempt"], row["error"], created_at=AT, dead_lettered_at=AT)))
 
 
 def test_every_reference_of_the_document_resolves() -> None:
