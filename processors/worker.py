@@ -16,6 +16,7 @@ from calmq import topics
 from calmq.budget import open_metered_provider
 from calmq.codec import make_codec
 from calmq.data import Store
+from calmq.errors import InfrastructureError
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
 from calmq.processors import metrics
@@ -130,6 +131,9 @@ class Worker:
             await side.stop()
             await provider.close()
             await store.close()
+        if side.failed.is_set():
+            # Not a clean exit: the process is restarted, and its exit says why it stopped.
+            raise InfrastructureError("the worker stopped because a side task it needs stopped")
 
     def _side_tasks(self, store: Store, runner: StepRunner,
                     consumer: ParallelConsumer) -> Supervisor:
