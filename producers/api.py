@@ -111,7 +111,7 @@ def build_app(
     async def start_background(_app: web.Application) -> None:
         if not background:
             return
-        hub.start()
+        side.spawn("notification-hub", hub.run)
         if settings.webhook_dispatcher:
             hub.on(WEBHOOKS, dispatcher.wake)
             side.spawn("webhook-dispatcher", dispatcher.run)
@@ -122,9 +122,8 @@ def build_app(
 
     async def stop_background(_app: web.Application) -> None:
         await side.stop()
-        for close in (dispatcher.close, hub.stop):
-            with contextlib.suppress(Exception):
-                await close()
+        with contextlib.suppress(Exception):
+            await dispatcher.close()
         await store.close()
 
     async def close_streams(_app: web.Application) -> None:

@@ -11,7 +11,6 @@ reconnects with a short backoff.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -33,7 +32,6 @@ class Hub:
         self._url = database_url
         self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._callbacks: defaultdict[str, list[Callable[[], None]]] = defaultdict(list)
-        self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
         self.closing = False
 
@@ -53,21 +51,12 @@ class Hub:
     def on(self, channel: str, callback: Callable[[], None]) -> None:
         self._callbacks[channel].append(callback)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="notification-hub")
-
     def close_streams(self) -> None:
         """Wake every waiter for the last time: the process is shutting down."""
         self.closing = True
         for waiters in self._waiters.values():
             for event in waiters:
                 event.set()
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     def _wake(self, key: str) -> None:
         for event in self._waiters.get(key, ()):
@@ -81,7 +70,8 @@ class Hub:
             for cb in callbacks:
                 cb()
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """LISTEN until cancelled: the API runs this as a side task (calmq.supervision)."""
         reconnect = Reconnect("the LISTEN connection was lost")
         while True:
             try:
