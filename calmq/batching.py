@@ -35,6 +35,9 @@ GroupWrite = Callable[[list[_Item]], Awaitable[Sequence[BaseException | None] | 
 
 
 class Batcher(Generic[_Item]):
+    """Collects items and writes them in groups with ``write`` (see the module docstring);
+    ``name`` names its task, and its retries in the log and the metrics."""
+
     def __init__(self, name: str, write: GroupWrite[_Item], *, window: float = 0.0,
                  max_batch: int = 256, writers: int = 1, retry: Backoff | None = None) -> None:
         self.name = name
