@@ -50,7 +50,7 @@ import psycopg2.extras
 from prometheus_client import Counter, Gauge
 
 from calmq.data import relay as bookkeeping
-from calmq.data.relay import Horizon, SlotState, SyncConnection
+from calmq.data.relay import OUTBOX_TABLE, Horizon, SlotState, SyncConnection
 from calmq.errors import ConfigError, InfrastructureError
 from calmq.relay import pgoutput
 from calmq.relay.publisher import OutboxRow, Publisher
@@ -436,7 +436,7 @@ class CdcRelay:
         if relation is None:
             raise InfrastructureError(f"Insert for relation {insert.relation_id} before its "
                                       "Relation message")
-        if relation.name != bookkeeping.OUTBOX_TABLE:
+        if relation.name != OUTBOX_TABLE:
             return None  # a publication widened by hand: only outbox rows are events
         values = pgoutput.row_as_dict(relation, insert)
         return OutboxRow(
