@@ -39,7 +39,8 @@ __all__ = [
 
 
 class EffectLog(Protocol):
-    """Where "record then call then confirm" keeps its records (calmq.workflows.effects)."""
+    """Where "record then call then confirm" (calmq.workflows.effects) keeps its records:
+    calmq.data.steps.SideEffects in PostgreSQL, MemoryEffectLog for a step tested alone."""
 
     async def lookup(self, job_id: str, key: str) -> EffectRecord | None: ...
 
