@@ -6,29 +6,33 @@ Plain dicts on purpose (see producers.models); every time goes through
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime
 from typing import Any
 
 from calmq.data import HistoryEvent, JobDetail, JobSnapshot
 from calmq.data.deadletters import DeadLetter
 from calmq.data.reviews import PendingReview
+from calmq.producers.models import JobSummary
 from calmq.producers.timestamps import format_time
 
 __all__ = ["dead_letter_item", "event_view", "job_summary", "job_view", "review_item"]
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return format_time(value)
+    return str(value) if isinstance(value, uuid.UUID) else value
+
+
+# The summary's fields, read from the record by name (the model's ``job_id`` is the record's
+# ``id``): a new field of the answer is declared in producers.models and the record only.
+_SUMMARY = tuple(("id" if name == "job_id" else name, name) for name in JobSummary.model_fields)
+
+
 def job_summary(job: JobSnapshot) -> dict[str, Any]:
     """``models.JobSummary`` of a job."""
-    return {
-        "job_id": str(job.id),
-        "workflow": job.workflow,
-        "status": job.status,
-        "attempt": job.attempt,
-        "step": job.step,
-        "artifact": job.artifact,
-        "error": job.error,
-        "created_at": format_time(job.created_at),
-        "updated_at": format_time(job.updated_at),
-    }
+    return {name: _plain(getattr(job, attr)) for attr, name in _SUMMARY}
 
 
 def event_view(event: HistoryEvent) -> dict[str, Any]:

@@ -46,8 +46,9 @@ WITH requeued AS (
                     workflow_version = %(workflow_version)s, pool = %(pool)s,
                     max_attempts = %(max_attempts)s, updated_at = now()
     WHERE id = %(id)s AND status = 'dead_letter'
-    RETURNING id, tenant_id, workflow, workflow_version, priority, pool, step, attempt,
-              input_ref, deadline_at, created_at, trace_parent
+    -- The whole row: job.requested is filled from it by the Avro schema's field names, so a
+    -- new job column reaches the event without an edit here.
+    RETURNING *
 ), round AS (
     SELECT count(*) + 1 AS n FROM job_events
     WHERE job_id = %(id)s AND type = 'redriven' AND EXISTS (SELECT 1 FROM requeued)

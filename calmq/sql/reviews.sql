@@ -46,8 +46,8 @@ WHERE job_id = %(job_id)s AND step = %(step)s;
 UPDATE jobs SET status = 'queued', step = %(next_step)s, pool = %(pool)s, attempt = 0,
                 max_attempts = %(max_attempts)s, review_deadline_at = NULL, updated_at = now()
 WHERE id = %(id)s AND status = 'awaiting_review'
-RETURNING id, tenant_id, workflow, workflow_version, priority, pool, step, attempt,
-          input_ref, deadline_at, created_at, trace_parent;
+-- The whole row, for job.requested (filled by the Avro schema's field names).
+RETURNING *;
 
 -- name: wf_review_complete
 UPDATE jobs SET status = 'completed', artifact = %(artifact)s, error = NULL,

@@ -76,15 +76,13 @@ def test_claim_returns_exactly_the_job_fields() -> None:
         assert columns == wanted, name
 
 
-def test_every_requeue_returns_what_job_requested_reads() -> None:
-    """A redrive and a resumed review return every job field their job.requested needs."""
+def test_every_requeue_returns_the_whole_job_row() -> None:
+    """A redrive and a resumed review return the whole row, so their job.requested (filled
+    by the schema's field names) carries a new column with no edit to their SQL."""
     q = Database("postgresql://unused").q
-    wanted = {"id" if n == "job_id" else n for n in _newest_fields("job_requested")}
-    wanted.discard("event_id")
     for name in ("dlq_requeue", "wf_review_resume"):
         returning = re.findall(r"RETURNING (.*?)(?:\n\)|;)", q[name], re.DOTALL)[0]
-        columns = {c.strip().split(".")[-1] for c in returning.split(",")}
-        assert wanted <= columns, (name, wanted - columns)
+        assert returning.strip() == "*", name
 
 
 def test_an_outbox_entry_carries_the_event_id_key_and_trace() -> None:
