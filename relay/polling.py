@@ -13,13 +13,20 @@ import logging
 import threading
 import time
 
+import psycopg
+
 from calmq.data import relay as bookkeeping
 from calmq.data.relay import OutboxPosition, SyncConnection
+from calmq.errors import InfrastructureError
 from calmq.relay.publisher import Publisher
+from calmq.retrying import Backoff, Reconnect
 
 __all__ = ["PollingRelay"]
 
 log = logging.getLogger(__name__)
+
+# The same pause as the CDC relay's: one relay per database, but restarted with its database.
+_RESUME = Backoff(initial=1.0, maximum=30.0)
 
 
 class PollingRelay:
@@ -42,7 +49,21 @@ class PollingRelay:
         self.published = 0
 
     def run(self, stop: threading.Event) -> None:
-        """Relay until ``stop`` is set; the page in hand is flushed and saved first."""
+        """Relay until ``stop`` is set; the page in hand is flushed and saved first.
+
+        A lost connection to PostgreSQL (or a page Kafka refused) starts again from the saved
+        cursor after a jittered pause: the unsaved page is sent again, never skipped.
+        """
+        reconnect = Reconnect("polling relay interrupted, resuming from its cursor", _RESUME)
+        while not stop.is_set():
+            try:
+                self._run_once(stop)
+                return
+            except (psycopg.OperationalError, InfrastructureError) as exc:
+                if stop.wait(reconnect.failed(exc)):
+                    return
+
+    def _run_once(self, stop: threading.Event) -> None:
         with bookkeeping.connect(self.database_url) as conn:
             cursor = bookkeeping.load_position(conn, self.name)
             last_prune = time.monotonic()

@@ -92,3 +92,34 @@ def test_relay_mode_polling_from_the_command_line_publishes(
     finally:
         relay.stop()
         reader.close()
+
+
+def test_polling_relay_resumes_from_its_cursor_after_losing_its_connection(
+    stack: StackState, db: RelayDb
+) -> None:
+    """The polling relay's connection terminated by the server: it reconnects and publishes on."""
+    route = new_route(stack.env["CALMQ_KAFKA_BOOTSTRAP"])
+    relay = RelayProcess(relay_env(stack.env, db), ["--mode", "polling"]).start()
+    reader = TopicReader(stack.env["CALMQ_KAFKA_BOOTSTRAP"], topics.topic_for_route(route))
+    try:
+        first_id, first = outbox_args(route, str(uuid.uuid4()), 0)
+        with db.connect() as conn:
+            conn.execute(INSERT, first)
+        reader.wait_ids({first_id})
+        with db.connect() as conn:
+            killed = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchone()
+        assert killed is not None
+        assert killed[0] >= 1
+        second_id, second = outbox_args(route, str(uuid.uuid4()), 1)
+        with db.connect() as conn:
+            conn.execute(INSERT, second)
+        reader.wait_ids({first_id, second_id})
+        assert relay.proc is not None
+        assert relay.proc.poll() is None  # still running: it reconnected instead of dying
+        assert "polling relay interrupted" in relay.log()
+        assert relay.terminate() == 0
+    finally:
+        relay.stop()
+        reader.close()
