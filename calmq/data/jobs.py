@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Job:
     """A job as a worker holds it: the columns ``claim_jobs`` returns.
 
@@ -82,7 +82,7 @@ class Job:
         return cls(**row)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NewJob:
     """A validated submission: exactly the columns ``insert_job`` writes, by name."""
 
@@ -128,7 +128,7 @@ class HistoryEvent:
     detail: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobSnapshot:
     """A job as a page of GET /v1/jobs lists it: the ``list_jobs`` columns."""
 
@@ -143,7 +143,7 @@ class JobSnapshot:
     updated_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobDetail(JobSnapshot):
     """A job as GET /v1/jobs/{id} answers it: the snapshot, its usage and its history."""
 
