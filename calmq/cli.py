@@ -249,7 +249,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap)),
+    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
+                                                  compression=settings.kafka_compression)),
                           make_codec(settings.schema_registry_url),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
@@ -287,7 +288,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
     Forwarder(consumer_config(settings.kafka_bootstrap, "calmq.forwarder"),
-              Producer(producer_config(settings.kafka_bootstrap)),
+              Producer(producer_config(settings.kafka_bootstrap,
+                                       compression=settings.kafka_compression)),
               make_codec(settings.schema_registry_url), tier_topics,
               commit_interval=settings.commit_interval_ms / 1000).run(stop)
     return 0

@@ -11,6 +11,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from calmq.errors import InfrastructureError
 
 __all__ = [
+    "COMPRESSIONS",
+    "DEFAULT_COMPRESSION",
     "consumer_config",
     "create_topics",
     "header",
@@ -20,14 +22,34 @@ __all__ = [
 ]
 
 
-def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    """An idempotent producer: retries never duplicate or reorder within a partition."""
+# Batch codecs librdkafka writes. The default is one every mainstream client decodes without
+# a plugin: kafkajs, for one, reads gzip natively but throws on lz4, snappy and zstd batches
+# until a codec package is registered, and calmq.results is read by other teams' clients.
+COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+DEFAULT_COMPRESSION = "gzip"
+
+
+def producer_config(
+    bootstrap: str, *, compression: str = DEFAULT_COMPRESSION, **extra: Any
+) -> dict[str, Any]:
+    """An idempotent producer: retries never duplicate or reorder within a partition.
+
+    ``murmur2_random`` is the Java client's partitioner (and so Kafka Connect's, Debezium's
+    and Kafka Streams'): murmur2 of the key, positive, modulo the partition count. librdkafka's
+    default (``consistent_random``, CRC32) sends most keys elsewhere, so one job's events
+    published by calmq and by a Java producer (the Debezium connector standing in for the
+    relay, an upstream service) would land in different partitions and lose per-job order.
+    Records without a key go to a random partition, as with the Java client.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression {compression!r} is not one of {', '.join(COMPRESSIONS)}")
     return {
         "bootstrap.servers": bootstrap,
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 2,
-        "compression.type": "lz4",
+        "partitioner": "murmur2_random",
+        "compression.type": compression,
         "batch.num.messages": 10000,
         "queue.buffering.max.messages": 500000,
         **extra,

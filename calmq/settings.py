@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     retry_multiplier: float = Field(default=2.0, ge=1)
 
     # Topics.
+    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="gzip",
+        description="batch compression of every record calmq produces; gzip and none are read"
+                    " by every mainstream client without a codec plugin (see"
+                    " docs/reference/topics.md)")
     topic_partitions: int = Field(default=8, ge=1)
     topic_replication: int = Field(default=1, ge=1)
 

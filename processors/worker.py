@@ -78,7 +78,9 @@ class Worker:
             objects=open_object_store(s.object_store_url),
             workflows=self.workflows,
             tracker=consumer.tracker,
-            poison=PoisonSink(Producer(producer_config(s.kafka_bootstrap)), codec),
+            poison=PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+                                                      compression=s.kafka_compression)),
+                              codec),
             usage=provider.usage.record if provider.usage is not None else None,
             config=RunnerConfig(
                 worker_id=self.worker_id,
