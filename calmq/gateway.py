@@ -262,8 +262,11 @@ class OpenAIProvider(_HttpProvider):
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> ModelReply:
+        # max_completion_tokens, not the deprecated max_tokens: reasoning models (o1, o3, ...)
+        # answer 400 to max_tokens, which calmq would dead-letter as an input error.
         body: dict[str, Any] = {
-            "model": self.model, "messages": messages, "user": job_id, "max_tokens": max_tokens,
+            "model": self.model, "messages": messages, "user": job_id,
+            "max_completion_tokens": max_tokens,
         }
         if response_schema is not None:
             body["response_format"] = {

@@ -232,6 +232,8 @@ def _parse_call(body: Any, request: web.Request, *, anthropic: bool) -> _Call:
     if last_user is None:
         raise _BadRequestError("no user message to answer", "invalid_messages")
 
+    # OpenAI's current name is max_completion_tokens; older clients and Anthropic send
+    # max_tokens. Either bounds the answer and counts against tokens_per_minute.
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1

@@ -309,6 +309,20 @@ async def test_tokens_per_minute_limit(make_client: MakeClient) -> None:
     assert (await chat(client, step, max_tokens=1))[0] == 200
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_either_token_limit_field_bounds_the_call(make_client: MakeClient,
+                                                        field: str) -> None:
+    """max_completion_tokens (OpenAI's current name) counts like max_tokens; 0 is a 400."""
+    client = await make_client(tokens_per_minute=1000)
+    status, body, headers = await chat(client, {"text": TEXT}, **{field: 400})
+    assert status == 200
+    cost = body["usage"]["prompt_tokens"] + 400
+    assert headers["x-ratelimit-remaining-tokens"] == str(1000 - cost)
+    status, body, _ = await chat(client, {"text": TEXT}, **{field: 0})
+    assert status == 400
+    assert body["error"]["code"] == "invalid_max_tokens"
+
+
 async def test_request_larger_than_token_limit_is_429(make_client: MakeClient) -> None:
     """A single call above tokens_per_minute gets 429 'Request too large' without consuming."""
     client = await make_client(tokens_per_minute=100)

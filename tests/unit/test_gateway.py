@@ -112,6 +112,27 @@ async def test_content_filter_finish_is_a_refusal(open_provider: OpenProvider) -
     assert reply.input_tokens == 5
 
 
+async def test_openai_request_bounds_the_answer_with_max_completion_tokens(
+    open_provider: OpenProvider,
+) -> None:
+    """The Chat Completions body names the limit max_completion_tokens and sends no max_tokens."""
+    seen: list[dict[str, Any]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"message": {"role": "assistant",
+                                                            "content": "ok"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", record)
+    provider = await open_provider(app=app)
+    await provider.complete(messages=_messages(), job_id="j1", max_tokens=64)
+    assert seen[0]["max_completion_tokens"] == 64
+    assert "max_tokens" not in seen[0]
+
+
 async def test_unreachable_provider_is_transient(open_provider: OpenProvider) -> None:
     """A connection refused is a transient failure, retried later."""
     provider = OpenAIProvider("http://127.0.0.1:9", "", "m")
