@@ -101,8 +101,8 @@ class Settings(BaseSettings):
 
     # Topics.
     kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
-        default="gzip",
-        description="batch compression of every record calmq produces; gzip and none are read"
+        default="none",
+        description="batch compression of every record calmq produces; none and gzip are read"
                     " by every mainstream client without a codec plugin (see"
                     " docs/reference/topics.md)")
     topic_partitions: int = Field(default=8, ge=1)

@@ -28,9 +28,9 @@ def test_producers_partition_keys_as_the_java_client_does() -> None:
 
 
 def test_default_compression_is_one_every_mainstream_client_reads() -> None:
-    """Records are gzip by default (kafkajs and others need no plugin), and the setting agrees."""
-    assert DEFAULT_COMPRESSION == "gzip"
-    assert producer_config("k:9092")["compression.type"] == "gzip"
+    """Records are uncompressed by default (kafkajs needs no plugin), and the setting agrees."""
+    assert DEFAULT_COMPRESSION == "none"
+    assert producer_config("k:9092")["compression.type"] == "none"
     assert Settings.model_fields["kafka_compression"].default == DEFAULT_COMPRESSION
 
 
