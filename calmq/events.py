@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from operator import attrgetter
 from pathlib import Path
@@ -23,8 +23,15 @@ __all__ = ["dead_lettered", "requested", "result"]
 _SCHEMAS = Path(__file__).parent / "schemas"
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_MS = timedelta(milliseconds=1)
+
+
 def _ms(value: datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp() * 1000)
+    """Epoch milliseconds, truncated: the rule insert_job's SQL applies (floor) too.
+
+    Integer arithmetic on the timedelta, not ``timestamp() * 1000``: no float on the way."""
+    return None if value is None else (value.astimezone(UTC) - _EPOCH) // _ONE_MS
 
 
 def _now_ms() -> int:

@@ -12,6 +12,8 @@ VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
 
 -- name: insert_job
 -- The job row, its first history event and its outbox row in one statement: one round trip.
+-- created_at in events is epoch ms TRUNCATED (floor; ::bigint alone would round), the rule
+-- calmq.events._ms applies to the same column, so one job's events never disagree by 1 ms.
 WITH job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
@@ -27,7 +29,7 @@ WITH job AS (
 INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
 SELECT %(event_id)s, %(route)s, id::text, 'job.requested',
        %(payload)s::jsonb || jsonb_build_object(
-           'created_at', (extract(epoch FROM created_at) * 1000)::bigint),
+           'created_at', floor(extract(epoch FROM created_at) * 1000)::bigint),
        %(headers)s
 FROM job
 RETURNING (SELECT created_at FROM job) AS created_at;
@@ -57,7 +59,7 @@ WITH src AS (
 INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
 SELECT s.event_id, s.route, j.id::text, 'job.requested',
        s.payload || jsonb_build_object(
-           'created_at', (extract(epoch FROM j.created_at) * 1000)::bigint),
+           'created_at', floor(extract(epoch FROM j.created_at) * 1000)::bigint),
        COALESCE(s.headers, '{}')
 FROM job j JOIN src s ON s.id = j.id;
 
