@@ -138,6 +138,8 @@ class JobSummary(BaseModel):
     error: JobError | None
     created_at: datetime
     updated_at: datetime
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="the submit's metadata, as given (empty if none)")
 
 
 class JobView(JobSummary):

@@ -141,6 +141,9 @@ class JobSnapshot:
     error: dict[str, Any] | None
     created_at: datetime
     updated_at: datetime
+    # The submitter's own keys, returned as given so a caller can correlate a job with its
+    # own records (a row read by a query without the column keeps the empty default).
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

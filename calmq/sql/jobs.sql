@@ -66,7 +66,7 @@ FROM job j JOIN src s ON s.id = j.id;
 -- name: job_for_tenant
 -- calmq.data.jobs.JobDetail's columns (its events: job_events)
 SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
-       input_tokens, output_tokens, cost_usd
+       metadata, input_tokens, output_tokens, cost_usd
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events
@@ -75,7 +75,8 @@ SELECT id, type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER
 -- name: list_jobs
 -- Newest first; the cursor is the (created_at, id) of the last row of the previous page,
 -- which the jobs_tenant_created index serves without an OFFSET scan.
-SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at
+SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
+       metadata
 FROM jobs
 WHERE tenant_id = %(tenant_id)s
   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))

@@ -66,6 +66,20 @@ def test_list_filters_and_cursor_pagination(stack: StackState) -> None:
     assert api.call("GET", "/v1/jobs?workflow=other")[2]["jobs"] == []
 
 
+def test_metadata_is_returned_by_get_and_the_list(stack: StackState) -> None:
+    """A submit's metadata comes back as given from GET /v1/jobs/{id} and GET /v1/jobs."""
+    api = _api(stack)
+    metadata = {"order_id": "A-17", "source": "crm", "attempt_of": 2}
+    job_id = api.submit({"text": "tagged", "mode": "success"}, metadata=metadata)
+    plain = api.submit({"text": "untagged", "mode": "success"})
+    assert api.job(job_id)["metadata"] == metadata
+    assert _terminal(api, job_id)["metadata"] == metadata
+    assert api.job(plain)["metadata"] == {}
+    listed = {j["job_id"]: j for j in api.call("GET", "/v1/jobs")[2]["jobs"]}
+    assert listed[job_id]["metadata"] == metadata
+    assert listed[plain]["metadata"] == {}
+
+
 @pytest.mark.parametrize("query", ["status=finished", "limit=0", "limit=201", "limit=x",
                                    "cursor=@@@", "created_after=yesterday",
                                    "created_after=2026-01-01T00:00:00", "colour=red"])
