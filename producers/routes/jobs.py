@@ -25,7 +25,7 @@ from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
-from calmq.producers.intake import prepare
+from calmq.producers.intake import prepare, submit_keyed
 from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
 from calmq.producers.retention import purge
@@ -107,7 +107,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     else:
         # With a key, the key row must be written in the job's transaction and a concurrent
         # twin must see it: the store's one-job transaction does both.
-        new_id, created = await request.app[STORE].jobs.submit(job, Idempotency(
+        new_id, created = await submit_keyed(request.app[STORE], job, Idempotency(
             key, raw if multipart else hashlib.sha256(raw).digest()))
     if created:
         ACCEPTED.labels(job.workflow, job.priority).inc()
