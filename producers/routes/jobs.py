@@ -96,8 +96,11 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not (0 < len(key) <= 255):
-        raise ContractError("Idempotency-Key must be 1 to 255 characters", code="invalid_header")
+    # Printable ASCII only: aiohttp hands other header bytes over as lone surrogates, which
+    # the key's text column cannot store.
+    if key is not None and not (0 < len(key) <= 255 and key.isascii() and key.isprintable()):
+        raise ContractError("Idempotency-Key must be 1 to 255 printable ASCII characters",
+                            code="invalid_header")
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
     job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data},
                   trace_parent=request.headers.get("traceparent"))
