@@ -9,7 +9,10 @@ Holding is a pause, never a sleep: the partition is paused and rewound to its he
 timer (the ``resume_at`` map checked on every poll) resumes it when the head is due, and
 the consumer keeps polling meanwhile so it stays in its group. An offset is committed only
 after Kafka acknowledged the republished copy, so a crash republishes at most again (the
-worker acknowledges a duplicate of a job it finished without calling the model).
+worker acknowledges a duplicate of a job it finished without calling the model). A copy
+Kafka refused is republished in-process after the kernel's jittered backoff
+(``calmq.retrying``), so one failed delivery does not stall the partition's commits until a
+restart.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from calmq.codec import EventCodec
 from calmq.kafka import header, produce
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
+from calmq.retrying import Reconnect
 
 __all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
 
@@ -60,6 +64,10 @@ class Forwarder:
         self.resume_at: dict[tuple[str, int], float] = {}  # paused partition -> head due (s)
         self.forwarded = 0
         self.ready = threading.Event()
+        # Copies Kafka refused, each with the time (self.clock) to republish it again; the
+        # offset stays in the tracker, not done, so nothing past it is committed meanwhile.
+        self.again: list[tuple[float, Message]] = []
+        self._refused = Reconnect("republishing a retry message failed")
 
     # -- rebalance callbacks ----------------------------------------------------------------
 
@@ -77,12 +85,18 @@ class Forwarder:
         for key in keys:
             self.tracker.revoke(key)
             self.resume_at.pop(key, None)
+        self._forget(keys)
 
     def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.tracker.revoke(key)
             self.resume_at.pop(key, None)
+        self._forget({(tp.topic, tp.partition) for tp in partitions})
+
+    def _forget(self, keys: set[tuple[str, int]]) -> None:
+        # Not ours any more: the partition's next owner reads the message again.
+        self.again = [(at, m) for at, m in self.again if position_of(m)[0] not in keys]
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -94,6 +108,7 @@ class Forwarder:
         try:
             while not stop.is_set():
                 self._resume_due(consumer)
+                self._republish_due()
                 messages = consumer.consume(self.batch_size, timeout=self._wait())
                 self._handle(consumer, messages)
                 self.producer.poll(0)  # serve delivery reports: they complete offsets
@@ -107,9 +122,19 @@ class Forwarder:
             consumer.close()
 
     def _wait(self) -> float:
-        if not self.resume_at:
+        timers = [*self.resume_at.values(), *(at for at, _m in self.again)]
+        if not timers:
             return _MAX_WAIT
-        return max(0.0, min(_MAX_WAIT, min(self.resume_at.values()) - self.clock()))
+        return max(0.0, min(_MAX_WAIT, min(timers) - self.clock()))
+
+    def _republish_due(self) -> None:
+        if not self.again:
+            return
+        now = self.clock()
+        due = [m for at, m in self.again if at <= now]
+        self.again = [(at, m) for at, m in self.again if at > now]
+        for msg in due:
+            self._forward(msg)
 
     def _resume_due(self, consumer: Consumer) -> None:
         now = self.clock()
@@ -153,9 +178,12 @@ class Forwarder:
                 self.tracker.done(tp, offset)
                 self.forwarded += 1
                 metrics.FORWARDED.inc()
+                self._refused.succeeded()
             else:
-                # Not committed: the message is read and forwarded again after a restart.
+                # Not done, so not committed: republished here after a jittered pause (and,
+                # should this process die first, by the partition's next owner).
                 log.error("republishing %s[%d]@%d failed: %s", *tp, offset, err)
+                self.again.append((self.clock() + self._refused.failed(), msg))
 
         if not origin or not origin.startswith(topics.PREFIX) or origin == tp[0]:
             value = self.codec.encode("job.dead_lettered", events.dead_lettered(

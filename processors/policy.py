@@ -2,8 +2,9 @@
 
 ``transient`` with attempts left -> retry through the delay tier whose delay is at least the
 backoff (exponential, jittered over the attempt's band) and never below the provider's
-Retry-After; everything
-else, and an exhausted budget -> dead letter.
+Retry-After, which is bounded by the longest tier: one far-future (or ``inf``) Retry-After
+must not hold a delay topic's partition head for every other tenant, nor overflow the due
+time. Everything else, and an exhausted budget -> dead letter.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def decide(
 ) -> RetryDecision:
     if not failure.retryable or attempt >= max_attempts:
         return RetryDecision(retry=False)
-    delay = max(backoff.delay(attempt, rng), failure.retry_after or 0.0)
+    longest = tiers[-1][1]
+    # ``not >= 0`` also catches NaN; ``min`` bounds inf and huge values alike.
+    asked = failure.retry_after if failure.retry_after is not None else 0.0
+    floor = min(asked, longest) if asked >= 0 else 0.0
+    delay = max(backoff.delay(attempt, rng), floor)
     # The shortest tier that is long enough; past the longest tier, the longest one.
     for name, seconds in tiers:
         if seconds >= delay:

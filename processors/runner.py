@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from confluent_kafka import Message
 
 from calmq import logs, tracing
@@ -27,7 +28,7 @@ from calmq.batching import Batcher
 from calmq.codec import EventCodec
 from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
-from calmq.errors import ContractError, FailureClass, StepFailure
+from calmq.errors import ContractError, FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
@@ -303,6 +304,14 @@ class StepRunner:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self._attempt(job, topic)
+        except Exception:
+            # Building the outcome failed (the failure stage itself raised): the attempt
+            # still ends, once, as a bug, so its offset and lease are released.
+            log.exception("the outcome of attempt %d of %s could not be built", job.attempt,
+                          job.id)
+            finish = self.failures.outcome(job, topic, StepFailure(
+                "the attempt's outcome could not be recorded", code="unhandled_exception",
+                failure_class=FailureClass.BUG))
         except asyncio.CancelledError:
             if not self._abandoning:
                 # The lease was lost (cancelled job, or a reaper requeued it): discard the
@@ -398,7 +407,14 @@ class StepRunner:
         finally:
             metrics.STEP_SECONDS.observe(time.monotonic() - started)
         assert workflow is not None
-        return await self._succeeded(job, workflow, output)
+        try:
+            return await self._succeeded(job, workflow, output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every attempt ends in one outcome
+            # After the model call: writing the artifact or step output failed. The store
+            # being away is not the job's fault (retried); anything else is a bug.
+            return self.failures.outcome(job, topic, _after_step(job, exc))
 
     async def _input(self, job: Job) -> dict[str, Any]:
         if job.input is not None:
@@ -452,3 +468,17 @@ class StepRunner:
             if job_id not in held and task is not None:
                 task.cancel()
                 metrics.ABORTED.inc()
+
+
+def _after_step(job: Job, exc: Exception) -> StepFailure:
+    """The failure of an attempt whose step ran but whose result could not be recorded."""
+    # A full disk (OSError), the database away, or S3 failing (botocore's errors, matched by
+    # module so the worker needs no boto3 import when it uses file://).
+    if (isinstance(exc, OSError | InfrastructureError | psycopg.OperationalError)
+            or type(exc).__module__.startswith("botocore")):
+        log.warning("recording the result of %s failed: %s", job.id, exc)
+        return StepFailure(f"the result could not be stored: {type(exc).__name__}",
+                           code="artifact_write_failed", failure_class=FailureClass.TRANSIENT)
+    log.exception("recording the result of %s raised", job.id)
+    return StepFailure(f"{type(exc).__name__}: {exc}", code="unhandled_exception",
+                       failure_class=FailureClass.BUG)

@@ -32,6 +32,7 @@ from calmq.producers.context import (
 from calmq.producers.intake import GroupCommit
 from calmq.producers.notifications import KEYS, WEBHOOKS, Hub
 from calmq.producers.openapi import document
+from calmq.producers.parsing import storable
 from calmq.producers.problems import problem
 from calmq.producers.retention import Sweeper
 from calmq.producers.routes import ROUTES
@@ -51,6 +52,12 @@ REJECTED = Counter("calmq_requests_rejected_total", "Requests rejected", ["code"
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
+        # A NUL (or a lone surrogate) in a query parameter would reach PostgreSQL as a text
+        # parameter it refuses: a 400 here, for every route at once.
+        for name, value in request.query.items():
+            if not (storable(name) and storable(value)):
+                raise ContractError("a query parameter holds a NUL character or a byte that "
+                                    "is not UTF-8", code="invalid_query")
         return await handler(request)  # type: ignore[no-any-return]
     except ContractError as exc:
         REJECTED.labels(exc.code).inc()

@@ -7,8 +7,10 @@ one accepted over HTTP (calmq.data.jobs writes it, with its ``job.requested`` ev
 ``GroupCommit`` is the API's write path for submits without an Idempotency-Key: requests
 that arrive while a transaction is in flight share the next one (one WAL flush for many
 jobs). A request's future resolves only after COMMIT returned, so its 202 is sent only once
-its job is durable; if the batch fails, each job is retried on its own so one bad row
-cannot fail its neighbours.
+its job is durable; if the batch fails, for whatever reason, each job is retried on its own
+so one bad row cannot fail its neighbours: every request of a batch is answered, and a row
+whose text PostgreSQL cannot store (a lone surrogate, say from a header byte that is not
+UTF-8) is a 400 ``unstorable_text`` for its own request alone (``refusal``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from prometheus_client import Histogram
 from psycopg_pool import AsyncConnectionPool
 
 from calmq.batching import Batcher
+from calmq.data import Idempotency, Store
 from calmq.data.jobs import NewJob, insert_jobs
-from calmq.errors import InfrastructureError
+from calmq.errors import ContractError, InfrastructureError
 from calmq.workflows import Workflow
 
-__all__ = ["GroupCommit", "prepare"]
+__all__ = ["GroupCommit", "prepare", "refusal", "submit_keyed"]
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +94,18 @@ class GroupCommit:
     async def _write(self, rows: list[NewJob]) -> list[BaseException | None] | None:
         try:
             await self._commit(rows)
-        except psycopg.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever one row does, each is answered
             if len(rows) == 1:
-                return [_infrastructure(exc)]
+                return [refusal(exc)]
             log.warning("a group of %d submits failed (%s); writing them one by one",
-                        len(rows), exc)
+                        len(rows), type(exc).__name__)
             # Every request gets its own answer, whatever its neighbours' rows do.
             errors: list[BaseException | None] = []
             for job in rows:
                 try:
                     await self._commit([job])
-                except psycopg.Error as one:
-                    errors.append(_infrastructure(one))
+                except Exception as one:  # noqa: BLE001 - settles this request alone
+                    errors.append(refusal(one))
                 else:
                     errors.append(None)
             return errors
@@ -116,7 +119,37 @@ class GroupCommit:
             await insert_jobs(conn, rows)
 
 
-def _infrastructure(exc: psycopg.Error) -> InfrastructureError:
-    err = InfrastructureError(f"the job could not be written: {exc}")
+async def submit_keyed(store: Store, job: NewJob, idempotency: Idempotency
+                       ) -> tuple[uuid.UUID, bool]:
+    """A submit with an Idempotency-Key, in its own transaction (the key row must commit with
+    the job), refused by ``refusal``'s rules like a group-committed one."""
+    try:
+        return await store.jobs.submit(job, idempotency)
+    except Exception as exc:
+        err = refusal(exc)
+        if err is exc:
+            raise
+        raise err from exc
+
+
+def refusal(exc: BaseException) -> BaseException:
+    """What the request whose row raised ``exc`` is answered with.
+
+    Text the database cannot store is the request's fault (400 ``unstorable_text``): a lone
+    surrogate fails in the driver's UTF-8 encoding (UnicodeEncodeError), a NUL or an
+    unpaired ``\\u`` escape in PostgreSQL itself (a data exception, SQLSTATE class 22).
+    Another database error is the service's (InfrastructureError, 503); anything else is
+    returned as it is, a logged 500 for that request alone. No answer repeats the driver's
+    text: it is kept as ``__cause__`` for the log.
+    """
+    err: BaseException
+    if isinstance(exc, UnicodeError | psycopg.DataError):
+        err = ContractError(
+            "the request holds text that cannot be stored (a NUL character, or a character "
+            "that is not valid UTF-8)", code="unstorable_text")
+    elif isinstance(exc, psycopg.Error):
+        err = InfrastructureError("the job could not be written; try again")
+    else:
+        return exc
     err.__cause__ = exc
     return err

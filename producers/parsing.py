@@ -3,6 +3,11 @@
 Every route with a body reads it through ``read_body`` (or, for a multipart submit, hands
 the form's fields to ``validate``), so every body error is the same problem+json: 415
 ``unsupported_media_type``, 400 ``invalid_json``, 422 ``invalid_body``.
+
+Bad input is a 4xx here, before it can reach PostgreSQL as a 5xx: JSON nested deeper than
+the parser allows and the non-JSON constants ``NaN``/``Infinity`` (jsonb refuses them) are
+``invalid_json``; a NUL character or a lone surrogate in any string of a body (jsonb and
+text columns refuse both) is 400 ``unstorable_text``.
 """
 
 from __future__ import annotations
@@ -17,15 +22,52 @@ from pydantic import BaseModel, ValidationError
 
 from calmq.errors import ContractError, NotFound
 
-__all__ = ["LIST_MAX", "job_id", "limit", "read_body", "validate"]
+__all__ = ["LIST_MAX", "check_storable", "job_id", "limit", "read_body", "storable", "validate"]
 
 LIST_MAX = 200
 
 M = TypeVar("M", bound=BaseModel)
 
 
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def storable(text: str) -> bool:
+    """Whether PostgreSQL can store ``text``: no NUL, and valid UTF-8 (no lone surrogate)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_storable(value: Any, where: str = "the body") -> None:
+    """Raise 400 unstorable_text if any string (key or value) of ``value`` cannot be stored.
+
+    Iterative: a body may be nested as deep as the JSON parser allows, deeper than a
+    recursive walk could go.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item)  # JSON keys are strings too
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, str) and not storable(item):
+            raise ContractError(
+                f"{where} holds text that cannot be stored: a NUL character (\\u0000) or "
+                "a lone surrogate", code="unstorable_text")
+
+
 def validate(model: type[M], body: Any) -> M:
-    """``body`` as ``model``; ContractError 422 invalid_body naming each failing field."""
+    """``body`` as ``model``; ContractError 422 invalid_body naming each failing field, 400
+    unstorable_text for a string that cannot be stored."""
+    check_storable(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -43,9 +85,12 @@ async def read_body(request: web.Request, model: type[M]) -> tuple[M, bytes]:
         )
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_constant)
     except ValueError as exc:
         raise ContractError(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ContractError("the body is nested deeper than this API parses",
+                            code="invalid_json") from exc
     if not isinstance(body, dict):
         raise ContractError("the body must be a JSON object", code="invalid_body", status=422)
     return validate(model, body), raw

@@ -69,7 +69,9 @@ class FakeProviderSettings(BaseModel):
     port: int = Field(default=8090, ge=0, le=65535)
     requests_per_minute: int = Field(default=0, ge=0)  # 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)  # 0 = unlimited
-    slow_seconds: float = Field(default=30.0, ge=0)
+    # Past the summarize step's 60 s timeout (the dev stack's default, no worker override):
+    # a slow job times out on `calmq dev up` as it starts, as the reference table says.
+    slow_seconds: float = Field(default=90.0, ge=0)
     retry_after_seconds: float = Field(default=1.0, ge=0)
     low_confidence: float = Field(default=0.42, ge=0, le=1)
     latency_ms: int = Field(default=0, ge=0)

@@ -25,7 +25,7 @@ from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
-from calmq.producers.intake import prepare
+from calmq.producers.intake import prepare, submit_keyed
 from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
 from calmq.producers.retention import purge
@@ -96,8 +96,11 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not (0 < len(key) <= 255):
-        raise ContractError("Idempotency-Key must be 1 to 255 characters", code="invalid_header")
+    # Printable ASCII only: aiohttp hands other header bytes over as lone surrogates, which
+    # the key's text column cannot store.
+    if key is not None and not (0 < len(key) <= 255 and key.isascii() and key.isprintable()):
+        raise ContractError("Idempotency-Key must be 1 to 255 printable ASCII characters",
+                            code="invalid_header")
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
     job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data},
                   trace_parent=request.headers.get("traceparent"))
@@ -107,7 +110,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     else:
         # With a key, the key row must be written in the job's transaction and a concurrent
         # twin must see it: the store's one-job transaction does both.
-        new_id, created = await request.app[STORE].jobs.submit(job, Idempotency(
+        new_id, created = await submit_keyed(request.app[STORE], job, Idempotency(
             key, raw if multipart else hashlib.sha256(raw).digest()))
     if created:
         ACCEPTED.labels(job.workflow, job.priority).inc()

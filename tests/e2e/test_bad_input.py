@@ -10,6 +10,7 @@ import pytest
 
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -128,3 +129,76 @@ def test_missing_or_wrong_key_is_401(
     assert hdrs["Content-Type"].startswith("application/problem+json")
     assert body["code"] in ("missing_api_key", "invalid_api_key")
     assert _jobs_of(stack, name) == before
+
+
+_SUMMARIZE = b'{"workflow": "summarize", "input": {"text": "x"}'
+
+# Bad input that used to reach PostgreSQL (or the parser's recursion limit) as a 5xx.
+HOSTILE = [
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"deep": ' + b"[" * 100_000
+                  + b"]" * 100_000 + b"}}"}, 400, "invalid_json", id="nested-too-deep"),
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"n": NaN}}'}, 400, "invalid_json",
+                 id="nan-in-metadata"),
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"n": -Infinity}}'}, 400,
+                 "invalid_json", id="infinity-in-metadata"),
+    pytest.param({"body": {"workflow": "summarize", "input": {"text": "a\u0000b"}}}, 400,
+                 "unstorable_text", id="nul-in-input"),
+    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"},
+                           "metadata": {"k\u0000": "v"}}}, 400, "unstorable_text",
+                 id="nul-in-metadata-key"),
+    pytest.param({"raw": b'{"workflow": "summarize", "input": {"text": "lone \\ud800"}}'},
+                 400, "unstorable_text", id="lone-surrogate-in-input"),
+    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"}},
+                  "headers": {"Idempotency-Key": "k\xe9y"}}, 400, "invalid_header",
+                 id="non-ascii-idempotency-key"),
+    pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"}},
+                  "headers": {"traceparent": "00-\xff-01"}}, 400, "unstorable_text",
+                 id="non-utf8-traceparent"),
+]
+
+
+@pytest.mark.parametrize(("request_", "status", "code"), HOSTILE)
+def test_hostile_submit_is_a_4xx_problem_and_writes_nothing(
+    tenant: tuple[Api, str], stack: StackState, request_: dict, status: int, code: str
+) -> None:
+    """Deep nesting, NaN, NUL, lone surrogates and non-ASCII headers answer 400, not 5xx."""
+    api, name = tenant
+    before = _jobs_of(stack, name)
+    got_status, headers, body = api.call(
+        "POST", "/v1/jobs", request_.get("body"), raw=request_.get("raw"),
+        headers=request_.get("headers"))
+    assert (got_status, body["code"]) == (status, code), body
+    assert headers["Content-Type"].startswith("application/problem+json")
+    assert "PostgreSQL" not in body["detail"]
+    assert "jsonb" not in body["detail"]
+    assert _jobs_of(stack, name) == before
+
+
+def test_nul_in_a_query_parameter_is_400(tenant: tuple[Api, str]) -> None:
+    """A NUL in a list filter answers 400 invalid_query instead of a database error."""
+    api, _name = tenant
+    status, _headers, body = api.call("GET", "/v1/jobs?workflow=sum%00marize")
+    assert (status, body["code"]) == (400, "invalid_query"), body
+
+
+def _settled(api: Api, job_id: str, status: str) -> dict:
+    return wait_for(lambda: (j := api.job(job_id))["status"] == status and j, timeout=60,
+                    what=f"job {job_id} to be {status}")
+
+
+def test_nul_in_review_and_redrive_text_is_400(tenant: tuple[Api, str]) -> None:
+    """A NUL in a review's reason or a redrive's by answers 400 and leaves the job as it was."""
+    api, _name = tenant
+    review = api.submit({"text": "unsure", "mode": "low_confidence"})
+    _settled(api, review, "awaiting_review")
+    status, _h, body = api.call("POST", f"/v1/jobs/{review}/review",
+                                {"decision": "reject", "reviewer": "me", "reason": "no\u0000pe"})
+    assert (status, body["code"]) == (400, "unstorable_text"), body
+    assert api.job(review)["status"] == "awaiting_review"
+
+    dead = api.submit({"text": "garbage out", "mode": "malformed"})
+    _settled(api, dead, "dead_letter")
+    status, _h, body = api.call("POST", f"/v1/dead-letters/{dead}/redrive",
+                                {"reason": "again", "by": "ops\u0000"})
+    assert (status, body["code"]) == (400, "unstorable_text"), body
+    assert api.job(dead)["status"] == "dead_letter"

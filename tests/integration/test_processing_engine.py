@@ -288,3 +288,24 @@ def test_redelivered_message_of_a_finished_job_makes_no_call(
              timeout=30, what="the duplicate to be acknowledged")
     assert fake_stats(fake)["by_job"][job_id]["calls"] == 1
     assert [e["type"] for e in history(env.db, job_id)] == ["queued", "running", "completed"]
+
+
+def test_an_artifact_write_that_fails_ends_the_attempt_and_frees_the_partition(
+        env: Env, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A failing artifact write after the model call retries, then dead-letters as transient,
+    and the worker's in-flight count and the partition go back to free."""
+    # A file where the store's folder should be: every write raises NotADirectoryError.
+    blocker = tmp_path_factory.mktemp("full-disk") / "not-a-folder"
+    blocker.write_text("")
+    pool = env.pool("art")
+    _proc, port = env.procs.worker(pool, object_store_url=f"file://{blocker}/store", **BASE)
+    first, second = env.submit(pool, {"text": "artifact fails", "mode": "success"},
+                               {"text": "behind it", "mode": "success"})
+    for job_id in (first, second):
+        job = env.finished(job_id, timeout=90)
+        assert job["status"] == "dead_letter"
+        assert job["error"]["code"] == "artifact_write_failed"
+        assert job["error"]["class"] == "transient"
+        assert job["attempt"] == 3
+    wait_for(lambda: metric(port, "calmq_worker_in_flight") == 0, timeout=30,
+             what="the worker to hold no attempt")

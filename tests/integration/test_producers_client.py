@@ -120,3 +120,44 @@ async def test_group_commit_shares_transactions_and_isolates_a_bad_row(
         assert row == (300,)
         assert conn.execute("SELECT count(*) FROM jobs WHERE id = %s",
                             (bad.id,)).fetchone() == (0,)
+
+
+async def test_group_commit_answers_every_request_when_a_row_has_unstorable_text(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """Rows whose text cannot be stored get unstorable_text; every neighbour is committed."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    workflow = builtin_workflows()["summarize"]
+    pool = AsyncConnectionPool(url, min_size=1, max_size=1, open=False,
+                               kwargs={"autocommit": True})
+    await pool.open()
+    try:
+        # One writer: the whole batch is one group, so the bad rows share it with the good.
+        group = GroupCommit(pool, max_batch=64, writers=1)
+        good = [prepare(workflow, tenant[0], input={"text": f"n{i}"}) for i in range(12)]
+        bad = [
+            # A traceparent byte 0xFF reaches us as a lone surrogate: the driver's UTF-8
+            # encoding raises UnicodeEncodeError, not a psycopg.Error.
+            prepare(workflow, tenant[0], input={"text": "x"},
+                    trace_parent="00-\udcff-01"),
+            prepare(workflow, tenant[0], input={"text": "lone \ud800 surrogate"}),
+            prepare(workflow, tenant[0], input={"text": "x"}, metadata={"k": "nul\x00"}),
+        ]
+        batch = [*good[:4], bad[0], *good[4:8], bad[1], *good[8:], bad[2]]
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(*(group.submit(j) for j in batch),
+                                           return_exceptions=True)
+    finally:
+        await pool.close()
+    answers = dict(zip([j.id for j in batch], results, strict=True))
+    for job in bad:
+        error = answers[job.id]
+        assert isinstance(error, ContractError), error
+        assert (error.code, error.status) == ("unstorable_text", 400)
+    assert [answers[j.id] for j in good] == [None] * len(good)
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)",
+                           ([j.id for j in good],)).fetchone()
+        assert row == (len(good),)
+        row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)",
+                           ([j.id for j in bad],)).fetchone()
+        assert row == (0,)

@@ -102,3 +102,18 @@ def test_non_transient_failures_are_never_retried() -> None:
     """A verifier failure dead-letters on its first attempt."""
     finish = _stage().outcome(_job(attempt=1), TOPIC, _failure(FailureClass.VERIFIER))
     assert finish.status == Status.DEAD_LETTER
+
+
+def test_an_infinite_or_huge_retry_after_is_bounded_by_the_longest_tier() -> None:
+    """Retry-After inf or 1e300 schedules a retry through the longest tier, due within it."""
+    for retry_after in (float("inf"), 1e300, 10_000.0):
+        failure = StepFailure("429", code="rate_limited", failure_class=FailureClass.TRANSIENT,
+                              retry_after=retry_after)
+        before = time.time()
+        finish = _stage().outcome(_job(attempt=1), TOPIC, failure)
+        assert finish.status == Status.RETRYING
+        assert finish.event_detail["tier"] == "2m"
+        assert finish.event_detail["delay_seconds"] == 120.0
+        [entry] = finish.outbox
+        due = int(dict(entry.headers)[DUE_AT]) / 1000
+        assert before + 119 <= due <= time.time() + 121

@@ -474,3 +474,13 @@ async def test_serve_prints_ready_line_and_answers(capsys: pytest.CaptureFixture
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def test_slow_outlasts_the_summarize_step_timeout_on_the_defaults() -> None:
+    """By default slow sleeps past the timeout summarize runs with on the dev stack."""
+    from calmq.settings import Settings
+    from calmq.workflows import builtin_workflows
+
+    step = builtin_workflows()["summarize"].steps[0]
+    timeout = Settings().step_timeout_seconds or step.timeout_seconds
+    assert FakeProviderSettings().slow_seconds > timeout

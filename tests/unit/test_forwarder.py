@@ -123,3 +123,28 @@ def test_message_without_origin_goes_to_the_dlq() -> None:
     (record,) = producer.sent
     assert record["topic"] == "calmq.dlq"
     assert ("calmq-error-code", b"missing_origin_topic") in record["headers"]
+
+
+def test_a_refused_republish_is_sent_again_after_a_backoff_and_then_commits() -> None:
+    """A copy Kafka refused is republished in-process after a jittered pause, and its offset
+    becomes committable once that second copy is acknowledged (no restart needed)."""
+    from confluent_kafka import KafkaError
+
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd.tracker.committed({(RETRY, 0): 3})
+    fwd._handle(consumer, [Msg(3, 999_000)])  # type: ignore[arg-type, list-item]
+    (first,) = producer.sent
+    first["on_delivery"](KafkaError(KafkaError._MSG_TIMED_OUT), None)
+    assert fwd.tracker.to_commit() == {}
+    fwd._republish_due()
+    assert len(producer.sent) == 1  # not at once: after the backoff
+    assert 0.0 <= fwd._wait() <= 0.1
+    now[0] += 10.0  # past the first pause (at most 0.1 s)
+    fwd._republish_due()
+    assert len(producer.sent) == 2
+    assert producer.sent[1]["topic"] == "calmq.p.bulk"
+    assert producer.sent[1]["value"] == b"avro bytes"
+    producer.sent[1]["on_delivery"](None, None)
+    assert fwd.tracker.to_commit() == {(RETRY, 0): 4}
+    assert fwd.again == []
