@@ -1,5 +1,5 @@
 """The scenarios: each starts its own stack, runs calmq, then its baselines on the same broker
-and database, and returns one result of the DESIGN.md §4 shape.
+and database, and returns one result of the one shape docs/how-to/benchmarks.md describes.
 
 Every rate is a ratio against a baseline measured minutes apart on the same machine, because
 absolute figures on a shared 2-core machine drift from run to run.

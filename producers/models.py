@@ -143,7 +143,7 @@ class JobSummary(BaseModel):
 
 
 class JobView(JobSummary):
-    """GET /v1/jobs/{id}: the same shape at every stage (DESIGN.md §4)."""
+    """GET /v1/jobs/{id}: the same shape at every stage (docs/reference/api.md)."""
 
     usage: Usage
     events: list[JobEvent]

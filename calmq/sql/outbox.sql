@@ -6,7 +6,7 @@ VALUES (%(id)s, %(route)s, %(aggregateid)s, %(type)s, %(payload)s, %(headers)s);
 
 -- name: outbox_page
 -- Rows of transactions that committed: every transaction below the snapshot's xmin has
--- ended, so no row can still appear behind the cursor (DESIGN.md §5).
+-- ended, so no row can still appear behind the cursor (docs/how-to/relay.md).
 SELECT seq, id, aggregatetype, aggregateid, type, payload, headers, txid::text AS txid
 FROM outbox
 WHERE (txid, seq) > (%(txid)s::text::xid8, %(seq)s)
