@@ -1,4 +1,4 @@
-"""The result of a scenario (the shape docs/how-to/benchmarks.md describes), the machine it ran on, and its table."""
+"""The result of a scenario (the shape docs/how-to/benchmarks.md gives), and its table."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_result_has_the_contract_shape() -> None:
-    """A result carries exactly the seven keys every scenario reports (docs/how-to/benchmarks.md)."""
+    """A result carries exactly the seven keys every scenario reports."""
     res = report.result("e2e", 10, {"jobs_per_s": 1.0}, {"skip_locked": {"jobs_per_s": 2.0}},
                         {"jobs_per_s_vs_skip_locked": 0.5}, {"kafka": "4.1.1"})
     assert set(res) == {"scenario", "size", "figures", "baselines", "ratios", "machine",
