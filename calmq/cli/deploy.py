@@ -1,0 +1,75 @@
+"""What a deployment sets up: topics, schemas, KEDA manifests."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from calmq.cli.flags import Command, Flags, settings_environ, settings_for
+from calmq.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from calmq import topics
+    from calmq.kafka import create_topics
+
+    settings = settings_for(args)
+    names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
+    created = create_topics(settings.kafka_bootstrap, names,
+                            partitions=settings.topic_partitions,
+                            replication=settings.topic_replication)
+    for name in names:
+        print(f"{'created' if name in created else 'exists '} {name}")
+    return 0
+
+
+def cmd_schemas(args: argparse.Namespace) -> int:
+    from calmq.codec import RegistryCodec, SchemaStore
+
+    if args.action == "check":
+        from calmq.tooling.schemas_check import check_backward
+
+        problems = check_backward(SchemaStore())
+        for p in problems:
+            print(p)
+        print("every schema version reads the one before it" if not problems else
+              f"{len(problems)} compatibility problem(s)")
+        return 1 if problems else 0
+    settings = settings_for(args)
+    if not settings.schema_registry_url:
+        raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
+                          code="no_schema_registry")
+    ids = RegistryCodec(settings.schema_registry_url).register_all()
+    for event_type, schema_id in ids.items():
+        print(f"{event_type}: schema id {schema_id}")
+    return 0
+
+
+def cmd_keda(args: argparse.Namespace) -> int:
+    from calmq.settings import Settings
+    from calmq.tooling.keda import write
+
+    # Not _settings(): a running local stack's 127.0.0.1 addresses must not leak into
+    # manifests for a cluster. Empty addresses render as the in-cluster service names.
+    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
+    settings = Settings.load(flags, environ=settings_environ(args))
+    for path in write(settings, Path(args.output_dir or "deploy/keda")):
+        print(f"wrote {path}")
+    return 0
+
+
+def register(command: Command, flags: Flags) -> None:
+    setting, option = flags.setting, flags.option
+    p = command("topics", cmd_topics, "create calmq's topics", needs=("kafka_bootstrap",))
+    p.add_argument("action", choices=["create"], help="create the missing topics")
+    setting(p, "pool")
+    p = command("schemas", cmd_schemas, "register or check the Avro schemas")
+    p.add_argument("action", choices=["register", "check"],
+                   help="register with the registry, or check each version reads the last")
+    p = command("keda", cmd_keda, "render KEDA manifests")
+    p.add_argument("action", choices=["render"], help="write the manifests")
+    option(p, "--output-dir", help="where to write (default deploy/keda)")
+    setting(p, "concurrency")
+    setting(p, "keda_pools")

@@ -1,0 +1,122 @@
+"""The local stack and the tools around it: dev, demo, fake-provider, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from calmq.cli.flags import Command, Flags, data_dir
+from calmq.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from calmq.tooling.devstack import SERVICES, Stack
+
+    stack = Stack(data_dir(args))
+    if args.action == "up":
+        wanted = args.services or ",".join(SERVICES)
+        services = [s.strip() for s in wanted.split(",") if s.strip()]
+        state = stack.up(services, log=lambda m: print(m, flush=True))
+        print(f"calmq dev stack ready in {state.ready_seconds:.1f} s under {stack.data_dir}")
+        print("versions: " + ", ".join(f"{k} {v}" for k, v in state.versions.items()))
+        print(f"join it with: eval $(calmq dev env --data-dir {stack.data_dir})")
+        return 0
+    if args.action == "down":
+        stopped = stack.down(log=lambda m: print(m, flush=True))
+        print(f"stopped {len(stopped)} processes" if stopped else "nothing was running")
+        return 0
+    if args.action == "status":
+        parts = stack.status()
+        if args.json:
+            print(json.dumps(parts, indent=2))
+        elif not parts:
+            print(f"no local stack under {stack.data_dir}")
+        else:
+            for p in parts:
+                mark = "up  " if p["healthy"] else "DOWN"
+                print(f"{mark} {p['name']:<16} pid {p['pid'] or '-':<8} {p['address']}")
+        return 0 if parts and all(p["healthy"] for p in parts) else 1
+    if args.action == "env":
+        running = stack.state()
+        if running is None:
+            print(f"no local stack under {stack.data_dir}", file=sys.stderr)
+            return 1
+        for key, value in sorted(running.env.items()):
+            print(f"export {key}={value}")
+        return 0
+    raise ConfigError(f"unknown dev action {args.action}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from calmq.tooling.demo import run_demo
+
+    return run_demo(data_dir(args), keep=args.keep)
+
+
+def cmd_fake_provider(args: argparse.Namespace) -> int:
+    from calmq.tooling.fake_provider import FakeProviderSettings, serve
+
+    values = {
+        "port": args.port, "latency_ms": args.latency_ms,
+        "requests_per_minute": args.requests_per_minute,
+        "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
+    }
+    settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """One scenario on its own throwaway stack; progress on stderr, the result on stdout."""
+    # The benchmarks live in the source checkout, not in the wheel: found beside this package
+    # (calmq/ is in the checkout's root), and handed on to the processes a scenario starts.
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "bench" / "__init__.py").is_file():
+        sys.path.insert(0, str(checkout))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+    try:
+        from bench import NotBuiltError, run_scenario, text_table
+    except ImportError as exc:
+        print(f"calmq bench needs the bench package (a source checkout): {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_scenario(args.scenario, int(args.size) if args.size else None)
+    except NotBuiltError as exc:
+        print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else text_table(result), flush=True)
+    return 0
+
+
+def register(command: Command, flags: Flags) -> None:
+    option = flags.option
+    p = command("dev", cmd_dev, "the local stack: up, down, status, env")
+    p.add_argument("action", choices=["up", "down", "status", "env"],
+                   help="start, stop, show or export the local stack")
+    option(p, "--services", help="comma list of calmq services to start (default: all)")
+    option(p, "--json", action="store_true", help="status as JSON")
+
+    p = command("demo", cmd_demo, "start the stack, run a handful of jobs, stop")
+    option(p, "--keep", action="store_true", help="leave the stack running afterwards")
+
+    p = command("fake-provider", cmd_fake_provider, "run the fake model provider")
+    option(p, "--port", type=int, help="port to listen on")
+    option(p, "--latency-ms", type=int, help="added latency of every call")
+    option(p, "--requests-per-minute", type=int, help="429 past this many requests a minute")
+    option(p, "--tokens-per-minute", type=int, help="429 past this many tokens a minute")
+    option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
+
+    p = command("bench", cmd_bench, "run a benchmark scenario")
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"],
+                   help="the scenario (bench/README.md)")
+    option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
+    option(p, "--json", action="store_true", help="the result as one JSON object")

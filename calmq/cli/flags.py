@@ -1,0 +1,148 @@
+"""The commands' flags and the settings they resolve to.
+
+A flag is either a setting or a command's own option. A setting's flag is made from its
+Settings field (name, type, help), and its CALMQ_ variable is read once, by Settings.load.
+An option (--json, --data-dir, --api-key, ...) reads its CALMQ_ variable itself, and the
+parser keeps the names of those variables so that Settings.load does not take one of them
+for a misspelt setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union, get_args, get_origin
+
+from calmq.errors import ConfigError
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
+
+__all__ = ["Command", "Flags", "Handler", "configure_logging", "data_dir", "settings_for"]
+
+# The locations a running local stack (`calmq dev up`) fills in when they are empty.
+STACK_KEYS = ("database_url", "kafka_bootstrap", "schema_registry_url", "object_store_url",
+              "api_url", "fake_provider_url")
+
+_TRUE = ("1", "true", "yes")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class Command(Protocol):
+    """Adds one subcommand: ``needs`` names the settings it cannot run without."""
+
+    def __call__(self, name: str, fn: Handler, help_: str, *,
+                 needs: Sequence[str] = ...) -> argparse.ArgumentParser: ...
+
+
+def _option_env(dest: str) -> str:
+    from calmq.settings import ENV_PREFIX
+
+    return ENV_PREFIX + dest.upper()
+
+
+def _field_kind(name: str) -> dict[str, Any]:
+    """The argparse type, choices or action of a Settings field, from its annotation."""
+    from calmq.settings import Settings
+
+    kind: Any = Settings.model_fields[name].annotation
+    if get_origin(kind) in (Union, UnionType):  # an optional value: float | None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Literal:
+        return {"choices": list(get_args(kind))}
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if kind in (int, float):
+        return {"type": kind}
+    return {}  # strings, and what pydantic parses from a string (durations, JSON, secrets)
+
+
+class Flags:
+    """Adds the commands' flags; remembers which CALMQ_ variables are options, not settings."""
+
+    def __init__(self) -> None:
+        self.option_env: set[str] = set()
+
+    def setting(self, p: argparse.ArgumentParser, name: str, *aliases: str) -> None:
+        """``--<name>`` for the Settings field ``name``: typed and described by the field."""
+        from calmq.settings import ENV_PREFIX, Settings
+
+        field = Settings.model_fields[name]
+        default = "" if field.default in (None, "") else f"; default {field.default}"
+        p.add_argument(
+            "--" + name.replace("_", "-"), *aliases, dest=name, default=None,
+            help=f"{field.description} [{ENV_PREFIX}{name.upper()}{default}]",
+            **_field_kind(name),
+        )
+
+    def option(self, p: argparse.ArgumentParser, flag: str, *aliases: str,
+               **kw: Any) -> None:
+        """A command's own flag, which reads CALMQ_<DEST> (the flag wins over it)."""
+        from calmq.settings import Settings
+
+        action = p.add_argument(flag, *aliases, **kw)
+        if action.dest in Settings.model_fields:
+            raise ValueError(f"--{action.dest} is a setting: add it with Flags.setting")
+        env = _option_env(action.dest)
+        action.help = f"{action.help or ''} [{env}]".lstrip()
+        self.option_env.add(env)
+        if env not in os.environ:
+            return
+        if kw.get("action") == "store_true":
+            action.default = os.environ[env].lower() in _TRUE
+        else:
+            # argparse converts a string default with the flag's type, as if it were given.
+            action.default = os.environ[env]
+
+
+def settings_environ(args: argparse.Namespace) -> dict[str, str]:
+    """The environment without the options' CALMQ_ variables, which are no settings."""
+    return {k: v for k, v in os.environ.items() if k not in args.option_env}
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    from calmq.tooling.devstack import default_data_dir
+
+    return Path(args.data_dir) if getattr(args, "data_dir", None) else default_data_dir()
+
+
+def settings_for(args: argparse.Namespace, **overrides: Any) -> Settings:
+    """Settings from env + flags, with empty locations filled from the running local stack.
+
+    Fails with ``no_stack`` when a location the command needs (``args.needs``) is still
+    empty: a database-only command asks for the database, not for Kafka.
+    """
+    from calmq.settings import Settings
+    from calmq.tooling.devstack import Stack
+
+    flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    flags.update({k: v for k, v in overrides.items() if v is not None})
+    state = Stack(data_dir(args)).state()
+    if state is not None:
+        for key in STACK_KEYS:
+            env_key = "CALMQ_" + key.upper()
+            if not flags.get(key) and not os.environ.get(env_key) and state.env.get(env_key):
+                flags[key] = state.env[env_key]
+    settings = Settings.load(flags, environ=settings_environ(args))
+    missing = [k for k in getattr(args, "needs", ()) if not getattr(settings, k)]
+    if missing:
+        raise ConfigError(
+            f"{', '.join('CALMQ_' + m.upper() for m in missing)} not set and no local stack is "
+            "running: start one with `calmq dev up`, or `eval $(calmq dev env)`",
+            code="no_stack",
+        )
+    return settings
+
+
+def configure_logging(level: str = "INFO", redact: str = "*") -> None:
+    from calmq.logs import configure
+
+    configure(level, redact)  # one JSON object per line (docs/how-to/observability.md)
+    # One line per schema-registry HTTP call is noise at INFO.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
