@@ -18,6 +18,7 @@ __all__ = [
     "InfrastructureError",
     "NotFound",
     "StepFailure",
+    "UsageError",
 ]
 
 
@@ -49,6 +50,12 @@ class ConfigError(CalmqError):
     """Settings, flags or environment that calmq cannot use."""
 
     code = "invalid_setting"
+
+
+class UsageError(ConfigError):
+    """A command line the command cannot use (exit status 2, like argparse's own)."""
+
+    code = "usage"
 
 
 class ContractError(CalmqError):

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from calmq.cli import deadletters, deploy, dev, jobs, services, tenants
 from calmq.cli.flags import Flags, Handler
-from calmq.errors import CalmqError
+from calmq.cli.output import Exit
+from calmq.errors import CalmqError, UsageError
 
 __all__ = ["main", "parser"]
 
@@ -59,6 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except CalmqError as exc:
         print(f"calmq: error [{exc.code}]: {exc.message}", file=sys.stderr)
-        return 1
+        return Exit.USAGE if isinstance(exc, UsageError) else Exit.ERROR
     except KeyboardInterrupt:
         return 130
