@@ -3,8 +3,10 @@
 topic = ``calmq.`` + aggregatetype (or any ``topic_replacement`` with ``${routedByValue}``,
 Debezium's ``route.topic.replacement``), key = aggregateid (the job id), value = the payload in
 Avro, headers ``id`` (event id) and ``eventType`` plus the row's own headers (traceparent,
-retry bookkeeping). A payload that does not fit its schema goes to ``calmq.dlq`` with the
-reason instead of stopping the relay.
+retry bookkeeping). A payload that does not fit its schema, or a row routed to a topic that
+does not exist, goes to ``calmq.dlq`` with the reason instead of stopping the relay: the
+relay publishes every pool's rows in one commit order, so one row it cannot place would
+otherwise hold back all the others (and a relay that crashes on it crashes again on restart).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from calmq import topics
 from calmq.codec import EventCodec
@@ -32,6 +34,13 @@ TOPIC_REPLACEMENT = topics.PREFIX + ROUTED_BY_VALUE
 
 log = logging.getLogger(__name__)
 
+# How long a topic found missing stays missing before the broker is asked again: rows for it
+# go to the DLQ without a metadata round trip each, and a topic created meanwhile is used
+# within this long.
+_MISSING_TOPIC_TTL = 10.0
+_METADATA_TIMEOUT = 5.0
+_NO_TOPIC = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+
 
 class Publisher:
     """Produces outbox rows with an idempotent producer and waits for every ack."""
@@ -44,7 +53,9 @@ class Publisher:
         # Debezium's route.topic.replacement: ${routedByValue} is the row's aggregatetype.
         self.topic_replacement = topic_replacement
         self._failed: list[KafkaError] = []
-        self.rejected = 0  # rows routed to the DLQ because their payload did not fit
+        self.rejected = 0  # rows routed to the DLQ because their payload or topic did not fit
+        self._topics: set[str] = set()  # seen in the broker's metadata
+        self._missing: dict[str, float] = {}  # topic -> when it was found missing
 
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
@@ -71,6 +82,7 @@ class Publisher:
             headers += [(k, str(v).encode()) for k, v in row.headers.items()]
             value = self.codec.encode(row.type, payload)
             topic = self.topic_for(row.aggregatetype)
+            self._require_topic(topic)
         except ContractError as exc:
             self.rejected += 1
             log.warning("outbox row %s rejected: %s", row.id, exc.message)
@@ -79,6 +91,28 @@ class Publisher:
             topic = topics.DLQ
             headers.append(("calmq-error-code", exc.code.encode()))
         self._produce(topic, row.aggregateid.encode(), value, headers, on_ack)
+
+    def _require_topic(self, topic: str) -> None:
+        """Raise ``unknown_topic`` unless the broker has ``topic`` (asked once, then cached)."""
+        if topic in self._topics:
+            return
+        missing_since = self._missing.get(topic)
+        if missing_since is None or time.monotonic() - missing_since > _MISSING_TOPIC_TTL:
+            try:
+                meta = self.producer.list_topics(topic, timeout=_METADATA_TIMEOUT)
+            except KafkaException as exc:
+                # The broker did not answer: not the row's fault. The relay's reconnect loop
+                # retries, and the row is sent again from the slot or cursor.
+                raise InfrastructureError(f"Kafka metadata for {topic}: {exc}") from exc
+            found = meta.topics.get(topic)
+            if found is not None and found.error is None and found.partitions:
+                self._topics.add(topic)
+                self._missing.pop(topic, None)
+                return
+            self._missing[topic] = time.monotonic()
+        raise ContractError(
+            f"topic {topic} does not exist: create the pool's topics (`calmq topics create "
+            "--pool <pool>`), then submit the job again", code="unknown_topic")
 
     def topic_for(self, route: str) -> str:
         """The topic of a route (aggregatetype), by the replacement rule."""
@@ -104,7 +138,14 @@ class Publisher:
         on_ack: Callable[[], None] | None = None,
     ) -> None:
         callback = self._on_delivery if on_ack is None else self._delivered(on_ack)
-        produce(self.producer, topic, key, value, headers=headers, on_delivery=callback)
+        try:
+            produce(self.producer, topic, key, value, headers=headers, on_delivery=callback)
+        except KafkaException as exc:
+            # librdkafka refuses at once a topic its metadata says is gone (deleted since
+            # _require_topic saw it): forget it, so the next row asks the broker again.
+            if exc.args[0].code() in _NO_TOPIC:
+                self._topics.discard(topic)
+            raise InfrastructureError(f"Kafka refused a record for {topic}: {exc}") from exc
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""

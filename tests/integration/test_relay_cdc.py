@@ -160,6 +160,32 @@ def test_payload_that_does_not_fit_goes_to_dlq_and_relay_goes_on(
         work.close()
 
 
+def test_row_for_a_topic_that_does_not_exist_goes_to_dlq_and_relay_goes_on(
+    stack: StackState, db: RelayDb, route: str, start_relay: StartRelay
+) -> None:
+    """A job routed to a pool without topics is dead-lettered with `unknown_topic`; the relay
+    stays up and publishes the rows after it (it used to crash, and crash again on restart)."""
+    relay = start_relay()
+    lost_route = f"nopool{uuid.uuid4().hex[:8]}.bulk"  # never created
+    lost_job, good_job = str(uuid.uuid4()), str(uuid.uuid4())
+    lost_id = _insert(db, lost_route, lost_job)
+    good_id = _insert(db, route, good_job)
+    dlq = _reader(stack, topics.DLQ)
+    work = _reader(stack, topics.topic_for_route(route))
+    try:
+        work.wait_ids({good_id})
+        wait_for(lambda: dlq.poll() and [r for r in dlq.records if r.key == lost_job],
+                 timeout=30, what="the unroutable row on calmq.dlq")
+        [dead] = [r for r in dlq.records if r.key == lost_job]
+        assert dead.headers["id"] == lost_id
+        assert dead.headers["calmq-error-code"] == "unknown_topic"
+        assert relay.proc is not None
+        assert relay.proc.poll() is None
+    finally:
+        dlq.close()
+        work.close()
+
+
 def test_rows_committed_before_the_slot_existed_are_published(
     stack: StackState, db: RelayDb, route: str, start_relay: StartRelay
 ) -> None:
