@@ -17,6 +17,7 @@ Signature (Stripe-style, verifiable with :func:`verify`)::
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -44,6 +45,8 @@ __all__ = [
     "Dispatcher",
     "check_callback_url",
     "sign",
+    "signed_headers",
+    "standard_secret",
     "verify",
 ]
 
@@ -54,8 +57,37 @@ SIGNATURE_HEADER = "Calmq-Signature"
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """calmq's first scheme (``Calmq-Signature``), kept for one release beside the standard."""
     mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
     return "v1=" + mac.hexdigest()
+
+
+def standard_secret(secret: str) -> str:
+    """The tenant's secret as Standard Webhooks libraries take it: ``whsec_`` + base64.
+
+    The key bytes are the same as for ``Calmq-Signature`` (the UTF-8 of the stored secret),
+    so one stored secret verifies both schemes.
+    """
+    return "whsec_" + base64.b64encode(secret.encode()).decode()
+
+
+def _standard_signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
+    # Standard Webhooks v1: base64 HMAC-SHA256 over "<webhook-id>.<webhook-timestamp>.<body>".
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret.encode(), signed, hashlib.sha256)
+                                    .digest()).decode()
+
+
+def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """Both schemes' headers: Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
+    ``webhook-signature``; any of its libraries verifies them) and calmq's own."""
+    return {
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": _standard_signature(secret, message_id, timestamp, body),
+        TIMESTAMP_HEADER: str(timestamp),
+        SIGNATURE_HEADER: sign(secret, timestamp, body),
+    }
 
 
 def verify(secret: str, headers: Mapping[str, str], body: bytes, *, tolerance: float = 300,
@@ -163,8 +195,10 @@ class Dispatcher:
                            "job": self._view(job) if job else {"job_id": str(delivery.job_id)}},
                           separators=(",", ":")).encode()
         ts = int(time.time())
-        headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(ts),
-                   SIGNATURE_HEADER: sign(delivery.webhook_secret, ts, body),
+        # webhook-id is the delivery's id: the same on every retry, so a receiver that
+        # de-duplicates on it (as Standard Webhooks asks) handles a redelivery once.
+        headers = {"Content-Type": "application/json",
+                   **signed_headers(delivery.webhook_secret, str(delivery.id), ts, body),
                    "Calmq-Delivery": str(delivery.id), "User-Agent": "calmq-webhooks"}
         started = time.monotonic()
         status_code: int | None = None

@@ -12,11 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from calmq.data import tenants
 from calmq.data.migrations import migrate
 from calmq.producers.client import Client, enqueue
-from calmq.producers.webhooks import verify
+from calmq.producers.webhooks import standard_secret, verify
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.intake import ApiProcess, db, running_api
@@ -151,7 +152,8 @@ def test_dispatcher_refuses_private_target_enqueued_past_the_api(stack: StackSta
 
 
 def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str]) -> None:
-    """A callback fails once, is retried, and its HMAC signature verifies with the tenant secret."""
+    """A callback fails once, is retried, and its signatures verify with the tenant secret:
+    calmq's own, and the Standard Webhooks one through that scheme's reference library."""
     api_process, database_url = local_api
     name = f"hook-{uuid.uuid4().hex[:8]}"
     api = Api(api_process.url, create_tenant(database_url, name))
@@ -165,6 +167,14 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
     assert verify(secret, headers, body)
     assert not verify(secret, headers, body + b" ")
     assert not verify("another-tenants-secret", headers, body)
+    standard = Webhook(standard_secret(secret))
+    assert standard.verify(body, headers)["job"]["job_id"] == job_id
+    with pytest.raises(WebhookVerificationError):
+        standard.verify(body + b" ", headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(standard_secret("another-tenants-secret")).verify(body, headers)
+    first_headers, _ = receiver.calls[0]
+    assert first_headers["webhook-id"] == headers["webhook-id"]  # one id across retries
     payload = json.loads(body)
     assert payload["event"] == "cancelled"
     assert payload["job"]["job_id"] == job_id
