@@ -82,6 +82,22 @@ def requested(job: object, *, attempt: int | None = None) -> dict[str, Any]:
     return event
 
 
+def _metadata(get: Callable[[str], Any]) -> str | None:
+    """The submit's metadata as JSON text (Avro has no "any JSON" type); None when empty."""
+    value = get("metadata")
+    return json.dumps(value, separators=(",", ":"), sort_keys=True) if value else None
+
+
+def _usage(get: Callable[[str], Any]) -> dict[str, Any] | None:
+    """The job's usage totals when the record carries them. The attempts' finishing
+    statement (finish_attempts) overwrites this with the totals it has just written."""
+    tokens_in, tokens_out, cost = get("input_tokens"), get("output_tokens"), get("cost_usd")
+    if tokens_in is None or tokens_out is None or cost is None:
+        return None
+    return {"input_tokens": int(tokens_in), "output_tokens": int(tokens_out),
+            "cost_usd": float(cost), "lane": "online"}
+
+
 def result(
     job: object,
     status: str,
@@ -102,6 +118,9 @@ def result(
         "artifact": artifact,
         "error": error,
         "at": _now_ms(),
+        "metadata": _metadata(get),
+        "workflow_version": get("workflow_version"),
+        "usage": _usage(get),
     }
 
 
@@ -129,4 +148,7 @@ def dead_lettered(
         # jsonb cannot hold bytes: the relay's codec writes Avro bytes from a latin-1 string.
         "raw_value": raw_value.decode("latin-1") if raw_value is not None else None,
         "at": _now_ms(),
+        "metadata": _metadata(get) if get else None,
+        "workflow_version": get("workflow_version") if get else None,
+        "usage": _usage(get) if get else None,
     }

@@ -29,13 +29,13 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     from calmq.codec import RegistryCodec, SchemaStore
 
     if args.action == "check":
-        from calmq.tooling.schemas_check import check_backward
+        from calmq.tooling.schemas_check import check_backward, check_forward
 
-        problems = check_backward(SchemaStore())
+        problems = check_backward(SchemaStore()) + check_forward(SchemaStore())
         for p in problems:
             print(p)
-        print("every schema version reads the one before it" if not problems else
-              f"{len(problems)} compatibility problem(s)")
+        print("every schema version reads the one before it and the one after it"
+              if not problems else f"{len(problems)} compatibility problem(s)")
         return 1 if problems else 0
     settings = settings_for(args)
     if not settings.schema_registry_url:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from psycopg.rows import DictRow
@@ -57,6 +58,11 @@ class ReviewJob:
     trace_parent: str | None
     review_deadline_at: datetime | None
     updated_at: datetime | None
+    # Carried into the job's result event (correlation and usage for consumers).
+    metadata: dict[str, Any]
+    input_tokens: int
+    output_tokens: int
+    cost_usd: Decimal
 
     @classmethod
     def from_row(cls, row: DictRow) -> ReviewJob:

@@ -35,7 +35,7 @@ WITH input AS (
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
-    RETURNING j.id, j.errors
+    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
                               error_code = i.error ->> 'code',
@@ -53,10 +53,20 @@ WITH input AS (
     FROM input i JOIN moved m ON m.id = i.job_id
     ORDER BY i.ord
 )
+-- A terminal event carries the job's usage totals as this statement has just written them
+-- (the event was built before this attempt's tokens were added); a dead letter also every
+-- attempt's error.
 INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
 SELECT e.id, e.route, m.id::text, e.type,
-       CASE WHEN e.type = 'job.dead_lettered'
-            THEN e.payload || jsonb_build_object('errors', m.errors) ELSE e.payload END,
+       CASE WHEN e.type IN ('job.result', 'job.dead_lettered')
+            THEN e.payload
+                 || jsonb_build_object('usage', jsonb_build_object(
+                        'input_tokens', m.input_tokens, 'output_tokens', m.output_tokens,
+                        'cost_usd', m.cost_usd,
+                        'lane', COALESCE(e.payload #>> '{usage,lane}', 'online')))
+                 || CASE WHEN e.type = 'job.dead_lettered'
+                         THEN jsonb_build_object('errors', m.errors) ELSE '{}'::jsonb END
+            ELSE e.payload END,
        e.headers
 FROM input i JOIN moved m ON m.id = i.job_id,
      jsonb_to_recordset(i.outbox)

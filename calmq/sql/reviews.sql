@@ -20,14 +20,16 @@ LIMIT %(limit)s;
 -- name: wf_lock_job
 -- The job a reviewer decides on, locked for the decision's transaction.
 SELECT id, tenant_id, workflow, workflow_version, status, priority, pool, step, attempt,
-       input_ref, deadline_at, created_at, trace_parent, review_deadline_at, updated_at
+       input_ref, deadline_at, created_at, trace_parent, review_deadline_at, updated_at,
+       metadata, input_tokens, output_tokens, cost_usd
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s
 FOR UPDATE;
 
 -- name: wf_lock_expired_review
 -- The review timer: skip a job a reviewer is deciding on right now.
 SELECT id, tenant_id, workflow, workflow_version, status, priority, pool, step, attempt,
-       input_ref, deadline_at, created_at, trace_parent, review_deadline_at, updated_at
+       input_ref, deadline_at, created_at, trace_parent, review_deadline_at, updated_at,
+       metadata, input_tokens, output_tokens, cost_usd
 FROM jobs
 WHERE id = %(id)s AND status = 'awaiting_review' AND review_deadline_at < now()
 FOR UPDATE SKIP LOCKED;

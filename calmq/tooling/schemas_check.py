@@ -1,5 +1,7 @@
-"""Backward compatibility of the schema versions in schemas/: each new version must read
-records written with the one before it (the registry's BACKWARD rule)."""
+"""Compatibility of the schema versions in schemas/: each new version must read records
+written with the one before it (the registry's BACKWARD rule), and each old version must read
+records written with the one after it (FORWARD: a consumer built against the previous schema
+keeps decoding what calmq writes now)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import fastavro
 
 from calmq.codec import SchemaStore
 
-__all__ = ["check_backward", "sample_record"]
+__all__ = ["check_backward", "check_forward", "sample_record"]
 
 
 def sample_record(schema: Any) -> Any:
@@ -38,18 +40,33 @@ def sample_record(schema: Any) -> Any:
     return sample_record(kind)
 
 
+def _reads(writer: Any, reader: Any) -> Exception | None:
+    record = sample_record(writer)
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, writer, record)
+    buf.seek(0)
+    try:
+        fastavro.schemaless_reader(buf, writer, reader)
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        return exc
+    return None
+
+
 def check_backward(store: SchemaStore) -> list[str]:
+    """Each version reads records written with the one before it."""
     problems = []
     for event_type, versions in store.versions.items():
         for old, new in itertools.pairwise(versions):
-            record = sample_record(old.parsed)
-            buf = io.BytesIO()
-            fastavro.schemaless_writer(buf, old.parsed, record)
-            buf.seek(0)
-            try:
-                fastavro.schemaless_reader(buf, old.parsed, new.parsed)
-            except Exception as exc:  # noqa: BLE001 - any failure is the finding
-                problems.append(
-                    f"{event_type} v{new.version} cannot read v{old.version}: {exc}"
-                )
+            if (exc := _reads(old.parsed, new.parsed)) is not None:
+                problems.append(f"{event_type} v{new.version} cannot read v{old.version}: {exc}")
+    return problems
+
+
+def check_forward(store: SchemaStore) -> list[str]:
+    """Each version reads records written with the one after it (old consumers keep working)."""
+    problems = []
+    for event_type, versions in store.versions.items():
+        for old, new in itertools.pairwise(versions):
+            if (exc := _reads(new.parsed, old.parsed)) is not None:
+                problems.append(f"{event_type} v{old.version} cannot read v{new.version}: {exc}")
     return problems

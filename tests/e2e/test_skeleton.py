@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import psycopg
@@ -33,7 +34,8 @@ def _terminal(api: Api, job_id: str) -> dict:
 def test_submitted_job_completes_with_artifact_through_kafka(api: Api, stack: StackState) -> None:
     """A summarize job submitted over HTTP ends completed, with its artifact, via real topics."""
     job_id = api.submit(
-        {"text": "Kafka and PostgreSQL carry this job end to end.", "mode": "success"}
+        {"text": "Kafka and PostgreSQL carry this job end to end.", "mode": "success"},
+        metadata={"order_id": "A-1017"},
     )
     job = _terminal(api, job_id)
     assert job["status"] == "completed"
@@ -74,6 +76,18 @@ def test_submitted_job_completes_with_artifact_through_kafka(api: Api, stack: St
     event_type, event = found["event"]
     assert event_type == "job.result"
     assert event["status"] == "completed"
+    # What a consumer correlates and accounts with: the submit's metadata, the workflow's
+    # version, and the usage the API reports for the job (all attempts).
+    assert json.loads(event["metadata"]) == {"order_id": "A-1017"}
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        [(version,)] = conn.execute("SELECT workflow_version FROM jobs WHERE id = %s",
+                                    (job_id,)).fetchall()
+    assert event["workflow_version"] == version
+    usage = event["usage"]
+    assert usage["input_tokens"] == job["usage"]["input_tokens"] > 0
+    assert usage["output_tokens"] == job["usage"]["output_tokens"] > 0
+    assert usage["cost_usd"] == pytest.approx(job["usage"]["cost_usd"])
+    assert usage["lane"] == "online"
     assert found["headers"]["eventType"] == b"job.result"
     assert uuid.UUID(found["headers"]["id"].decode()) == uuid.UUID(str(event["event_id"]))
 
