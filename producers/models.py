@@ -35,6 +35,9 @@ __all__ = [
     "ReviewRequest",
     "SubmitRequest",
     "Usage",
+    "WorkflowInfo",
+    "WorkflowList",
+    "WorkflowStep",
 ]
 
 _MAX_DEADLINE = 30 * 24 * 3600
@@ -194,6 +197,35 @@ class DeadLetter(BaseModel):
 
 class DeadLetterList(BaseModel):
     dead_letters: list[DeadLetter]
+
+
+class WorkflowStep(BaseModel):
+    """One step of a workflow: where it runs and how its output is checked."""
+
+    name: str
+    pool: str
+    timeout_seconds: float
+    max_attempts: int
+    output_schema: dict[str, Any] | None = Field(
+        description="JSON Schema the step's output must fit (null: not checked)")
+
+
+class WorkflowInfo(BaseModel):
+    """A workflow a job may name: its version, input schema and steps."""
+
+    name: str
+    version: int
+    pool: str
+    input_schema: dict[str, Any] = Field(description="JSON Schema of the submit's input")
+    output_schema: dict[str, Any] | None = Field(
+        description="JSON Schema of the artifact (the last step's output); null: not checked")
+    review_threshold: float | None = Field(
+        description="results less confident than this wait for a person (null: never)")
+    steps: list[WorkflowStep]
+
+
+class WorkflowList(BaseModel):
+    workflows: list[WorkflowInfo]
 
 
 class Problem(BaseModel):
