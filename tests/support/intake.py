@@ -39,8 +39,10 @@ class ApiProcess:
         processes.stop(self.pid, sig=signal.SIGKILL, timeout=5)
 
 
-def start_api(stack: StackState, settings: Mapping[str, str] | None = None) -> ApiProcess:
-    port = processes.free_port()
+def start_api(stack: StackState, settings: Mapping[str, str] | None = None, *,
+              port: int | None = None) -> ApiProcess:
+    """An API process on ``port`` (a free one by default; the same one to restart it)."""
+    port = port or processes.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
     env.update(stack.env)
     env.update(settings or {})
