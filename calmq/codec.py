@@ -19,12 +19,15 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from calmq.errors import ContractError
+from calmq.errors import ContractError, InfrastructureError
+
+if TYPE_CHECKING:
+    from confluent_kafka.schema_registry import SchemaRegistryClient
 
 __all__ = [
     "EVENT_TYPES",
@@ -160,15 +163,19 @@ class RegistryCodec:
     """Confluent wire format with ids from a Confluent-compatible schema registry.
 
     Subjects follow the RecordNameStrategy (``dev.calmq.events.JobRequested``), so several
-    event types may share a topic. Ids are fetched once and cached.
+    event types may share a topic. Ids are fetched once and cached. Writing looks the newest
+    schema's id up (read-only); registering is a deployment step (``calmq schemas register``,
+    which ``calmq dev up`` runs), so the services need no write access to the registry.
     """
 
-    def __init__(self, registry_url: str, store: SchemaStore | None = None) -> None:
+    def __init__(self, registry_url: str, store: SchemaStore | None = None, *,
+                 client: SchemaRegistryClient | None = None) -> None:
         from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
         self.store = store or SchemaStore()
-        # new_client gives the in-memory registry for mock:// URLs (unit tests only).
-        self._client = SchemaRegistryClient.new_client({"url": registry_url})
+        # new_client gives the in-memory registry for mock:// URLs (unit tests only; one per
+        # client, so tests share one by passing ``client``).
+        self._client = client or SchemaRegistryClient.new_client({"url": registry_url})
         self._schema_cls = Schema
         self._ids: dict[str, int] = {}
         self._by_id: dict[int, SchemaVersion] = {}
@@ -190,10 +197,35 @@ class RegistryCodec:
         return dict(self._ids)
 
     def encode(self, event_type: str, record: dict[str, Any]) -> bytes:
-        if event_type not in self._ids:
-            self.register_all()
         schema = self.store.latest(event_type)
-        return _write(schema, record, struct.pack(">bI", _CONFLUENT_MAGIC, self._ids[event_type]))
+        schema_id = self._ids.get(event_type)
+        if schema_id is None:
+            schema_id = self._ids[event_type] = self._registered_id(schema)
+        return _write(schema, record, struct.pack(">bI", _CONFLUENT_MAGIC, schema_id))
+
+    def _registered_id(self, schema: SchemaVersion) -> int:
+        """The registry's id of ``schema`` under its subject, looked up without writing."""
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        subject = self.subject(schema)
+        try:
+            found = self._client.lookup_schema(subject, self._schema_cls(schema.text, "AVRO"))
+        except SchemaRegistryError as exc:
+            if exc.http_status_code == 404:
+                raise InfrastructureError(
+                    f"{schema.event_type} v{schema.version} is not registered under subject "
+                    f"{subject}: run `calmq schemas register` (a deployment step) first",
+                    code="schema_not_registered") from exc
+            raise InfrastructureError(f"schema registry lookup of {subject}: {exc}",
+                                      code="schema_registry_unavailable") from exc
+        except Exception as exc:  # requests/httpx errors of the client: the registry is away
+            raise InfrastructureError(f"schema registry lookup of {subject}: {exc}",
+                                      code="schema_registry_unavailable") from exc
+        if found.schema_id is None:
+            raise InfrastructureError(f"the registry returned no id for {subject}",
+                                      code="schema_registry_unavailable")
+        self._by_id[found.schema_id] = schema
+        return int(found.schema_id)
 
     def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
         if len(data) < 5 or data[0] != _CONFLUENT_MAGIC:

@@ -6,9 +6,10 @@ import time
 import uuid
 
 import pytest
+from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from calmq.codec import RegistryCodec, SingleObjectCodec
-from calmq.errors import ContractError
+from calmq.errors import ContractError, InfrastructureError
 
 
 def _requested() -> dict:
@@ -44,10 +45,26 @@ def test_single_object_round_trip() -> None:
 def test_registry_round_trip_uses_confluent_wire_format() -> None:
     """The registry codec writes magic byte 0 and a 4-byte schema id, then decodes."""
     codec = RegistryCodec("mock://unit")
+    codec.register_all()  # a deployment step; encode only looks the id up
     data = codec.encode("job.requested", _requested())
     assert data[0] == 0
     assert int.from_bytes(data[1:5], "big") > 0
     assert codec.decode(data)[0] == "job.requested"
+
+
+def test_writing_an_unregistered_schema_names_the_deployment_step() -> None:
+    """A service never registers schemas itself: writing before `calmq schemas register`
+    fails with schema_not_registered; once the deployment registered them, a service's codec
+    looks the id up and writes it."""
+    registry = SchemaRegistryClient.new_client({"url": "mock://unregistered"})
+    service = RegistryCodec("", client=registry)
+    with pytest.raises(InfrastructureError) as info:
+        service.encode("job.requested", _requested())
+    assert info.value.code == "schema_not_registered"
+    assert "calmq schemas register" in info.value.message
+    ids = RegistryCodec("", client=registry).register_all()  # the deployment step
+    data = service.encode("job.requested", _requested())
+    assert int.from_bytes(data[1:5], "big") == ids["job.requested"]
 
 
 def test_record_that_does_not_fit_is_schema_mismatch() -> None:
