@@ -40,8 +40,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         else:
             todo = migrations.apply_pending(url, connect_timeout=CONNECT_TIMEOUT_SECONDS,
                                             on_wait=waiting)
+        newer = migrations.unknown(url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     except psycopg.OperationalError as exc:
         raise unreachable(url, exc) from exc
+    if newer:
+        # Not an error: a rolled-back release runs against a schema that only added to its
+        # own, so the services keep working; the person deploying should still know.
+        print(f"note: {address} has migration(s) {', '.join(f'{v:04d}' for v in newer)} that "
+              "this calmq does not ship: a newer release applied them", file=sys.stderr)
     status = "pending" if args.dry_run else "applied"
     rows: list[dict[str, Any]] = [
         {"version": m.version, "name": m.name, "file": m.file, "status": status} for m in todo

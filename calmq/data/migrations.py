@@ -18,7 +18,7 @@ import psycopg
 from calmq import sql
 from calmq.errors import InfrastructureError
 
-__all__ = ["LOCK_ID", "Migration", "applied", "apply_pending", "migrate", "pending"]
+__all__ = ["LOCK_ID", "Migration", "applied", "apply_pending", "migrate", "pending", "unknown"]
 
 # The advisory lock's key ("calmq" in ASCII): one name for every process that migrates.
 LOCK_ID = 0x63616C6D71
@@ -57,6 +57,15 @@ def pending(database_url: str, *, connect_timeout: int | None = None) -> list[Mi
                          connect_timeout=connect_timeout) as conn:
         done = applied(conn)
     return [Migration(v, n) for v, n, _ in sql.migrations() if v not in done]
+
+
+def unknown(database_url: str, *, connect_timeout: int | None = None) -> list[int]:
+    """Versions the database records that this calmq does not ship: a newer release
+    migrated it (this one is older, e.g. rolled back). Nothing to apply, but worth saying."""
+    known = {v for v, _, _ in sql.migrations()}
+    with psycopg.connect(database_url, autocommit=True,
+                         connect_timeout=connect_timeout) as conn:
+        return sorted(applied(conn) - known)
 
 
 def apply_pending(database_url: str, *, connect_timeout: int | None = None,

@@ -137,3 +137,15 @@ def test_two_concurrent_migrations_both_succeed_and_apply_each_migration_once(
     applied = sorted((_pairs(json.loads(out)) for out, _ in outs), key=len)
     assert applied == [[], ALL]  # one applied everything, the other found nothing to do
     assert _recorded(fresh_db) == ALL
+
+
+def test_a_database_migrated_by_a_newer_release_is_up_to_date_with_a_note(
+        fresh_db: str, tmp_path: Path) -> None:
+    """An older calmq (a rollback) applies nothing, exits 0, and names the newer versions."""
+    assert _run(fresh_db, tmp_path).returncode == 0
+    with psycopg.connect(fresh_db) as conn:
+        conn.execute("INSERT INTO calmq_migrations (version, name) VALUES (9999, 'future')")
+    again = _run(fresh_db, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("database is up to date")
+    assert "migration(s) 9999 that this calmq does not ship" in again.stderr
