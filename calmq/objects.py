@@ -173,10 +173,13 @@ class S3ObjectStore:
 
     def __init__(self, bucket: str, prefix: str) -> None:
         import boto3
+        from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self._client = boto3.client("s3")
+        # SigV4 for every request and for presigned URLs (the legacy signature, boto3's
+        # default for presigning in some regions, is refused by newer regions and stores).
+        self._client = boto3.client("s3", config=Config(signature_version="s3v4"))
 
     def _key(self, key: str) -> str:
         _check_key(key)
@@ -204,6 +207,21 @@ class S3ObjectStore:
             raise NotFound(f"object {uri} does not exist") from None
         body: bytes = await asyncio.to_thread(obj["Body"].read)
         return body
+
+
+def presigned_url(store: ObjectStore, uri: str, seconds: int) -> str | None:
+    """An HTTPS URL that fetches the object without calmq's credentials for ``seconds``
+    (S3's presigned GET, signed locally: no request to S3), or None where the store has
+    none (files: the API's artifact route serves them)."""
+    if not isinstance(store, S3ObjectStore):
+        return None
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or parsed.netloc != store.bucket:
+        return None
+    url: str = store._client.generate_presigned_url(
+        "get_object", Params={"Bucket": store.bucket, "Key": parsed.path.lstrip("/")},
+        ExpiresIn=seconds)
+    return url
 
 
 def open_object_store(url: str) -> ObjectStore:

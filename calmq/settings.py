@@ -53,6 +53,10 @@ class Settings(BaseSettings):
         description="Confluent-compatible registry; empty: Avro single-object encoding",
     )
     object_store_url: str = ""
+    artifact_link_seconds: int = Field(
+        default=900, ge=1, le=7 * 24 * 3600,
+        description="lifetime of the presigned URL GET /v1/jobs/{id} gives for an S3 artifact",
+    )
     api_url: str = ""
     fake_provider_url: str = ""
 

@@ -100,6 +100,12 @@ class Artifact(BaseModel):
     sha256: str
     content_type: str
     size: int
+    download_url: str | None = Field(
+        default=None,
+        description="GET /v1/jobs/{id} only: a presigned HTTPS URL for an s3:// artifact "
+                    "(no calmq key needed until download_expires_at), else this API's "
+                    "artifact route, fetched with the tenant's key")
+    download_expires_at: datetime | None = None
 
 
 class JobError(BaseModel):

@@ -14,7 +14,8 @@ import hashlib
 import json
 import time
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter, Histogram
@@ -22,7 +23,7 @@ from prometheus_client import Counter, Histogram
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
-from calmq.objects import ObjectRef
+from calmq.objects import ObjectRef, presigned_url
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.intake import prepare, submit_keyed
@@ -131,7 +132,22 @@ async def get_job(request: web.Request) -> web.Response:
     job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")
-    return web.json_response(job_view(job))
+    view = job_view(job)
+    if view.get("artifact"):
+        view["artifact"] = {**view["artifact"], **_download(request, job.id, view["artifact"])}
+    return web.json_response(view)
+
+
+def _download(request: web.Request, ident: uuid.UUID, artifact: dict[str, Any]
+              ) -> dict[str, Any]:
+    """Where a consumer fetches the artifact: a presigned S3 URL (no calmq key needed, for
+    artifact_link_seconds), else this API's artifact route (with the tenant's key)."""
+    seconds = request.app[SETTINGS].artifact_link_seconds
+    url = presigned_url(request.app[OBJECTS], str(artifact.get("uri", "")), seconds)
+    if url is None:
+        return {"download_url": f"/v1/jobs/{ident}/artifact", "download_expires_at": None}
+    expires = datetime.now(UTC) + timedelta(seconds=seconds)
+    return {"download_url": url, "download_expires_at": format_time(expires)}
 
 
 def _encode_cursor(created_at: datetime, ident: uuid.UUID) -> str:
