@@ -7,7 +7,9 @@ relay is gone, is exactly when these values must keep rising. One cheap query ea
 reports the same values, so dashboards and alerts take ``max`` over instances.
 
 Queue age: how long the oldest waiting job of each pool and priority has waited. A pair that
-had waiting jobs and has none now reads 0.
+had waiting jobs and has none now reads 0, and so does, from the start, every pair of a pool
+the API's workflows route to: a fast pool whose jobs never wait at a sample still has its
+series, so a dashboard's pool list (label values of this gauge) names every pool.
 
 Slots: per replication slot of the database, the WAL the server keeps for it and whether a
 process streams from it. A slot nobody streams from keeps WAL until the disk is full; the
@@ -17,12 +19,14 @@ what is missing. A dropped slot's series are removed, not set to 0.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 
 from prometheus_client import Gauge
 
 from calmq.data import Database
 from calmq.data.observability import SlotState, queue_ages, replication_slots
+from calmq.jobs import Priority
 
 __all__ = ["QueueAge", "SlotWatch", "queue_age_gauge", "slot_gauges"]
 
@@ -48,10 +52,18 @@ def slot_gauges() -> tuple[Gauge, Gauge]:
 
 
 class QueueAge:
-    def __init__(self, db: Database, interval: float) -> None:
+    def __init__(self, db: Database, interval: float, pools: Iterable[str] = ()) -> None:
         self._db = db
         self.interval = interval  # between samples, taken by a side task; 0: never
+        self._known = {(pool, p.value) for pool in pools for p in Priority}
         self._seen: set[tuple[str, str]] = set()
+
+    def declare(self) -> None:
+        """Give every known pool's pairs a series (0: nothing waits) before the first sample."""
+        gauge = queue_age_gauge()
+        for pair in self._known - self._seen:
+            gauge.labels(*pair).set(0)
+        self._seen |= self._known
 
     async def sample(self) -> dict[tuple[str, str], float]:
         """Read the ages once and set the gauge; returns them."""
