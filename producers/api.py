@@ -18,7 +18,7 @@ from prometheus_client import Counter
 from calmq.data import Store
 from calmq.errors import CalmqError, ContractError
 from calmq.objects import ObjectStore, open_object_store
-from calmq.producers.backlog import QueueAge, queue_age_gauge
+from calmq.producers.backlog import QueueAge, SlotWatch, slot_gauges
 from calmq.producers.context import (
     AUTH_CACHE,
     GROUP_COMMIT,
@@ -109,7 +109,11 @@ def build_app(
     hub.on(KEYS, app[AUTH_CACHE].clear)  # a revoked key stops working at once
     dispatcher = Dispatcher(settings, store, job_view)
     sweeper = Sweeper(settings, store, app[OBJECTS])
-    queue_age = QueueAge(store, settings.queue_age_interval_seconds)
+    pools = {wf.pool_of(step) for wf in registry.values() for step in wf.steps}
+    queue_age = QueueAge(store, settings.queue_age_interval_seconds, pools)
+    # The slots on the same clock as the queue age: both are database-side gauges that must
+    # keep moving when the part they describe (workers, the relay) is down.
+    slots = SlotWatch(store, settings.queue_age_interval_seconds)
 
     # The side tasks: a failed pass is logged, counted and tried again; none of them stops
     # the API (accepting jobs matters more than any of them).
@@ -123,9 +127,11 @@ def build_app(
             hub.on(WEBHOOKS, dispatcher.wake)
             side.spawn("webhook-dispatcher", dispatcher.run)
         side.every("retention-sweeper", sweeper.interval, sweeper.sweep)
-        queue_age_gauge()  # present on /metrics from the start, even with nothing waiting
+        queue_age.declare()  # present on /metrics from the start, even with nothing waiting
+        slot_gauges()
         if queue_age.interval > 0:
             side.every("queue-age", queue_age.interval, queue_age.sample)
+            side.every("replication-slots", slots.interval, slots.sample)
 
     async def stop_background(_app: web.Application) -> None:
         await side.stop()

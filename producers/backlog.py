@@ -1,22 +1,34 @@
-"""Queue age: how long the oldest waiting job of each pool and priority has waited.
+"""Database-side gauges the API samples: queue age and the replication slots' retained WAL.
 
-Sampled from PostgreSQL by the API, not by workers: the API runs whether or not a pool has
-workers, and a pool whose workers are all down is exactly when its queue age must keep
-rising. One cheap indexed query (calmq/sql/observability.sql) every
-``CALMQ_QUEUE_AGE_INTERVAL_SECONDS``; every API replica reports the same values, so
-dashboards take ``max`` over instances. A pair that had waiting jobs and has none now reads 0.
+Sampled from PostgreSQL by the API, not by workers or the relay: the API runs whether or not
+a pool has workers or a relay streams, and a pool whose workers are all down, or a slot whose
+relay is gone, is exactly when these values must keep rising. One cheap query each
+(calmq/sql/observability.sql) every ``CALMQ_QUEUE_AGE_INTERVAL_SECONDS``; every API replica
+reports the same values, so dashboards and alerts take ``max`` over instances.
+
+Queue age: how long the oldest waiting job of each pool and priority has waited. A pair that
+had waiting jobs and has none now reads 0, and so does, from the start, every pair of a pool
+the API's workflows route to: a fast pool whose jobs never wait at a sample still has its
+series, so a dashboard's pool list (label values of this gauge) names every pool.
+
+Slots: per replication slot of the database, the WAL the server keeps for it and whether a
+process streams from it. A slot nobody streams from keeps WAL until the disk is full; the
+relay's own ``calmq_relay_slot_retained_wal_bytes`` cannot show that, because the relay is
+what is missing. A dropped slot's series are removed, not set to 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 
 from prometheus_client import Gauge
 
 from calmq.data import Database
-from calmq.data.observability import queue_ages
+from calmq.data.observability import SlotState, queue_ages, replication_slots
+from calmq.jobs import Priority
 
-__all__ = ["QueueAge", "queue_age_gauge"]
+__all__ = ["QueueAge", "SlotWatch", "queue_age_gauge", "slot_gauges"]
 
 
 @cache
@@ -27,11 +39,31 @@ def queue_age_gauge() -> Gauge:
                  ["pool", "priority"])
 
 
+@cache
+def slot_gauges() -> tuple[Gauge, Gauge]:
+    """(retained WAL bytes, active) by slot. Slots are bounded by max_replication_slots."""
+    retained = Gauge("calmq_replication_slot_retained_wal_bytes",
+                     "WAL the server keeps for a replication slot of the database "
+                     "(sampled from PostgreSQL, whether or not a relay runs)", ["slot"])
+    active = Gauge("calmq_replication_slot_active",
+                   "1 while a process streams from the replication slot, 0 when none does",
+                   ["slot"])
+    return retained, active
+
+
 class QueueAge:
-    def __init__(self, db: Database, interval: float) -> None:
+    def __init__(self, db: Database, interval: float, pools: Iterable[str] = ()) -> None:
         self._db = db
         self.interval = interval  # between samples, taken by a side task; 0: never
+        self._known = {(pool, p.value) for pool in pools for p in Priority}
         self._seen: set[tuple[str, str]] = set()
+
+    def declare(self) -> None:
+        """Give every known pool's pairs a series (0: nothing waits) before the first sample."""
+        gauge = queue_age_gauge()
+        for pair in self._known - self._seen:
+            gauge.labels(*pair).set(0)
+        self._seen |= self._known
 
     async def sample(self) -> dict[tuple[str, str], float]:
         """Read the ages once and set the gauge; returns them."""
@@ -43,3 +75,24 @@ class QueueAge:
             gauge.labels(*pair).set(age)
         self._seen |= ages.keys()
         return ages
+
+
+class SlotWatch:
+    def __init__(self, db: Database, interval: float) -> None:
+        self._db = db
+        self.interval = interval  # between samples, taken by a side task; 0: never
+        self._seen: set[str] = set()
+
+    async def sample(self) -> list[SlotState]:
+        """Read the database's replication slots once and set the gauges; returns them."""
+        slots = await replication_slots(self._db)
+        retained, active = slot_gauges()
+        names = {s.slot for s in slots}
+        for gone in self._seen - names:
+            retained.remove(gone)
+            active.remove(gone)
+        for s in slots:
+            retained.labels(s.slot).set(s.retained_bytes)
+            active.labels(s.slot).set(1 if s.active else 0)
+        self._seen = names
+        return slots

@@ -146,3 +146,12 @@ def test_a_killed_workers_expired_lease_is_counted(env: Env) -> None:
 
     wait_for(lambda: expirations() >= before + 1, timeout=30, what="a counted lease expiration")
     assert any(e["type"] == "requeued_after_restart" for e in env.api.job(job)["events"])
+
+
+def test_every_workflow_pool_has_a_queue_age_series_from_the_start(env: Env) -> None:
+    """The API lists each pool its workflows route to (summarize: default) for both
+    priorities, whether or not one of its jobs was waiting at a sample."""
+    samples = scrape(_url(env.stack, "api"))
+    for priority in ("interactive", "bulk"):
+        assert value(samples, "calmq_queue_age_seconds", pool="default",
+                     priority=priority) is not None, priority
