@@ -12,14 +12,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from calmq.cli import deadletters, deploy, dev, jobs, services, tenants
+from calmq.cli import completion, deadletters, deploy, dev, jobs, operations, services, tenants
 from calmq.cli.flags import Flags, Handler
 from calmq.cli.output import Exit
 from calmq.errors import CalmqError, UsageError
 
 __all__ = ["main", "parser"]
 
-_GROUPS = (dev, services, tenants, jobs, deadletters, deploy)
+_GROUPS = (dev, services, tenants, jobs, deadletters, operations, deploy, completion)
 
 
 def _version() -> str:
