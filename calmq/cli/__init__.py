@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from calmq.cli import completion, deadletters, deploy, dev, jobs, operations, services, tenants
 from calmq.cli.flags import Flags, Handler
-from calmq.cli.output import Exit
+from calmq.cli.output import OUTPUT_ENV, Exit
 from calmq.errors import CalmqError, UsageError
 
 __all__ = ["main", "parser"]
@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
 
     for group in _GROUPS:
         group.register(command, flags)
-    root.set_defaults(option_env=frozenset(flags.option_env))
+    root.set_defaults(option_env=frozenset({*flags.option_env, OUTPUT_ENV}))
     return root
 
 

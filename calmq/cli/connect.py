@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from calmq.data import Store
     from calmq.settings import Settings
 
-__all__ = ["CONNECT_TIMEOUT_SECONDS", "database_address", "open_store"]
+__all__ = ["CONNECT_TIMEOUT_SECONDS", "check_database", "database_address", "open_store"]
 
 CONNECT_TIMEOUT_SECONDS = 3
 
@@ -34,6 +34,25 @@ def database_address(url: str) -> str:
     return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname', '')}"
 
 
+def _unreachable(settings: Settings, exc: Exception) -> InfrastructureError:
+    address = database_address(settings.database_url)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return InfrastructureError(
+        f"PostgreSQL at {address} is not reachable ({reason}): check CALMQ_DATABASE_URL, "
+        "or start the local stack with `calmq dev up`", code="database_unreachable",
+    )
+
+
+def check_database(settings: Settings) -> None:
+    """The same fast probe as ``open_store``, for commands that connect synchronously."""
+    import psycopg
+
+    try:
+        psycopg.connect(settings.database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS).close()
+    except psycopg.Error as exc:
+        raise _unreachable(settings, exc) from exc
+
+
 @contextlib.asynccontextmanager
 async def open_store(settings: Settings, *, max_size: int = 2) -> AsyncIterator[Store]:
     """An open Store on the settings' database, closed on leaving; fails fast if unreachable."""
@@ -41,16 +60,11 @@ async def open_store(settings: Settings, *, max_size: int = 2) -> AsyncIterator[
 
     from calmq.data import Store
 
-    address = database_address(settings.database_url)
     try:
         probe = await psycopg.AsyncConnection.connect(
             settings.database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     except psycopg.Error as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InfrastructureError(
-            f"PostgreSQL at {address} is not reachable ({reason}): check CALMQ_DATABASE_URL, "
-            "or start the local stack with `calmq dev up`", code="database_unreachable",
-        ) from exc
+        raise _unreachable(settings, exc) from exc
     await probe.close()
     store = Store(settings.database_url, min_size=1, max_size=max_size)
     await store.open()

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import asdict
 from typing import Any
 
-from calmq.cli.connect import open_store
+from calmq.cli.connect import check_database, open_store
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_rows, output_format
 from calmq.errors import UsageError
@@ -51,8 +51,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from calmq.data import Store
-
     if args.action == "list":
         return _list(args)
     if not args.name:
@@ -60,18 +58,15 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     settings = settings_for(args)
 
     async def create() -> str:
-        store = Store(settings.database_url, max_size=1)
-        await store.open()
-        try:
+        async with open_store(settings, max_size=1) as store:
             tenant, key = await store.tenants.create(args.name)
-        finally:
-            await store.close()
         print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
         return key
 
     if args.action != "create":
         from calmq.data import tenants
 
+        check_database(settings)  # one error line with the address, not a traceback
         if args.action == "add-key":
             print(f"a new API key for {args.name} (shown once):")
             print(tenants.add_key(settings.database_url, args.name))
