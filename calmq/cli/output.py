@@ -53,7 +53,7 @@ def output_format(args: argparse.Namespace) -> Format:
 
         if env not in FORMATS:
             raise UsageError(f"{OUTPUT_ENV}={env} is not one of {', '.join(FORMATS)}")
-        chosen: Format = env  # type: ignore[assignment]  # checked against FORMATS above
+        chosen: Format = env  # narrowed by the check against FORMATS above
         return chosen
     default: Format = getattr(args, "output_default", "table")
     return default
