@@ -63,3 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Exit.USAGE if isinstance(exc, UsageError) else Exit.ERROR
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        # A network or file failure no command turned into a CalmqError of its own (an API
+        # that does not answer, a folder that cannot be written): still one line, no
+        # traceback. Bugs are not OSErrors, so they keep theirs.
+        print(f"calmq: error [os_error]: {exc}; `calmq health` checks every address",
+              file=sys.stderr)
+        return Exit.ERROR

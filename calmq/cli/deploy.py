@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from calmq.cli.connect import check_registry, open_admin
 from calmq.cli.flags import Command, Flags, settings_environ, settings_for
 from calmq.errors import ConfigError
 
@@ -16,6 +17,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
     from calmq.kafka import create_topics
 
     settings = settings_for(args)
+    open_admin(settings.kafka_bootstrap)  # fail in seconds, with the address, not in 15 s
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     created = create_topics(settings.kafka_bootstrap, names,
                             partitions=settings.topic_partitions,
@@ -41,6 +43,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     if not settings.schema_registry_url:
         raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
                           code="no_schema_registry")
+    check_registry(settings.schema_registry_url)
     ids = RegistryCodec(settings.schema_registry_url).register_all()
     for event_type, schema_id in ids.items():
         print(f"{event_type}: schema id {schema_id}")

@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse, urlunparse
 
-from calmq.cli.connect import CONNECT_TIMEOUT_SECONDS, database_address, open_store
+from calmq.cli.connect import (
+    CONNECT_TIMEOUT_SECONDS,
+    database_address,
+    kafka_config,
+    kafka_unreachable,
+    open_admin,
+    open_store,
+)
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_format
-from calmq.errors import CalmqError, InfrastructureError
+from calmq.errors import CalmqError
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -36,46 +42,6 @@ _PRIORITIES = ("interactive", "bulk")
 
 
 # -- Kafka -------------------------------------------------------------------------------
-
-def _quiet_logger() -> logging.Logger:
-    """A logger for librdkafka that drops its lines: its "Connection refused" retries would
-    otherwise go to stderr every second, where the one error line we print belongs."""
-    log = logging.getLogger("calmq.cli.librdkafka")
-    log.addHandler(logging.NullHandler())
-    log.propagate = False
-    return log
-
-
-def kafka_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "bootstrap.servers": bootstrap,
-        "socket.connection.setup.timeout.ms": int(KAFKA_TIMEOUT_SECONDS * 1000),
-        "logger": _quiet_logger(),
-        **extra,
-    }
-
-
-def kafka_unreachable(bootstrap: str, exc: object) -> InfrastructureError:
-    # A KafkaError's own text ("Failed to get metadata: ...") rather than its repr.
-    text = getattr(exc, "str", None)
-    reason = (text() if callable(text) else str(exc)).strip() or type(exc).__name__
-    return InfrastructureError(
-        f"Kafka at {bootstrap} is not reachable ({reason}): check CALMQ_KAFKA_BOOTSTRAP, or "
-        "start the local stack with `calmq dev up`", code="kafka_unreachable")
-
-
-def _admin(bootstrap: str) -> tuple[AdminClient, Any]:
-    """An admin client and the cluster's metadata; fails fast when no broker answers."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient(kafka_config(bootstrap))
-    try:
-        metadata = admin.list_topics(timeout=KAFKA_TIMEOUT_SECONDS)
-    except KafkaException as exc:
-        raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
-    return admin, metadata
-
 
 def work_topics(names: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
     """``calmq.<pool>.<priority>`` topics by pool, as (topic, priority): the broker's topics
@@ -118,7 +84,7 @@ def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
     from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
     from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
-    admin, metadata = _admin(bootstrap)
+    admin, metadata = open_admin(bootstrap)
     by_pool = work_topics(list(metadata.topics))
     if pools:
         by_pool = {p: t for p, t in by_pool.items() if p in pools}
@@ -397,7 +363,7 @@ def _check_database(settings: Settings) -> str:
 def _check_kafka(settings: Settings) -> str:
     from calmq import topics
 
-    _admin_client, metadata = _admin(settings.kafka_bootstrap)
+    _admin_client, metadata = open_admin(settings.kafka_bootstrap)
     wanted = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     missing = [t for t in wanted if t not in metadata.topics]
     if missing:

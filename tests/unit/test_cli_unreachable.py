@@ -35,6 +35,9 @@ def _run(tmp_path: Path, env: dict[str, str], *argv: str) -> tuple[int, str, str
 
 @pytest.mark.parametrize(("argv", "setting", "code"), [
     (["lag"], "CALMQ_KAFKA_BOOTSTRAP", "kafka_unreachable"),
+    (["topics", "create"], "CALMQ_KAFKA_BOOTSTRAP", "kafka_unreachable"),
+    (["schemas", "register"], "CALMQ_SCHEMA_REGISTRY_URL", "registry_unreachable"),
+    (["relay", "--drop-slot"], "CALMQ_DATABASE_URL", "database_unreachable"),
     (["budget"], "CALMQ_DATABASE_URL", "database_unreachable"),
     (["tenants", "list"], "CALMQ_DATABASE_URL", "database_unreachable"),
     (["tenants", "create", "nobody"], "CALMQ_DATABASE_URL", "database_unreachable"),
@@ -43,14 +46,29 @@ def _run(tmp_path: Path, env: dict[str, str], *argv: str) -> tuple[int, str, str
 def test_an_unreachable_part_is_one_error_line_with_its_address_within_seconds(
         tmp_path: Path, argv: list[str], setting: str, code: str) -> None:
     port = _closed_port()
-    address = (f"postgresql://calmq@127.0.0.1:{port}/calmq" if "DATABASE" in setting
-               else f"127.0.0.1:{port}")
-    rc, _out, err, elapsed = _run(tmp_path, {setting: address}, *argv)
+    address = {"CALMQ_DATABASE_URL": f"postgresql://calmq@127.0.0.1:{port}/calmq",
+               "CALMQ_SCHEMA_REGISTRY_URL": f"http://127.0.0.1:{port}"}.get(
+                   setting, f"127.0.0.1:{port}")
+    # relay needs Kafka's address to start at all; --drop-slot never contacts it.
+    env = {"CALMQ_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}"} if argv[0] == "relay" else {}
+    rc, _out, err, elapsed = _run(tmp_path, {**env, setting: address}, *argv)
     assert rc == 1, err
     assert err.startswith(f"calmq: error [{code}]: "), err
     assert f"127.0.0.1:{port}" in err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err  # no client library's retry warnings
+    assert elapsed < 10
+
+
+def test_a_failure_no_command_names_is_still_one_line_without_traceback(
+        tmp_path: Path) -> None:
+    """An API that does not answer: the network error is one `calmq: error` line, exit 1."""
+    port = _closed_port()
+    rc, _out, err, elapsed = _run(tmp_path, {"CALMQ_API_URL": f"http://127.0.0.1:{port}"},
+                                  "status", "--api-key", "cq_x", "00000000-0000-0000-0000-0")
+    assert rc == 1, err
+    assert err.startswith("calmq: error [os_error]: "), err
+    assert "Traceback" not in err
     assert elapsed < 10
 
 
