@@ -275,3 +275,21 @@ def test_tenants_list_shows_keys_by_prefix_revoked_keys_and_last_use(stack: Stac
     usage = _calmq(stack, "tenants", "create")
     assert usage.returncode == 2
     assert usage.stderr.startswith("calmq: error [usage]: ")
+
+
+# -- deployment commands' output -------------------------------------------------------------
+
+def test_deployment_commands_print_jsonl_rows(stack: StackState) -> None:
+    """topics create, schemas register and dev status take -o jsonl like the rest."""
+    topics = _jsonl(_calmq(stack, "topics", "create", "-o", "jsonl"))
+    assert {"calmq.default.interactive", "calmq.default.bulk", "calmq.dlq"} <= {
+        t["topic"] for t in topics}
+    assert not any(t["created"] for t in topics)  # the stack made them all already
+    schemas = _jsonl(_calmq(stack, "schemas", "register", "-o", "jsonl"))
+    assert "job.requested" in {s["event_type"] for s in schemas}
+    assert all(isinstance(s["schema_id"], int) for s in schemas)
+    parts = _jsonl(_calmq(stack, "dev", "status", "-o", "jsonl"))
+    assert {"postgres", "kafka", "api", "worker"} <= {p["name"] for p in parts}
+    assert all(p["healthy"] for p in parts)
+    as_json = json.loads(_calmq(stack, "dev", "status", "--json").stdout)
+    assert [p["name"] for p in as_json] == [p["name"] for p in parts]

@@ -131,9 +131,9 @@ def test_every_flag_and_argument_of_every_command_has_help() -> None:
     assert undescribed == []
 
 
-@pytest.mark.parametrize("name", ["lag", "budget", "health", "tenants"])
+@pytest.mark.parametrize("name", ["lag", "budget", "health", "tenants", "dev", "topics", "schemas"])
 def test_commands_that_print_data_take_one_output_option(name: str) -> None:
-    """The on-call commands take -o table|json|jsonl, table by default."""
+    """The on-call and deployment commands take -o table|json|jsonl, table by default."""
     command = _commands()[name]
     output = next(a for a in command._actions if a.dest == "output")
     assert output.option_strings == ["-o", "--output"]
