@@ -9,81 +9,18 @@ the pool's fifteen seconds of warnings.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from calmq.errors import InfrastructureError
 
 if TYPE_CHECKING:
-    from confluent_kafka.admin import AdminClient
-
     from calmq.data import Store
     from calmq.settings import Settings
 
-__all__ = ["CONNECT_TIMEOUT_SECONDS", "check_database", "check_registry", "database_address",
-           "kafka_config", "kafka_unreachable", "open_admin", "open_store"]
+__all__ = ["CONNECT_TIMEOUT_SECONDS", "database_address", "open_store", "unreachable"]
 
 CONNECT_TIMEOUT_SECONDS = 3
-
-
-def _quiet_logger() -> logging.Logger:
-    """A logger for librdkafka that drops its lines: its "Connection refused" retries would
-    otherwise go to stderr every second, where the one error line we print belongs."""
-    log = logging.getLogger("calmq.cli.librdkafka")
-    log.addHandler(logging.NullHandler())
-    log.propagate = False
-    return log
-
-
-def kafka_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    """A command's Kafka client: connects within the timeout and keeps librdkafka quiet."""
-    return {
-        "bootstrap.servers": bootstrap,
-        "socket.connection.setup.timeout.ms": CONNECT_TIMEOUT_SECONDS * 1000,
-        "logger": _quiet_logger(),
-        **extra,
-    }
-
-
-def kafka_unreachable(bootstrap: str, exc: object) -> InfrastructureError:
-    # A KafkaError's own text ("Failed to get metadata: ...") rather than its repr.
-    text = getattr(exc, "str", None)
-    reason = (text() if callable(text) else str(exc)).strip() or type(exc).__name__
-    return InfrastructureError(
-        f"Kafka at {bootstrap} is not reachable ({reason}): check CALMQ_KAFKA_BOOTSTRAP, or "
-        "start the local stack with `calmq dev up`", code="kafka_unreachable")
-
-
-def open_admin(bootstrap: str) -> tuple[AdminClient, Any]:
-    """An admin client and the cluster's metadata; fails fast when no broker answers."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient(kafka_config(bootstrap))
-    try:
-        metadata = admin.list_topics(timeout=CONNECT_TIMEOUT_SECONDS)
-    except KafkaException as exc:
-        raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
-    return admin, metadata
-
-
-def check_registry(url: str) -> None:
-    """The schema registry answers ``GET /subjects`` within the timeout."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/subjects",  # noqa: S310 - a setting
-                                    timeout=CONNECT_TIMEOUT_SECONDS):
-            return
-    except urllib.error.HTTPError as exc:
-        reason = f"HTTP {exc.code} from /subjects"
-    except OSError as exc:
-        reason = str(getattr(exc, "reason", exc))
-    raise InfrastructureError(
-        f"the schema registry at {url} is not reachable ({reason}): check "
-        "CALMQ_SCHEMA_REGISTRY_URL", code="registry_unreachable")
 
 
 def database_address(url: str) -> str:
@@ -97,23 +34,14 @@ def database_address(url: str) -> str:
     return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname', '')}"
 
 
-def _unreachable(settings: Settings, exc: Exception) -> InfrastructureError:
-    address = database_address(settings.database_url)
+def unreachable(url: str, exc: BaseException) -> InfrastructureError:
+    """``database_unreachable`` naming the address (never the password) and the reason."""
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return InfrastructureError(
-        f"PostgreSQL at {address} is not reachable ({reason}): check CALMQ_DATABASE_URL, "
-        "or start the local stack with `calmq dev up`", code="database_unreachable",
+        f"PostgreSQL at {database_address(url)} is not reachable ({reason}): check "
+        "CALMQ_DATABASE_URL, or start the local stack with `calmq dev up`",
+        code="database_unreachable",
     )
-
-
-def check_database(settings: Settings) -> None:
-    """The same fast probe as ``open_store``, for commands that connect synchronously."""
-    import psycopg
-
-    try:
-        psycopg.connect(settings.database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS).close()
-    except psycopg.Error as exc:
-        raise _unreachable(settings, exc) from exc
 
 
 @contextlib.asynccontextmanager
@@ -127,7 +55,7 @@ async def open_store(settings: Settings, *, max_size: int = 2) -> AsyncIterator[
         probe = await psycopg.AsyncConnection.connect(
             settings.database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     except psycopg.Error as exc:
-        raise _unreachable(settings, exc) from exc
+        raise unreachable(settings.database_url, exc) from exc
     await probe.close()
     store = Store(settings.database_url, min_size=1, max_size=max_size)
     await store.open()

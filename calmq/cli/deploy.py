@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from calmq.cli.connect import check_registry, open_admin
 from calmq.cli.flags import Command, Flags, settings_environ, settings_for
 from calmq.cli.output import add_output, emit_rows, output_format
+from calmq.cli.probes import check_registry, open_admin
 from calmq.errors import ConfigError
 
 __all__ = ["register"]
@@ -39,9 +39,6 @@ def cmd_schemas(args: argparse.Namespace) -> int:
         from calmq.tooling.schemas_check import check_backward
 
         problems = check_backward(SchemaStore())
-        if output_format(args) != "table":
-            emit_rows([{"problem": p} for p in problems], output_format(args), [])
-            return 1 if problems else 0
         for p in problems:
             print(p)
         print("every schema version reads the one before it" if not problems else

@@ -14,16 +14,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse, urlunparse
 
-from calmq.cli.connect import (
-    CONNECT_TIMEOUT_SECONDS,
-    database_address,
-    kafka_config,
-    kafka_unreachable,
-    open_admin,
-    open_store,
-)
+from calmq.cli.connect import CONNECT_TIMEOUT_SECONDS, database_address, open_store
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_format
+from calmq.cli.probes import kafka_config, kafka_unreachable, open_admin
 from calmq.errors import CalmqError
 
 if TYPE_CHECKING:
@@ -355,8 +349,8 @@ def _check_database(settings: Settings) -> str:
 
     server, schema = probe(settings.database_url, CONNECT_TIMEOUT_SECONDS)
     if schema is None:
-        raise RuntimeError(f"PostgreSQL {server} answers but holds no calmq schema (a worker, "
-                           "the API or the relay migrates it when it starts)")
+        raise RuntimeError(f"PostgreSQL {server} answers but holds no calmq schema: run "
+                           "`calmq migrate`")
     return f"PostgreSQL {server}, calmq schema version {schema}"
 
 

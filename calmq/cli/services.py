@@ -68,7 +68,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     if args.drop_slot:
-        from calmq.cli.connect import check_database
+        from calmq.cli.probes import check_database
 
         check_database(settings)  # one error line with the address, not a traceback
         dropped = drop_slot(settings.database_url, settings.relay_slot)

@@ -7,9 +7,10 @@ import asyncio
 from dataclasses import asdict
 from typing import Any
 
-from calmq.cli.connect import check_database, open_store
+from calmq.cli.connect import open_store
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_rows, output_format
+from calmq.cli.probes import check_database
 from calmq.errors import UsageError
 
 __all__ = ["register"]
