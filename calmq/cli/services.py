@@ -65,6 +65,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from calmq.kafka import producer_config
     from calmq.relay import Publisher, drop_slot, make_relay
 
+    if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
+        args.needs = ("database_url",)
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     if args.drop_slot:
