@@ -126,6 +126,19 @@ def test_lag_counts_jobs_a_worker_holds_in_flight(stack: StackState) -> None:
     assert api.job(job_id)["status"] == "running"
 
 
+def test_lag_without_the_database_still_shows_kafkas_side(stack: StackState) -> None:
+    """Lag is Kafka's: with PostgreSQL unreachable the offsets are still shown, jobs in
+    flight are null, and a warning names why."""
+    port = _closed_port()
+    done = _calmq(stack, "lag", "--pools", "default", "-o", "jsonl",
+                  env={"CALMQ_DATABASE_URL": f"postgresql://calmq@127.0.0.1:{port}/calmq"})
+    rows = _jsonl(done)
+    assert {r["topic"] for r in rows} == {"calmq.default.interactive", "calmq.default.bulk"}
+    assert all(r["in_flight"] is None for r in rows)
+    assert done.stderr.startswith("calmq: warning: jobs in flight unknown: ")
+    assert f"127.0.0.1:{port}" in done.stderr
+
+
 # -- budget --------------------------------------------------------------------------------
 
 def _store_run(stack: StackState, work: Any) -> Any:
