@@ -12,14 +12,24 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from calmq.cli import database, deadletters, deploy, dev, jobs, services, tenants
+from calmq.cli import (
+    completion,
+    database,
+    deadletters,
+    deploy,
+    dev,
+    jobs,
+    operations,
+    services,
+    tenants,
+)
 from calmq.cli.flags import Flags, Handler
-from calmq.cli.output import Exit
+from calmq.cli.output import OUTPUT_ENV, Exit
 from calmq.errors import CalmqError, UsageError
 
 __all__ = ["main", "parser"]
 
-_GROUPS = (dev, services, database, tenants, jobs, deadletters, deploy)
+_GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion)
 
 
 def _version() -> str:
@@ -49,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
 
     for group in _GROUPS:
         group.register(command, flags)
-    root.set_defaults(option_env=frozenset(flags.option_env))
+    root.set_defaults(option_env=frozenset({*flags.option_env, OUTPUT_ENV}))
     return root
 
 
@@ -63,3 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Exit.USAGE if isinstance(exc, UsageError) else Exit.ERROR
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        # A network or file failure no command turned into a CalmqError of its own (an API
+        # that does not answer, a folder that cannot be written): still one line, no
+        # traceback. Bugs are not OSErrors, so they keep theirs.
+        print(f"calmq: error [os_error]: {exc}; `calmq health` checks every address",
+              file=sys.stderr)
+        return Exit.ERROR

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from calmq.cli.flags import Command, Flags, settings_environ, settings_for
+from calmq.cli.output import add_output, emit_rows, output_format
+from calmq.cli.probes import check_registry, open_admin
 from calmq.errors import ConfigError
 
 __all__ = ["register"]
@@ -16,10 +18,15 @@ def cmd_topics(args: argparse.Namespace) -> int:
     from calmq.kafka import create_topics
 
     settings = settings_for(args)
+    open_admin(settings.kafka_bootstrap)  # fail in seconds, with the address, not in 15 s
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     created = create_topics(settings.kafka_bootstrap, names,
                             partitions=settings.topic_partitions,
                             replication=settings.topic_replication)
+    rows = [{"topic": name, "created": name in created} for name in names]
+    if output_format(args) != "table":
+        emit_rows(rows, output_format(args), [])
+        return 0
     for name in names:
         print(f"{'created' if name in created else 'exists '} {name}")
     return 0
@@ -41,7 +48,12 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     if not settings.schema_registry_url:
         raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
                           code="no_schema_registry")
+    check_registry(settings.schema_registry_url)
     ids = RegistryCodec(settings.schema_registry_url).register_all()
+    if output_format(args) != "table":
+        emit_rows([{"event_type": e, "schema_id": i} for e, i in ids.items()],
+                  output_format(args), [])
+        return 0
     for event_type, schema_id in ids.items():
         print(f"{event_type}: schema id {schema_id}")
     return 0
@@ -65,9 +77,11 @@ def register(command: Command, flags: Flags) -> None:
     p = command("topics", cmd_topics, "create calmq's topics", needs=("kafka_bootstrap",))
     p.add_argument("action", choices=["create"], help="create the missing topics")
     setting(p, "pool")
+    add_output(p)
     p = command("schemas", cmd_schemas, "register or check the Avro schemas")
     p.add_argument("action", choices=["register", "check"],
                    help="register with the registry, or check each version reads the last")
+    add_output(p)
     p = command("keda", cmd_keda, "render KEDA manifests")
     p.add_argument("action", choices=["render"], help="write the manifests")
     option(p, "--output-dir", help="where to write (default deploy/keda)")

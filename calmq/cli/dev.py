@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from calmq.cli.flags import Command, Flags, data_dir
+from calmq.cli.output import add_output, emit_rows, output_format
 from calmq.errors import ConfigError
 
 __all__ = ["register"]
@@ -34,8 +35,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
         return 0
     if args.action == "status":
         parts = stack.status()
-        if args.json:
-            print(json.dumps(parts, indent=2))
+        fmt = output_format(args)
+        if fmt != "table":
+            emit_rows(parts, fmt, [])
         elif not parts:
             print(f"no local stack under {stack.data_dir}")
         else:
@@ -103,7 +105,8 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("action", choices=["up", "down", "status", "env"],
                    help="start, stop, show or export the local stack")
     option(p, "--services", help="comma list of calmq services to start (default: all)")
-    option(p, "--json", action="store_true", help="status as JSON")
+    option(p, "--json", action="store_true", help="status as JSON (the same as -o json)")
+    add_output(p)
 
     p = command("demo", cmd_demo, "start the stack, run a handful of jobs, stop")
     option(p, "--keep", action="store_true", help="leave the stack running afterwards")

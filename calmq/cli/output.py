@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, Literal, TextIO
 
-__all__ = ["Exit", "Format", "add_output", "emit_lines", "emit_one", "emit_rows", "jsonable",
-           "output_format"]
+__all__ = ["OUTPUT_ENV", "Exit", "Format", "add_output", "emit_lines", "emit_one", "emit_rows",
+           "jsonable", "output_format"]
 
 Format = Literal["table", "json", "jsonl"]
+FORMATS: tuple[Format, ...] = ("table", "json", "jsonl")
+# Like every flag, -o reads a CALMQ_ variable: a script can export CALMQ_OUTPUT=jsonl once.
+OUTPUT_ENV = "CALMQ_OUTPUT"
 
 
 class Exit(IntEnum):
@@ -31,9 +35,9 @@ class Exit(IntEnum):
 
 def add_output(p: argparse.ArgumentParser, default: Format = "table") -> None:
     """``-o/--output``; ``--json`` stays as a synonym of ``-o json`` for existing scripts."""
-    p.add_argument("-o", "--output", choices=["table", "json", "jsonl"], default=None,
+    p.add_argument("-o", "--output", choices=list(FORMATS), default=None,
                    help=f"output format (default {default}): table for people, json one "
-                        "document, jsonl one object per line")
+                        f"document, jsonl one object per line [{OUTPUT_ENV}]")
     p.set_defaults(output_default=default)
 
 
@@ -43,6 +47,14 @@ def output_format(args: argparse.Namespace) -> Format:
         return fmt
     if getattr(args, "json", False):
         return "json"
+    env = os.environ.get(OUTPUT_ENV, "")
+    if env:
+        from calmq.errors import UsageError
+
+        if env not in FORMATS:
+            raise UsageError(f"{OUTPUT_ENV}={env} is not one of {', '.join(FORMATS)}")
+        chosen: Format = env  # narrowed by the check against FORMATS above
+        return chosen
     default: Format = getattr(args, "output_default", "table")
     return default
 

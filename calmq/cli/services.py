@@ -65,9 +65,14 @@ def cmd_relay(args: argparse.Namespace) -> int:
     from calmq.kafka import producer_config
     from calmq.relay import Publisher, drop_slot, make_relay
 
+    if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
+        args.needs = ("database_url",)
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     if args.drop_slot:
+        from calmq.cli.probes import check_database
+
+        check_database(settings)  # one error line with the address, not a traceback
         dropped = drop_slot(settings.database_url, settings.relay_slot)
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")

@@ -4,30 +4,70 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import asdict
+from typing import Any
 
+from calmq.cli.connect import open_store
 from calmq.cli.flags import Command, Flags, settings_for
+from calmq.cli.output import Exit, add_output, emit_rows, output_format
+from calmq.cli.probes import check_database
+from calmq.errors import UsageError
 
 __all__ = ["register"]
 
+# calmq's keys carry no roles of their own: a key acts for its tenant (submit, read and
+# cancel that tenant's jobs, review them), and the operator commands use the database.
+_KEY_ROLE = "tenant"
+
+
+def _list(args: argparse.Namespace) -> int:
+    settings = settings_for(args)
+
+    async def read() -> list[Any]:
+        async with open_store(settings, max_size=1) as store:
+            return await store.tenants.with_keys(args.name)
+
+    tenants = asyncio.run(read())
+    rows: list[dict[str, Any]] = []
+    for t in tenants:
+        keys = [{**k, "role": _KEY_ROLE, "active": k["revoked_at"] is None} for k in t.keys]
+        # ISO times, as the API writes them and as the keys' times come from PostgreSQL.
+        last = t.last_job_at.isoformat() if t.last_job_at else None
+        rows.append({**asdict(t), "created_at": t.created_at.isoformat(), "last_job_at": last,
+                     "keys": keys,
+                     "active_keys": [k["prefix"] for k in keys if k["active"]],
+                     "revoked_keys": [k["prefix"] for k in keys if not k["active"]],
+                     "last_used_at": last})
+    fmt = output_format(args)
+    if fmt == "table":
+        table = [{**r, "active_keys": " ".join(r["active_keys"]) or "none",
+                  "revoked": len(r["revoked_keys"])} for r in rows]
+        emit_rows(table, fmt, ["name", "id", "created_at", "last_used_at", "active_keys",
+                               "revoked"], empty="no tenants")
+    else:
+        emit_rows(rows, fmt, [])
+    if args.name and not rows:
+        return Exit.ERROR
+    return Exit.OK
+
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from calmq.data import Store
-
+    if args.action == "list":
+        return _list(args)
+    if not args.name:
+        raise UsageError(f"usage: calmq tenants {args.action} NAME")
     settings = settings_for(args)
 
     async def create() -> str:
-        store = Store(settings.database_url, max_size=1)
-        await store.open()
-        try:
+        async with open_store(settings, max_size=1) as store:
             tenant, key = await store.tenants.create(args.name)
-        finally:
-            await store.close()
         print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
         return key
 
     if args.action != "create":
         from calmq.data import tenants
 
+        check_database(settings)  # one error line with the address, not a traceback
         if args.action == "add-key":
             print(f"a new API key for {args.name} (shown once):")
             print(tenants.add_key(settings.database_url, args.name))
@@ -43,8 +83,12 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 
 def register(command: Command, flags: Flags) -> None:
-    p = command("tenants", cmd_tenants, "manage tenants", needs=("database_url",))
-    p.add_argument("action", choices=["create", "add-key", "revoke-key", "webhook-secret"],
-                   help="what to do with the tenant")
-    p.add_argument("name", help="the tenant's name")
+    p = command("tenants", cmd_tenants, "manage tenants: list, create, add-key, revoke-key, "
+                "webhook-secret", needs=("database_url",))
+    p.add_argument("action", choices=["list", "create", "add-key", "revoke-key",
+                                      "webhook-secret"],
+                   help="list the tenants and their keys, or act on one tenant")
+    p.add_argument("name", nargs="?",
+                   help="the tenant's name (list: only this tenant; required otherwise)")
     flags.option(p, "--key-prefix", help="revoke-key: only the key starting so (12 chars)")
+    add_output(p)

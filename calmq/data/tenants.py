@@ -17,6 +17,8 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -27,6 +29,7 @@ from calmq.errors import ContractError, NotFound
 
 __all__ = [
     "Tenant",
+    "TenantKeys",
     "Tenants",
     "add_key",
     "hash_key",
@@ -43,6 +46,18 @@ _KEY_PREFIX = "cq_"
 class Tenant:
     id: uuid.UUID
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKeys:
+    """A tenant as `calmq tenants list` shows it: its keys by prefix (never the keys) and
+    when it last submitted a job (keys record no use of their own)."""
+
+    id: uuid.UUID
+    name: str
+    created_at: datetime
+    last_job_at: datetime | None
+    keys: list[dict[str, Any]]  # {"prefix", "created_at", "revoked_at"}, oldest first
 
 
 def new_key() -> str:
@@ -91,6 +106,13 @@ class Tenants:
             cur = await conn.execute(self._q["tenant_for_key"], {"key_hash": hash_key(key)})
             row = await cur.fetchone()
         return Tenant(row["id"], row["name"]) if row else None
+
+    async def with_keys(self, name: str | None = None) -> list[TenantKeys]:
+        """Every tenant (or the one named ``name``) with its keys, by name."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["list_tenants"], {"name": name})
+            rows = await cur.fetchall()
+        return [TenantKeys(**r) for r in rows]
 
 
 def add_key(database_url: str, tenant: str) -> str:

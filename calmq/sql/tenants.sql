@@ -32,3 +32,17 @@ SELECT key_prefix, (SELECT count(*) FROM woken) AS notified FROM revoked;
 
 -- name: tenant_webhook_secret
 SELECT webhook_secret FROM tenants WHERE name = %(name)s;
+
+-- name: list_tenants
+-- Every tenant with its keys (prefix, created, revoked) and when it last submitted a job:
+-- keys record no use of their own, and a tenant's last job is found by the
+-- jobs_tenant_created index in one probe.
+SELECT t.id, t.name, t.created_at,
+       (SELECT max(j.created_at) FROM jobs j WHERE j.tenant_id = t.id) AS last_job_at,
+       coalesce((SELECT json_agg(json_build_object(
+                    'prefix', k.key_prefix, 'created_at', k.created_at,
+                    'revoked_at', k.revoked_at) ORDER BY k.created_at)
+                 FROM api_keys k WHERE k.tenant_id = t.id), '[]'::json) AS keys
+FROM tenants t
+WHERE %(name)s::text IS NULL OR t.name = %(name)s::text
+ORDER BY t.name;

@@ -112,3 +112,82 @@ def test_unknown_variable_is_an_error(
     err = capsys.readouterr().err
     assert "unknown_setting" in err
     assert "CALMQ_CONCURENCY" in err
+
+
+def _arguments(command: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every flag and positional argument of a command, except argparse's own --help."""
+    return [a for a in command._actions if a.dest != "help"]
+
+
+def test_every_flag_and_argument_of_every_command_has_help() -> None:
+    """`calmq X --help` describes each flag and positional: a non-empty text that says more
+    than its CALMQ_ variable (a setting flag's help comes from its Settings field)."""
+    undescribed = []
+    for name, command in _commands().items():
+        for action in _arguments(command):
+            text = (action.help or "").split("[CALMQ_")[0].strip()
+            if not text or text == "None":
+                undescribed.append(f"calmq {name} {'/'.join(action.option_strings) or action.dest}")
+    assert undescribed == []
+
+
+@pytest.mark.parametrize("name", ["lag", "budget", "health", "tenants", "dev", "topics", "schemas"])
+def test_commands_that_print_data_take_one_output_option(name: str) -> None:
+    """The on-call and deployment commands take -o table|json|jsonl, table by default."""
+    command = _commands()[name]
+    output = next(a for a in command._actions if a.dest == "output")
+    assert output.option_strings == ["-o", "--output"]
+    assert output.choices == ["table", "json", "jsonl"]
+    assert command.get_default("output_default") == "table"
+
+
+@pytest.mark.parametrize(("name", "needs"), [
+    ("lag", ("kafka_bootstrap",)), ("budget", ("database_url",)),
+    ("tenants", ("database_url",)), ("dlq", ("database_url",)), ("reaper", ("database_url",)),
+    ("health", ()),
+])
+def test_commands_ask_only_for_the_parts_they_use(name: str, needs: tuple[str, ...]) -> None:
+    """Database-only commands do not need Kafka; health reports every part itself."""
+    assert _commands()[name].get_default("needs") == needs
+
+
+def _complete(script: str, *words: str) -> list[str]:
+    """What bash offers for the last of ``words`` (the command line so far) with the script."""
+    import subprocess
+
+    line = " ".join(f"'{w}'" for w in ("calmq", *words))
+    probe = (f"{script}\nCOMP_WORDS=({line}); COMP_CWORD={len(words)}; _calmq; "
+             'printf "%s\\n" "${COMPREPLY[@]}"')
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c", probe], capture_output=True,
+                          text=True, timeout=10, check=True)
+    return done.stdout.split()
+
+
+def test_bash_completion_offers_commands_flags_and_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq completion bash` completes a command name, its flags, a flag's choices and a
+    positional's choices; the zsh script is the same through bashcompinit."""
+    assert main(["completion", "bash"]) == 0
+    script = capsys.readouterr().out
+    assert _complete(script, "la") == ["lag"]
+    assert _complete(script, "lag", "--po") == ["--pools"]
+    assert _complete(script, "budget", "-o", "") == ["table", "json", "jsonl"]
+    assert _complete(script, "tenants", "l") == ["list"]
+    assert set(_commands()) <= set(_complete(script, ""))
+    assert main(["completion", "zsh"]) == 0
+    zsh = capsys.readouterr().out
+    assert "bashcompinit" in zsh
+    assert script in zsh
+
+
+def test_output_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CALMQ_OUTPUT sets -o for every command; the flag wins; a wrong value is a usage error."""
+    from calmq.cli.output import output_format
+    from calmq.errors import UsageError
+
+    monkeypatch.setenv("CALMQ_OUTPUT", "jsonl")
+    assert output_format(parser().parse_args(["health"])) == "jsonl"
+    assert output_format(parser().parse_args(["health", "-o", "table"])) == "table"
+    monkeypatch.setenv("CALMQ_OUTPUT", "yaml")
+    with pytest.raises(UsageError):
+        output_format(parser().parse_args(["health"]))

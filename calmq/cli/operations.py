@@ -1,0 +1,470 @@
+"""On-call at a glance: consumer lag, the token budget, the health of every part.
+
+Each reads, never writes, and answers within seconds: every connection it opens has a
+timeout of a few seconds, and an unreachable part is one error line naming its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse, urlunparse
+
+from calmq.cli.connect import CONNECT_TIMEOUT_SECONDS, database_address, open_store
+from calmq.cli.flags import Command, Flags, settings_for
+from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_format
+from calmq.cli.probes import kafka_config, kafka_unreachable, open_admin
+from calmq.errors import CalmqError
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
+
+    from calmq.data.operations import InFlight
+    from calmq.settings import Settings
+
+__all__ = ["PartitionLag", "read_lag", "register"]
+
+# Broker requests of these commands; a person waits on each, so they are short.
+KAFKA_TIMEOUT_SECONDS = 3.0
+# How long `lag` reads for the first uncommitted message of the lagging partitions.
+PEEK_SECONDS = 3.0
+_PRIORITIES = ("interactive", "bulk")
+
+
+# -- Kafka -------------------------------------------------------------------------------
+
+def work_topics(names: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+    """``calmq.<pool>.<priority>`` topics by pool, as (topic, priority): the broker's topics
+    say which pools exist, so a pool named only in another deployment's settings is found."""
+    from calmq import topics
+
+    found: dict[str, list[tuple[str, str]]] = {}
+    for name in sorted(names):
+        if not name.startswith(topics.PREFIX):
+            continue
+        pool, _, priority = name[len(topics.PREFIX):].rpartition(".")
+        if priority in _PRIORITIES and pool and pool != "retry" and "." not in pool:
+            found.setdefault(pool, []).append((name, priority))
+    return found
+
+
+@dataclass
+class PartitionLag:
+    """One partition of a work topic, as the pool's consumer group sees it."""
+
+    pool: str
+    topic: str
+    priority: str
+    partition: int
+    group: str
+    start_offset: int  # the low watermark: older messages are gone (retention)
+    end_offset: int  # the high watermark: the next message's offset
+    committed_offset: int | None  # None: the group never committed on this partition
+    lag: int
+    oldest_age_seconds: float | None  # the first uncommitted message's age; None: no lag
+
+
+def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
+    """Per partition of every pool's work topics: offsets, lag and the oldest message's age.
+
+    The group's committed offsets come from the admin API (no group membership, so the
+    workers' assignment is not disturbed); a partition never committed counts from its low
+    watermark, as the workers' lag gauge does.
+    """
+    from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+    admin, metadata = open_admin(bootstrap)
+    by_pool = work_topics(list(metadata.topics))
+    if pools:
+        by_pool = {p: t for p, t in by_pool.items() if p in pools}
+    rows: list[PartitionLag] = []
+    try:
+        for pool, pool_topics in by_pool.items():
+            group = f"calmq.{pool}"  # the workers' group (processors/worker.py)
+            parts = [TopicPartition(t, p) for t, _ in pool_topics
+                     for p in sorted(metadata.topics[t].partitions)]
+            if not parts:
+                continue
+            reply = admin.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group, parts)],
+                request_timeout=KAFKA_TIMEOUT_SECONDS)[group].result(KAFKA_TIMEOUT_SECONDS * 2)
+            committed = {(tp.topic, tp.partition): tp.offset for tp in reply.topic_partitions}
+            high = _offsets(admin, parts, OffsetSpec.latest())  # type: ignore[no-untyped-call]
+            low = _offsets(admin, parts, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
+            priority_of = dict(pool_topics)
+            for tp in parts:
+                key = (tp.topic, tp.partition)
+                done = committed.get(key, -1)
+                start = max(done, low[key]) if done >= 0 else low[key]
+                rows.append(PartitionLag(
+                    pool=pool, topic=tp.topic, priority=priority_of[tp.topic],
+                    partition=tp.partition, group=group, start_offset=low[key],
+                    end_offset=high[key], committed_offset=done if done >= 0 else None,
+                    lag=max(0, high[key] - start), oldest_age_seconds=None))
+    except KafkaException as exc:
+        raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
+    _oldest_ages(bootstrap, [r for r in rows if r.lag > 0])
+    return rows
+
+
+def _offsets(admin: AdminClient, parts: Sequence[Any], spec: Any) -> dict[tuple[str, int], int]:
+    from confluent_kafka import TopicPartition
+
+    futures = admin.list_offsets({TopicPartition(tp.topic, tp.partition): spec for tp in parts},
+                                 request_timeout=KAFKA_TIMEOUT_SECONDS)
+    return {(tp.topic, tp.partition): int(f.result(KAFKA_TIMEOUT_SECONDS * 2).offset)
+            for tp, f in futures.items()}
+
+
+def _oldest_ages(bootstrap: str, lagging: list[PartitionLag]) -> None:
+    """Fill in each lagging partition's oldest message age: the timestamp of the message at
+    its committed offset (the next one the group will process).
+
+    One consumer ``assign``s the partitions at those offsets: assigning joins no group, so the
+    workers' group neither rebalances nor sees a new member, and nothing is committed. A
+    partition whose message does not arrive within PEEK_SECONDS keeps None.
+    """
+    if not lagging:
+        return
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(kafka_config(
+        bootstrap, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
+                      "enable.auto.offset.store": False, "enable.partition.eof": False,
+                      "fetch.wait.max.ms": 50}))
+    wanted = {(r.topic, r.partition): r for r in lagging}
+    try:
+        consumer.assign([TopicPartition(r.topic, r.partition,
+                                        r.end_offset - r.lag) for r in lagging])
+        deadline = time.monotonic() + PEEK_SECONDS
+        while wanted and time.monotonic() < deadline:
+            for msg in consumer.consume(num_messages=len(wanted), timeout=0.2):
+                key = (str(msg.topic()), int(msg.partition() or 0))
+                row = wanted.pop(key, None)
+                if row is None or msg.error() is not None:
+                    continue
+                _kind, ms = msg.timestamp()
+                row.oldest_age_seconds = round(max(0.0, time.time() - ms / 1000), 3)
+                consumer.pause([TopicPartition(*key)])
+    finally:
+        consumer.close()
+
+
+def _in_flight(settings: Settings) -> tuple[dict[tuple[str, str], InFlight], str | None]:
+    """Jobs held by workers and waiting, per (pool, priority), or why they are unknown."""
+    if not settings.database_url:
+        return {}, "no database set (CALMQ_DATABASE_URL)"
+
+    async def read() -> list[InFlight]:
+        from calmq.data.operations import Operations
+
+        async with open_store(settings, max_size=1) as store:
+            return await Operations(store).in_flight()
+
+    try:
+        rows = asyncio.run(read())
+    except CalmqError as exc:
+        return {}, exc.message
+    return {(r.pool, r.priority): r for r in rows}, None
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    import sys
+
+    settings = settings_for(args)
+    pools = [p.strip() for p in (args.pools or "").split(",") if p.strip()]
+    rows = read_lag(settings.kafka_bootstrap, pools)
+    jobs, unknown = _in_flight(settings)
+    if unknown:
+        print(f"calmq: warning: jobs in flight unknown: {unknown}", file=sys.stderr)
+    out: list[dict[str, Any]] = []
+    totals: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        out.append({"kind": "partition", **asdict(r), "in_flight": None, "waiting": None})
+        total = totals.setdefault(r.topic, {
+            "kind": "topic", "pool": r.pool, "topic": r.topic, "priority": r.priority,
+            "partition": None, "group": r.group, "partitions": 0, "end_offset": 0,
+            "committed_offset": 0, "lag": 0, "oldest_age_seconds": None,
+            # Jobs are counted per topic: PostgreSQL knows a job's pool and priority, not
+            # the partition its message went to.
+            "in_flight": None, "waiting": None})
+        total["partitions"] += 1
+        total["end_offset"] += r.end_offset
+        total["committed_offset"] += r.committed_offset or 0
+        total["lag"] += r.lag
+        if r.oldest_age_seconds is not None:
+            total["oldest_age_seconds"] = max(total["oldest_age_seconds"] or 0.0,
+                                              r.oldest_age_seconds)
+        if unknown is None:
+            held = jobs.get((r.pool, r.priority))
+            total["in_flight"] = held.in_flight if held else 0
+            total["waiting"] = held.waiting if held else 0
+    fmt = output_format(args)
+    if fmt != "table":
+        emit_rows([*out, *totals.values()], fmt, [])
+        return Exit.OK
+    if not rows:
+        print("no work topics (calmq.<pool>.<priority>) in this cluster"
+              + (f" for pool(s) {', '.join(pools)}" if pools else ""))
+        return Exit.OK
+    emit_rows(out, fmt, ["topic", "partition", "end_offset", "committed_offset", "lag",
+                         "oldest_age_seconds"])
+    print()
+    emit_rows(list(totals.values()), fmt, ["topic", "group", "lag", "oldest_age_seconds",
+                                           "in_flight", "waiting"])
+    return Exit.OK
+
+
+# -- budget ------------------------------------------------------------------------------
+
+def _bucket_view(b: Any) -> dict[str, Any]:
+    """A bucket row as people read it: per priority what is left now and what is owed."""
+    share = b.interactive_share
+    return {
+        "provider": b.provider, "model": b.model,
+        "tokens_per_minute": b.tokens_per_minute, "requests_per_minute": b.requests_per_minute,
+        "interactive_share": share, "paused_until": b.paused_until, "updated_at": b.updated_at,
+        "priorities": {
+            "interactive": {"tokens_left": round(max(0.0, b.interactive_tokens), 1),
+                            "tokens_cap": round(b.token_cap * share, 1),
+                            "requests_left": round(max(0.0, b.interactive_requests), 2),
+                            "debt_tokens": round(max(0.0, -b.interactive_tokens), 1),
+                            "debt_requests": round(max(0.0, -b.interactive_requests), 2)},
+            "bulk": {"tokens_left": round(max(0.0, b.bulk_tokens), 1),
+                     "tokens_cap": round(b.token_cap * (1 - share), 1),
+                     "requests_left": round(max(0.0, b.bulk_requests), 2),
+                     "debt_tokens": round(max(0.0, -b.bulk_tokens), 1),
+                     "debt_requests": round(max(0.0, -b.bulk_requests), 2)},
+        },
+    }
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    from calmq.data.operations import Operations
+    from calmq.settings import parse_duration
+
+    settings = settings_for(args)
+    window = parse_duration(args.window or "60s")
+
+    async def read() -> tuple[list[Any], list[Any]]:
+        async with open_store(settings, max_size=1) as store:
+            ops = Operations(store)
+            return await ops.buckets(), await ops.usage(window)
+
+    buckets, usage = asyncio.run(read())
+    by_priority: dict[str, dict[str, int]] = {
+        p: {"tokens": 0, "model_calls": 0, "attempts": 0} for p in _PRIORITIES}
+    tenants = []
+    for u in usage:
+        tokens = u.input_tokens + u.output_tokens
+        row = by_priority.setdefault(u.priority, {"tokens": 0, "model_calls": 0, "attempts": 0})
+        row["tokens"] += tokens
+        row["model_calls"] += u.model_calls
+        row["attempts"] += u.attempts
+        tenants.append({**asdict(u), "tokens": tokens})
+    report: dict[str, Any] = {
+        # This shell's settings: what a worker started here would configure. The buckets
+        # hold what the fleet runs with (the last worker to start wrote them).
+        "settings": {"tokens_per_minute": settings.budget_tokens_per_minute,
+                     "requests_per_minute": settings.budget_requests_per_minute,
+                     "interactive_share": settings.budget_interactive_share,
+                     "burst_seconds": settings.budget_burst_seconds},
+        "buckets": [_bucket_view(b) for b in buckets],
+        "window_seconds": window,
+        "use_by_priority": [{"priority": p, **v} for p, v in by_priority.items()],
+        "use_by_tenant": tenants,
+        "in_debt": any(v["debt_tokens"] > 0 or v["debt_requests"] > 0
+                       for b in buckets for v in _bucket_view(b)["priorities"].values()),
+    }
+    fmt = output_format(args)
+    if fmt != "table":
+        emit_one(report, fmt)
+        return Exit.OK
+    s = report["settings"]
+    print(f"settings here: {s['tokens_per_minute'] or 'no'} tokens/min, "
+          f"{s['requests_per_minute'] or 'no'} requests/min, interactive share "
+          f"{s['interactive_share']:.0%}")
+    if not buckets:
+        print("no shared budget in this database (no worker started with "
+              "CALMQ_BUDGET_TOKENS_PER_MINUTE or CALMQ_BUDGET_REQUESTS_PER_MINUTE)")
+    for b in report["buckets"]:
+        paused = f", PAUSED until {b['paused_until']:%H:%M:%S}" if b["paused_until"] else ""
+        print(f"\n{b['provider']}/{b['model']}: {b['tokens_per_minute']} tokens/min, "
+              f"{b['requests_per_minute']} requests/min{paused}")
+        emit_rows([{"priority": p, **v} for p, v in b["priorities"].items()], fmt,
+                  ["priority", "tokens_left", "tokens_cap", "requests_left", "debt_tokens",
+                   "debt_requests"])
+    print(f"\nuse in the last {window:g} s, by priority:")
+    emit_rows(report["use_by_priority"], fmt, ["priority", "tokens", "model_calls", "attempts"])
+    print(f"\nuse in the last {window:g} s, by tenant:")
+    emit_rows(tenants, fmt, ["tenant", "priority", "tokens", "input_tokens", "output_tokens",
+                             "model_calls", "attempts"], empty="no model calls")
+    return Exit.OK
+
+
+# -- health ------------------------------------------------------------------------------
+
+@dataclass
+class Check:
+    part: str
+    address: str
+    healthy: bool | None  # None: not set, so not checked
+    reason: str
+    elapsed_ms: float = 0.0
+
+
+def _url_address(url: str) -> str:
+    """A URL without its credentials, to show."""
+    parsed = urlparse(url)
+    if parsed.password or parsed.username:
+        netloc = parsed.hostname or ""
+        if parsed.port:
+            netloc += f":{parsed.port}"
+        parsed = parsed._replace(netloc=netloc)
+    return urlunparse(parsed)
+
+
+def _http_ok(url: str) -> str:
+    """GET ``url``; the reason it is healthy, or raises with the reason it is not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=KAFKA_TIMEOUT_SECONDS) as resp:  # noqa: S310
+            return f"HTTP {resp.status} from {urlparse(url).path or '/'}"
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code} from {urlparse(url).path}: "
+                           f"{exc.read(300).decode('utf-8', 'replace').strip()}") from exc
+    except urllib.error.URLError as exc:
+        raise RuntimeError(str(exc.reason)) from exc
+
+
+def _check_database(settings: Settings) -> str:
+    from calmq.data.operations import probe
+
+    server, schema = probe(settings.database_url, CONNECT_TIMEOUT_SECONDS)
+    if schema is None:
+        raise RuntimeError(f"PostgreSQL {server} answers but holds no calmq schema: run "
+                           "`calmq migrate`")
+    return f"PostgreSQL {server}, calmq schema version {schema}"
+
+
+def _check_kafka(settings: Settings) -> str:
+    from calmq import topics
+
+    _admin_client, metadata = open_admin(settings.kafka_bootstrap)
+    wanted = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
+    missing = [t for t in wanted if t not in metadata.topics]
+    if missing:
+        raise RuntimeError(f"topics missing: {', '.join(missing)} (`calmq topics create`)")
+    return f"{len(metadata.brokers)} broker(s), calmq's {len(wanted)} topics present"
+
+
+def _check_object_store(settings: Settings) -> str:
+    import os
+    from pathlib import Path
+
+    parsed = urlparse(settings.object_store_url)
+    if parsed.scheme == "file":
+        path = Path(parsed.path)
+        if not path.is_dir():
+            raise RuntimeError(f"{path} is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise RuntimeError(f"{path} is not writable by this user")
+        return "directory present and writable"
+    if parsed.scheme == "s3":
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", config=Config(
+            connect_timeout=KAFKA_TIMEOUT_SECONDS, read_timeout=KAFKA_TIMEOUT_SECONDS,
+            retries={"max_attempts": 1}))
+        client.head_bucket(Bucket=parsed.netloc)
+        return f"bucket {parsed.netloc} answers"
+    raise RuntimeError("neither file:///path nor s3://bucket/prefix")
+
+
+def _checks(settings: Settings) -> list[tuple[str, str, str, Callable[[], str] | None]]:
+    """(part, setting, address, check) for every part; no check when the setting is empty."""
+    s = settings
+    return [
+        ("postgres", "database_url", database_address(s.database_url) if s.database_url else "",
+         (lambda: _check_database(s)) if s.database_url else None),
+        ("kafka", "kafka_bootstrap", s.kafka_bootstrap,
+         (lambda: _check_kafka(s)) if s.kafka_bootstrap else None),
+        ("schema-registry", "schema_registry_url", _url_address(s.schema_registry_url),
+         (lambda: _http_ok(s.schema_registry_url.rstrip("/") + "/subjects"))
+         if s.schema_registry_url else None),
+        ("object-store", "object_store_url", _url_address(s.object_store_url),
+         (lambda: _check_object_store(s)) if s.object_store_url else None),
+        ("api", "api_url", _url_address(s.api_url),
+         (lambda: _http_ok(s.api_url.rstrip("/") + "/readyz")) if s.api_url else None),
+        ("fake-provider", "fake_provider_url", _url_address(s.fake_provider_url),
+         (lambda: _http_ok(s.fake_provider_url.rstrip("/") + "/healthz"))
+         if s.fake_provider_url else None),
+    ]
+
+
+# Every deployment has these; the others are optional (no registry: single-object Avro).
+_REQUIRED = ("database_url", "kafka_bootstrap")
+
+
+def _run_check(part: str, address: str, check: Callable[[], str]) -> Check:
+    started = time.monotonic()
+    try:
+        reason, healthy = check(), True
+    except CalmqError as exc:
+        reason, healthy = exc.message, False
+    except Exception as exc:  # noqa: BLE001 - any failure of a probe is the part's state
+        text = str(exc).strip().splitlines()
+        reason, healthy = (text[0] if text else type(exc).__name__), False
+    return Check(part, address, healthy, reason, round((time.monotonic() - started) * 1000, 1))
+
+
+def health(settings: Settings) -> list[Check]:
+    """Every part the settings name, probed at once (each with its own few-second timeout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    planned = _checks(settings)
+    results: list[Check] = []
+    with ThreadPoolExecutor(max_workers=len(planned)) as pool:
+        futures = []
+        for part, setting, address, check in planned:
+            if check is None:
+                required = setting in _REQUIRED
+                results.append(Check(part, "", False if required else None,
+                                     f"not set (CALMQ_{setting.upper()})"))
+                continue
+            futures.append(pool.submit(_run_check, part, address, check))
+        results += [f.result() for f in futures]
+    order = [p[0] for p in planned]
+    return sorted(results, key=lambda c: order.index(c.part))
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    checks = health(settings_for(args))
+    rows = [{**asdict(c), "status": "up" if c.healthy else ("not set" if c.healthy is None
+                                                             else "DOWN")} for c in checks]
+    emit_rows(rows, output_format(args), ["part", "status", "address", "elapsed_ms", "reason"])
+    return Exit.OK if all(c.healthy is not False for c in checks) else Exit.ERROR
+
+
+def register(command: Command, flags: Flags) -> None:
+    option = flags.option
+    p = command("lag", cmd_lag, "consumer lag per pool, topic and partition, with jobs in "
+                "flight and the oldest waiting message's age", needs=("kafka_bootstrap",))
+    option(p, "--pools", help="comma list of pools to show (default: every pool with topics)")
+    add_output(p)
+    p = command("budget", cmd_budget, "the shared token budget: limits, what is left and "
+                "owed per priority, use per priority and tenant", needs=("database_url",))
+    option(p, "--window", help="the window of use to sum: 90s, 5m, ... (default 60s, the "
+           "provider's minute)")
+    add_output(p)
+    p = command("health", cmd_health, "probe every part the settings name (exit 1 if one "
+                "is down)")
+    add_output(p)

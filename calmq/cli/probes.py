@@ -1,0 +1,102 @@
+"""Probes a command runs before it uses a part: Kafka, the schema registry, PostgreSQL.
+
+Each answers within CONNECT_TIMEOUT_SECONDS or raises a CalmqError whose one line names the
+part's address (``kafka_unreachable``, ``registry_unreachable``, ``database_unreachable``),
+so a person at a terminal gets the answer in seconds instead of a client library's retries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from calmq.cli.connect import CONNECT_TIMEOUT_SECONDS, unreachable
+from calmq.errors import InfrastructureError
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
+
+    from calmq.settings import Settings
+
+__all__ = ["check_database", "check_registry", "kafka_config", "kafka_unreachable",
+           "open_admin"]
+
+
+def _quiet_logger() -> logging.Logger:
+    """A logger for librdkafka that drops its lines: its "Connection refused" retries would
+    otherwise go to stderr every second, where the one error line we print belongs."""
+    log = logging.getLogger("calmq.cli.librdkafka")
+    log.addHandler(logging.NullHandler())
+    log.propagate = False
+    return log
+
+
+def kafka_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """A command's Kafka client: connects within the timeout and keeps librdkafka quiet."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "socket.connection.setup.timeout.ms": CONNECT_TIMEOUT_SECONDS * 1000,
+        "logger": _quiet_logger(),
+        **extra,
+    }
+
+
+def kafka_unreachable(bootstrap: str, exc: object) -> InfrastructureError:
+    # A KafkaError's own text ("Failed to get metadata: ...") rather than its repr.
+    text = getattr(exc, "str", None)
+    reason = (text() if callable(text) else str(exc)).strip() or type(exc).__name__
+    return InfrastructureError(
+        f"Kafka at {bootstrap} is not reachable ({reason}): check CALMQ_KAFKA_BOOTSTRAP, or "
+        "start the local stack with `calmq dev up`", code="kafka_unreachable")
+
+
+def open_admin(bootstrap: str) -> tuple[AdminClient, Any]:
+    """An admin client and the cluster's metadata; fails fast when no broker answers."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(kafka_config(bootstrap))
+    try:
+        metadata = admin.list_topics(timeout=CONNECT_TIMEOUT_SECONDS)
+    except KafkaException as exc:
+        raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
+    return admin, metadata
+
+
+def check_registry(url: str) -> None:
+    """The schema registry answers ``GET /subjects`` within the timeout."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/subjects",  # noqa: S310 - a setting
+                                    timeout=CONNECT_TIMEOUT_SECONDS):
+            return
+    except urllib.error.HTTPError as exc:
+        reason = f"HTTP {exc.code} from /subjects"
+    except OSError as exc:
+        reason = str(getattr(exc, "reason", exc))
+    raise InfrastructureError(
+        f"the schema registry at {url} is not reachable ({reason}): check "
+        "CALMQ_SCHEMA_REGISTRY_URL", code="registry_unreachable")
+
+
+def database_address(url: str) -> str:
+    """``host:port/dbname`` of a connection URL, without the password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as "?" rather than leaked
+        return "?"
+    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname', '')}"
+
+
+def check_database(settings: Settings) -> None:
+    """The same fast probe as ``open_store``, for commands that connect synchronously."""
+    import psycopg
+
+    try:
+        psycopg.connect(settings.database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS).close()
+    except psycopg.Error as exc:
+        raise unreachable(settings.database_url, exc) from exc

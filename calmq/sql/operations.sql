@@ -1,0 +1,47 @@
+-- What the on-call commands read (calmq/data/operations.py): `calmq lag` and `calmq budget`.
+
+-- name: ops_jobs_in_flight
+-- Jobs a worker holds (running with a lease) and jobs waiting for one, per pool and
+-- priority, i.e. per work topic. Both sets are small and covered by partial indexes
+-- (jobs_leased, jobs_waiting), so this is no scan of the whole table.
+SELECT pool, priority,
+       count(*) FILTER (WHERE status = 'running') AS in_flight,
+       count(*) FILTER (WHERE status IN ('queued', 'retrying')) AS waiting
+FROM jobs
+WHERE status IN ('running', 'queued', 'retrying')
+GROUP BY pool, priority;
+
+-- name: ops_budget_buckets
+-- Every provider and model's buckets, with the levels refilled up to now (the stored
+-- levels are as of the last touch, which may be minutes old on an idle fleet). Nothing is
+-- written: calmq_budget_refill returns the row without storing it.
+SELECT b.provider, b.model, b.tokens_per_minute, b.requests_per_minute, b.token_rate,
+       b.request_rate, b.token_cap, b.request_cap, b.interactive_share,
+       r.bulk_tokens, r.bulk_requests, r.interactive_tokens, r.interactive_requests,
+       CASE WHEN b.paused_until > clock_timestamp() THEN b.paused_until END AS paused_until,
+       b.updated_at
+FROM budget_buckets b, LATERAL calmq_budget_refill(b, clock_timestamp()) r
+ORDER BY b.provider, b.model;
+
+-- name: ops_budget_usage
+-- Tokens and model calls per tenant and priority of the attempts that are still running or
+-- finished within the window: the use the provider's sliding minute still counts. An
+-- attempt's tokens are its total, so a long attempt that started before the window counts
+-- whole (an upper bound, never an undercount).
+SELECT t.name AS tenant, j.priority,
+       count(*) AS attempts,
+       coalesce(sum(a.model_calls), 0)::bigint AS model_calls,
+       coalesce(sum(a.input_tokens), 0)::bigint AS input_tokens,
+       coalesce(sum(a.output_tokens), 0)::bigint AS output_tokens
+FROM job_attempts a
+JOIN jobs j ON j.id = a.job_id
+JOIN tenants t ON t.id = j.tenant_id
+WHERE a.finished_at IS NULL
+   OR a.finished_at >= clock_timestamp() - make_interval(secs => %(window_seconds)s)
+GROUP BY t.name, j.priority
+ORDER BY t.name, j.priority;
+
+-- name: ops_health
+-- `calmq health`: the server answers, and which calmq schema it holds.
+SELECT current_setting('server_version') AS server_version,
+       (SELECT max(version) FROM calmq_migrations) AS schema_version;
