@@ -215,7 +215,8 @@ def _show_table(story: dict[str, Any]) -> None:
     for e in story["events"]:
         offset = (datetime.fromisoformat(e["at"]) - start).total_seconds()
         detail = json.dumps(e["detail"], separators=(",", ":")) if e["detail"] else ""
-        print(f"  +{offset:9.3f}s  {e['type']:<24} attempt {e['attempt']}  {detail}".rstrip())
+        since = f"+{offset:.3f}s"
+        print(f"  {since:>11}  {e['type']:<24} attempt {e['attempt']}  {detail}".rstrip())
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
