@@ -180,7 +180,9 @@ class Progress:
         self.verb, self.total, self.out, self.tty, self.clock = verb, total, out, tty, clock
         self.started = clock()
         self.n = 0
-        self._last_draw = float("-inf")
+        # A bar is drawn at once; a log's first line waits for a tenth of the work or for
+        # the few seconds, like every later one.
+        self._last_draw = float("-inf") if tty else self.started
         self._last_line_n = 0
         self._every = max(1, total // 10)
 

@@ -97,6 +97,30 @@ def test_interrupted_redrive_of_1000_resumes_redriving_each_exactly_once(
     assert "finished already" in again.stderr
 
 
+def test_sigterm_stops_a_redrive_resumably_too(stack: StackState, tmp_path: Path) -> None:
+    """SIGTERM (a stopped pod, a killed shell) is an interruption like Ctrl-C: exit 130, and
+    the resumed run redrives the rest, each job once."""
+    name, tenant_id, _key = new_tenant(stack, "bulkterm")
+    ids = insert_jobs(stack, tenant_id, 40)
+    checkpoint = tmp_path / "c.json"
+    proc = subprocess.Popen(
+        calmq_argv(*_redrive(name, "--yes", "--rate", "10", "--checkpoint", str(checkpoint))),
+        env=calmq_env(stack), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    while not (line := proc.stderr.readline()).startswith("redrive: "):
+        assert line, "calmq ended before its first progress line"
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert 0 < sum(redriven_counts(stack, ids).values()) < 40
+
+    resumed = calmq(stack, "dlq", "redrive", "--resume", str(checkpoint), "--yes")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines()[-1] == "40 redriven"  # both runs' work in one summary
+    assert set(redriven_counts(stack, ids).values()) == {1}
+
+
 def test_without_a_terminal_a_bulk_redrive_needs_yes(stack: StackState, tmp_path: Path) -> None:
     """Not a terminal and no --yes: the count, then exit 2 and nothing redriven."""
     name, tenant_id, _key = new_tenant(stack, "bulkyes")
