@@ -89,10 +89,13 @@ def _job_id(text: str) -> uuid.UUID:
         raise UsageError(f"{text!r} is not a job id", code="invalid_job_id") from None
 
 
-def _statuses(values: list[str] | None) -> list[str] | None:
+def _statuses(values: str | list[str] | None) -> list[str] | None:
+    """``--status`` (a comma list), or the list a checkpoint saved."""
     from calmq.jobs import Status
 
-    found = [s for v in values or [] for s in v.split(",") if s] or None
+    if isinstance(values, str):
+        values = [values]
+    found = [s.strip() for v in values or [] for s in v.split(",") if s.strip()] or None
     valid = {s.value for s in Status}
     if found and not set(found) <= valid:
         raise UsageError(f"--status is one of {', '.join(sorted(valid))}",
@@ -398,8 +401,9 @@ def _cancel(args: argparse.Namespace, settings: Any) -> int:
 
 def _filters(flags: Flags, p: argparse.ArgumentParser) -> None:
     option = flags.option
-    option(p, "--status", action="append",
-           help="only jobs in this status (repeat it, or a comma list): queued, running, "
+    # A comma list rather than a repeated flag: its CALMQ_STATUS variable is one string too.
+    option(p, "--status",
+           help="only jobs in this status, or a comma list of them: queued, running, "
                 "retrying, awaiting_review, completed, dead_letter, cancelled")
     option(p, "--workflow", help="only jobs of this workflow")
     option(p, "--tenant", help="only this tenant's jobs (its name)")
