@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -248,7 +249,7 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
         raise UsageError("--rate is a positive number of jobs per second", code="invalid_rate")
     if resume is not None:
         state = Checkpoint.load(resume, bulk.command)
-        bulk = Bulk(**{**bulk.__dict__, "params": state.params})
+        bulk = dataclasses.replace(bulk, params=state.params)
     else:
         state = Checkpoint(path=checkpoint or default_checkpoint(bulk.command),
                            command=bulk.command, params=bulk.params,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from calmq.cli import bulk
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_rows, jsonable, output_format
+from calmq.cli.times import when as _when
 from calmq.errors import ConfigError, NotFound, UsageError
 
 if TYPE_CHECKING:
@@ -30,25 +31,6 @@ __all__ = ["register"]
 
 _FILTERS = ("failure_class", "code", "workflow", "tenant", "since", "until")
 _PAGE = 500  # a bulk redrive's page when --limit is not given
-
-
-def _when(text: str | None) -> datetime | None:
-    """``--since``/``--until``: an ISO time, or a duration ago (``90m``, ``2h``)."""
-    from datetime import timedelta
-
-    from calmq.settings import parse_duration
-
-    if not text:
-        return None
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        try:
-            return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
-        except ValueError:
-            raise UsageError(f"{text!r} is neither an ISO time nor a duration like 2h",
-                             code="invalid_time") from None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _filter(values: dict[str, Any], limit: int) -> DeadLetterFilter:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calmq.cli import bulk
-from calmq.cli.deadletters import _when
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, Format, add_output, emit_one, emit_rows, jsonable, output_format
+from calmq.cli.times import when as _when
 from calmq.errors import ConfigError, NotFound, UsageError
 
 if TYPE_CHECKING:

@@ -96,6 +96,11 @@ def test_interrupted_redrive_of_1000_resumes_redriving_each_exactly_once(
     assert again.returncode == 0
     assert "finished already" in again.stderr
 
+    # The redriven jobs really run again, and finish; waiting here also leaves the shared
+    # pool empty for the tests after this one instead of 1,000 jobs ahead of theirs.
+    wait_for(lambda: set(statuses(stack, ids).values()) == {"completed"}, timeout=180,
+             what="the 1,000 redriven jobs to complete")
+
 
 def test_sigterm_stops_a_redrive_resumably_too(stack: StackState, tmp_path: Path) -> None:
     """SIGTERM (a stopped pod, a killed shell) is an interruption like Ctrl-C: exit 130, and

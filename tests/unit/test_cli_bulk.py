@@ -92,3 +92,15 @@ def test_summary_line_names_each_reason() -> None:
     assert summary_line(3, "redriven", {}, {}) == "3 redriven"
     assert summary_line(1, "cancelled", {"job_terminal": 2}, {"not_found": 1, "bad": 1}) == (
         "1 cancelled, 2 skipped (job_terminal: 2), 2 failed (bad: 1, not_found: 1)")
+
+
+def test_filter_times_are_iso_or_a_duration_ago() -> None:
+    from calmq.cli.times import when
+
+    assert when("2026-12-01T10:00") == datetime(2026, 12, 1, 10, tzinfo=UTC)  # no zone: UTC
+    ago = when("2h")
+    assert ago is not None
+    assert abs((datetime.now(UTC) - ago) - timedelta(hours=2)) < timedelta(seconds=5)
+    with pytest.raises(ConfigError) as bad:
+        when("yesterday")
+    assert bad.value.code == "invalid_time"
