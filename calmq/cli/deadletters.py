@@ -126,7 +126,7 @@ def _redrive(args: argparse.Namespace, settings: Settings) -> int:
     # The filter is frozen here: --until pinned to now (or earlier), so a job that dies
     # during the run, or before a resume, is not redriven by this run.
     values = _flag_filters(args)
-    _filter(values, 1)  # refuse a bad filter before anything is counted
+    _filter(values, int(args.limit or _PAGE))  # refuse a bad filter or page before counting
     until = bulk.pinned(_when(values.get("until")), datetime.now(UTC))
     params = {**values, "until": until.isoformat(), "since": _iso(_when(values.get("since"))),
               "reason": args.reason, "by": _who(args)}

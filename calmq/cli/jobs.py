@@ -230,6 +230,13 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     from calmq.cli.connect import open_store
 
+    # A flag the command cannot use is a usage error even when the database is down.
+    if action == "list":
+        _search(_flag_filters(args), 1)
+        _decode_cursor(args.cursor)
+    else:
+        _job_id(args.job_id)
+
     async def run() -> int:
         async with open_store(settings) as store:
             if action == "list":
