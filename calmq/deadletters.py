@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from calmq.data import Database
-from calmq.data.deadletters import DeadJob, DeadLetter, DeadLetterRecords
+from calmq.data.deadletters import DeadJob, DeadLetter, DeadLetterGroup, DeadLetterRecords
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
@@ -112,9 +112,20 @@ class DeadLetters:
         self.workflows = workflows if workflows is not None else builtin_workflows()
         self.objects = objects  # None: inputs by reference are not re-read before a redrive
 
-    async def find(self, where: DeadLetterFilter | None = None) -> list[DeadLetter]:
-        """Dead-lettered jobs matching ``where``, oldest death first."""
-        return await self.records.find((where or DeadLetterFilter()).params())
+    async def find(self, where: DeadLetterFilter | None = None, *,
+                   after: tuple[datetime, uuid.UUID] | None = None) -> list[DeadLetter]:
+        """Dead-lettered jobs matching ``where``, oldest death first; ``after`` (the
+        dead_lettered_at and id of a previous page's last row) starts past that page."""
+        return await self.records.find((where or DeadLetterFilter()).params(), after)
+
+    async def count(self, where: DeadLetterFilter | None = None, *,
+                    after: tuple[datetime, uuid.UUID] | None = None) -> int:
+        """How many dead letters match ``where`` (past ``after``), whatever its limit."""
+        return await self.records.count((where or DeadLetterFilter()).params(), after)
+
+    async def summary(self, where: DeadLetterFilter | None = None) -> list[DeadLetterGroup]:
+        """Matching dead letters grouped by workflow/step, failure class and code."""
+        return await self.records.summary((where or DeadLetterFilter()).params())
 
     async def show(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> dict[str, Any]:
         """The whole record of a job: row, attempts of every round, history, last output.

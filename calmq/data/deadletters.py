@@ -21,7 +21,7 @@ from calmq import events, topics
 from calmq.data import outbox
 from calmq.data.database import Database
 
-__all__ = ["DeadJob", "DeadLetter", "DeadLetterRecords", "Redriven"]
+__all__ = ["DeadJob", "DeadLetter", "DeadLetterGroup", "DeadLetterRecords", "Redriven"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,19 @@ class DeadLetter:
     error: dict[str, Any] | None
     created_at: datetime
     dead_lettered_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterGroup:
+    """Dead letters that died at one workflow step of one failure (dlq_summary's columns)."""
+
+    workflow: str
+    step: str
+    failure_class: str | None
+    code: str | None
+    count: int
+    oldest: datetime
+    newest: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +87,27 @@ class DeadLetterRecords:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def find(self, filters: Mapping[str, Any]) -> list[DeadLetter]:
+    async def find(self, filters: Mapping[str, Any],
+                   after: tuple[datetime, uuid.UUID] | None = None) -> list[DeadLetter]:
         """Dead-lettered jobs matching ``filters`` (every ``dlq_list`` parameter; None: no
-        filter), oldest death first."""
+        filter), oldest death first, after the (dead_lettered_at, id) ``after`` if given."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["dlq_list"], filters)
+            cur = await conn.execute(self._db.q["dlq_list"], _keyset(filters, after))
             return [DeadLetter(**r) for r in await cur.fetchall()]
+
+    async def count(self, filters: Mapping[str, Any],
+                    after: tuple[datetime, uuid.UUID] | None = None) -> int:
+        """How many dead letters ``find`` would page through (any number, no limit)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["dlq_count"], _keyset(filters, after))
+            row = await cur.fetchone()
+        return int(row["n"]) if row is not None else 0
+
+    async def summary(self, filters: Mapping[str, Any]) -> list[DeadLetterGroup]:
+        """The matching dead letters grouped by workflow, step, failure class and code."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["dlq_summary"], filters)
+            return [DeadLetterGroup(**r) for r in await cur.fetchall()]
 
     async def record(self, job_id: uuid.UUID, tenant_id: uuid.UUID | None) -> DictRow | None:
         """The whole record of a job: its row, ``attempts`` of every round (round 0 the
@@ -119,3 +147,9 @@ class DeadLetterRecords:
                 topics.work_route(row["pool"], row["priority"]), "job.requested",
                 events.requested(row), key=row["id"], trace_parent=row["trace_parent"])])
         return Redriven(row["id"], row["step"], row["round"])
+
+
+def _keyset(filters: Mapping[str, Any], after: tuple[datetime, uuid.UUID] | None
+            ) -> dict[str, Any]:
+    at, ident = after if after is not None else (None, None)
+    return {**filters, "after_at": at, "after_id": ident}

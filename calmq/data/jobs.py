@@ -38,9 +38,11 @@ __all__ = [
     "Job",
     "JobDetail",
     "JobFilter",
+    "JobSearch",
     "JobSnapshot",
     "Jobs",
     "NewJob",
+    "TenantJob",
     "insert_job",
     "insert_job_sync",
     "insert_jobs",
@@ -172,6 +174,32 @@ class JobFilter:
 
 
 _FILTER_FIELDS = tuple(f.name for f in fields(JobFilter))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantJob(JobSnapshot):
+    """A job as an operator lists it (every tenant's): the snapshot and whose it is."""
+
+    tenant_id: uuid.UUID
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobSearch:
+    """Which jobs of any tenant an operator lists (None: any): JobFilter's filters with the
+    tenant's name instead of its id, newest first after the (created_at, id) cursor."""
+
+    limit: int
+    tenant: str | None = None
+    statuses: list[str] | None = None
+    workflow: str | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    cursor_at: datetime | None = None
+    cursor_id: uuid.UUID | None = None
+
+
+_SEARCH_FIELDS = tuple(f.name for f in fields(JobSearch))
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +334,28 @@ class Jobs:
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["list_jobs"], params)
             return [JobSnapshot(**r) for r in await cur.fetchall()]
+
+    async def search(self, which: JobSearch) -> list[TenantJob]:
+        """One page of every tenant's jobs (operators), newest first."""
+        params = {name: getattr(which, name) for name in _SEARCH_FIELDS}
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["ops_list_jobs"], params)
+            return [TenantJob(**r) for r in await cur.fetchall()]
+
+    async def count(self, which: JobSearch) -> int:
+        """How many jobs ``search`` would page through from ``which``'s cursor on."""
+        params = {name: getattr(which, name) for name in _SEARCH_FIELDS}
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["ops_count_jobs"], params)
+            row = await cur.fetchone()
+        return int(row["n"]) if row is not None else 0
+
+    async def tenant_of(self, job_id: uuid.UUID) -> uuid.UUID | None:
+        """The id of the job's tenant; None for an unknown job."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["job_tenant"], {"id": job_id})
+            row = await cur.fetchone()
+        return None if row is None else uuid.UUID(str(row["tenant_id"]))
 
     async def status_and_events(self, tenant_id: uuid.UUID, job_id: uuid.UUID,
                                 after: int) -> tuple[str | None, list[HistoryEvent]]:

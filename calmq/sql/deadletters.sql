@@ -13,8 +13,43 @@ WHERE j.status = 'dead_letter'
   AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
   AND (%(since)s::timestamptz IS NULL OR j.updated_at >= %(since)s::timestamptz)
   AND (%(until)s::timestamptz IS NULL OR j.updated_at < %(until)s::timestamptz)
+  -- keyset: after the (dead_lettered_at, id) of the previous page's last row, so a bulk
+  -- redrive pages through any number of dead letters without OFFSET (jobs_dead_letters)
+  AND (%(after_at)s::timestamptz IS NULL
+       OR (j.updated_at, j.id) > (%(after_at)s::timestamptz, %(after_id)s::uuid))
 ORDER BY j.updated_at, j.id
 LIMIT %(limit)s;
+
+-- name: dlq_count
+-- How many dead letters dlq_list would page through (the same filters and keyset).
+SELECT count(*) AS n
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE j.status = 'dead_letter'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+  AND (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(failure_class)s::text IS NULL OR j.error->>'class' = %(failure_class)s::text)
+  AND (%(code)s::text IS NULL OR j.error->>'code' = %(code)s::text)
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(since)s::timestamptz IS NULL OR j.updated_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR j.updated_at < %(until)s::timestamptz)
+  AND (%(after_at)s::timestamptz IS NULL
+       OR (j.updated_at, j.id) > (%(after_at)s::timestamptz, %(after_id)s::uuid));
+
+-- name: dlq_summary
+-- Dead letters grouped by where and why they died, largest group first (dlq_list's filters).
+SELECT j.workflow, j.step, j.error->>'class' AS failure_class, j.error->>'code' AS code,
+       count(*) AS count, min(j.updated_at) AS oldest, max(j.updated_at) AS newest
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE j.status = 'dead_letter'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+  AND (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(failure_class)s::text IS NULL OR j.error->>'class' = %(failure_class)s::text)
+  AND (%(code)s::text IS NULL OR j.error->>'code' = %(code)s::text)
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(since)s::timestamptz IS NULL OR j.updated_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR j.updated_at < %(until)s::timestamptz)
+GROUP BY 1, 2, 3, 4
+ORDER BY count(*) DESC, 1, 2, 3, 4;
 
 -- name: dlq_job
 -- The whole job row, for any status (show explains why a job is not a dead letter).

@@ -88,6 +88,38 @@ WHERE tenant_id = %(tenant_id)s
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s;
 
+-- name: ops_list_jobs
+-- Operators' view (the CLI): every tenant's jobs, list_jobs' filters plus the tenant's name,
+-- newest first, after the (created_at, id) cursor of the previous page.
+SELECT j.id, j.workflow, j.status, j.attempt, j.step, j.artifact, j.error, j.created_at,
+       j.updated_at, j.metadata, j.tenant_id, t.name AS tenant
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(statuses)s::text[] IS NULL OR j.status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
+  AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
+  AND (%(cursor_at)s::timestamptz IS NULL
+       OR (j.created_at, j.id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid))
+ORDER BY j.created_at DESC, j.id DESC
+LIMIT %(limit)s;
+
+-- name: ops_count_jobs
+-- How many jobs ops_list_jobs would page through from its cursor on.
+SELECT count(*) AS n
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(statuses)s::text[] IS NULL OR j.status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
+  AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
+  AND (%(cursor_at)s::timestamptz IS NULL
+       OR (j.created_at, j.id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid));
+
+-- name: job_tenant
+-- Whose job it is (operators act on any tenant's job, by id alone).
+SELECT tenant_id FROM jobs WHERE id = %(id)s;
+
 -- name: job_events_after
 SELECT id, type, at, attempt, detail FROM job_events
 WHERE job_id = %(id)s AND id > %(after)s ORDER BY id;

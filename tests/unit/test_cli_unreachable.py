@@ -59,14 +59,15 @@ def test_an_unreachable_part_is_one_error_line_with_its_address_within_seconds(
     assert elapsed < 10
 
 
-def test_a_failure_no_command_names_is_still_one_line_without_traceback(
+def test_an_unreachable_api_is_one_line_with_its_address_without_traceback(
         tmp_path: Path) -> None:
-    """An API that does not answer: the network error is one `calmq: error` line, exit 1."""
+    """An API that does not answer: one `calmq: error [api_unreachable]` line naming it."""
     port = _closed_port()
     rc, _out, err, elapsed = _run(tmp_path, {"CALMQ_API_URL": f"http://127.0.0.1:{port}"},
                                   "status", "--api-key", "cq_x", "00000000-0000-0000-0000-0")
     assert rc == 1, err
-    assert err.startswith("calmq: error [os_error]: "), err
+    assert err.startswith("calmq: error [api_unreachable]: "), err
+    assert f"127.0.0.1:{port}" in err
     assert "Traceback" not in err
     assert elapsed < 10
 
