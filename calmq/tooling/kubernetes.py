@@ -80,16 +80,18 @@ class Resources:
                 "limits": {"cpu": self.cpu_limit, "memory": self.memory_limit}}
 
 
-# Requests near the measured steady state, memory limits about twice the measured peak RSS
-# (headroom for larger payloads), CPU limits at one core: a throttled worker misses its
-# lease heartbeats before it runs out of memory.
+# Measured (docs/how-to/deploy-kubernetes.md): peak RSS api 68 MiB, relay 82-89, worker
+# 99-122 (concurrency 256, 1,170 jobs/s), forwarder 71, reaper 61; CPU at 1,170 jobs/s api
+# 0.23 core, relay 0.14, worker 0.5. Memory requests sit above the measured peak, limits at
+# about twice it (larger payloads, a busier heap); CPU requests near the steady state at
+# moderate load, limits at one core or less.
 RESOURCES: dict[str, Resources] = {
-    "api": Resources("100m", "160Mi", "1", "320Mi"),
+    "api": Resources("100m", "96Mi", "1", "256Mi"),
     "relay": Resources("50m", "128Mi", "1", "256Mi"),
-    "worker": Resources("200m", "192Mi", "1", "384Mi"),
+    "worker": Resources("200m", "160Mi", "1", "384Mi"),
     "forwarder": Resources("20m", "96Mi", "500m", "192Mi"),
-    "reaper": Resources("10m", "128Mi", "250m", "256Mi"),
-    "job": Resources("50m", "128Mi", "500m", "256Mi"),
+    "reaper": Resources("10m", "80Mi", "250m", "160Mi"),
+    "job": Resources("50m", "96Mi", "500m", "256Mi"),
 }
 
 
