@@ -354,8 +354,9 @@ def test_jobs_flow_through_the_rendered_set_under_the_fleet_budget(
         assert "retry_scheduled" in types, types
 
     # Pool A's jobs (pool B's wait 3 s for their retry tier anyway): ~1,000 tokens each at
-    # ~60 calls a minute finish about one a second after a burst of one or two seconds'
-    # worth; unbudgeted, they would all finish within a second. Completion times, not
+    # ~60 calls a minute (less the interactive share these bulk jobs may not use) finish
+    # under one a second after a burst of a second or two; unbudgeted, they would all
+    # finish within a second (they start within 1.5 s of each other). Completion times, not
     # 'running' (an attempt is running from its claim; the budget wait is inside it).
     with psycopg.connect(rendered_set.db) as conn:
         row = conn.execute(
