@@ -7,7 +7,9 @@ instance in their constructor; nothing reads the environment after start-up.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,12 +19,44 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from calmq.errors import ConfigError
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
-__all__ = ["ENV_PREFIX", "Settings", "parse_duration"]
+__all__ = ["ENV_PREFIX", "Settings", "claimed_window", "parse_duration", "service_links"]
 
 ENV_PREFIX = "CALMQ_"
 
 # Variables with the prefix that are not settings but are still ours to read.
 _NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK"})
+
+log = logging.getLogger(__name__)
+
+# Kubernetes injects, for every Service in the namespace (unless the pod sets
+# enableServiceLinks: false), Docker-link style variables: a Service named calmq-api gives
+# CALMQ_API_SERVICE_HOST, CALMQ_API_SERVICE_PORT[_<name>], CALMQ_API_PORT=tcp://ip:port and
+# CALMQ_API_PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]. They carry our prefix by accident.
+_LINK_NAMES = (
+    re.compile(r"^CALMQ_(?:[A-Z0-9_]+_)?SERVICE_(?:HOST|PORT(?:_[A-Z0-9_]+)?)$"),
+    re.compile(r"^CALMQ_(?:[A-Z0-9_]+_)?PORT_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?$"),
+)
+# ..._PORT itself is shaped by its value: CALMQ_API_PORT=tcp://10.0.0.1:8080 is a link, while
+# CALMQ_API_PORT=8080 is the api_port setting.
+_LINK_PORT = re.compile(r"^CALMQ_(?:[A-Z0-9_]+_)?PORT$")
+_LINK_VALUE = re.compile(r"^(?:tcp|udp|sctp)://[^\s]+:\d+$")
+_warned_links = False
+
+
+def service_links(env: Mapping[str, str]) -> list[str]:
+    """The ``CALMQ_`` variables of ``env`` that are Kubernetes service links, not settings."""
+    return sorted(
+        k for k, v in env.items()
+        if any(p.match(k) for p in _LINK_NAMES) or (_LINK_PORT.match(k) and _LINK_VALUE.match(v))
+    )
+
+
+def claimed_window(slots: int) -> int:
+    """Jobs a worker holds claimed (in flight, offsets uncommitted) for ``slots`` call slots:
+    the slots plus an eighth, so a freed slot starts the next job without waiting for a
+    poll. The worker bounds its consumer with it and the KEDA renderer derives
+    ``lagThreshold`` from it, so both must read the same function."""
+    return slots + max(1, slots // 8)
 
 
 def parse_duration(text: str) -> float:
@@ -168,12 +202,19 @@ class Settings(BaseSettings):
         default="", description="comma list of pools (default: every pool the workflows use)")
     keda_namespace: str = "calmq"
     keda_image: str = "calmq:latest"
-    keda_lag_threshold: int = Field(default=20, ge=1)  # messages of lag per replica
+    keda_lag_threshold: int | None = Field(
+        default=None, ge=1,
+        description="KEDA lagThreshold, messages of lag per replica (default: the worker's"
+                    " in-flight window, concurrency + an eighth)")
     keda_min_replicas: int = Field(default=0, ge=0)
     keda_tokens_per_job: int = Field(default=8_000, ge=1)  # estimate: prompt + completion
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    metrics_host: str = Field(
+        default="0.0.0.0",
+        description="address --metrics-port listens on (relay, worker, forwarder, reaper);"
+                    " calmq dev up sets 127.0.0.1")
     # Observability (docs/how-to/observability.md): input fields logs may not show ("*" all,
     # "" none, or a comma list), and how often the gauges read from PostgreSQL and Kafka are
     # sampled (0 turns a sampler off).
@@ -235,6 +276,17 @@ class Settings(BaseSettings):
         Raises ConfigError naming every unknown ``CALMQ_`` variable or invalid value.
         """
         env = os.environ if environ is None else environ
+        links = service_links(env)
+        # A link that has a setting's name (CALMQ_API_PORT=tcp://...) shadows it: the
+        # setting keeps its default, passed explicitly because pydantic-settings reads
+        # os.environ itself for any field it is not given.
+        shadowed: dict[str, Any] = {}
+        if links:
+            _warn_links(links)
+            env = {k: v for k, v in env.items() if k not in links}
+            environ = env
+            shadowed = {name: field.default for name, field in cls.model_fields.items()
+                        if ENV_PREFIX + name.upper() in links}
         known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
         unknown = sorted(
             k
@@ -256,6 +308,7 @@ class Settings(BaseSettings):
                 for name in cls.model_fields
                 if ENV_PREFIX + name.upper() in env
             }
+            values.update(shadowed)
             values.update(clean)
             return cls.model_validate(values)
         except ValidationError as exc:
@@ -263,3 +316,14 @@ class Settings(BaseSettings):
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _warn_links(links: list[str]) -> None:
+    global _warned_links
+    if _warned_links:
+        return
+    _warned_links = True
+    log.warning(
+        "ignoring %s: they look like Kubernetes service links (a Service whose name starts"
+        " with calmq), not calmq settings; set enableServiceLinks: false in the pod spec to"
+        " avoid them (docs/how-to/deploy-kubernetes.md)", ", ".join(links))

@@ -27,7 +27,7 @@ from calmq.processors.reaper import schedule_reaper
 from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
-from calmq.settings import Settings
+from calmq.settings import Settings, claimed_window
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 def _claimed_bound(slots: int) -> int:
     """Jobs to hold claimed: the call slots, plus an eighth to start the moment one frees
-    (processors/slots.py), so a call never waits for a poll and a claim."""
-    return slots + max(1, slots // 8)
+    (processors/slots.py), so a call never waits for a poll and a claim. The same window is
+    KEDA's lagThreshold (calmq/tooling/keda.py), hence one function in the kernel."""
+    return claimed_window(slots)
 
 
 class Worker:

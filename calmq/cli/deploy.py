@@ -1,4 +1,4 @@
-"""What a deployment sets up: topics, schemas, KEDA manifests."""
+"""What a deployment sets up: topics, schemas, Kubernetes and KEDA manifests."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ def cmd_keda(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_k8s(args: argparse.Namespace) -> int:
+    from calmq.tooling.kubernetes import load_values, write
+
+    # As `keda render`: no local stack's addresses. The values file is the one source of
+    # the settings; CALMQ_ variables and flags win over it.
+    values = Path(args.values) if args.values else None
+    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
+    settings = load_values(values, settings_environ(args), flags)
+    for path in write(settings, Path(args.output_dir or "deploy/kubernetes")):
+        print(f"wrote {path}")
+    return 0
+
+
 def register(command: Command, flags: Flags) -> None:
     setting, option = flags.setting, flags.option
     p = command("topics", cmd_topics, "create calmq's topics", needs=("kafka_bootstrap",))
@@ -85,5 +98,11 @@ def register(command: Command, flags: Flags) -> None:
     p = command("keda", cmd_keda, "render KEDA manifests")
     p.add_argument("action", choices=["render"], help="write the manifests")
     option(p, "--output-dir", help="where to write (default deploy/keda)")
+    setting(p, "concurrency")
+    setting(p, "keda_pools")
+    p = command("k8s", cmd_k8s, "render Kubernetes manifests for every part")
+    p.add_argument("action", choices=["render"], help="write the manifests")
+    option(p, "--values", help="YAML file of settings (setting: value) to render from")
+    option(p, "--output-dir", help="where to write (default deploy/kubernetes)")
     setting(p, "concurrency")
     setting(p, "keda_pools")

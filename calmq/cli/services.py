@@ -49,11 +49,14 @@ def _long_running() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def _metrics_server(port: int | None) -> None:
+def _metrics_server(port: int | None, host: str) -> None:
+    """Serve /metrics on ``host`` (``metrics_host``): all interfaces in a pod, where
+    Prometheus scrapes the pod's IP; loopback in `calmq dev up`. The same port is the
+    probe of the parts that have no HTTP API (docs/how-to/deploy-kubernetes.md)."""
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(int(port), addr="127.0.0.1")
+        start_http_server(int(port), addr=host)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -77,7 +80,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")
         return 0
-    _metrics_server(args.metrics_port)
+    _metrics_server(args.metrics_port, settings.metrics_host)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -95,7 +98,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port)
+    _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
     asyncio.run(Worker(settings).run())
     return 0
@@ -113,7 +116,7 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port)
+    _metrics_server(args.metrics_port, settings.metrics_host)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -132,6 +135,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
+    _metrics_server(args.metrics_port, settings.metrics_host)
 
     async def loop() -> None:
         from calmq.objects import open_object_store
@@ -181,4 +185,6 @@ def register(command: Command, flags: Flags) -> None:
     p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due",
                 needs=_BOTH)
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
-    command("reaper", cmd_reaper, "requeue jobs whose lease expired", needs=("database_url",))
+    p = command("reaper", cmd_reaper, "requeue jobs whose lease expired",
+                needs=("database_url",))
+    option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")

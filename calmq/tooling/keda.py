@@ -13,6 +13,10 @@ how many replicas help (docs/how-to/autoscaling.md):
 ``budget_tokens_per_minute`` (the one the gateway enforces; 0 means none, and then the
 partitions alone bound the fleet); tokens per job and seconds per call are the
 ``keda_*`` estimates.
+
+``lagThreshold`` is the worker's in-flight window (concurrency + an eighth, the jobs it
+holds claimed and uncommitted), so a replica counts busy when that window is full, not when
+one message waits (``lag_threshold``).
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from typing import Any
 
 from calmq import topics
 from calmq.errors import ConfigError
-from calmq.settings import Settings
+from calmq.settings import Settings, claimed_window
 from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["BudgetCap", "budget_cap", "pools", "render", "write"]
+__all__ = ["PLACEHOLDERS", "BudgetCap", "budget_cap", "labels", "lag_threshold", "pools",
+           "render", "scaled_object", "worker_name", "write"]
 
-_PLACEHOLDERS = {
+PLACEHOLDERS = {
     # Where the in-cluster services are when the settings leave them empty (the names of
     # docker-compose.kafka.yml's services, which a cluster usually mirrors).
     "kafka_bootstrap": "kafka:9092",
@@ -70,75 +75,47 @@ def pools(settings: Settings, workflows: dict[str, Workflow] | None = None) -> l
     return sorted(found)
 
 
-def _labels(pool: str) -> dict[str, str]:
+def labels(pool: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "calmq", "app.kubernetes.io/component": "worker",
             "calmq.dev/pool": pool}
 
 
-def _deployment(settings: Settings, pool: str, name: str) -> dict[str, Any]:
-    env: dict[str, str] = {
-        "CALMQ_POOL": pool,
-        "CALMQ_PRIORITIES": settings.priorities,
-        "CALMQ_CONCURRENCY": str(settings.concurrency),
-        "CALMQ_LEASE_SECONDS": f"{settings.lease_seconds:g}",
-        "CALMQ_GRACE_SECONDS": f"{settings.grace_seconds:g}",
-        "CALMQ_PROVIDER": settings.provider,
-        "CALMQ_MODEL": settings.model,
-        "CALMQ_LOG_LEVEL": settings.log_level,
-    }
-    for key, placeholder in _PLACEHOLDERS.items():
-        env["CALMQ_" + key.upper()] = getattr(settings, key) or placeholder
-    if settings.provider_url:
-        env["CALMQ_PROVIDER_URL"] = settings.provider_url
-    secrets = {"CALMQ_DATABASE_URL": "database-url", "CALMQ_PROVIDER_API_KEY": "provider-api-key"}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": settings.keda_namespace, "labels": _labels(pool)},
-        "spec": {
-            # KEDA owns the replica count; this is only the count before KEDA first acts.
-            "replicas": max(1, settings.keda_min_replicas),
-            "selector": {"matchLabels": _labels(pool)},
-            "template": {
-                "metadata": {"labels": _labels(pool)},
-                "spec": {
-                    # Let in-flight jobs finish (grace_seconds) before the kill.
-                    "terminationGracePeriodSeconds": math.ceil(settings.grace_seconds) + 5,
-                    "containers": [{
-                        "name": "worker",
-                        "image": settings.keda_image,
-                        "args": ["worker", "--metrics-port", "9100"],
-                        "ports": [{"name": "metrics", "containerPort": 9100}],
-                        "env": [{"name": k, "value": v} for k, v in sorted(env.items())]
-                        + [{"name": k, "valueFrom": {"secretKeyRef": {"name": "calmq",
-                                                                       "key": secret}}}
-                           for k, secret in secrets.items()],
-                    }],
-                },
-            },
-        },
-    }
+def worker_name(pool: str) -> str:
+    return f"calmq-worker-{pool}".replace("_", "-")
 
 
-def _scaled_object(settings: Settings, pool: str, name: str) -> dict[str, Any]:
+def lag_threshold(settings: Settings) -> int:
+    """Messages of lag per replica: the worker's in-flight window unless set.
+
+    KEDA's lag counts every uncommitted offset, and a worker keeps its whole window
+    (``claimed_window(concurrency)``) claimed but uncommitted while it runs. A threshold
+    below the window counts one busy replica as several and sends the pool to its
+    maximum; at the window, a replica counts busy exactly when its window is full.
+    """
+    return settings.keda_lag_threshold or claimed_window(settings.concurrency)
+
+
+def scaled_object(settings: Settings, pool: str) -> dict[str, Any]:
+    name = worker_name(pool)
     pool_topics = [topics.topic_for_route(topics.work_route(pool, p))
                    for p in settings.priority_list]
     partitions = len(pool_topics) * settings.topic_partitions
     budget = settings.budget_tokens_per_minute
     cap = (budget_cap(budget, settings.keda_tokens_per_job, settings.keda_seconds_per_call,
                       settings.concurrency) if budget else None)
-    bootstrap = settings.kafka_bootstrap or _PLACEHOLDERS["kafka_bootstrap"]
+    bootstrap = settings.kafka_bootstrap or PLACEHOLDERS["kafka_bootstrap"]
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
         "metadata": {
             "name": name,
             "namespace": settings.keda_namespace,
-            "labels": _labels(pool),
+            "labels": labels(pool),
             # The inputs of maxReplicaCount, so a reader (and the test) can recompute it.
             "annotations": {
                 "calmq.dev/partitions": str(partitions),
                 "calmq.dev/concurrency": str(settings.concurrency),
+                "calmq.dev/in-flight-window": str(claimed_window(settings.concurrency)),
                 "calmq.dev/tokens-per-minute": str(budget),  # 0: no budget
                 "calmq.dev/tokens-per-job": str(settings.keda_tokens_per_job),
                 "calmq.dev/seconds-per-call": f"{settings.keda_seconds_per_call:g}",
@@ -151,8 +128,18 @@ def _scaled_object(settings: Settings, pool: str, name: str) -> dict[str, Any]:
             "minReplicaCount": settings.keda_min_replicas,
             "maxReplicaCount": min(partitions, cap.replicas) if cap else partitions,
             "pollingInterval": 15,
-            # Slow jobs: wait long before scaling to zero, so a lull does not drop leases.
+            # KEDA reads cooldownPeriod only for the last step, 1 -> 0 replicas: how long
+            # the pool must have had no lag before its last worker stops.
             "cooldownPeriod": 300,
+            # Every other scale-down is the HPA's, paced here: a replica stopping waits for
+            # its slowest step (terminationGracePeriodSeconds), so shed one at a time and
+            # only after the lag has stayed low for five minutes.
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleDown": {"stabilizationWindowSeconds": 300,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Pods", "value": 4, "periodSeconds": 15}]},
+            }}},
             "triggers": [
                 {
                     "type": "kafka",
@@ -160,7 +147,7 @@ def _scaled_object(settings: Settings, pool: str, name: str) -> dict[str, Any]:
                         "bootstrapServers": bootstrap,
                         "consumerGroup": f"calmq.{pool}",  # the group processors/worker.py joins
                         "topic": topic,
-                        "lagThreshold": str(settings.keda_lag_threshold),
+                        "lagThreshold": str(lag_threshold(settings)),
                         "offsetResetPolicy": "earliest",
                         "allowIdleConsumers": "false",
                     },
@@ -174,24 +161,27 @@ def _scaled_object(settings: Settings, pool: str, name: str) -> dict[str, Any]:
 def render(
     settings: Settings, workflows: dict[str, Workflow] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """``{file name: manifest}``: a Deployment and a ScaledObject per pool."""
-    out: dict[str, dict[str, Any]] = {}
-    for pool in pools(settings, workflows):
-        name = f"calmq-worker-{pool}".replace("_", "-")
-        out[f"worker-{pool}-deployment.yaml"] = _deployment(settings, pool, name)
-        out[f"worker-{pool}-scaledobject.yaml"] = _scaled_object(settings, pool, name)
+    """``{file name: manifest}``: the worker Deployment and ScaledObject of every pool, and
+    the ConfigMap they read, exactly as `calmq k8s render` writes them."""
+    from calmq.tooling import kubernetes
+
+    registry = workflows if workflows is not None else load_workflows(settings)
+    out: dict[str, dict[str, Any]] = {"configmap.yaml": kubernetes.configmap(settings)}
+    for pool in pools(settings, registry):
+        out[f"worker-{pool}-deployment.yaml"] = kubernetes.worker_deployment(
+            settings, pool, registry)
+        out[f"worker-{pool}-scaledobject.yaml"] = scaled_object(settings, pool)
     return out
 
 
 def write(settings: Settings, folder: Path) -> list[Path]:
     """Render into ``folder`` (created if missing); returns the files written."""
-    import yaml
+    from calmq.tooling.kubernetes import dump
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, manifest in render(settings).items():
         path = folder / file_name
-        header = "# Rendered by `calmq keda render`; edit the settings, not this file.\n"
-        path.write_text(header + yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+        path.write_text(dump(manifest, "calmq keda render"), encoding="utf-8")
         written.append(path)
     return written

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from calmq.settings import Settings
+from calmq.settings import Settings, claimed_window
 from calmq.tooling.keda import budget_cap, render, write
 
 KEDA = Path(__file__).resolve().parents[2] / "deploy" / "keda"
@@ -26,13 +26,19 @@ def _pairs(manifests: dict[str, dict[str, Any]]) -> list[tuple[dict[str, Any], d
     deployments = {m["metadata"]["name"]: m
                    for m in manifests.values() if m["kind"] == "Deployment"}
     scaled = [m for m in manifests.values() if m["kind"] == "ScaledObject"]
-    assert len(deployments) == len(scaled) == len(manifests) // 2
+    assert len(deployments) == len(scaled) == (len(manifests) - 1) // 2  # and the ConfigMap
     return [(deployments[s["spec"]["scaleTargetRef"]["name"]], s) for s in scaled]
 
 
 def _env(deployment: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: the ConfigMap, then env."""
+    [config] = [m for m in _manifests(KEDA).values() if m["kind"] == "ConfigMap"]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: e.get("value", "<secret>") for e in container["env"]}
+    refs = {next(iter(r.values()))["name"] for r in container["envFrom"]}
+    assert refs == {config["metadata"]["name"]}  # the ConfigMap and the Secret, one name
+    env = {**config["data"], "CALMQ_DATABASE_URL": "<secret>"}
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    return env
 
 
 def test_committed_manifests_have_a_deployment_and_scaledobject_per_pool() -> None:
@@ -56,8 +62,12 @@ def test_committed_manifests_have_a_deployment_and_scaledobject_per_pool() -> No
             assert meta["consumerGroup"] == f"calmq.{pool}"
             assert meta["bootstrapServers"] == env["CALMQ_KAFKA_BOOTSTRAP"]
             assert meta["allowIdleConsumers"] == "false"
-            assert int(meta["lagThreshold"]) >= 1
+            # A replica counts busy when its whole in-flight window is uncommitted lag.
+            assert meta["lagThreshold"] == str(claimed_window(int(env["CALMQ_CONCURRENCY"])))
         assert env["CALMQ_DATABASE_URL"] == "<secret>"  # never a password in a manifest
+        # What the cap assumes is what the workers get: the same budget, in the ConfigMap.
+        budget = scaled["metadata"]["annotations"]["calmq.dev/tokens-per-minute"]
+        assert env["CALMQ_BUDGET_TOKENS_PER_MINUTE"] == budget
 
 
 def test_committed_max_replicas_is_min_of_partitions_and_budget_cap() -> None:
@@ -108,3 +118,21 @@ def test_committed_manifests_match_a_fresh_render(tmp_path: Path) -> None:
     fresh = {p.name: p.read_text() for p in tmp_path.glob("*.yaml")}
     committed = {p.name: p.read_text() for p in KEDA.glob("*.yaml")}
     assert fresh == committed
+
+
+def test_lag_threshold_is_the_in_flight_window() -> None:
+    """concurrency 8 -> 9 (8 slots + 1), 256 -> 288 (x 1.125); a set threshold wins."""
+    for concurrency, window in ((8, 9), (256, 288), (1, 2)):
+        settings = Settings.load({**RENDERED_WITH, "concurrency": concurrency}, environ={})
+        triggers = render(settings)["worker-default-scaledobject.yaml"]["spec"]["triggers"]
+        assert {t["metadata"]["lagThreshold"] for t in triggers} == {str(window)}
+    settings = Settings.load({**RENDERED_WITH, "keda_lag_threshold": 50}, environ={})
+    triggers = render(settings)["worker-default-scaledobject.yaml"]["spec"]["triggers"]
+    assert {t["metadata"]["lagThreshold"] for t in triggers} == {"50"}
+
+
+def test_worker_window_is_the_one_keda_counts() -> None:
+    """The worker bounds its consumer with the same window the threshold is derived from."""
+    from calmq.processors.worker import _claimed_bound
+
+    assert [_claimed_bound(c) for c in (1, 8, 256)] == [claimed_window(c) for c in (1, 8, 256)]

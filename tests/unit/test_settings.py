@@ -64,3 +64,61 @@ def test_parse_duration_rejects_garbage() -> None:
     """A duration that is not one says how to write it."""
     with pytest.raises(ConfigError, match="duration"):
         parse_duration("soon")
+
+
+# What Kubernetes injects into a pod for a Service named calmq-api (10.0.0.1:8080) and one
+# named calmq (port named http), when the pod does not set enableServiceLinks: false.
+SERVICE_LINKS = {
+    "CALMQ_API_SERVICE_HOST": "10.0.0.1",
+    "CALMQ_API_SERVICE_PORT": "8080",
+    "CALMQ_API_SERVICE_PORT_HTTP": "8080",
+    "CALMQ_API_PORT": "tcp://10.0.0.1:8080",
+    "CALMQ_API_PORT_8080_TCP": "tcp://10.0.0.1:8080",
+    "CALMQ_API_PORT_8080_TCP_PROTO": "tcp",
+    "CALMQ_API_PORT_8080_TCP_PORT": "8080",
+    "CALMQ_API_PORT_8080_TCP_ADDR": "10.0.0.1",
+    "CALMQ_SERVICE_HOST": "10.0.0.2",
+    "CALMQ_SERVICE_PORT": "80",
+    "CALMQ_PORT": "tcp://10.0.0.2:80",
+    "CALMQ_PORT_80_TCP": "tcp://10.0.0.2:80",
+}
+
+
+def test_kubernetes_service_links_are_not_settings(caplog: pytest.LogCaptureFixture) -> None:
+    """Service-link variables load without error, leave api_port alone and name the cause."""
+    import calmq.settings as module
+
+    module._warned_links = False  # the warning is once per process
+    with caplog.at_level("WARNING", logger="calmq.settings"):
+        s = Settings.load(environ={**SERVICE_LINKS, "CALMQ_CONCURRENCY": "4"})
+        Settings.load(environ=SERVICE_LINKS)
+    assert s.api_port == 8080  # the default, not tcp://10.0.0.1:8080
+    assert s.concurrency == 4
+    [record] = [r for r in caplog.records if "service links" in r.getMessage()]
+    assert "enableServiceLinks: false" in record.getMessage()
+    assert "CALMQ_API_PORT_8080_TCP_ADDR" in record.getMessage()
+
+
+def test_service_links_from_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same holds when pydantic reads os.environ itself (environ not given)."""
+    for key, value in SERVICE_LINKS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CALMQ_API_HOST", "0.0.0.0")
+    s = Settings.load()
+    assert (s.api_host, s.api_port) == ("0.0.0.0", 8080)
+
+
+def test_an_explicit_port_is_still_a_setting() -> None:
+    """CALMQ_API_PORT=9000 is api_port, and a bad port value is still an error."""
+    assert Settings.load(environ={"CALMQ_API_PORT": "9000"}).api_port == 9000
+    with pytest.raises(ConfigError):
+        Settings.load(environ={"CALMQ_API_PORT": "http://10.0.0.1:8080"})
+    with pytest.raises(ConfigError) as info:
+        Settings.load(environ={"CALMQ_API_SERVICE_HOSTNAME": "x"})  # not a link shape
+    assert info.value.code == "unknown_setting"
+
+
+def test_metrics_listen_on_every_interface_by_default() -> None:
+    """metrics_host defaults to 0.0.0.0 (what a pod needs); it is a setting like the rest."""
+    assert Settings.load(environ={}).metrics_host == "0.0.0.0"
+    assert Settings.load(environ={"CALMQ_METRICS_HOST": "127.0.0.1"}).metrics_host == "127.0.0.1"

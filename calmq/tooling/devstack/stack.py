@@ -271,6 +271,9 @@ class Stack:
         )
         child_env.update(env)
         child_env["PYTHONUNBUFFERED"] = "1"
+        # A laptop's metrics stay on loopback; the setting's default (all interfaces) is
+        # what a pod needs. A value the caller exported still wins.
+        child_env.setdefault("CALMQ_METRICS_HOST", "127.0.0.1")
         argv = [sys.executable, "-m", "calmq.cli", name]
         if name == "fake-provider":
             argv += ["--port", str(port)]
