@@ -172,7 +172,7 @@ def test_python_snippets_import_what_exists(services: dict[str, dict[str, Any]])
             elif argv[:2] == ["python", "-m"]:
                 modules += 1
                 assert importlib.util.find_spec(argv[2]) is not None, f"{name}: {argv[2]}"
-    assert snippets >= 2  # the migrations and the bucket
+    assert snippets >= 1  # the bucket (migrations run as `calmq migrate`)
     assert modules >= 1  # the fake provider
 
 
