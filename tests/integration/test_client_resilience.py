@@ -36,18 +36,23 @@ class Restartable:
         self.port = processes.free_port()
         self.api: ApiProcess = start_api(stack, port=self.port)
         self.restarts = 0
+        # A restart runs in another thread: stop() waits for it, so a failing test never
+        # leaves the restarted process behind.
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def kill_and_restart(self) -> None:
-        self.api.kill()
-        self.api = start_api(self.stack, port=self.port)
-        self.restarts += 1
+        with self._lock:
+            self.api.kill()
+            self.api = start_api(self.stack, port=self.port)
+            self.restarts += 1
 
     def stop(self) -> None:
-        processes.stop(self.api.pid)
+        with self._lock:
+            processes.stop(self.api.pid)
 
 
 @pytest.fixture
