@@ -39,6 +39,7 @@ class Restartable:
         # A restart runs in another thread: stop() waits for it, so a failing test never
         # leaves the restarted process behind.
         self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -46,12 +47,15 @@ class Restartable:
 
     def kill_and_restart(self) -> None:
         with self._lock:
+            if self._stopped:  # the test ended first: nothing to restart
+                return
             self.api.kill()
             self.api = start_api(self.stack, port=self.port)
             self.restarts += 1
 
     def stop(self) -> None:
         with self._lock:
+            self._stopped = True
             processes.stop(self.api.pid)
 
 
