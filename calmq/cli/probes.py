@@ -81,17 +81,6 @@ def check_registry(url: str) -> None:
         "CALMQ_SCHEMA_REGISTRY_URL", code="registry_unreachable")
 
 
-def database_address(url: str) -> str:
-    """``host:port/dbname`` of a connection URL, without the password."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        info = conninfo_to_dict(url)
-    except Exception:  # noqa: BLE001 - an unparsable URL is shown as "?" rather than leaked
-        return "?"
-    return f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname', '')}"
-
-
 def check_database(settings: Settings) -> None:
     """The same fast probe as ``open_store``, for commands that connect synchronously."""
     import psycopg
