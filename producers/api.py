@@ -12,8 +12,10 @@ import contextlib
 import logging
 from typing import Any
 
+import psycopg
 from aiohttp import web
 from prometheus_client import Counter
+from psycopg_pool import PoolTimeout
 
 from calmq.data import Store
 from calmq.errors import CalmqError, ContractError
@@ -74,6 +76,15 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except CalmqError as exc:
         log.exception("request failed")
         return problem(503, exc.code, exc.message)
+    except (psycopg.OperationalError, PoolTimeout):
+        # The database is away (a failover, a restart, a partition): the client's retry
+        # will do, so 503 with Retry-After, not 500. The driver's text (addresses, users,
+        # server messages) goes to the log only, never into the answer.
+        log.exception("database unavailable")
+        response = problem(503, "database_unavailable",
+                           "the database is unavailable; try again shortly")
+        response.headers["Retry-After"] = "1"
+        return response
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except web.HTTPException as exc:

@@ -374,9 +374,10 @@ class Jobs:
                                      {"id": job_id, "after": after})
             return str(row["status"]), [HistoryEvent(**e) for e in await cur.fetchall()]
 
-    async def ping(self) -> None:
-        """Raise unless PostgreSQL answers (readiness)."""
-        async with self._db.pool.connection() as conn:
+    async def ping(self, wait: float = 2.0) -> None:
+        """Raise unless PostgreSQL answers (readiness), waiting at most ``wait`` seconds for a
+        connection: a probe must answer before the prober's own timeout, not the pool's."""
+        async with self._db.pool.connection(timeout=wait) as conn:
             await conn.execute("SELECT 1")
 
     # -- processing ---------------------------------------------------------------------
