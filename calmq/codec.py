@@ -237,13 +237,30 @@ class RegistryCodec:
         reader = self.store.latest(writer.event_type)
         return writer.event_type, _read(io.BytesIO(data[5:]), writer, reader)
 
+    def knows(self, data: bytes) -> bool:
+        """Whether ``decode`` can read ``data`` without asking the registry (its writer
+        schema is cached, or the bytes are not wire format at all): a caller on an event
+        loop decodes the others in a thread, since the registry call blocks."""
+        if len(data) < 5 or data[0] != _CONFLUENT_MAGIC:
+            return True
+        return struct.unpack(">I", data[1:5])[0] in self._by_id
+
     def _lookup(self, schema_id: int) -> SchemaVersion:
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         try:
             text = self._client.get_schema(schema_id).schema_str or ""
         except SchemaRegistryError as exc:
-            raise ContractError(f"unknown schema id {schema_id}", code="unknown_schema") from exc
+            if exc.http_status_code == 404:  # the registry answered: no such schema
+                raise ContractError(f"unknown schema id {schema_id}",
+                                    code="unknown_schema") from exc
+            # A 5xx, a 401/403, a timeout the client reported as an error: the registry's
+            # fault, not the message's. Never poison: the caller tries again later.
+            raise InfrastructureError(f"schema registry lookup of id {schema_id}: {exc}",
+                                      code="schema_registry_unavailable") from exc
+        except Exception as exc:  # the HTTP client's connection errors: the registry is away
+            raise InfrastructureError(f"schema registry lookup of id {schema_id}: {exc}",
+                                      code="schema_registry_unavailable") from exc
         parsed = fastavro.parse_schema(json.loads(text), named_schemas={})
         canonical = to_parsing_canonical_form(parsed)
         for versions in self.store.versions.values():

@@ -198,7 +198,7 @@ class StepRunner:
         for msg in batch:
             position = position_of(msg)
             try:
-                event_type, event = self.codec.decode(msg.value() or b"")
+                event_type, event = await self._decode(msg.value() or b"")
                 if event_type != "job.requested":
                     raise ContractError(f"{event_type} does not belong on a work topic",
                                         code="unexpected_event")
@@ -206,6 +206,8 @@ class StepRunner:
                 steps[wanted[-1][1]] = str(event["step"])
                 workflow_of[wanted[-1][1]] = str(event.get("workflow") or "")
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
+                # (_decode waits out the registry being away: what reaches here is the
+                # message's own fault.)
                 code = exc.code if isinstance(exc, ContractError) else "undecodable"
                 log.warning("poison message at %s: %s", position, exc)
                 (topic, partition), offset = position
@@ -245,6 +247,21 @@ class StepRunner:
                 continue
             task = asyncio.create_task(self._run(job, position[0][0], position))
             self._running[job_id] = task
+
+    async def _decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        """Decode a message; a registry that is away is waited out, never taken for poison.
+
+        A schema the codec has not cached is fetched in a thread (the registry call blocks,
+        and heartbeats and commits must keep running meanwhile)."""
+        knows = getattr(self.codec, "knows", None)
+
+        async def once() -> tuple[str, dict[str, Any]]:
+            if knows is None or knows(data):
+                return self.codec.decode(data)
+            return await asyncio.to_thread(self.codec.decode, data)
+
+        return await retry_forever("the schema registry is unavailable", once,
+                                   retry_on=(InfrastructureError,))
 
     def _ahead(self, job_id: uuid.UUID, steps: dict[uuid.UUID, str],
                workflow_of: dict[uuid.UUID, str],
@@ -400,6 +417,14 @@ class StepRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a step that raised something it did not classify
+            if _infrastructure(exc):
+                # Reading the input, recording progress or a side effect met the database
+                # or the object store away: not the job's fault, so retried, not a bug.
+                log.warning("step %s of job %s: infrastructure failed: %s", job.step, job.id,
+                            exc)
+                return self.failures.outcome(job, topic, StepFailure(
+                    f"infrastructure unavailable: {type(exc).__name__}",
+                    code="infrastructure_error", failure_class=FailureClass.TRANSIENT))
             log.exception("step %s of job %s raised", job.step, job.id)
             return self.failures.outcome(job, topic, StepFailure(f"{type(exc).__name__}: {exc}",
                                                         code="unhandled_exception",
@@ -470,12 +495,17 @@ class StepRunner:
                 metrics.ABORTED.inc()
 
 
+def _infrastructure(exc: BaseException) -> bool:
+    """A part calmq depends on failed (not the job, not our code): a full disk (OSError), the
+    database away, or S3 failing (botocore's errors, matched by module so the worker needs no
+    boto3 import when it uses file://)."""
+    return (isinstance(exc, OSError | InfrastructureError | psycopg.OperationalError)
+            or type(exc).__module__.startswith("botocore"))
+
+
 def _after_step(job: Job, exc: Exception) -> StepFailure:
     """The failure of an attempt whose step ran but whose result could not be recorded."""
-    # A full disk (OSError), the database away, or S3 failing (botocore's errors, matched by
-    # module so the worker needs no boto3 import when it uses file://).
-    if (isinstance(exc, OSError | InfrastructureError | psycopg.OperationalError)
-            or type(exc).__module__.startswith("botocore")):
+    if _infrastructure(exc):
         log.warning("recording the result of %s failed: %s", job.id, exc)
         return StepFailure(f"the result could not be stored: {type(exc).__name__}",
                            code="artifact_write_failed", failure_class=FailureClass.TRANSIENT)

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from calmq.codec import RegistryCodec, SingleObjectCodec
 from calmq.errors import ContractError, InfrastructureError
@@ -90,3 +91,30 @@ def test_unknown_event_type_is_named() -> None:
     """Encoding an event type with no schema names the known ones."""
     with pytest.raises(ContractError, match=r"job\.requested"):
         SingleObjectCodec().encode("job.unknown", {})
+
+
+class _FailingRegistry:
+    """A registry client (the methods RegistryCodec calls) whose lookups fail as given."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def get_schema(self, schema_id: int) -> object:
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (SchemaRegistryError(404, 40403, "Schema not found"), ContractError),
+    (SchemaRegistryError(503, 50003, "unavailable"), InfrastructureError),
+    (ConnectionError("connection refused"), InfrastructureError),
+])
+def test_a_registry_that_is_away_is_not_a_bad_message(error: Exception,
+                                                      expected: type[Exception]) -> None:
+    """Only "no such schema" makes a message unreadable (poison); a 5xx or a refused
+    connection is the registry's outage (retried by the worker, never acknowledged)."""
+    codec = RegistryCodec("", client=_FailingRegistry(error))  # type: ignore[arg-type]
+    data = b"\x00" + (7).to_bytes(4, "big") + b"\x02"
+    assert not codec.knows(data)
+    with pytest.raises(expected) as info:
+        codec.decode(data)
+    assert type(info.value) is expected
