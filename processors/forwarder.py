@@ -13,23 +13,32 @@ worker acknowledges a duplicate of a job it finished without calling the model).
 Kafka refused is republished in-process after the kernel's jittered backoff
 (``calmq.retrying``), so one failed delivery does not stall the partition's commits until a
 restart.
+
+Anyone who can write to a retry topic controls those two headers, so neither is trusted:
+an origin that is not a work topic (``calmq.<pool>.<priority>``: never the results, the
+dead letters or a retry tier) or that does not exist goes to ``calmq.dlq``, and a due time
+further ahead than its tier's delay (calmq never writes one: a tier only gets delays up to
+its own) is held only that long, so one message cannot hold a partition's head for good.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from calmq import events, topics
 from calmq.codec import EventCodec
+from calmq.errors import ConfigError
 from calmq.kafka import header, produce
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
 from calmq.retrying import Reconnect
+from calmq.settings import parse_duration
 
 __all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
 
@@ -39,6 +48,11 @@ ORIGIN = "calmq-origin-topic"
 DUE_AT = "calmq-due-at"
 _FORWARDED_FROM = "calmq-forwarded-from"
 _MAX_WAIT = 0.1  # longest poll: bounds how late a timer fires and how fast stop is noticed
+# calmq.<pool>.<interactive|bulk>: the only topics a retry goes back to.
+_WORK_TOPIC = re.compile(re.escape(topics.PREFIX) + r"[A-Za-z0-9_-]+\.(?:interactive|bulk)")
+_RETRY_PREFIX = topics.topic_for_route(topics.retry_route(""))
+_MISSING_TTL = 10.0  # a topic found missing is looked up again after this long
+_CLOCK_SLACK = 5.0  # seconds a due time may run past its tier (writers' clocks differ)
 
 
 class Forwarder:
@@ -68,6 +82,13 @@ class Forwarder:
         # offset stays in the tracker, not done, so nothing past it is committed meanwhile.
         self.again: list[tuple[float, Message]] = []
         self._refused = Reconnect("republishing a retry message failed")
+        # The longest hold a due time may ask for, per tier topic: the tier's own delay (calmq
+        # writes no longer delay into a tier) plus slack for clocks that disagree.
+        self.max_hold = {t: _tier_seconds(t) + _CLOCK_SLACK for t in tier_topics}
+        # Heads due past their tier: when first seen (their hold runs from then).
+        self._overdue: dict[tuple[tuple[str, int], int], float] = {}
+        self._topics: set[str] = set()  # origins seen in the broker's metadata
+        self._missing: dict[str, float] = {}  # origin -> when it was found missing
 
     # -- rebalance callbacks ----------------------------------------------------------------
 
@@ -97,6 +118,7 @@ class Forwarder:
     def _forget(self, keys: set[tuple[str, int]]) -> None:
         # Not ours any more: the partition's next owner reads the message again.
         self.again = [(at, m) for at, m in self.again if position_of(m)[0] not in keys]
+        self._overdue = {k: v for k, v in self._overdue.items() if k[0] not in keys}
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -156,6 +178,15 @@ class Forwarder:
             if tp in self.resume_at:
                 continue  # the rest of a partition held in this batch: fetched again later
             due = _due_seconds(msg)
+            hold = self.max_hold.get(tp[0], 3600.0 + _CLOCK_SLACK)
+            if due is not None and due > now + hold:
+                # Held from when it was first seen, so the head is let go once that ran out
+                # (measured from "now" it would be held again at every resume).
+                first = self._overdue.setdefault((tp, offset), now)
+                if first == now:
+                    log.warning("%s[%d]@%d is due %.0f s ahead, past its tier: held %.0f s "
+                                "at most", *tp, offset, due - now, hold)
+                due = first + hold
             if due is not None and due > now:
                 # Hold: rewind to this head, pause, and let the timer resume at its due time.
                 part = TopicPartition(tp[0], tp[1], offset)
@@ -164,6 +195,7 @@ class Forwarder:
                 self.resume_at[tp] = due
                 metrics.FORWARDER_HELD.set(len(self.resume_at))
                 continue
+            self._overdue.pop((tp, offset), None)
             self.tracker.add(tp, offset)
             self._forward(msg)
         metrics.FORWARDER_HELD.set(len(self.resume_at))
@@ -185,26 +217,57 @@ class Forwarder:
                 log.error("republishing %s[%d]@%d failed: %s", *tp, offset, err)
                 self.again.append((self.clock() + self._refused.failed(), msg))
 
-        if not origin or not origin.startswith(topics.PREFIX) or origin == tp[0]:
+        refusal = self._refusal(origin)
+        if refusal is not None:
+            code, reason = refusal
             value = self.codec.encode("job.dead_lettered", events.dead_lettered(
                 None,
-                errors=[{"attempt": 0, "code": "missing_origin_topic", "class": "input",
-                         "message": f"retry message without a usable {ORIGIN} header "
-                                    f"({origin!r})"}],
+                errors=[{"attempt": 0, "code": code, "class": "input", "message": reason}],
                 source_topic=tp[0],
                 raw_value=msg.value(),
             ) | {"raw_value": msg.value()})
             metrics.POISON.inc()
             produce(self.producer, topics.DLQ, msg.key(), value,
-                    headers=[("calmq-error-code", b"missing_origin_topic")], on_delivery=acked)
+                    headers=[("calmq-error-code", code.encode())], on_delivery=acked)
             return
+        assert origin is not None  # _refusal refuses a missing origin
         kept: list[tuple[str, str | bytes | None]] = [
             (k, v) for k, v in raw_headers if k not in (ORIGIN, DUE_AT, _FORWARDED_FROM)]
         kept.append((_FORWARDED_FROM, tp[0].encode()))
         produce(self.producer, origin, msg.key(), msg.value(), headers=kept, on_delivery=acked)
 
+    def _refusal(self, origin: str | None) -> tuple[str, str] | None:
+        """Why a retry cannot go back to ``origin`` (code, message), or None if it can."""
+        if not origin or not _WORK_TOPIC.fullmatch(origin):
+            return ("missing_origin_topic",
+                    f"retry message without a usable {ORIGIN} header ({origin!r}): a retry "
+                    "goes back to a work topic calmq.<pool>.<interactive|bulk>")
+        if origin in self._topics:
+            return None
+        missing_since = self._missing.get(origin)
+        if missing_since is None or time.monotonic() - missing_since > _MISSING_TTL:
+            try:
+                meta = self.producer.list_topics(origin, timeout=5)
+            except KafkaException:
+                return None  # the broker did not answer: try to produce; a refusal retries
+            found = meta.topics.get(origin)
+            if found is not None and found.error is None and found.partitions:
+                self._topics.add(origin)
+                self._missing.pop(origin, None)
+                return None
+            self._missing[origin] = time.monotonic()
+        return ("unknown_topic", f"the retry's origin topic {origin} does not exist: create "
+                "the pool's topics (`calmq topics create --pool <pool>`)")
+
     def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
         commit_prefix(consumer, self.tracker, only)
+
+
+def _tier_seconds(topic: str) -> float:
+    try:
+        return parse_duration(topic.removeprefix(_RETRY_PREFIX))
+    except ConfigError:
+        return 3600.0  # not a tier name calmq makes: assume the default longest tier
 
 
 def _due_seconds(msg: Message) -> float | None:

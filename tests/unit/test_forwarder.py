@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from confluent_kafka import TopicPartition
 
 from calmq.codec import SingleObjectCodec
@@ -61,9 +62,27 @@ class FakeConsumer:
         self.seeks.append((part.topic, part.partition, part.offset))
 
 
+class _TopicMeta:
+    def __init__(self, exists: bool) -> None:
+        self.error = None if exists else "UNKNOWN_TOPIC_OR_PART"
+        self.partitions = {0: object()} if exists else {}
+
+
+class _ClusterMeta:
+    def __init__(self, topics: dict[str, _TopicMeta]) -> None:
+        self.topics = topics
+
+
 class FakeProducer:
-    def __init__(self) -> None:
+    """The Producer methods the forwarder calls; ``existing`` are the broker's topics."""
+
+    def __init__(self, existing: tuple[str, ...] = ("calmq.p.bulk", "calmq.p.interactive")
+                 ) -> None:
         self.sent: list[dict[str, Any]] = []
+        self.existing = set(existing)
+
+    def list_topics(self, topic: str, timeout: float = -1) -> _ClusterMeta:
+        return _ClusterMeta({topic: _TopicMeta(topic in self.existing)})
 
     def produce(self, topic: str, **kw: Any) -> None:
         self.sent.append({"topic": topic, **kw})
@@ -148,3 +167,34 @@ def test_a_refused_republish_is_sent_again_after_a_backoff_and_then_commits() ->
     producer.sent[1]["on_delivery"](None, None)
     assert fwd.tracker.to_commit() == {(RETRY, 0): 4}
     assert fwd.again == []
+
+
+@pytest.mark.parametrize(("origin", "code"), [
+    ("calmq.results", "missing_origin_topic"), ("calmq.dlq", "missing_origin_topic"),
+    (RETRY, "missing_origin_topic"), ("elsewhere.p.bulk", "missing_origin_topic"),
+    ("calmq.nopool.bulk", "unknown_topic"),
+])
+def test_a_retry_goes_back_only_to_an_existing_work_topic(origin: str, code: str) -> None:
+    """Whoever can write to a retry topic sets its origin header: a retry is never sent on
+    to the results or the dead letters, and one for a pool without topics is dead-lettered
+    (it would otherwise be refused for ever and stall the partition)."""
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd._handle(consumer, [Msg(3, 999_000, origin=origin)])  # type: ignore[arg-type, list-item]
+    [record] = producer.sent
+    assert record["topic"] == "calmq.dlq"
+    assert dict(record["headers"])["calmq-error-code"] == code.encode()
+
+
+def test_a_due_time_past_its_tier_is_held_no_longer_than_the_tier() -> None:
+    """A due time centuries ahead holds a 5 s tier's partition for about 5 s, not for ever."""
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd._handle(consumer, [Msg(4, 10**17)])  # type: ignore[arg-type, list-item]
+    resume = fwd.resume_at[(RETRY, 0)]
+    assert 1005.0 <= resume <= 1011.0
+    assert producer.sent == []
+    now[0] = resume  # the hold ran out: read again, the head goes back to its origin now
+    fwd._resume_due(consumer)  # type: ignore[arg-type]
+    fwd._handle(consumer, [Msg(4, 10**17)])  # type: ignore[arg-type, list-item]
+    assert [r["topic"] for r in producer.sent] == ["calmq.p.bulk"]
