@@ -25,16 +25,17 @@ from confluent_kafka import Message
 
 from calmq import logs, tracing
 from calmq.batching import Batcher
-from calmq.codec import EventCodec
+from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
+from calmq.kafka import header
 from calmq.objects import ObjectStore
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
-from calmq.processors.offsets import OffsetTracker, Position, position_of
+from calmq.processors.offsets import OffsetTracker, Position, headers_of, position_of
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
@@ -198,7 +199,8 @@ class StepRunner:
         for msg in batch:
             position = position_of(msg)
             try:
-                event_type, event = self.codec.decode(msg.value() or b"")
+                event_type, event = decode_message(
+                    self.codec, msg.value() or b"", header(headers_of(msg), "eventType"))
                 if event_type != "job.requested":
                     raise ContractError(f"{event_type} does not belong on a work topic",
                                         code="unexpected_event")

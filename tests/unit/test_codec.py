@@ -90,3 +90,20 @@ def test_unknown_event_type_is_named() -> None:
     """Encoding an event type with no schema names the known ones."""
     with pytest.raises(ContractError, match=r"job\.requested"):
         SingleObjectCodec().encode("job.unknown", {})
+
+
+def test_connector_json_decodes_like_the_relays_avro() -> None:
+    """The Debezium connector's JSON value (type in the eventType header) reads as the same
+    record as the relay's Avro; a payload that does not fit the schema is a contract error."""
+    import json
+
+    from calmq.codec import decode_message
+
+    codec = SingleObjectCodec()
+    record = _requested()
+    avro = decode_message(codec, codec.encode("job.requested", record), "job.requested")
+    assert decode_message(codec, json.dumps(record).encode(), "job.requested") == avro
+    with pytest.raises(ContractError):
+        decode_message(codec, json.dumps({**record, "attempt": "x"}).encode(), "job.requested")
+    with pytest.raises(ContractError):
+        decode_message(codec, json.dumps(record).encode(), None)
