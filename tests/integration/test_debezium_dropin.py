@@ -330,6 +330,23 @@ def test_connector_publishes_what_the_relay_does_and_a_worker_runs_its_jobs(
             assert sent["input_ref"] is None
         finally:
             work.close()
+
+        # Its result went to calmq.results through the connector too, nulls kept, readable.
+        results = TopicReader(bootstrap, "calmq.results")
+        try:
+            def result() -> Record | None:
+                results.poll()
+                return next((r for r in results.records if r.key == str(job_id)), None)
+            res = wait_for(result, timeout=30, what=f"the result of {job_id}")
+        finally:
+            results.close()
+        assert res.headers["eventType"] == "job.result"
+        with db.connect() as conn:
+            (payload,) = conn.execute("SELECT payload FROM outbox WHERE id = %s",
+                                      (res.headers["id"],)).fetchone() or (None,)
+        assert json.loads(res.value) == payload
+        _type, event = decode_message(codec, res.value, "job.result")
+        assert str(event["job_id"]) == str(job_id)  # a uuid, as from the relay's Avro
     finally:
         reader.close()
         procs.stop_all()
