@@ -4,6 +4,7 @@ completed prefix is committed, so a crash never skips a message still in flight.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import threading
 import time
@@ -26,11 +27,41 @@ def position_of(msg: Message) -> Position:
     return (topic, partition), offset
 
 
+CONNECTOR_HEADERS = "calmq-headers"
+
+
 def headers_of(msg: Message) -> list[tuple[str, bytes | None]]:
-    """A message's headers as (name, bytes) pairs, the shape calmq.kafka.header reads."""
+    """A message's headers as (name, bytes) pairs, the shape calmq.kafka.header reads.
+
+    The Debezium connector (``deploy/debezium``) carries the outbox ``headers`` column as one
+    ``calmq-headers`` header (a JSON object); it is spread into one header per key, as the
+    relay publishes them, so retry bookkeeping and ``traceparent`` read the same either way.
+    """
     raw = msg.headers() or []
     pairs = raw.items() if isinstance(raw, dict) else raw
-    return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+    out = [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+    packed = [v for k, v in out if k == CONNECTOR_HEADERS and v is not None]
+    if not packed:
+        return out
+    out = [(k, v) for k, v in out if k != CONNECTOR_HEADERS]
+    present = {k for k, _ in out}
+    for blob in packed:
+        try:
+            extra = json.loads(blob)
+        except ValueError:
+            log.warning("ignoring a %s header that is not JSON", CONNECTOR_HEADERS)
+            continue
+        if isinstance(extra, str):  # a converter that wrote the JSON column as a JSON string
+            try:
+                extra = json.loads(extra)
+            except ValueError:
+                continue
+        if not isinstance(extra, dict):
+            log.warning("ignoring a %s header that is not a JSON object", CONNECTOR_HEADERS)
+            continue
+        out += [(str(k), str(v).encode()) for k, v in extra.items()
+                if str(k) not in present and v is not None]
+    return out
 
 
 class _Partition:

@@ -25,16 +25,17 @@ from confluent_kafka import Message
 
 from calmq import logs, tracing
 from calmq.batching import Batcher
-from calmq.codec import EventCodec
+from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
+from calmq.kafka import header
 from calmq.objects import ObjectStore
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
-from calmq.processors.offsets import OffsetTracker, Position, position_of
+from calmq.processors.offsets import OffsetTracker, Position, headers_of, position_of
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
@@ -198,7 +199,8 @@ class StepRunner:
         for msg in batch:
             position = position_of(msg)
             try:
-                event_type, event = await self._decode(msg.value() or b"")
+                event_type, event = await self._decode(
+                    msg.value() or b"", header(headers_of(msg), "eventType"))
                 if event_type != "job.requested":
                     raise ContractError(f"{event_type} does not belong on a work topic",
                                         code="unexpected_event")
@@ -248,8 +250,9 @@ class StepRunner:
             task = asyncio.create_task(self._run(job, position[0][0], position))
             self._running[job_id] = task
 
-    async def _decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
-        """Decode a message; a registry that is away is waited out, never taken for poison.
+    async def _decode(self, data: bytes, event_type: str | None) -> tuple[str, dict[str, Any]]:
+        """Decode a message (calmq's Avro, or the Debezium connector's JSON named by its
+        ``eventType`` header); a registry that is away is waited out, never taken for poison.
 
         A schema the codec has not cached is fetched in a thread (the registry call blocks,
         and heartbeats and commits must keep running meanwhile)."""
@@ -257,8 +260,8 @@ class StepRunner:
 
         async def once() -> tuple[str, dict[str, Any]]:
             if knows is None or knows(data):
-                return self.codec.decode(data)
-            return await asyncio.to_thread(self.codec.decode, data)
+                return decode_message(self.codec, data, event_type)
+            return await asyncio.to_thread(decode_message, self.codec, data, event_type)
 
         return await retry_forever("the schema registry is unavailable", once,
                                    retry_on=(InfrastructureError,))

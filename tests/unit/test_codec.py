@@ -118,3 +118,18 @@ def test_a_registry_that_is_away_is_not_a_bad_message(error: Exception,
     with pytest.raises(expected) as info:
         codec.decode(data)
     assert type(info.value) is expected
+def test_connector_json_decodes_like_the_relays_avro() -> None:
+    """The Debezium connector's JSON value (type in the eventType header) reads as the same
+    record as the relay's Avro; a payload that does not fit the schema is a contract error."""
+    import json
+
+    from calmq.codec import decode_message
+
+    codec = SingleObjectCodec()
+    record = _requested()
+    avro = decode_message(codec, codec.encode("job.requested", record), "job.requested")
+    assert decode_message(codec, json.dumps(record).encode(), "job.requested") == avro
+    with pytest.raises(ContractError):
+        decode_message(codec, json.dumps({**record, "attempt": "x"}).encode(), "job.requested")
+    with pytest.raises(ContractError):
+        decode_message(codec, json.dumps(record).encode(), None)

@@ -3,6 +3,7 @@ republishes to the origin topic and completes the offset only once Kafka acknowl
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -198,3 +199,35 @@ def test_a_due_time_past_its_tier_is_held_no_longer_than_the_tier() -> None:
     fwd._resume_due(consumer)  # type: ignore[arg-type]
     fwd._handle(consumer, [Msg(4, 10**17)])  # type: ignore[arg-type, list-item]
     assert [r["topic"] for r in producer.sent] == ["calmq.p.bulk"]
+class ConnectorMsg(Msg):
+    """A retry message as the Debezium connector publishes it: the outbox ``headers``
+    column as one ``calmq-headers`` JSON header, the value in JSON."""
+
+    def __init__(self, offset: int, due_ms: int) -> None:
+        super().__init__(offset, None, origin=None)
+        packed = {ORIGIN: "calmq.p.bulk", DUE_AT: str(due_ms), "traceparent": "00-ab-cd-01"}
+        self._headers += [("eventType", b"job.requested"),
+                          ("calmq-headers", json.dumps(packed).encode())]
+
+    def value(self) -> bytes:
+        return b'{"job_id": "j"}'
+
+
+def test_connector_message_is_forwarded_with_its_packed_headers_spread() -> None:
+    """``calmq-headers`` is read as the relay's separate headers: the due time and origin
+    drive the forwarder, and the republished copy carries ``traceparent`` on its own."""
+    now = [1000.0]
+    fwd, consumer, producer = _forwarder(now)
+    fwd._handle(consumer, [ConnectorMsg(0, 1_005_000)])  # type: ignore[arg-type, list-item]
+    assert producer.sent == []  # not due yet: the packed calmq-due-at was read
+    now[0] = 1006.0
+    fwd._resume_due(consumer)  # type: ignore[arg-type]
+    fwd._handle(consumer, [ConnectorMsg(0, 1_005_000)])  # type: ignore[arg-type, list-item]
+    (record,) = producer.sent
+    assert record["topic"] == "calmq.p.bulk"
+    assert record["value"] == b'{"job_id": "j"}'
+    names = dict(record["headers"])
+    assert names["traceparent"] == b"00-ab-cd-01"
+    assert "calmq-headers" not in names
+    assert ORIGIN not in names
+    assert DUE_AT not in names
