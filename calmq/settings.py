@@ -116,6 +116,10 @@ class Settings(BaseSettings):
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
+    webhook_secret_grace_seconds: float = Field(
+        default=24 * 3600.0, ge=0,
+        description="after `calmq tenants webhook-secret NAME --rotate`, how long the "
+                    "previous secret still signs deliveries beside the new one")
 
     # Model provider used by the gateway. Empty provider_url means the fake provider.
     provider: Literal["openai", "anthropic"] = "openai"

@@ -14,7 +14,9 @@ only allowed addresses, so what was checked is what is connected to (DNS rebindi
 reach loopback). Translated IPv6 addresses (IPv4-mapped, NAT64, 6to4) are judged by the
 IPv4 address inside. At most ``ANSWER_READ_BYTES`` of an answer are read.
 
-Signature (Stripe-style, verifiable with :func:`verify`)::
+Signatures: Standard Webhooks (``webhook-id``/``-timestamp``/``-signature``, one ``v1,``
+signature per valid secret: two during a rotation's grace) and calmq's first, Stripe-style
+scheme (verifiable with :func:`verify`, newest secret only)::
 
     Calmq-Timestamp: <unix seconds>
     Calmq-Signature: v1=<hex HMAC-SHA256(tenant webhook secret, "<timestamp>.<body>")>
@@ -92,13 +94,22 @@ def _standard_signature(secret: str, message_id: str, timestamp: int, body: byte
                                     .digest()).decode()
 
 
-def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes,
+                   previous: str | None = None) -> dict[str, str]:
     """Both schemes' headers: Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
-    ``webhook-signature``; any of its libraries verifies them) and calmq's own."""
+    ``webhook-signature``; any of its libraries verifies them) and calmq's own.
+
+    During a secret rotation's grace ``previous`` is the replaced secret: the standard
+    header then carries one signature per secret, space-separated (the scheme allows
+    several; a receiver accepts any that verifies), the newest first. ``Calmq-Signature``
+    has room for one and is signed with the newest only.
+    """
+    standard = [_standard_signature(s, message_id, timestamp, body)
+                for s in (secret, previous) if s]
     return {
         "webhook-id": message_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": _standard_signature(secret, message_id, timestamp, body),
+        "webhook-signature": " ".join(dict.fromkeys(standard)),
         TIMESTAMP_HEADER: str(timestamp),
         SIGNATURE_HEADER: sign(secret, timestamp, body),
     }
@@ -356,7 +367,8 @@ class Dispatcher:
         # webhook-id is the delivery's id: the same on every retry, so a receiver that
         # de-duplicates on it (as Standard Webhooks asks) handles a redelivery once.
         headers = {"Content-Type": "application/json",
-                   **signed_headers(delivery.webhook_secret, str(delivery.id), ts, body),
+                   **signed_headers(delivery.webhook_secret, str(delivery.id), ts, body,
+                                    delivery.webhook_secret_previous),
                    "Calmq-Delivery": str(delivery.id), "User-Agent": "calmq-webhooks"}
         started = time.monotonic()
         status_code, error, final = await self._sender.post(delivery.url, body, headers)
