@@ -100,6 +100,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
+    max_multipart_parts: int = Field(
+        default=16, ge=1, le=10_000,
+        description="most parts a multipart submit may have (the file and every field); "
+                    "more answers 413 too_many_parts and stores nothing")
+    max_multipart_field_bytes: int = Field(
+        default=1024 * 1024, ge=1024,
+        description="largest total size of a multipart submit's non-file fields; more "
+                    "answers 413 fields_too_large and stores nothing")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     accept_batch_max: int = Field(default=256, ge=1)
@@ -108,6 +116,10 @@ class Settings(BaseSettings):
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
+    webhook_secret_grace_seconds: float = Field(
+        default=24 * 3600.0, ge=0,
+        description="after `calmq tenants webhook-secret NAME --rotate`, how long the "
+                    "previous secret still signs deliveries beside the new one")
 
     # Model provider used by the gateway. Empty provider_url means the fake provider.
     provider: Literal["openai", "anthropic"] = "openai"

@@ -109,24 +109,33 @@ async def _copy(source: ChunkSource, fh: IO[bytes], limit: int) -> tuple[str, in
     return digest.hexdigest(), size
 
 
-async def _field_text(part: BodyPartReader) -> str:
+async def _field_text(part: BodyPartReader, room: int) -> tuple[str, int]:
+    """The field's text and its size in bytes; ContractError 413 past ``_FIELD_MAX`` or
+    past ``room``, what is left of the fields' total allowance."""
     data = bytearray()
     while chunk := await part.read_chunk(_CHUNK):
         data += chunk
         if len(data) > _FIELD_MAX:
             raise ContractError(f"field {part.name} is over {_FIELD_MAX} bytes",
                                 code="body_too_large", status=413)
+        if len(data) > room:
+            raise ContractError("the multipart fields are over their total size limit",
+                                code="fields_too_large", status=413)
     try:
-        return data.decode(part.get_charset(default="utf-8"))
+        return data.decode(part.get_charset(default="utf-8")), len(data)
     except (UnicodeDecodeError, LookupError) as exc:
         raise ContractError(f"field {part.name} is not text", code="invalid_multipart") from exc
 
 
 async def read_form(
     request: web.Request, objects: ObjectStore, prefix: str, max_upload: int,
-    stored: list[ObjectRef],
+    stored: list[ObjectRef], *, max_parts: int = 16, max_field_bytes: int = _FIELD_MAX,
 ) -> tuple[dict[str, Any], bytes]:
     """A multipart submit's fields, with its ``file`` part streamed to the object store.
+
+    At most ``max_parts`` parts and ``max_field_bytes`` of non-file fields in all (aiohttp's
+    ``client_max_size`` does not bound a multipart read): past either a 413 problem
+    (``too_many_parts``, ``fields_too_large``), and the caller deletes what was stored.
 
     The file goes under ``prefix`` and is appended to ``stored`` as soon as it is written,
     so the caller can delete it if the request fails later. ``input_ref`` names the file;
@@ -134,9 +143,15 @@ async def read_form(
     """
     fields: dict[str, Any] = {}
     digest = hashlib.sha256()
+    parts = 0
+    room = max_field_bytes
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
+            parts += 1
+            if parts > max_parts:
+                raise ContractError(f"a multipart submit has at most {max_parts} parts",
+                                    code="too_many_parts", status=413)
             if not isinstance(part, BodyPartReader) or not part.name:
                 raise ContractError("every part needs a name; nested multipart is not supported",
                                     code="invalid_multipart")
@@ -153,7 +168,8 @@ async def read_form(
                 if part.name in fields:
                     raise ContractError(f"field {part.name} is sent twice",
                                         code="invalid_multipart")
-                text = await _field_text(part)
+                text, size = await _field_text(part, room)
+                room -= size
                 fields[part.name] = text
                 digest.update(f"{part.name}={text}".encode())
     except (ValueError, AssertionError, RuntimeError, HttpProcessingError) as exc:

@@ -8,7 +8,15 @@ document, records each attempt in ``webhook_attempts`` and retries up to
 ``webhook_max_attempts`` with the kernel's backoff (calmq.retrying: exponential, jittered
 over each attempt's band, so a later retry never comes sooner than an earlier one).
 
-Signature (Stripe-style, verifiable with :func:`verify`)::
+Where a callback may connect: the submit checks every address the host resolves to, and at
+send time the dispatcher's connector resolves through :class:`PinnedResolver`, which keeps
+only allowed addresses, so what was checked is what is connected to (DNS rebinding cannot
+reach loopback). Translated IPv6 addresses (IPv4-mapped, NAT64, 6to4) are judged by the
+IPv4 address inside. At most ``ANSWER_READ_BYTES`` of an answer are read.
+
+Signatures: Standard Webhooks (``webhook-id``/``-timestamp``/``-signature``, one ``v1,``
+signature per valid secret: two during a rotation's grace) and calmq's first, Stripe-style
+scheme (verifiable with :func:`verify`, newest secret only)::
 
     Calmq-Timestamp: <unix seconds>
     Calmq-Signature: v1=<hex HMAC-SHA256(tenant webhook secret, "<timestamp>.<body>")>
@@ -32,6 +40,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
 
 from calmq.data import JobDetail, Store
 from calmq.data.webhooks import DeliveryStatus, WebhookDeliveries, WebhookDelivery
@@ -40,10 +50,16 @@ from calmq.retrying import Backoff
 from calmq.settings import Settings
 
 __all__ = [
+    "ANSWER_READ_BYTES",
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
     "Dispatcher",
+    "ForbiddenAddress",
+    "PinnedResolver",
+    "Sender",
     "check_callback_url",
+    "embedded_ipv4",
+    "forbidden_address",
     "sign",
     "signed_headers",
     "standard_secret",
@@ -78,13 +94,22 @@ def _standard_signature(secret: str, message_id: str, timestamp: int, body: byte
                                     .digest()).decode()
 
 
-def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes,
+                   previous: str | None = None) -> dict[str, str]:
     """Both schemes' headers: Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
-    ``webhook-signature``; any of its libraries verifies them) and calmq's own."""
+    ``webhook-signature``; any of its libraries verifies them) and calmq's own.
+
+    During a secret rotation's grace ``previous`` is the replaced secret: the standard
+    header then carries one signature per secret, space-separated (the scheme allows
+    several; a receiver accepts any that verifies), the newest first. ``Calmq-Signature``
+    has room for one and is signed with the newest only.
+    """
+    standard = [_standard_signature(s, message_id, timestamp, body)
+                for s in (secret, previous) if s]
     return {
         "webhook-id": message_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": _standard_signature(secret, message_id, timestamp, body),
+        "webhook-signature": " ".join(dict.fromkeys(standard)),
         TIMESTAMP_HEADER: str(timestamp),
         SIGNATURE_HEADER: sign(secret, timestamp, body),
     }
@@ -103,15 +128,85 @@ def verify(secret: str, headers: Mapping[str, str], body: bytes, *, tolerance: f
     return hmac.compare_digest(given, sign(secret, ts, body))
 
 
-def _forbidden(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+# IPv6 ranges that carry an IPv4 address in their last 32 bits and reach it through a
+# translator (NAT64, RFC 6052 and the local-use prefix of RFC 8215) or that are the old
+# IPv4-compatible form: judged by the IPv4 address inside, as a mapped address is.
+_EMBEDDING_V4 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"),
+                 ipaddress.IPv6Network("::/96"))
+
+
+def embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address
+                  ) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address reaches: IPv4-mapped (``::ffff:a.b.c.d``), 6to4
+    (``2002:AABB:CCDD::/48``), NAT64 (``64:ff9b::/96``, ``64:ff9b:1::/48``) or
+    IPv4-compatible (``::a.b.c.d``); None for any other address."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in net for net in _EMBEDDING_V4) and int(ip) & 0xFFFFFFFF:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def forbidden_address(address: str) -> bool:
+    """Whether a callback may not connect to ``address``: anything but a global unicast
+    address, judged for a translated IPv6 address by the IPv4 address it embeds."""
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
+            address.split("%", 1)[0])
+    except ValueError:
+        return True
+    inner = embedded_ipv4(ip)
+    if inner is not None and (not inner.is_global or inner.is_multicast):
+        return True
     return not ip.is_global or ip.is_multicast
 
 
-async def check_callback_url(url: str, *, allow_private: bool) -> None:
-    """ContractError 422 unless ``url`` is http(s) and every address it resolves to is public."""
+class ForbiddenAddress(OSError):
+    """A callback host resolved to no address it may connect to (raised by the resolver
+    inside aiohttp's connector, which wraps it in ClientConnectorDNSError)."""
+
+
+_REFUSED = ("callback_url resolves to a private or loopback address ({}); "
+            "set CALMQ_WEBHOOK_ALLOW_PRIVATE=true to allow it for local use")
+
+
+class PinnedResolver(AbstractResolver):
+    """The dispatcher's resolver: resolves a callback host once, drops every forbidden
+    address and hands aiohttp only the allowed ones, so the address checked is the address
+    connected to (a name that rebinds to loopback between a check and the connect cannot
+    reach it). The URL's name stays the Host header and the TLS server name: aiohttp asks
+    the resolver for addresses only.
+
+    ``inner`` does the lookup (aiohttp's ThreadedResolver, getaddrinfo, by default; a test
+    gives one of its own); with ``allow_private`` every address passes.
+    """
+
+    def __init__(self, inner: AbstractResolver | None = None, *,
+                 allow_private: bool = False) -> None:
+        self._inner = inner or ThreadedResolver()
+        self._allow_private = allow_private
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        if self._allow_private:
+            return found
+        allowed = [r for r in found if not forbidden_address(r["host"])]
+        if not allowed:
+            raise ForbiddenAddress(_REFUSED.format(
+                ", ".join(sorted({r["host"] for r in found})) or "none"))
+        return allowed
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def _callback_target(url: str) -> tuple[str, int]:
+    """The host and port of a well-formed callback URL; ContractError 422 otherwise."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ContractError("callback_url must be an absolute http or https URL",
@@ -121,47 +216,121 @@ async def check_callback_url(url: str, *, allow_private: bool) -> None:
     except ValueError as exc:
         raise ContractError("callback_url has an invalid port", code="invalid_callback_url",
                             status=422) from exc
+    return parsed.hostname, port
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+async def check_callback_url(url: str, *, allow_private: bool) -> None:
+    """ContractError 422 unless ``url`` is http(s) and every address it resolves to is public.
+
+    This is the submit-time check (a clear answer to the caller); at send time the
+    dispatcher's :class:`PinnedResolver` filters the addresses it connects to.
+    """
+    host, port = _callback_target(url)
     if allow_private:
         return
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            parsed.hostname, port, type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise ContractError(f"callback_url host {parsed.hostname!r} does not resolve",
+        raise ContractError(f"callback_url host {host!r} does not resolve",
                             code="invalid_callback_url", status=422) from exc
-    bad = sorted({str(i[4][0]) for i in infos if _forbidden(str(i[4][0]))})
+    bad = sorted({str(i[4][0]) for i in infos if forbidden_address(str(i[4][0]))})
     if bad:
-        raise ContractError(
-            f"callback_url resolves to a private or loopback address ({', '.join(bad)}); "
-            "set CALMQ_WEBHOOK_ALLOW_PRIVATE=true to allow it for local use",
-            code="callback_url_forbidden", status=422,
-        )
+        raise ContractError(_REFUSED.format(", ".join(bad)), code="callback_url_forbidden",
+                            status=422)
+
+
+# How much of a receiver's answer is read: its status is what counts, and a receiver that
+# answers with an endless body must not hold a dispatcher slot or its memory.
+ANSWER_READ_BYTES = 4096
+
+
+class Sender:
+    """The dispatcher's HTTP side: one session whose connector resolves through a
+    :class:`PinnedResolver`, POSTs that follow no redirect, and at most
+    ``ANSWER_READ_BYTES`` of each answer read."""
+
+    def __init__(self, settings: Settings, resolver: AbstractResolver | None = None) -> None:
+        self._settings = settings
+        self._resolver = resolver
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            allow = self._settings.webhook_allow_private
+            connector = aiohttp.TCPConnector(
+                resolver=PinnedResolver(self._resolver, allow_private=allow))
+            self._session = aiohttp.ClientSession(
+                connector=connector, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=self._settings.webhook_timeout_seconds))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]
+                   ) -> tuple[int | None, str | None, bool]:
+        """``(status code, error, final)``: error None for a 2xx; ``final`` when retrying
+        cannot help (a malformed or forbidden target)."""
+        try:
+            host, _port = _callback_target(url)
+            # aiohttp connects to an IP literal without asking the resolver: check it here.
+            if (_is_ip_literal(host) and not self._settings.webhook_allow_private
+                    and forbidden_address(host)):
+                raise ContractError(_REFUSED.format(host), code="callback_url_forbidden")
+            async with self._open().post(url, data=body, headers=dict(headers),
+                                         allow_redirects=False) as resp:
+                status_code = resp.status
+                await resp.content.read(ANSWER_READ_BYTES)
+                if not resp.content.at_eof():
+                    resp.close()  # drop the connection rather than read the rest
+        except ContractError as exc:
+            return None, exc.message, True  # a refused target never becomes allowed
+        except aiohttp.ClientConnectorDNSError as exc:
+            if isinstance(exc.os_error, ForbiddenAddress):
+                return None, str(exc.os_error), True
+            return None, f"{type(exc).__name__}: {exc}", False
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return None, f"{type(exc).__name__}: {exc}", False
+        if not 200 <= status_code < 300:
+            return status_code, f"HTTP {status_code}", False
+        return status_code, None, False
 
 
 class Dispatcher:
     """Delivers due webhook rows; woken by NOTIFY calmq_webhooks, else by the next due time."""
 
     def __init__(self, settings: Settings, store: Store,
-                 view: Callable[[JobDetail], dict[str, Any]]) -> None:
+                 view: Callable[[JobDetail], dict[str, Any]],
+                 resolver: AbstractResolver | None = None) -> None:
         self._settings = settings
         self._store = store
         self._view = view
         self._deliveries = WebhookDeliveries(store)
         self._wake = asyncio.Event()
-        self._session: aiohttp.ClientSession | None = None
+        # ``resolver`` looks callback hosts up (getaddrinfo by default); the sender filters
+        # its answers, so it decides which addresses a delivery may connect to.
+        self._sender = Sender(settings, resolver)
 
     def wake(self) -> None:
         self._wake.set()
 
     async def close(self) -> None:
         """Close the HTTP session (after the side task running ``run`` stopped)."""
-        if self._session is not None:
-            await self._session.close()
+        await self._sender.close()
 
     async def run(self) -> None:
         """Deliver until cancelled: the API runs this as a side task (calmq.supervision)."""
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self._settings.webhook_timeout_seconds))
         while True:
             try:
                 sent = await self.deliver_due()
@@ -198,27 +367,11 @@ class Dispatcher:
         # webhook-id is the delivery's id: the same on every retry, so a receiver that
         # de-duplicates on it (as Standard Webhooks asks) handles a redelivery once.
         headers = {"Content-Type": "application/json",
-                   **signed_headers(delivery.webhook_secret, str(delivery.id), ts, body),
+                   **signed_headers(delivery.webhook_secret, str(delivery.id), ts, body,
+                                    delivery.webhook_secret_previous),
                    "Calmq-Delivery": str(delivery.id), "User-Agent": "calmq-webhooks"}
         started = time.monotonic()
-        status_code: int | None = None
-        error: str | None = None
-        final = False
-        try:
-            # Checked again at send time: DNS may have changed since the submit.
-            await check_callback_url(delivery.url,
-                                     allow_private=self._settings.webhook_allow_private)
-            assert self._session is not None
-            async with self._session.post(delivery.url, data=body, headers=headers,
-                                          allow_redirects=False) as resp:
-                status_code = resp.status
-                await resp.read()
-            if not 200 <= status_code < 300:
-                error = f"HTTP {status_code}"
-        except ContractError as exc:
-            error, final = exc.message, True  # a refused target never becomes allowed by retrying
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        status_code, error, final = await self._sender.post(delivery.url, body, headers)
         duration = int((time.monotonic() - started) * 1000)
         status: DeliveryStatus
         if error is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -56,6 +57,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         return _list(args)
     if not args.name:
         raise UsageError(f"usage: calmq tenants {args.action} NAME")
+    if args.rotate and args.action != "webhook-secret":
+        raise UsageError("--rotate goes with webhook-secret")
     settings = settings_for(args)
 
     async def create() -> str:
@@ -75,6 +78,14 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             revoked = tenants.revoke_keys(settings.database_url, args.name, args.key_prefix)
             print(f"revoked {len(revoked)} key(s) of {args.name}: {' '.join(revoked)}")
             return 0 if revoked else 1
+        elif args.rotate:
+            grace = settings.webhook_secret_grace_seconds
+            done = tenants.rotate_webhook_secret(settings.database_url, args.name, grace)
+            print(done.current)
+            until = (f"until {done.previous_until.isoformat()}" if done.previous_until
+                     else "no longer (grace 0)")
+            print(f"the previous secret of {args.name} also signs deliveries {until}",
+                  file=sys.stderr)
         else:
             print(tenants.webhook_secret(settings.database_url, args.name))
         return 0
@@ -91,4 +102,8 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("name", nargs="?",
                    help="the tenant's name (list: only this tenant; required otherwise)")
     flags.option(p, "--key-prefix", help="revoke-key: only the key starting so (12 chars)")
+    flags.option(p, "--rotate", action="store_true",
+                 help="webhook-secret: make a new secret and print it; the previous one "
+                      "also signs deliveries for --webhook-secret-grace-seconds")
+    flags.setting(p, "webhook_secret_grace_seconds")
     add_output(p)

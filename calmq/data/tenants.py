@@ -31,12 +31,15 @@ __all__ = [
     "Tenant",
     "TenantKeys",
     "Tenants",
+    "WebhookSecrets",
     "add_key",
     "hash_key",
     "key_prefix",
     "new_key",
     "revoke_keys",
+    "rotate_webhook_secret",
     "webhook_secret",
+    "webhook_secrets",
 ]
 
 _KEY_PREFIX = "cq_"
@@ -136,10 +139,39 @@ def revoke_keys(database_url: str, tenant: str, prefix: str | None = None) -> li
     return [str(r["key_prefix"]) for r in rows]
 
 
-def webhook_secret(database_url: str, tenant: str) -> str:
-    """The secret that signs the tenant's webhook callbacks."""
+@dataclass(frozen=True, slots=True)
+class WebhookSecrets:
+    """The secret that signs a tenant's callbacks, and the one a rotation replaced while it
+    still signs too (until ``previous_until``)."""
+
+    current: str
+    previous: str | None
+    previous_until: datetime | None
+
+
+def webhook_secrets(database_url: str, tenant: str) -> WebhookSecrets:
+    """The tenant's webhook secrets (the previous one only while its grace lasts)."""
     with psycopg.connect(database_url, row_factory=dict_row) as conn:
         row = conn.execute(sql.queries()["tenant_webhook_secret"], {"name": tenant}).fetchone()
     if row is None:
         raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
-    return str(row["webhook_secret"])
+    return WebhookSecrets(str(row["webhook_secret"]), row["webhook_secret_previous"],
+                          row["webhook_secret_previous_until"])
+
+
+def webhook_secret(database_url: str, tenant: str) -> str:
+    """The secret that signs the tenant's webhook callbacks (the newest, after a rotation)."""
+    return webhook_secrets(database_url, tenant).current
+
+
+def rotate_webhook_secret(database_url: str, tenant: str, grace_seconds: float
+                          ) -> WebhookSecrets:
+    """A new webhook secret for the tenant; the replaced one keeps signing deliveries beside
+    it for ``grace_seconds`` (0: not at all)."""
+    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        row = conn.execute(sql.queries()["rotate_webhook_secret"], {
+            "name": tenant, "grace_seconds": float(grace_seconds)}).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
+    return WebhookSecrets(str(row["webhook_secret"]), row["webhook_secret_previous"],
+                          row["webhook_secret_previous_until"])

@@ -29,6 +29,9 @@ class WebhookDelivery:
     event_type: str
     attempts: int
     webhook_secret: str
+    # The secret the last rotation replaced, while its grace lasts; deliveries are signed
+    # with both meanwhile.
+    webhook_secret_previous: str | None = None
 
 
 class WebhookDeliveries:
@@ -50,7 +53,8 @@ class WebhookDeliveries:
                                      {"limit": limit, "lease_seconds": lease_seconds})
             rows = await cur.fetchall()
         return [WebhookDelivery(r["id"], r["job_id"], r["tenant_id"], r["url"], r["event_type"],
-                                r["attempts"], r["webhook_secret"]) for r in rows]
+                                r["attempts"], r["webhook_secret"],
+                                r["webhook_secret_previous"]) for r in rows]
 
     async def record(
         self, delivery: WebhookDelivery, *, status: DeliveryStatus, status_code: int | None,

@@ -31,7 +31,25 @@ WITH revoked AS (
 SELECT key_prefix, (SELECT count(*) FROM woken) AS notified FROM revoked;
 
 -- name: tenant_webhook_secret
-SELECT webhook_secret FROM tenants WHERE name = %(name)s;
+-- The current secret, and the previous one while its grace lasts (after a rotation).
+SELECT webhook_secret,
+       CASE WHEN webhook_secret_previous_until > now() THEN webhook_secret_previous END
+           AS webhook_secret_previous,
+       CASE WHEN webhook_secret_previous_until > now() THEN webhook_secret_previous_until END
+           AS webhook_secret_previous_until
+FROM tenants WHERE name = %(name)s;
+
+-- name: rotate_webhook_secret
+-- A new secret; the one it replaces still signs until now() + grace (a grace of 0 drops it
+-- at once). Drawn like the column default of migration 0004: two random UUIDs, 244 bits.
+UPDATE tenants
+SET webhook_secret_previous = CASE WHEN %(grace_seconds)s > 0 THEN webhook_secret END,
+    webhook_secret_previous_until =
+        CASE WHEN %(grace_seconds)s > 0
+             THEN now() + make_interval(secs => %(grace_seconds)s) END,
+    webhook_secret = replace(gen_random_uuid()::text || gen_random_uuid()::text, '-', '')
+WHERE name = %(name)s
+RETURNING webhook_secret, webhook_secret_previous, webhook_secret_previous_until;
 
 -- name: list_tenants
 -- Every tenant with its keys (prefix, created, revoked) and when it last submitted a job:

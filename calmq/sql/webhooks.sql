@@ -16,7 +16,10 @@ UPDATE webhook_deliveries d
 SET next_at = now() + make_interval(secs => %(lease_seconds)s), attempts = d.attempts + 1
 FROM due, tenants t
 WHERE d.id = due.id AND t.id = d.tenant_id
-RETURNING d.id, d.job_id, d.tenant_id, d.url, d.event_type, d.attempts, t.webhook_secret;
+RETURNING d.id, d.job_id, d.tenant_id, d.url, d.event_type, d.attempts, t.webhook_secret,
+          -- the secret a rotation replaced, while its grace lasts (migration 0010)
+          CASE WHEN t.webhook_secret_previous_until > now() THEN t.webhook_secret_previous END
+              AS webhook_secret_previous;
 
 -- name: webhook_attempt
 INSERT INTO webhook_attempts (delivery_id, attempt, status_code, error, duration_ms)

@@ -81,7 +81,9 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     multipart = request.content_type.startswith("multipart/")
     if multipart:
         fields, raw = await read_form(request, request.app[OBJECTS], f"{caller.id}/inputs",
-                                      settings.max_upload_bytes, stored)
+                                      settings.max_upload_bytes, stored,
+                                      max_parts=settings.max_multipart_parts,
+                                      max_field_bytes=settings.max_multipart_field_bytes)
         req = validate(SubmitRequest, fields)
     else:
         req, raw = await read_body(request, SubmitRequest)

@@ -205,3 +205,63 @@ def test_unknown_and_other_tenants_jobs_are_404(stack: StackState) -> None:
     listed = mine.call("GET", "/v1/jobs")[2]
     assert listed["jobs"] == []
     assert theirs.job(job_id)["job_id"] == job_id
+
+
+def _many_parts(count: int) -> bytes:
+    """The file first (so it is already stored when the cap is hit), then ``count`` fields."""
+    out = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+           f"filename=\"in.txt\"\r\nContent-Type: text/plain\r\n\r\n").encode() + b"abc\r\n"
+    out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"workflow\"\r\n\r\n"
+            f"summarize\r\n").encode()
+    for i in range(count):
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"f{i}\"\r\n\r\n"
+                f"v\r\n").encode()
+    return out + f"--{BOUNDARY}--\r\n".encode()
+
+
+def _big_fields(count: int, size: int) -> bytes:
+    out = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+           f"filename=\"in.txt\"\r\nContent-Type: text/plain\r\n\r\n").encode() + b"abc\r\n"
+    for i in range(count):
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"f{i}\"\r\n\r\n"
+                ).encode() + b"y" * size + b"\r\n"
+    return out + f"--{BOUNDARY}--\r\n".encode()
+
+
+@pytest.mark.parametrize(("raw", "code"), [
+    pytest.param(_many_parts(5000), "too_many_parts", id="5000-parts"),
+    # Each field under the 1 MiB per-field limit, 8 MiB in all: over the default total.
+    pytest.param(_big_fields(8, 1024 * 1024 - 16), "fields_too_large", id="8-MiB-of-fields"),
+])
+def test_multipart_caps_parts_and_field_bytes_and_stores_nothing(
+        stack: StackState, raw: bytes, code: str) -> None:
+    """The session API (default caps) refuses a form with too many parts or too many field
+    bytes with a 413 problem; the file stored before the cap was hit is deleted, no job."""
+    api, _name, tenant_id = _tenant(stack)
+    status, hdrs, body = api.call("POST", "/v1/jobs", raw=raw, headers=MP_HEADERS)
+    assert status == 413, body
+    assert hdrs["Content-Type"].startswith("application/problem+json")
+    assert body["code"] == code
+    assert _objects(stack, tenant_id) == []
+    with db(stack) as conn:
+        assert conn.execute("SELECT count(*) FROM jobs WHERE tenant_id = %s",
+                            (tenant_id,)).fetchone() == (0,)
+
+
+def test_multipart_caps_are_settings(stack: StackState) -> None:
+    """With CALMQ_MAX_MULTIPART_PARTS=3 a 4-part form is refused and a 3-part one accepted."""
+    with running_api(stack, {"CALMQ_MAX_MULTIPART_PARTS": "3",
+                             "CALMQ_MAX_MULTIPART_FIELD_BYTES": "2048"}) as small:
+        api, _name, tenant_id = _tenant(stack, small.url)
+        status, _h, body = api.call("POST", "/v1/jobs", raw=multipart(
+            {"workflow": "summarize", "priority": "bulk", "metadata": "{}"}, b"abc"),
+            headers=MP_HEADERS)
+        assert (status, body["code"]) == (413, "too_many_parts")
+        status, _h, body = api.call("POST", "/v1/jobs", raw=multipart(
+            {"workflow": "summarize", "metadata": '{"k": "' + "z" * 3000 + '"}'}, b"abc"),
+            headers=MP_HEADERS)
+        assert (status, body["code"]) == (413, "fields_too_large")
+        assert _objects(stack, tenant_id) == []
+        status, _h, body = api.call("POST", "/v1/jobs", raw=multipart(
+            {"workflow": "summarize", "priority": "bulk"}, b"abc"), headers=MP_HEADERS)
+        assert status == 202, body

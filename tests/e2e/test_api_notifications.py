@@ -20,6 +20,7 @@ from calmq.producers.client import Client, enqueue
 from calmq.producers.webhooks import standard_secret, verify
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
+from tests.support.cli import calmq, calmq_env
 from tests.support.intake import ApiProcess, db, running_api
 from tests.support.waiting import wait_for
 
@@ -190,3 +191,68 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
 
     rows = wait_for(recorded, timeout=30, what="the delivery to be recorded as delivered")
     assert [(r[1], r[2]) for r in rows] == [(1, 500), (2, 204)]
+
+
+def _delivered(api: Api, receiver: Receiver) -> tuple[dict[str, str], bytes]:
+    """Submit a job calling back to ``receiver``, cancel it, and return the callback."""
+    before = len(receiver.calls)
+    job_id = api.submit({"text": "rotate", "mode": "success"}, callback_url=receiver.url)
+    assert api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] == 200
+    wait_for(lambda: len(receiver.calls) > before, timeout=60, what="the callback")
+    return receiver.calls[-1]
+
+
+def test_rotated_secret_signs_with_both_during_the_grace(
+        stack: StackState, local_api: tuple[ApiProcess, str]) -> None:
+    """After `calmq tenants webhook-secret NAME --rotate`, a receiver holding the old secret
+    and one holding the new secret both verify a delivery (Standard Webhooks library);
+    Calmq-Signature is the newest's. Once the grace is over only the new secret verifies."""
+    api_process, database_url = local_api
+    name = f"rotate-{uuid.uuid4().hex[:8]}"
+    api = Api(api_process.url, create_tenant(database_url, name))
+    old = tenants.webhook_secret(database_url, name)
+    env = calmq_env(stack, CALMQ_DATABASE_URL=database_url)
+    rotated = calmq(stack, "tenants", "webhook-secret", name, "--rotate", env=env)
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    assert new
+    assert new != old
+    assert new == tenants.webhook_secret(database_url, name)  # the plain command shows it
+    assert "previous secret" in rotated.stderr
+    with Receiver() as receiver:
+        headers, body = _delivered(api, receiver)
+        assert len(headers["webhook-signature"].split(" ")) == 2
+        for secret in (old, new):
+            assert Webhook(standard_secret(secret)).verify(body, headers)["event"] == "cancelled"
+        assert verify(new, headers, body)
+        assert not verify(old, headers, body)
+
+        # The grace is over (as if its time had passed): only the new secret signs.
+        with psycopg.connect(database_url) as conn:
+            conn.execute("UPDATE tenants SET webhook_secret_previous_until = now() "
+                         "- interval '1 second' WHERE name = %s", (name,))
+        headers, body = _delivered(api, receiver)
+    assert len(headers["webhook-signature"].split(" ")) == 1
+    assert Webhook(standard_secret(new)).verify(body, headers)["event"] == "cancelled"
+    with pytest.raises(WebhookVerificationError):
+        Webhook(standard_secret(old)).verify(body, headers)
+    assert tenants.webhook_secrets(database_url, name).previous is None
+
+
+def test_rotation_with_no_grace_drops_the_old_secret_at_once(
+        stack: StackState, local_api: tuple[ApiProcess, str]) -> None:
+    """--webhook-secret-grace-seconds 0: the next delivery verifies with the new one only."""
+    api_process, database_url = local_api
+    name = f"rotate0-{uuid.uuid4().hex[:8]}"
+    api = Api(api_process.url, create_tenant(database_url, name))
+    old = tenants.webhook_secret(database_url, name)
+    env = calmq_env(stack, CALMQ_DATABASE_URL=database_url)
+    rotated = calmq(stack, "tenants", "webhook-secret", name, "--rotate",
+                    "--webhook-secret-grace-seconds", "0", env=env)
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    with Receiver() as receiver:
+        headers, body = _delivered(api, receiver)
+    Webhook(standard_secret(new)).verify(body, headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(standard_secret(old)).verify(body, headers)

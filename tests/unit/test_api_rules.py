@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -81,3 +82,26 @@ def test_malformed_callback_urls_are_invalid(url: str) -> None:
 def test_public_ip_callback_is_allowed() -> None:
     """A public IP literal passes without any DNS lookup."""
     asyncio.run(check_callback_url("https://93.184.216.34/hook", allow_private=False))
+
+
+def test_rotation_signs_the_standard_header_with_both_secrets() -> None:
+    """With a previous secret, webhook-signature carries both signatures: the Standard
+    Webhooks library verifies with either; Calmq-Signature is the newest secret's only."""
+    from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+    from calmq.producers.webhooks import signed_headers, standard_secret
+
+    body = b'{"event":"completed"}'
+    ts = int(time.time())
+    headers = signed_headers("new", "42", ts, body, previous="old")
+    assert len(headers["webhook-signature"].split(" ")) == 2
+    for secret in ("new", "old"):
+        Webhook(standard_secret(secret)).verify(body, headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(standard_secret("other")).verify(body, headers)
+    assert verify("new", headers, body)
+    assert not verify("old", headers, body)
+    alone = signed_headers("new", "42", ts, body)
+    assert len(alone["webhook-signature"].split(" ")) == 1
+    with pytest.raises(WebhookVerificationError):
+        Webhook(standard_secret("old")).verify(body, alone)
