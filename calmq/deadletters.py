@@ -148,6 +148,7 @@ class DeadLetters:
         tenant_id: uuid.UUID | None = None,
         dry_run: bool = False,
         rate: float | None = None,
+        note: str | None = None,
     ) -> list[RedriveOutcome]:
         """Redrive each job in its own transaction, at most ``rate`` jobs per second.
 
@@ -167,13 +168,13 @@ class DeadLetters:
             if rate is not None and not dry_run:
                 # Pace against the start, not the previous job, so slow ones do not add up.
                 await asyncio.sleep(max(0.0, started + n / rate - loop.time()))
-            outcomes.append(await self._redrive_one(job_id, by=by, reason=reason,
+            outcomes.append(await self._redrive_one(job_id, by=by, reason=reason, note=note,
                                                     tenant_id=tenant_id, dry_run=dry_run))
         return outcomes
 
     async def _redrive_one(
         self, job_id: uuid.UUID, *, by: str, reason: str, tenant_id: uuid.UUID | None,
-        dry_run: bool,
+        dry_run: bool, note: str | None = None,
     ) -> RedriveOutcome:
         job = await self.records.job(job_id, tenant_id)
         if job is None:
@@ -191,6 +192,8 @@ class DeadLetters:
                                   f"v{workflow.version} with {plan.max_attempts} attempts")
         detail = {"by": by, "reason": reason[:1000], "previous_error": job.error,
                   "workflow_version": workflow.version}
+        if note:  # what the caller said about who they are: kept, but ``by`` is the audit field
+            detail["by_note"] = note[:200]
         moved = await self.records.requeue(job_id, detail=detail,
                                            workflow_version=plan.workflow_version,
                                            pool=plan.pool, max_attempts=plan.max_attempts)

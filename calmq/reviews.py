@@ -54,6 +54,7 @@ class Decision:
     reviewer: str
     fields: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    note: str | None = None  # free text the caller sent as a reviewer name (kept, not trusted)
 
 
 class ReviewDesk:
@@ -121,6 +122,8 @@ class ReviewDesk:
             waited = (datetime.now(UTC) - job.updated_at).total_seconds()
             outcome = "expired" if expired else decision.decision
             _review_wait().labels(outcome).observe(max(0.0, waited))
+        if decision.note:
+            detail["reviewer_note"] = decision.note
         if expired:
             detail["expired"] = True
         if decision.decision == "reject" or workflow is None:

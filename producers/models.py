@@ -67,7 +67,9 @@ class ReviewRequest(BaseModel):
 
     decision: Literal["approve", "reject"]
     fields: dict[str, Any] = Field(default_factory=dict)
-    reviewer: str = Field(min_length=1, max_length=200)
+    # The recorded reviewer is the calling key's identity (``tenant <name> key <prefix>``);
+    # what the body says is kept beside it as a note, never as the reviewer.
+    reviewer: str | None = Field(default=None, min_length=1, max_length=200)
     reason: str | None = Field(default=None, max_length=1000)
 
 
@@ -77,7 +79,8 @@ class RedriveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reason: str = Field(min_length=1, max_length=1000)
-    by: str | None = Field(default=None, min_length=1, max_length=200)  # default: the tenant
+    # The recorded ``by`` is the calling key's identity; this free text is kept as ``by_note``.
+    by: str | None = Field(default=None, min_length=1, max_length=200)
     dry_run: bool = False
 
 

@@ -1,9 +1,13 @@
 """Deleting a job's data: on request (DELETE /v1/jobs/{id}) and by age (the retention sweep).
 
-A purge deletes the job's input and artifact objects first, then redacts its row (input,
-metadata, callback, artifact and error details gone; status and history kept for audit).
-Objects first: if the process dies in between, the row still names them and the next
-purge or sweep finishes the work; the reverse order could leave objects nobody points at.
+A purge deletes the job's objects first (its input, its artifact, every object its step
+outputs name, the artifacts of its steps and the folder its steps write to: embed_document's
+chunks and vectors), then redacts its row and every row about it (calmq.data.retention's
+``COVERAGE``: step outputs, reviewed fields, attempt errors, redriven attempts, side-effect
+responses, webhook URLs and errors, idempotency keys, unpublished events), keeping ids,
+times, statuses and token/cost numbers for audit and accounting. Objects first: if the
+process dies in between, the row still names them and the next purge finishes the work;
+the reverse order could leave objects nobody points at.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from calmq.data.retention import Retention
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL
 from calmq.objects import ObjectStore
-from calmq.producers.uploads import delete_object, tenant_owns
+from calmq.producers.uploads import delete_folder, delete_object, object_uri, tenant_owns
 from calmq.settings import Settings
+from calmq.workflows.progress import artifact_key
 
 __all__ = ["Sweeper", "purge"]
 
@@ -31,14 +36,19 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
     if job.status not in TERMINAL:
         raise ContractError(f"the job is {job.status}; cancel it before deleting it",
                             code="job_not_terminal", status=409)
-    if job.redacted_at is not None:
-        return
+    # A repeat is not skipped: it finishes a purge that died half way, or one made before
+    # deletion covered every table and object (the work is idempotent).
     # Only objects inside the tenant's own prefix: an input_ref is checked at submit, but
     # a purge must never be the way to delete something else.
-    uris = [job.input_ref, (job.artifact or {}).get("uri")]
-    for uri in uris:
-        if uri and tenant_owns(settings.object_store_url, tenant_id, uri):
+    uris = job.object_uris()
+    for step in {*job.steps}:  # each step's artifact, also one no row names any more
+        uri = object_uri(objects, artifact_key(tenant_id, job_id, step))
+        if uri is not None:
+            uris.add(uri)
+    for uri in sorted(uris):
+        if tenant_owns(settings.object_store_url, tenant_id, uri):
             await delete_object(objects, uri)
+    await delete_folder(objects, f"{tenant_id}/{job_id}")  # StepContext.object_key's folder
     await retention.redact(tenant_id, job_id)
 
 

@@ -14,12 +14,13 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any, Protocol
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -27,8 +28,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from calmq.errors import ContractError, NotFound
 from calmq.objects import FileObjectStore, ObjectRef, ObjectStore, S3ObjectStore
 
-__all__ = ["ChunkSource", "delete_object", "read_form", "read_object", "store_stream",
-           "tenant_owns"]
+__all__ = ["ChunkSource", "delete_folder", "delete_object", "object_uri", "read_form",
+           "read_object", "store_stream", "tenant_owns"]
 
 _CHUNK = 64 * 1024
 _FIELD_MAX = 1024 * 1024  # a non-file multipart field; the JSON body has the same limit
@@ -273,3 +274,46 @@ async def delete_object(objects: ObjectStore, uri: str) -> bool:
         )
         return True
     return False
+
+
+def object_uri(objects: ObjectStore, key: str) -> str | None:
+    """The URI a put of ``key`` would have returned, or None for another kind of store."""
+    if isinstance(objects, FileObjectStore):
+        return f"{objects.root.as_uri()}/{quote(key)}"
+    if isinstance(objects, S3ObjectStore):
+        return f"s3://{objects.bucket}/{objects._key(key)}"
+    return None
+
+
+async def delete_folder(objects: ObjectStore, key: str) -> int:
+    """Delete every object under the folder ``key`` (``<tenant>/<job>``: what a job's steps
+    wrote with ``StepContext.object_key``); returns how many. Idempotent."""
+    key = key.strip("/")
+    if not key or any(p in ("", ".", "..") for p in key.split("/")):
+        raise ValueError(f"{key!r} is not a clean folder key")
+    if isinstance(objects, FileObjectStore):
+        folder = objects.root / key
+        return await asyncio.to_thread(_remove_tree, folder)
+    if isinstance(objects, S3ObjectStore):
+        return await asyncio.to_thread(_delete_s3_prefix, objects, objects._key(key) + "/")
+    return 0
+
+
+def _remove_tree(folder: Path) -> int:
+    if not folder.is_dir():
+        return 0
+    count = sum(len(files) for _d, _s, files in os.walk(folder))
+    shutil.rmtree(folder, ignore_errors=True)
+    return count
+
+
+def _delete_s3_prefix(objects: S3ObjectStore, prefix: str) -> int:
+    client: Any = objects._client
+    count = 0
+    for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=objects.bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:  # a page holds at most 1000 keys, what one delete_objects takes
+            client.delete_objects(Bucket=objects.bucket, Delete={"Objects": keys, "Quiet": True})
+            count += len(keys)
+    return count

@@ -1,17 +1,58 @@
-"""Deleting tenant data: redacting a terminal job's row and history, and what is past its
-retention (old terminal jobs, old idempotency keys). The order of work (objects first, then
-the row) is calmq.producers.retention's."""
+"""Deleting tenant data: redacting a terminal job's row and everything recorded about it, and
+what is past its retention (old terminal jobs, old idempotency keys). The order of work
+(objects first, then the rows) is calmq.producers.retention's.
+
+``COVERAGE`` says, for every table that holds a job's or a tenant's data, what a purge does
+to it. tests/integration/test_deletion_coverage.py reads the database's catalog and fails
+when a table with a ``job_id`` or ``tenant_id`` column is missing here: a new table must be
+given a line (and, if it holds job data, a statement in ``_REDACTIONS``).
+"""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from calmq.data.database import Database
 
-__all__ = ["JobData", "Retention"]
+__all__ = ["COVERAGE", "JobData", "Retention"]
+
+# table -> how a purge handles it. "deleted": the job's rows go; "redacted: ...": those
+# columns are cleared, the rest (ids, times, statuses, token and cost numbers: accounting
+# and audit) stays; "kept: ...": why the table holds nothing of a job's data.
+COVERAGE: dict[str, str] = {
+    "jobs": "redacted: input, input_ref, metadata, callback_url, artifact, error message, "
+            "errors (kept: ids, workflow, status, step, attempts, times, tokens, cost)",
+    "job_events": "redacted: detail (kept: type, time, attempt: the history's shape)",
+    "job_attempts": "redacted: error_message (kept: worker, times, outcome, error code and "
+                    "class, model calls, tokens, cost)",
+    "job_attempts_redriven": "redacted: record.error_message (kept: the rest of the record)",
+    "step_outputs": "redacted: output, model_output (kept: state, confidence, reviewer, times)",
+    "side_effects": "redacted: response (kept: key, state, calls, times)",
+    "webhook_deliveries": "redacted: url ('' ; a pending delivery ends failed)",
+    "webhook_attempts": "redacted: error (kept: status code, time, duration); rows found by "
+                        "their delivery's job_id",
+    "idempotency_keys": "deleted (the key is the tenant's text, the hash covers the body)",
+    "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
+    "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
+    "tenants": "kept: the tenant itself, no job data",
+}
+
+# The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,
+# after retention_redact_job (in its transaction).
+_REDACTIONS = (
+    "retention_redact_events",
+    "retention_redact_attempts",
+    "retention_redact_redriven",
+    "retention_redact_step_outputs",
+    "retention_redact_side_effects",
+    "retention_redact_webhook_attempts",
+    "retention_redact_webhooks",
+    "retention_delete_idempotency_keys",
+    "retention_delete_outbox",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +63,26 @@ class JobData:
     input_ref: str | None
     artifact: dict[str, Any] | None
     redacted_at: datetime | None
+    steps: list[str] = field(default_factory=list)  # steps that recorded an output
+    documents: list[Any] = field(default_factory=list)  # JSON that may name objects
+
+    def object_uris(self) -> set[str]:
+        """Every ``uri`` the job's input reference, artifact and step outputs name (an
+        embed_document artifact names its vectors one level down, a step output its chunks)."""
+        found: set[str] = set()
+        if self.input_ref:
+            found.add(self.input_ref)
+        stack: list[Any] = [self.artifact, *self.documents]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                uri = value.get("uri")
+                if isinstance(uri, str) and uri:
+                    found.add(uri)
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+        return found
 
 
 class Retention:
@@ -30,20 +91,29 @@ class Retention:
 
     async def job_data(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> JobData | None:
         """The tenant's job as a purge sees it; None for another tenant's or no job."""
+        params = {"id": job_id, "tenant_id": tenant_id}
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["job_status"],
-                                     {"id": job_id, "tenant_id": tenant_id})
+            cur = await conn.execute(self._db.q["job_status"], params)
             row = await cur.fetchone()
-        if row is None:
-            return None
-        return JobData(row["status"], row["input_ref"], row["artifact"], row["redacted_at"])
+            if row is None:
+                return None
+            cur = await conn.execute(self._db.q["retention_job_documents"], params)
+            outputs = await cur.fetchall()
+        return JobData(row["status"], row["input_ref"], row["artifact"], row["redacted_at"],
+                       steps=[o["step"] for o in outputs],
+                       documents=[d for o in outputs for d in (o["output"], o["model_output"])])
 
-    async def redact(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
-        """Drop a terminal job's data and its history's details, keeping status and shape."""
+    async def redact(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
+        """Drop a terminal job's data everywhere it is recorded (``COVERAGE``), keeping its
+        status, times and accounting; False when it is not the tenant's terminal job."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._db.q["retention_redact_job"],
-                               {"id": job_id, "tenant_id": tenant_id})
-            await conn.execute(self._db.q["retention_redact_events"], {"id": job_id})
+            cur = await conn.execute(self._db.q["retention_redact_job"],
+                                     {"id": job_id, "tenant_id": tenant_id})
+            if await cur.fetchone() is None:
+                return False
+            for name in _REDACTIONS:
+                await conn.execute(self._db.q[name], {"id": job_id})
+        return True
 
     async def prune_idempotency_keys(self, retention_seconds: float) -> int:
         """Delete idempotency keys older than the retention; returns how many."""

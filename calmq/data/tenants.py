@@ -49,6 +49,15 @@ _KEY_PREFIX = "cq_"
 class Tenant:
     id: uuid.UUID
     name: str
+    key_prefix: str = ""  # of the key that authenticated (for_key); "" when made, not used
+
+    @property
+    def identity(self) -> str:
+        """Who made an API call, for audit fields (a redrive's ``by``, a review's
+        ``reviewer``): the tenant and the prefix of its key, never what the body claims."""
+        if not self.key_prefix:
+            return f"tenant {self.name}"
+        return f"tenant {self.name} key {self.key_prefix}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +110,14 @@ class Tenants:
             await conn.execute(self._q["create_api_key"], {
                 "id": uuid.uuid4(), "tenant_id": row["id"], "key_hash": hash_key(key),
                 "key_prefix": key_prefix(key)})
-        return Tenant(row["id"], row["name"]), key
+        return Tenant(row["id"], row["name"], key_prefix(key)), key
 
     async def for_key(self, key: str) -> Tenant | None:
         """The tenant an API key belongs to, or None (unknown or revoked)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["tenant_for_key"], {"key_hash": hash_key(key)})
             row = await cur.fetchone()
-        return Tenant(row["id"], row["name"]) if row else None
+        return Tenant(row["id"], row["name"], row["key_prefix"]) if row else None
 
     async def with_keys(self, name: str | None = None) -> list[TenantKeys]:
         """Every tenant (or the one named ``name``) with its keys, by name."""

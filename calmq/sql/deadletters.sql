@@ -80,7 +80,8 @@ WITH requeued AS (
                     lease_owner = NULL, lease_expires_at = NULL,
                     workflow_version = %(workflow_version)s, pool = %(pool)s,
                     max_attempts = %(max_attempts)s, updated_at = now()
-    WHERE id = %(id)s AND status = 'dead_letter'
+    -- A purged (redacted) dead letter has no input left to run: never redriven.
+    WHERE id = %(id)s AND status = 'dead_letter' AND redacted_at IS NULL
     -- The whole row: job.requested is filled from it by the Avro schema's field names, so a
     -- new job column reaches the event without an edit here.
     RETURNING *

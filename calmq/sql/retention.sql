@@ -8,12 +8,69 @@ UPDATE jobs SET input = NULL, input_ref = NULL, metadata = '{}', callback_url = 
                 error = CASE WHEN error IS NULL THEN NULL
                              ELSE jsonb_build_object('code', error->'code', 'class',
                                                      error->'class', 'message', 'redacted') END,
-                errors = '[]', redacted_at = now(), updated_at = now()
+                errors = '[]',
+                -- a repeat (a purge that died half way, or an older, narrower redaction)
+                -- finishes the work without moving the job's times
+                updated_at = CASE WHEN redacted_at IS NULL THEN now() ELSE updated_at END,
+                redacted_at = COALESCE(redacted_at, now())
 WHERE id = %(id)s AND tenant_id = %(tenant_id)s
-  AND status IN ('completed', 'dead_letter', 'cancelled');
+  AND status IN ('completed', 'dead_letter', 'cancelled')
+RETURNING id;
+
+-- What a purge reads before it redacts: the JSON that may name the job's objects (the
+-- artifact, every step's output) and the steps that may have written an artifact.
+-- name: retention_job_documents
+SELECT s.step, s.output, s.model_output FROM step_outputs s
+JOIN jobs j ON j.id = s.job_id
+WHERE s.job_id = %(id)s AND j.tenant_id = %(tenant_id)s;
+
+-- The statements below run in the transaction of retention_redact_job, after it redacted
+-- the row (so only for the tenant's terminal job); every table with a job or tenant column
+-- is in calmq.data.retention.COVERAGE, and tests/integration/test_deletion_coverage.py
+-- fails when one is not.
 
 -- name: retention_redact_events
 UPDATE job_events SET detail = '{}' WHERE job_id = %(id)s;
+
+-- name: retention_redact_attempts
+-- The error message may quote the input or the model's answer; code and class are calmq's.
+UPDATE job_attempts SET error_message = NULL
+WHERE job_id = %(id)s AND error_message IS NOT NULL;
+
+-- name: retention_redact_redriven
+UPDATE job_attempts_redriven SET record = record || '{"error_message": null}'
+WHERE job_id = %(id)s AND record->>'error_message' IS NOT NULL;
+
+-- name: retention_redact_step_outputs
+-- The model's output and a reviewer's corrections; state, confidence, the reviewer (the
+-- calling key's identity) and the times stay.
+UPDATE step_outputs SET output = '{}', model_output = NULL WHERE job_id = %(id)s;
+
+-- name: retention_redact_side_effects
+UPDATE side_effects SET response = NULL WHERE job_id = %(id)s AND response IS NOT NULL;
+
+-- name: retention_redact_webhook_attempts
+-- An error text may name the receiver or quote its answer.
+UPDATE webhook_attempts SET error = NULL
+WHERE error IS NOT NULL
+  AND delivery_id IN (SELECT id FROM webhook_deliveries WHERE job_id = %(id)s);
+
+-- name: retention_redact_webhooks
+-- No URL left to deliver to: a delivery still pending ends as failed.
+UPDATE webhook_deliveries
+SET url = '', status = CASE WHEN status = 'pending' THEN 'failed' ELSE status END,
+    finished_at = COALESCE(finished_at, now())
+WHERE job_id = %(id)s;
+
+-- name: retention_delete_idempotency_keys
+-- The key is the tenant's own text and its hash covers the body: both go. A submit that
+-- repeats the key afterwards is a new job.
+DELETE FROM idempotency_keys WHERE job_id = %(id)s;
+
+-- name: retention_delete_outbox
+-- Events not yet published carry the input (job.requested) or errors; a terminal job whose
+-- data is deleted has nothing left to announce. Published rows are pruned by the relay.
+DELETE FROM outbox WHERE aggregateid = %(id)s::text;
 
 -- name: retention_expired_jobs
 -- Terminal jobs past retention that still hold data, for the retention sweep.

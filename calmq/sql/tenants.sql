@@ -8,7 +8,7 @@ INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
 VALUES (%(id)s, %(tenant_id)s, %(key_hash)s, %(key_prefix)s);
 
 -- name: tenant_for_key
-SELECT t.id, t.name FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+SELECT t.id, t.name, k.key_prefix FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
 WHERE k.key_hash = %(key_hash)s AND k.revoked_at IS NULL;
 
 -- name: add_api_key

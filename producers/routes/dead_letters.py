@@ -37,7 +37,8 @@ async def redrive_dead_letter(request: web.Request) -> web.Response:
     req, _raw = await read_body(request, RedriveRequest)
     dead = DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS],
                        objects=request.app[OBJECTS])
-    [outcome] = await dead.redrive([ident], by=req.by or f"tenant {caller.name}",
+    # Who redrove is the key that called, not what the body claims (an audit field).
+    [outcome] = await dead.redrive([ident], by=caller.identity, note=req.by,
                                    reason=req.reason, tenant_id=caller.id, dry_run=req.dry_run)
     if outcome.outcome == "skipped":
         raise ContractError(outcome.message, code=outcome.code or "not_dead_lettered",

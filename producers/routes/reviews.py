@@ -24,7 +24,8 @@ async def review_job(request: web.Request) -> web.Response:
     ident = job_id(request)
     req, _raw = await read_body(request, ReviewRequest)
     await _desk(request).decide(caller.id, ident,
-                                Decision(req.decision, req.reviewer, req.fields, req.reason))
+                                Decision(req.decision, caller.identity, req.fields, req.reason,
+                                         note=req.reviewer))
     job = await request.app[STORE].jobs.view(caller.id, ident)
     assert job is not None
     return web.json_response(job_view(job))

@@ -66,8 +66,8 @@ def test_approved_corrections_flow_into_the_ledger(wf: WorkflowEnv) -> None:
     assert posting[0]["fields"] == {"vendor": "Blurry Scan Ltd", "invoice_number": "791",
                                     "total": 88.5, "currency": "EUR"}
     reviewed = [e["detail"] for e in job["events"] if e["type"] == "reviewed"]
-    assert reviewed == [{"decision": "approve", "reviewer": "alice@example.com",
-                         "step": "extract_fields",
+    assert reviewed == [{"decision": "approve", "reviewer": wf.identity,
+                         "reviewer_note": "alice@example.com", "step": "extract_fields",
                          "fields": {"invoice_number": "791", "total": 88.5}}]
     assert wf.provider_calls(job_id) == 1  # the approval did not ask the model again
     _status, _h, listed = wf.api.call("GET", "/v1/reviews")
@@ -84,8 +84,9 @@ def test_reject_dead_letters_with_review_rejected(wf: WorkflowEnv) -> None:
     assert job["status"] == "dead_letter", job
     assert job["error"] == {"code": "review_rejected", "class": "verifier",
                             "message": "not our invoice"}
-    assert ("reviewed", "bob") in [(e["type"], e["detail"].get("reviewer"))
-                                   for e in job["events"]]
+    assert ("reviewed", wf.identity, "bob") in [
+        (e["type"], e["detail"].get("reviewer"), e["detail"].get("reviewer_note"))
+        for e in job["events"]]
     assert wf.ledger.for_job(job_id) == []
 
 

@@ -41,7 +41,10 @@ class WorkflowEnv:
                  timeout=30, what="the workflow test API")
         assert self.api_proc.poll() is None, "the workflow test API exited"
         self.api_url = f"http://127.0.0.1:{port}"
-        self.tenant, key = create_tenant_id(self.db, f"wf-{uuid.uuid4().hex[:8]}")
+        self.tenant_name = f"wf-{uuid.uuid4().hex[:8]}"
+        self.tenant, key = create_tenant_id(self.db, self.tenant_name)
+        # What the API records as the caller in audit fields (a review's reviewer, ...).
+        self.identity = f"tenant {self.tenant_name} key {key[:12]}"
         self.api = Api(self.api_url, key)
         self.worker, self.worker_port = self.start_worker(POOL)
         self.ledger_worker, self.ledger_worker_port = self.start_worker(LEDGER_POOL)
