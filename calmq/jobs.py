@@ -41,6 +41,7 @@ class EventType(StrEnum):
     RUNNING = "running"
     RETRY_SCHEDULED = "retry_scheduled"
     REQUEUED_AFTER_RESTART = "requeued_after_restart"
+    REQUEUED_BY_SWEEPER = "requeued_by_sweeper"
     REVIEW_REQUESTED = "review_requested"
     REVIEWED = "reviewed"
     COMPLETED = "completed"

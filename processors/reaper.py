@@ -1,14 +1,18 @@
-"""The reaper and the review timer: the fleet's housekeeping, as supervised side tasks.
+"""The reaper, the sweeper and the review timer: the fleet's housekeeping, as supervised
+side tasks.
 
 Every worker runs them beside its lease heartbeat, and ``calmq reaper`` runs them on their
 own (for a fleet scaled to zero workers). Each pass is one statement or a few: a job whose
 lease expired (its worker died) is requeued with ``requeued_after_restart`` and a fresh
-``job.requested``; a review past its deadline gets its workflow's expiry outcome.
+``job.requested``; a waiting job that no message carries any more (queued, or retrying past
+its due time, for longer than the sweeper's grace) gets a fresh ``job.requested`` and
+``requeued_by_sweeper``; a review past its deadline gets its workflow's expiry outcome.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from calmq.data import Store
 from calmq.processors import metrics
@@ -21,9 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
+                    sweeper_grace_seconds: float, longest_tier_seconds: float,
                     first_after: float = 0.0) -> None:
-    """Run the reaper and the review timer under ``side`` every ``interval`` seconds, as
-    critical tasks: a process whose reaper stopped must not look healthy."""
+    """Run the reaper, the sweeper and the review timer under ``side`` (the reaper and the
+    timer every ``interval`` seconds, the sweeper every tenth of its grace at most that
+    often), as critical tasks: a process whose reaper stopped must not look healthy."""
 
     async def reap() -> None:
         reaped = await store.jobs.reap_expired_leases()
@@ -31,11 +37,22 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             metrics.LEASE_EXPIRATIONS.inc(len(reaped))
             log.info("requeued %d jobs whose lease expired", len(reaped))
 
+    async def sweep() -> None:
+        # Every process schedules a pass; an advisory lock lets one of them run at a time
+        # (the others' passes return nothing), so the fleet sweeps once per interval or so.
+        swept = await store.jobs.sweep_stranded(sweeper_grace_seconds, longest_tier_seconds)
+        if swept:
+            for pool, n in Counter(j.pool for j in swept).items():
+                metrics.JOBS_SWEPT.labels(pool).inc(n)
+            log.warning("re-published %d waiting jobs that no message carried", len(swept))
+
     async def expire_reviews() -> None:
         expired = await desk.expire()
         if expired:
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
     side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)
+    side.every("sweeper", max(interval, sweeper_grace_seconds / 10), sweep,
+               first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
                critical=True)

@@ -436,6 +436,33 @@ class Jobs:
                         for j in jobs])
         return jobs
 
+    async def sweep_stranded(self, grace_seconds: float, longest_tier_seconds: float,
+                             limit: int = 500) -> list[Job]:
+        """Re-publish waiting jobs that no message carries any more (``sweep_stranded_jobs``).
+
+        One pass at a time in the fleet (an advisory lock held by this transaction): a
+        concurrent pass returns ``[]`` at once. A job that still had its message gets a
+        second one; that is harmless, because claims are status-guarded: the first claim
+        wins and the other delivery finds the job running or done and is acknowledged.
+        """
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["sweep_lock"])
+            row = await cur.fetchone()
+            if row is None or not row["held"]:
+                return []
+            cur = await conn.execute(self._q["sweep_stranded_jobs"], {
+                "grace_seconds": grace_seconds, "longest_tier_seconds": longest_tier_seconds,
+                "limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
     async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
         """Cancel a job that is not terminal; its result event goes out through the outbox."""
         async with self._db.pool.connection() as conn, conn.transaction():

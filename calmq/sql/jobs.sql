@@ -217,6 +217,51 @@ WITH expired AS (
 )
 SELECT * FROM requeued;
 
+-- name: sweep_lock
+-- One sweeper pass at a time in the whole fleet: every worker and `calmq reaper` schedules
+-- one, the first to take this lock (released with its transaction) does the pass, the others
+-- find it taken and skip theirs.
+SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.sweeper', 0)) AS held;
+
+-- name: sweep_stranded_jobs
+-- The safety net for waiting jobs that no message carries any more (a message acked after a
+-- decode error, a deferral that gave up, a rejected publish): a job queued, or retrying past
+-- the time its retry was due, for longer than the grace gets a fresh job.requested (the
+-- caller writes it in the same transaction) and the event requeued_by_sweeper. Its status
+-- stays; updated_at moves on, so the next pass leaves it alone for another grace. A retry's
+-- due time is its retry_scheduled event's time plus the delay it chose; without one, the
+-- longest retry tier after updated_at. The jobs_waiting index holds exactly these statuses.
+WITH stranded AS (
+    SELECT j.id, j.status AS old_status FROM jobs j
+    WHERE j.status IN ('queued', 'retrying')
+      -- implied by the due time below (both are at least updated_at); here for the index
+      AND j.updated_at < now() - make_interval(secs => %(grace_seconds)s)
+      AND CASE WHEN j.status = 'queued' THEN j.updated_at
+               ELSE GREATEST(j.updated_at, COALESCE(
+                   (SELECT e.at + make_interval(secs => (e.detail ->> 'delay_seconds')::float8)
+                    FROM job_events e
+                    WHERE e.job_id = j.id AND e.type = 'retry_scheduled'
+                    ORDER BY e.id DESC LIMIT 1),
+                   j.updated_at + make_interval(secs => %(longest_tier_seconds)s)))
+          END < now() - make_interval(secs => %(grace_seconds)s)
+    ORDER BY j.updated_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), swept AS (
+    UPDATE jobs j SET updated_at = now()
+    FROM stranded s WHERE j.id = s.id
+    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, s.old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'requeued_by_sweeper', attempt,
+           jsonb_build_object('reason', 'no_message', 'status', old_status)
+    FROM swept
+)
+SELECT * FROM swept;
+
 -- name: cancel_job
 WITH cancelled AS (
     UPDATE jobs SET status = 'cancelled', lease_owner = NULL, lease_expires_at = NULL,
