@@ -6,7 +6,9 @@ own (for a fleet scaled to zero workers). Each pass is one statement or a few: a
 lease expired (its worker died) is requeued with ``requeued_after_restart`` and a fresh
 ``job.requested``; a waiting job that no message carries any more (queued, or retrying past
 its due time, for longer than the sweeper's grace) gets a fresh ``job.requested`` and
-``requeued_by_sweeper``; a review past its deadline gets its workflow's expiry outcome.
+``requeued_by_sweeper``; a job whose lease expired on an attempt that used up its budget
+is dead-lettered with the code ``poison`` (the attempt cap); a review past its deadline
+gets its workflow's expiry outcome.
 """
 
 from __future__ import annotations
@@ -15,13 +17,22 @@ import logging
 from collections import Counter
 
 from calmq.data import Store
+from calmq.errors import FailureClass
 from calmq.processors import metrics
 from calmq.reviews import ReviewDesk
 from calmq.supervision import Supervisor
 
-__all__ = ["schedule_reaper"]
+__all__ = ["POISON_ERROR", "schedule_reaper"]
 
 log = logging.getLogger(__name__)
+
+# The contract has no poison failure class: a job whose input kills its worker is treated
+# as poison input (class input, not retried), as processors/poison.py treats an unreadable
+# message, with its own code.
+POISON_ERROR: dict[str, str] = {
+    "code": "poison", "class": FailureClass.INPUT.value,
+    "message": "every attempt ended with its worker (killed, out of memory?) before an"
+               " outcome was written, up to the attempt budget; not run again"}
 
 
 def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
@@ -32,6 +43,13 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
     often), as critical tasks: a process whose reaper stopped must not look healthy."""
 
     async def reap() -> None:
+        # The attempt cap first: a job that killed its worker on its last allowed attempt
+        # is dead-lettered, not requeued to kill the next one (reap leaves such jobs alone).
+        poisoned = await store.jobs.dead_letter_poisoned(POISON_ERROR)
+        if poisoned:
+            metrics.DEAD_LETTERS.labels(POISON_ERROR["class"]).inc(len(poisoned))
+            log.warning("dead-lettered %d jobs whose every attempt ended with its worker",
+                        len(poisoned))
         reaped = await store.jobs.reap_expired_leases()
         if reaped:
             metrics.LEASE_EXPIRATIONS.inc(len(reaped))

@@ -112,3 +112,69 @@ def test_concurrent_sweeps_republish_a_job_once(stack: StackState) -> None:
     assert _types(stack, job_id).count("requeued_by_sweeper") == 1
     wait_for(lambda: statuses(stack, [job_id]) == {job_id: "completed"}, timeout=60,
              what="the swept job to complete")
+
+
+def _killed_at_cap(stack: StackState, tenant_id: uuid.UUID, *, released: bool = False,
+                   ) -> uuid.UUID:
+    """A job as a worker killed on its last allowed attempt leaves it: running, attempt =
+    max_attempts, its lease expired, its attempt started and never finished (``released``:
+    the worker handed the attempt back on shutdown instead)."""
+    job_id = insert_jobs(stack, tenant_id, 1, status="running")[0]
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        conn.execute(
+            "UPDATE jobs SET attempt = 3, max_attempts = 3, lease_owner = 'killed-worker',"
+            " lease_expires_at = now() - interval '1 minute' WHERE id = %s", (job_id,))
+        conn.execute(
+            "INSERT INTO job_attempts (job_id, step, attempt, worker, started_at, finished_at,"
+            " outcome) VALUES (%s, 'summarize', 3, 'killed-worker',"
+            " now() - interval '2 minutes', %s, %s)",
+            (job_id, "now()" if released else None, "released" if released else None))
+    return job_id
+
+
+async def _claim(url: str, job_id: uuid.UUID) -> list[Job]:
+    store = Store(url, min_size=1, max_size=1)
+    await store.open()
+    try:
+        return await store.jobs.claim([job_id], "sweeper-test-worker", 30.0)
+    finally:
+        await store.close()
+
+
+def test_a_job_that_kills_its_worker_every_time_ends_dead_lettered(stack: StackState) -> None:
+    """A job whose lease expired on the attempt that used up its budget (its worker was
+    killed every time, so no outcome was written) is not claimed again: the reaper
+    dead-letters it with the code poison, its history and its outbox events say so."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    _name, tenant_id, _key = new_tenant(stack, "poison")
+    job_id = _killed_at_cap(stack, tenant_id)
+
+    assert asyncio.run(_claim(url, job_id)) == []  # a redelivered message does not run it
+
+    wait_for(lambda: statuses(stack, [job_id]) == {job_id: "dead_letter"}, timeout=60,
+             what="the reaper to dead-letter the job")
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT attempt, error FROM jobs WHERE id = %s", (job_id,)).fetchone()
+        outbox = conn.execute("SELECT type FROM outbox WHERE aggregateid = %s ORDER BY type",
+                              (str(job_id),)).fetchall()
+        outcome = conn.execute("SELECT outcome, error_code FROM job_attempts WHERE job_id = %s",
+                               (job_id,)).fetchall()
+    assert row is not None
+    attempt, error = row
+    assert attempt == 3
+    assert (error["code"], error["class"]) == ("poison", "input")
+    assert [t for (t,) in outbox] == ["job.dead_lettered", "job.result"]
+    assert outcome == [("abandoned", "poison")]
+    types = _types(stack, job_id)
+    assert types[-1] == "dead_lettered", types
+    assert "running" not in types, types
+
+
+def test_an_attempt_handed_back_on_shutdown_does_not_count_as_poison(
+        stack: StackState) -> None:
+    """An attempt its worker released on shutdown (marked released) is not an attempt that
+    killed the worker: the job at its cap can still be claimed."""
+    _name, tenant_id, _key = new_tenant(stack, "released")
+    job_id = _killed_at_cap(stack, tenant_id, released=True)
+    claimed = asyncio.run(_claim(stack.env["CALMQ_DATABASE_URL"], job_id))
+    assert [(j.id, j.attempt) for j in claimed] == [(job_id, 4)]
