@@ -41,6 +41,7 @@ class EventType(StrEnum):
     RUNNING = "running"
     RETRY_SCHEDULED = "retry_scheduled"
     REQUEUED_AFTER_RESTART = "requeued_after_restart"
+    REQUEUED_BY_SWEEPER = "requeued_by_sweeper"
     REVIEW_REQUESTED = "review_requested"
     REVIEWED = "reviewed"
     COMPLETED = "completed"
@@ -58,7 +59,7 @@ MOVES: frozenset[tuple[Status, Status]] = frozenset({
     (Status.RUNNING, Status.RUNNING),  # claim_jobs: its lease expired, another worker takes it
     (Status.RUNNING, Status.COMPLETED),  # finish_attempts
     (Status.RUNNING, Status.RETRYING),  # finish_attempts: transient failure, attempts left
-    (Status.RUNNING, Status.DEAD_LETTER),  # finish_attempts
+    (Status.RUNNING, Status.DEAD_LETTER),  # finish_attempts; poison_expired_leases: the cap
     (Status.RUNNING, Status.AWAITING_REVIEW),  # finish_attempts: confidence below threshold
     (Status.RUNNING, Status.QUEUED),  # finish_attempts (next step), reap_expired_leases
     (Status.AWAITING_REVIEW, Status.QUEUED),  # wf_review_resume: approved, next step

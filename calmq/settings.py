@@ -136,6 +136,10 @@ class Settings(BaseSettings):
                              description="call slots per worker process (model calls at once)")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
+    sweeper_grace_seconds: float = Field(
+        default=600.0, gt=0,
+        description="how long a queued job, or a retrying job past its due time, may wait"
+                    " before the sweeper re-publishes it (it lost its message)")
     step_timeout_seconds: float | None = Field(
         default=None, gt=0, description="overrides every step's timeout (default: per step)")
     max_attempts: int | None = Field(

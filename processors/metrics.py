@@ -18,6 +18,7 @@ __all__ = [
     "GROUP_SIZE",
     "GROUP_WRITE_SECONDS",
     "IN_FLIGHT",
+    "JOBS_SWEPT",
     "JOB_ATTEMPTS",
     "JOB_LATENCY",
     "LEASE_EXPIRATIONS",
@@ -80,6 +81,10 @@ DEAD_LETTERS = Counter("calmq_dead_letters_total", "Jobs dead-lettered by a work
                        ["failure_class"])
 LEASE_EXPIRATIONS = Counter("calmq_lease_expirations_total",
                             "Jobs requeued by the reaper because their worker's lease expired")
+# ``pool``: a configured routing pool (a handful).
+JOBS_SWEPT = Counter("calmq_jobs_swept_total",
+                     "Waiting jobs the sweeper re-published because no message carried them",
+                     ["pool"])
 CONSUMER_LAG = Gauge("calmq_consumer_lag_messages",
                      "High watermark minus committed offset, summed over assigned partitions",
                      ["topic"])

@@ -1,35 +1,68 @@
-"""The reaper and the review timer: the fleet's housekeeping, as supervised side tasks.
+"""The reaper, the sweeper and the review timer: the fleet's housekeeping, as supervised
+side tasks.
 
 Every worker runs them beside its lease heartbeat, and ``calmq reaper`` runs them on their
 own (for a fleet scaled to zero workers). Each pass is one statement or a few: a job whose
 lease expired (its worker died) is requeued with ``requeued_after_restart`` and a fresh
-``job.requested``; a review past its deadline gets its workflow's expiry outcome.
+``job.requested``; a waiting job that no message carries any more (queued, or retrying past
+its due time, for longer than the sweeper's grace) gets a fresh ``job.requested`` and
+``requeued_by_sweeper``; a job whose lease expired on an attempt that used up its budget
+is dead-lettered with the code ``poison`` (the attempt cap); a review past its deadline
+gets its workflow's expiry outcome.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from calmq.data import Store
+from calmq.errors import FailureClass
 from calmq.processors import metrics
 from calmq.reviews import ReviewDesk
 from calmq.supervision import Supervisor
 
-__all__ = ["schedule_reaper"]
+__all__ = ["POISON_ERROR", "schedule_reaper"]
 
 log = logging.getLogger(__name__)
 
+# The contract has no poison failure class: a job whose input kills its worker is treated
+# as poison input (class input, not retried), as processors/poison.py treats an unreadable
+# message, with its own code.
+POISON_ERROR: dict[str, str] = {
+    "code": "poison", "class": FailureClass.INPUT.value,
+    "message": "every attempt ended with its worker (killed, out of memory?) before an"
+               " outcome was written, up to the attempt budget; not run again"}
+
 
 def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
+                    sweeper_grace_seconds: float, longest_tier_seconds: float,
                     first_after: float = 0.0) -> None:
-    """Run the reaper and the review timer under ``side`` every ``interval`` seconds, as
-    critical tasks: a process whose reaper stopped must not look healthy."""
+    """Run the reaper, the sweeper and the review timer under ``side`` (the reaper and the
+    timer every ``interval`` seconds, the sweeper every tenth of its grace at most that
+    often), as critical tasks: a process whose reaper stopped must not look healthy."""
 
     async def reap() -> None:
+        # The attempt cap first: a job that killed its worker on its last allowed attempt
+        # is dead-lettered, not requeued to kill the next one (reap leaves such jobs alone).
+        poisoned = await store.jobs.dead_letter_poisoned(POISON_ERROR)
+        if poisoned:
+            metrics.DEAD_LETTERS.labels(POISON_ERROR["class"]).inc(len(poisoned))
+            log.warning("dead-lettered %d jobs whose every attempt ended with its worker",
+                        len(poisoned))
         reaped = await store.jobs.reap_expired_leases()
         if reaped:
             metrics.LEASE_EXPIRATIONS.inc(len(reaped))
             log.info("requeued %d jobs whose lease expired", len(reaped))
+
+    async def sweep() -> None:
+        # Every process schedules a pass; an advisory lock lets one of them run at a time
+        # (the others' passes return nothing), so the fleet sweeps once per interval or so.
+        swept = await store.jobs.sweep_stranded(sweeper_grace_seconds, longest_tier_seconds)
+        if swept:
+            for pool, n in Counter(j.pool for j in swept).items():
+                metrics.JOBS_SWEPT.labels(pool).inc(n)
+            log.warning("re-published %d waiting jobs that no message carried", len(swept))
 
     async def expire_reviews() -> None:
         expired = await desk.expire()
@@ -37,5 +70,7 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
     side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)
+    side.every("sweeper", max(interval, sweeper_grace_seconds / 10), sweep,
+               first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
                critical=True)

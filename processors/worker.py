@@ -154,7 +154,9 @@ class Worker:
         side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
                    critical=True)
         schedule_reaper(side, store, ReviewDesk(store, self.workflows, runner.objects),
-                        interval, first_after=interval)
+                        interval, first_after=interval,
+                        sweeper_grace_seconds=self.settings.sweeper_grace_seconds,
+                        longest_tier_seconds=self.settings.retry_tier_list[-1][1])
         lag_interval = self.settings.consumer_lag_interval_seconds
         if lag_interval > 0:
             lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)

@@ -150,7 +150,9 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         desk = ReviewDesk(store, load_workflows(settings),
                           open_object_store(settings.object_store_url))
         side = Supervisor()
-        schedule_reaper(side, store, desk, max(0.5, settings.lease_seconds / 3))
+        schedule_reaper(side, store, desk, max(0.5, settings.lease_seconds / 3),
+                        sweeper_grace_seconds=settings.sweeper_grace_seconds,
+                        longest_tier_seconds=settings.retry_tier_list[-1][1])
         try:
             await side.failed.wait()  # a failed pass is retried; a stopped task ends us
         finally:

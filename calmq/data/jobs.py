@@ -30,7 +30,7 @@ from calmq import events, sql, topics
 from calmq.data.database import Database
 from calmq.data.outbox import OutboxEntry, entry
 from calmq.errors import ContractError, InfrastructureError
-from calmq.jobs import Status
+from calmq.jobs import EventType, Status
 
 __all__ = [
     "HistoryEvent",
@@ -114,6 +114,7 @@ class NewJob:
         return None
 
 
+_JOB_FIELDS = tuple(f.name for f in fields(Job))
 _NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
 # Columns of type jsonb: psycopg needs them wrapped (decided once, from the annotations).
 _NEW_JOB_JSON = tuple(f.name for f in fields(NewJob) if str(f.type).startswith("dict"))
@@ -427,6 +428,54 @@ class Jobs:
         """Requeue jobs whose lease expired, re-emitting job.requested in the same transaction."""
         async with self._db.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(self._q["reap_expired_leases"], {"limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def dead_letter_poisoned(self, error: dict[str, Any], limit: int = 500) -> list[Job]:
+        """Dead-letter jobs whose lease expired on an attempt that used up their budget
+        (``poison_expired_leases``): they killed their worker on every attempt. Their
+        ``job.result`` and ``job.dead_lettered`` go out in the same transaction."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["poison_expired_leases"],
+                                     {"limit": limit, "error": Jsonb(error)})
+            rows = await cur.fetchall()
+            if rows:
+                async with conn.cursor() as out:
+                    await out.executemany(self._q["insert_outbox"], [
+                        e.params() for r in rows for e in (
+                            entry(topics.RESULTS_ROUTE, "job.result",
+                                  events.result(r, Status.DEAD_LETTER, error=error),
+                                  key=r["id"], trace_parent=r["trace_parent"]),
+                            entry(topics.DLQ_ROUTE, "job.dead_lettered",
+                                  events.dead_lettered(r, errors=r["errors"],
+                                                       last_event=EventType.DEAD_LETTERED),
+                                  key=r["id"], trace_parent=r["trace_parent"]))])
+        return [Job.from_row({name: r[name] for name in _JOB_FIELDS}) for r in rows]
+
+    async def sweep_stranded(self, grace_seconds: float, longest_tier_seconds: float,
+                             limit: int = 500) -> list[Job]:
+        """Re-publish waiting jobs that no message carries any more (``sweep_stranded_jobs``).
+
+        One pass at a time in the fleet (an advisory lock held by this transaction): a
+        concurrent pass returns ``[]`` at once. A job that still had its message gets a
+        second one; that is harmless, because claims are status-guarded: the first claim
+        wins and the other delivery finds the job running or done and is acknowledged.
+        """
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["sweep_lock"])
+            row = await cur.fetchone()
+            if row is None or not row["held"]:
+                return []
+            cur = await conn.execute(self._q["sweep_stranded_jobs"], {
+                "grace_seconds": grace_seconds, "longest_tier_seconds": longest_tier_seconds,
+                "limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
             if jobs:
                 async with conn.cursor() as out:

@@ -138,7 +138,14 @@ WITH target AS (
       -- a message for a step the job has left behind is stale (multi-step workflows)
       AND (%(steps)s::jsonb IS NULL OR step = %(steps)s::jsonb ->> id::text)
       AND (status IN ('queued', 'retrying')
-           OR (status = 'running' AND lease_expires_at < now()))
+           OR (status = 'running' AND lease_expires_at < now()
+               -- the attempt cap: a job whose last attempt used up its budget and ended
+               -- with its worker (killed, out of memory: no outcome) is not run again;
+               -- poison_expired_leases dead-letters it (the same test, there)
+               AND NOT (attempt >= max_attempts AND NOT EXISTS (
+                   SELECT 1 FROM job_attempts a
+                   WHERE a.job_id = jobs.id AND a.step = jobs.step AND a.attempt = jobs.attempt
+                     AND a.outcome = 'released'))))
     ORDER BY id
     FOR UPDATE
 ), claimed AS (
@@ -185,9 +192,60 @@ RETURNING j.id;
 -- A worker that stops before its in-flight attempts finished hands their leases back:
 -- the lease expires now, so the message's redelivery (or the reaper) takes the job at once
 -- and the history reads requeued_after_restart, running.
-UPDATE jobs SET lease_expires_at = now(), updated_at = now()
-WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
-RETURNING id;
+-- Its attempt is marked released: the job did not end it (the attempt cap counts only
+-- attempts that ended with their worker, see poison_expired_leases).
+WITH released AS (
+    UPDATE jobs SET lease_expires_at = now(), updated_at = now()
+    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
+    RETURNING id, step, attempt
+), attempt_rows AS (
+    UPDATE job_attempts a SET finished_at = now(), outcome = 'released'
+    FROM released r
+    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt AND a.finished_at IS NULL
+)
+SELECT id FROM released;
+
+-- name: poison_expired_leases
+-- The attempt cap. A job whose lease expired on an attempt that had used up its budget
+-- (attempt >= max_attempts) and that ended with its worker (no outcome was written: killed,
+-- out of memory; an attempt its worker handed back on shutdown is marked released and does
+-- not count) killed its worker every time: it goes to dead_letter with the code poison
+-- instead of being requeued to kill another one. The caller writes its job.result and
+-- job.dead_lettered in the same transaction, then reaps the rest (reap_expired_leases).
+WITH poisoned AS (
+    SELECT j.id FROM jobs j
+    WHERE j.status = 'running' AND j.lease_expires_at < now()
+      AND j.attempt >= j.max_attempts
+      AND NOT EXISTS (
+          SELECT 1 FROM job_attempts a
+          WHERE a.job_id = j.id AND a.step = j.step AND a.attempt = j.attempt
+            AND a.outcome = 'released')
+    ORDER BY j.lease_expires_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), dead AS (
+    UPDATE jobs j SET status = 'dead_letter', lease_owner = NULL, lease_expires_at = NULL,
+                      error = %(error)s::jsonb,
+                      errors = j.errors || jsonb_build_array(
+                          %(error)s::jsonb || jsonb_build_object('attempt', j.attempt)),
+                      updated_at = now()
+    FROM poisoned p WHERE j.id = p.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, 'running'::text AS old_status,
+              j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'dead_lettered', attempt, %(error)s::jsonb FROM dead
+), abandoned AS (
+    UPDATE job_attempts a SET finished_at = now(), outcome = 'abandoned',
+                              error_code = %(error)s::jsonb ->> 'code',
+                              error_class = %(error)s::jsonb ->> 'class',
+                              error_message = %(error)s::jsonb ->> 'message'
+    FROM dead d
+    WHERE a.job_id = d.id AND a.step = d.step AND a.attempt = d.attempt AND a.finished_at IS NULL
+)
+SELECT * FROM dead;
 
 -- name: reap_expired_leases
 -- Jobs whose worker stopped heartbeating (killed, partitioned): back to queued, with the
@@ -195,6 +253,11 @@ RETURNING id;
 WITH expired AS (
     SELECT id FROM jobs
     WHERE status = 'running' AND lease_expires_at < now()
+      -- a job at its attempt cap is poison_expired_leases' (a dead letter, not a requeue)
+      AND NOT (attempt >= max_attempts AND NOT EXISTS (
+          SELECT 1 FROM job_attempts a
+          WHERE a.job_id = jobs.id AND a.step = jobs.step AND a.attempt = jobs.attempt
+            AND a.outcome = 'released'))
     ORDER BY lease_expires_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -216,6 +279,51 @@ WITH expired AS (
     WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt AND a.finished_at IS NULL
 )
 SELECT * FROM requeued;
+
+-- name: sweep_lock
+-- One sweeper pass at a time in the whole fleet: every worker and `calmq reaper` schedules
+-- one, the first to take this lock (released with its transaction) does the pass, the others
+-- find it taken and skip theirs.
+SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.sweeper', 0)) AS held;
+
+-- name: sweep_stranded_jobs
+-- The safety net for waiting jobs that no message carries any more (a message acked after a
+-- decode error, a deferral that gave up, a rejected publish): a job queued, or retrying past
+-- the time its retry was due, for longer than the grace gets a fresh job.requested (the
+-- caller writes it in the same transaction) and the event requeued_by_sweeper. Its status
+-- stays; updated_at moves on, so the next pass leaves it alone for another grace. A retry's
+-- due time is its retry_scheduled event's time plus the delay it chose; without one, the
+-- longest retry tier after updated_at. The jobs_waiting index holds exactly these statuses.
+WITH stranded AS (
+    SELECT j.id, j.status AS old_status FROM jobs j
+    WHERE j.status IN ('queued', 'retrying')
+      -- implied by the due time below (both are at least updated_at); here for the index
+      AND j.updated_at < now() - make_interval(secs => %(grace_seconds)s)
+      AND CASE WHEN j.status = 'queued' THEN j.updated_at
+               ELSE GREATEST(j.updated_at, COALESCE(
+                   (SELECT e.at + make_interval(secs => (e.detail ->> 'delay_seconds')::float8)
+                    FROM job_events e
+                    WHERE e.job_id = j.id AND e.type = 'retry_scheduled'
+                    ORDER BY e.id DESC LIMIT 1),
+                   j.updated_at + make_interval(secs => %(longest_tier_seconds)s)))
+          END < now() - make_interval(secs => %(grace_seconds)s)
+    ORDER BY j.updated_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), swept AS (
+    UPDATE jobs j SET updated_at = now()
+    FROM stranded s WHERE j.id = s.id
+    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, s.old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'requeued_by_sweeper', attempt,
+           jsonb_build_object('reason', 'no_message', 'status', old_status)
+    FROM swept
+)
+SELECT * FROM swept;
 
 -- name: cancel_job
 WITH cancelled AS (

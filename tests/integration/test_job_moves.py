@@ -49,6 +49,8 @@ STATEMENTS: list[Statement] = [
     ("finish_attempts", Status.QUEUED, _finish(Status.QUEUED, next_step="s2",
                                                reset_attempt=True)),
     ("reap_expired_leases", Status.QUEUED, lambda _j, _t: {"limit": 500}),
+    ("poison_expired_leases", Status.DEAD_LETTER, lambda _j, _t: {
+        "limit": 500, "error": Jsonb({"code": "poison", "class": "input"})}),
     ("cancel_job", Status.CANCELLED, lambda j, t: {"id": j, "tenant_id": t}),
     ("dlq_requeue", Status.QUEUED, lambda j, _t: {
         "id": j, "detail": Jsonb({}), "workflow_version": 1, "pool": "default",
@@ -61,8 +63,13 @@ STATEMENTS: list[Statement] = [
 ]
 
 
+# Statements that act on a job at its attempt cap (attempt >= max_attempts) alone.
+AT_CAP = frozenset({"poison_expired_leases"})
+
+
 def _moved(conn: psycopg.Connection[Any], query: str, source: Status,
-           params: Callable[[uuid.UUID, uuid.UUID], dict[str, Any]]) -> bool:
+           params: Callable[[uuid.UUID, uuid.UUID], dict[str, Any]], *,
+           at_cap: bool = False) -> bool:
     """Whether ``query`` moves a job that is in ``source`` (rolled back either way)."""
     job_id, tenant_id = uuid.uuid4(), uuid.uuid4()
     with conn.transaction(force_rollback=True):
@@ -75,9 +82,9 @@ def _moved(conn: psycopg.Connection[Any], query: str, source: Status,
             "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
             " pool, step, attempt, max_attempts, input, lease_owner, lease_expires_at,"
             " updated_at)"
-            " VALUES (%s, %s, 'summarize', 1, %s, 'bulk', 'default', 's', 1, 3, '{}',"
+            " VALUES (%s, %s, 'summarize', 1, %s, 'bulk', 'default', 's', 1, %s, '{}',"
             " %s, %s, %s)",
-            (job_id, tenant_id, source.value, WORKER if running else None,
+            (job_id, tenant_id, source.value, 1 if at_cap else 3, WORKER if running else None,
              LONG_AGO if running else None, LONG_AGO))
         conn.execute(query, params(job_id, tenant_id))
         row = conn.execute("SELECT updated_at > %s AS moved FROM jobs WHERE id = %s",
@@ -95,7 +102,7 @@ def performed(stack: StackState) -> set[tuple[Status, Status]]:
     with psycopg.connect(url, row_factory=dict_row) as conn:
         for name, target, params in STATEMENTS:
             for source in Status:
-                if _moved(conn, q[name], source, params):
+                if _moved(conn, q[name], source, params, at_cap=name in AT_CAP):
                     found.add((source, target))
     return found
 
