@@ -65,6 +65,6 @@ ROUTES = [
         "operationId": "redriveDeadLetter", "parameters": [JOB_ID],
         "requestBody": json_body(RedriveRequest),
         "responses": {"200": answer("requeued (or, with dry_run, unchanged)", Redriven),
-                      **problems(401, 404, 409, 415, 422)},
+                      **problems(400, 401, 404, 409, 415, 422)},
     }),
 ]

@@ -41,7 +41,8 @@ ROUTES = [
     Route("POST", "/v1/jobs/{job_id}/review", review_job, {
         "operationId": "reviewJob", "parameters": [JOB_ID],
         "requestBody": json_body(ReviewRequest),
-        "responses": {"200": answer("decided", JobView), **problems(401, 404, 409, 415, 422)},
+        "responses": {"200": answer("decided", JobView),
+                      **problems(400, 401, 404, 409, 415, 422)},
     }),
     Route("GET", "/v1/reviews", list_reviews, {
         "operationId": "listReviews", "parameters": [LIMIT],

@@ -249,11 +249,15 @@ class TopicReader:
         for msg in self.consumer.consume(num_messages=5000, timeout=0.2):
             if msg.error():
                 continue
-            headers = {str(k): v.decode() if isinstance(v, bytes) else str(v or "")
+            # Topics such as calmq.dlq also hold what others wrote (fuzzed keys, stray bytes):
+            # decoded leniently, so a reader never fails on a record that is not its own.
+            headers = {str(k): v.decode(errors="replace") if isinstance(v, bytes)
+                       else str(v or "")
                        for k, v in list(msg.headers() or [])}
             key = msg.key()
             new.append(Record(int(msg.partition() or 0), int(msg.offset() or 0),
-                              key.decode() if isinstance(key, bytes) else str(key or ""),
+                              key.decode(errors="replace") if isinstance(key, bytes)
+                              else str(key or ""),
                               headers, bytes(msg.value() or b"")))
         self.records.extend(new)
         return new
