@@ -36,6 +36,7 @@ from calmq.producers.client import enqueue
 from calmq.tooling.devstack import StackState
 from calmq.workflows import builtin_workflows
 from tests.support.relay import (
+    INSERT,
     ROOT,
     Record,
     RelayDb,
@@ -44,6 +45,7 @@ from tests.support.relay import (
     Written,
     job_order_violations,
     new_route,
+    outbox_args,
     relay_db,
     relay_env,
     write_concurrently,
@@ -256,7 +258,18 @@ def test_connector_publishes_what_the_relay_does_and_a_worker_runs_its_jobs(
                                    (config["slot.name"],)).fetchone()
             return bool(row and row[0])
         wait_for(dbz_streaming, timeout=90, what="the Debezium engine to stream its slot")
-        time.sleep(2)  # the slot is active a moment before the streaming loop reads it
+        # The slot is active a moment before the engine's streaming loop reads it: a probe
+        # row the connector has published shows the loop is running.
+        probe_id, probe = outbox_args(route, str(uuid.uuid4()), 0)
+        with db.connect() as conn:
+            conn.execute(INSERT, probe)
+
+        def probe_published() -> bool:
+            assert engine is not None
+            engine.alive()
+            reader.poll()
+            return probe_id in _by_publisher(reader.records)[0]
+        wait_for(probe_published, timeout=90, what="the connector to publish a probe row")
 
         # 1. The same rows through both publishers: topic, key, partition, headers, order.
         written = Written()
