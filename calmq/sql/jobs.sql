@@ -157,17 +157,23 @@ WITH target AS (
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
               j.trace_parent, j.created_at, t.old_status
-), requeued AS (
-    INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'requeued_after_restart', attempt - 1, '{"reason": "lease_expired"}'::jsonb
-    FROM claimed WHERE old_status = 'running'
 ), attempts AS (
     INSERT INTO job_attempts (job_id, step, attempt, worker, started_at)
     SELECT id, step, attempt, %(worker)s, now() FROM claimed
     ON CONFLICT (job_id, step, attempt) DO NOTHING
-), running AS (
+), history AS (
+    -- One INSERT, ordered: two data-modifying CTEs run in no set order, and the history
+    -- (read in id order) then said running before requeued_after_restart now and then.
     INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'running', attempt, jsonb_build_object('worker', %(worker)s::text) FROM claimed
+    SELECT id, type, attempt, detail FROM (
+        SELECT id, 0 AS seq, 'requeued_after_restart' AS type, attempt - 1 AS attempt,
+               '{"reason": "lease_expired"}'::jsonb AS detail
+        FROM claimed WHERE old_status = 'running'
+        UNION ALL
+        SELECT id, 1, 'running', attempt, jsonb_build_object('worker', %(worker)s::text)
+        FROM claimed
+    ) e
+    ORDER BY id, seq
 )
 SELECT * FROM claimed;
 
