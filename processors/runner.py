@@ -354,14 +354,6 @@ class StepRunner:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self._attempt(job, topic)
-        except Exception:
-            # Building the outcome failed (the failure stage itself raised): the attempt
-            # still ends, once, as a bug, so its offset and lease are released.
-            log.exception("the outcome of attempt %d of %s could not be built", job.attempt,
-                          job.id)
-            finish = self.failures.outcome(job, topic, StepFailure(
-                "the attempt's outcome could not be recorded", code="unhandled_exception",
-                failure_class=FailureClass.BUG))
         except LeaseLost as exc:
             # The database refused a write of this attempt (a side-effect record): another
             # attempt holds the job now, with its own message. No outcome; acknowledge.
@@ -370,6 +362,14 @@ class StepRunner:
             self.tracker.done(*position)
             await self._record_usage(job, clock)
             return
+        except Exception:
+            # Building the outcome failed (the failure stage itself raised): the attempt
+            # still ends, once, as a bug, so its offset and lease are released.
+            log.exception("the outcome of attempt %d of %s could not be built", job.attempt,
+                          job.id)
+            finish = self.failures.outcome(job, topic, StepFailure(
+                "the attempt's outcome could not be recorded", code="unhandled_exception",
+                failure_class=FailureClass.BUG))
         except asyncio.CancelledError:
             if self._abandoning:
                 # Abandoned at shutdown: leave the offset pending so the partition's next

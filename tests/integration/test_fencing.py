@@ -349,3 +349,31 @@ def test_a_worker_cut_off_from_the_database_stops_its_attempts_before_the_lease_
     assert [a for a in attempts if a["outcome"] == "completed"] == [attempts[-1]]
     assert attempts[-1]["worker"] != owner
     assert (metric(other_port, "calmq_attempts_fenced_total") or 0) == 0
+
+
+def test_an_attempt_whose_lease_was_taken_over_makes_no_external_call(
+        env: Env, tmp_path: Path) -> None:
+    """A worker's attempt whose job was taken over (its lease ran out, another claim took
+    it) while it was in its step reaches the side-effect log: the log refuses it, so the
+    external call is never made, and the attempt ends with no outcome."""
+    pool = env.pool("effect")
+    # A long lease: the worker's heartbeat (every third of it) does not notice the take-over
+    # first; the write it makes does.
+    _proc, port = env.procs.worker(pool, **{**FENCED, "lease_seconds": "300"})
+    [job_id] = submit(env.db, env.tenant, pool, [{"text": "post once", "notes": str(tmp_path)}],
+                      workflow=fencing_workflows.EFFECT)
+    wait_for((tmp_path / "started").exists, timeout=60, what="the attempt to start its step")
+    winner = _take_over(env.db, uuid.UUID(job_id), "intruder")
+    (tmp_path / "go").write_text("")
+
+    wait_for(lambda: (metric(port, "calmq_attempts_fenced_total") or 0) >= 1, timeout=30,
+             what="the worker to fence the stale attempt's write")
+    assert not (tmp_path / "called").exists()
+    row = _row(env.db, uuid.UUID(job_id))
+    assert (row["status"], row["lease_owner"], row["lease_version"]) == (
+        "running", "intruder", winner.lease_version)
+    assert row["effects"] == []
+    assert row["results"] == []
+    assert (metric(port, "calmq_attempts_finished_total") or 0) == 0
+    assert (metric(port, "calmq_attempts_aborted_total") or 0) == 0
+    assert env.api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] in (200, 202)
