@@ -377,3 +377,41 @@ def test_an_attempt_whose_lease_was_taken_over_makes_no_external_call(
     assert (metric(port, "calmq_attempts_finished_total") or 0) == 0
     assert (metric(port, "calmq_attempts_aborted_total") or 0) == 0
     assert env.api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] in (200, 202)
+
+
+def test_a_worker_whose_database_comes_back_runs_its_fenced_job_again_once(
+        env: Env, tmp_path: Path) -> None:
+    """The database answers again soon after the worker stopped its attempt: the worker hands
+    the lease back (the attempt is marked released, not failed) and claims the message
+    again, running the job once more to completion; the partition's commit then moves past
+    the message."""
+    db = urlparse(env.db)
+    pool = env.pool("fenceback")
+    topic = f"calmq.{pool}.interactive"
+    with FaultProxy(db.hostname or "127.0.0.1", db.port or 5432) as proxy:
+        proxied = db._replace(netloc=db.netloc.replace(f":{db.port}", f":{proxy.port}"))
+        _proc, port = env.procs.worker(pool, database_url=proxied.geturl(), **FENCED)
+        [job_id] = submit(env.db, env.tenant, pool, [{"text": "fenced, then run again",
+                                                      "notes": str(tmp_path)}],
+                          workflow=fencing_workflows.NAME)
+        wait_for((tmp_path / "started").exists, timeout=60,
+                 what="the first attempt to start its step")
+        proxy.cut()
+        wait_for((tmp_path / "stopped").exists, timeout=4 * LEASE,
+                 what="the cut-off worker to stop its attempt")
+        proxy.restore()
+        job = env.finished(job_id, timeout=60)
+        partition = _partition_of(env.bootstrap, topic)
+        wait_for(lambda: _committed(env.bootstrap, f"calmq.{pool}", topic)[partition] >= 1,
+                 timeout=30, what="the partition's commit to move past the message")
+
+    assert job["status"] == "completed"
+    with psycopg.connect(env.db, row_factory=dict_row) as conn:
+        attempts = conn.execute("SELECT attempt, outcome FROM job_attempts WHERE job_id = %s"
+                                " ORDER BY attempt", (job_id,)).fetchall()
+    # Released by the hand-back; or, had a reaper of the stack found the lease expired
+    # before the worker reconnected, abandoned. Never an outcome of the job's.
+    assert attempts[0]["outcome"] in ("released", "abandoned")
+    assert [(a["attempt"], a["outcome"]) for a in attempts[1:]] == [(2, "completed")]
+    assert [e["type"] for e in history(env.db, job_id)].count("completed") == 1
+    assert (metric(port, "calmq_attempts_fenced_total") or 0) == 1
