@@ -10,9 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from calmq.cli.flags import Command, Flags, data_dir
 from calmq.cli.output import add_output, emit_rows, output_format
-from calmq.errors import ConfigError
+from calmq.errors import ConfigError, UsageError
 
 __all__ = ["register"]
 
@@ -66,11 +68,16 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
     from calmq.tooling.fake_provider import FakeProviderSettings, serve
 
     values = {
-        "port": args.port, "latency_ms": args.latency_ms,
+        "port": args.port, "latency_ms": args.latency_ms, "latency_dist": args.latency_dist,
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
     }
-    settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    try:
+        settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError("; ".join(
+            (f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
     return 0
@@ -114,6 +121,8 @@ def register(command: Command, flags: Flags) -> None:
     p = command("fake-provider", cmd_fake_provider, "run the fake model provider")
     option(p, "--port", type=int, help="port to listen on")
     option(p, "--latency-ms", type=int, help="added latency of every call")
+    option(p, "--latency-dist",
+           help="latency distribution, e.g. lognormal:median=8s,p99=40s (replaces --latency-ms)")
     option(p, "--requests-per-minute", type=int, help="429 past this many requests a minute")
     option(p, "--tokens-per-minute", type=int, help="429 past this many tokens a minute")
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
