@@ -22,6 +22,7 @@ __all__ = [
     "JOB_ATTEMPTS",
     "JOB_LATENCY",
     "LEASE_EXPIRATIONS",
+    "LOOP_LAG",
     "MODEL_SECONDS",
     "OTHER_SECONDS",
     "POISON",
@@ -79,6 +80,12 @@ RETRY_DELAY = Histogram("calmq_retry_delay_seconds", "Delay chosen for each sche
                         ["failure_class"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600))
 DEAD_LETTERS = Counter("calmq_dead_letters_total", "Jobs dead-lettered by a worker",
                        ["failure_class"])
+# How late the worker's event loop runs a 0.1 s timer: every callback (a model answer, a
+# claim, a heartbeat) waits that long too. Thousands of calls in flight on one loop show here
+# first.
+LOOP_LAG = Histogram("calmq_event_loop_lag_seconds",
+                     "Delay of the worker's event loop past a 0.1 s timer",
+                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 LEASE_EXPIRATIONS = Counter("calmq_lease_expirations_total",
                             "Jobs requeued by the reaper because their worker's lease expired")
 # ``pool``: a configured routing pool (a handful).
