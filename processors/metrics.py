@@ -52,7 +52,10 @@ SATURATION = Gauge("calmq_worker_saturation", "Call slots in use / concurrency")
 # commit): what a crash would make the next consumer redo, measured in time.
 COMMIT_LAG = Histogram("calmq_commit_lag_seconds",
                        "Completion-to-commit delay of the oldest offset in each commit",
-                       buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
+                       # to 300 s: with long-tailed calls the committed prefix waits
+                       # for the slowest call in it (bench longcalls)
+                       buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120,
+                                300))
 COMMIT_LAG_LAST = Gauge("calmq_commit_lag_last_seconds",
                         "Completion-to-commit delay of the oldest offset in the last commit")
 GROUP_WRITE_SECONDS = Histogram("calmq_group_commit_seconds",

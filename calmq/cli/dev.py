@@ -98,7 +98,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"calmq bench needs the bench package (a source checkout): {exc}", file=sys.stderr)
         return 2
     try:
-        result = run_scenario(args.scenario, int(args.size) if args.size else None)
+        if args.runs is not None and args.runs < 1:
+            raise UsageError(f"--runs must be 1 or more, not {args.runs}")
+        if args.size is not None and args.size < 1:
+            raise UsageError(f"--size must be 1 or more, not {args.size}")
+        size = int(args.size) if args.size else None
+        result = (run_scenario(args.scenario, size, runs=int(args.runs)) if args.runs
+                  else run_scenario(args.scenario, size))
     except NotBuiltError as exc:
         print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
         return 2
@@ -128,7 +134,10 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
-    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"],
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
+                                        "priority", "longcalls"],
                    help="the scenario (bench/README.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")
+    option(p, "--runs", type=int,
+           help="e2e: run the dispatch pass this many times (default 5; the median counts)")
