@@ -150,6 +150,7 @@ def longcalls(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
             "peak_rss_mb": round(phase.peak_rss_mb.get("worker", 0.0), 1),
             "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3),
             "cpu_s_per_1000_jobs_worker": round(cpu_worker * 1000 / max(done, 1), 3),
+            "pg_cpu_ms_per_job": round(phase.cpu.get("postgres", 0.0) * 1000 / max(done, 1), 3),
         }
         versions = rig.versions
     res = result("longcalls", size, figures, {}, {}, versions,

@@ -207,3 +207,27 @@ def test_new_scenarios_are_registered_with_full_default_sizes() -> None:
                          "loop_lag_p99_ms": 12.0, "lease_expiries": 0}, {}, {})])
     assert "| longcalls | jobs_per_s_vs_ideal | 0.910 |" in table
     assert "| longcalls | lease_expiries | 0 |" in table
+
+
+def test_statement_attribution_is_written_per_side(tmp_path: Path) -> None:
+    """e2e/drain write each side's heaviest statements (ms, calls and WAL per job) beside
+    PostgreSQL's CPU per job and the jobs table's HOT share."""
+    from bench.scenarios import _hot_share, _write_statements
+
+    row = {"ms_per_job": 0.1234, "share_of_toplevel": 0.5, "calls_per_job": 0.02,
+           "rows_per_call": 50.0, "wal_bytes_per_job": 900.0, "blocks_dirtied_per_job": 1.0,
+           "query": "WITH input AS (SELECT 1) | x"}
+    res = report.result("e2e", 10, {"pg_cpu_ms_per_job": 0.3},
+                        {"skip_locked": {"pg_cpu_ms_per_job": 0.4}}, {})
+    res["pg_statements"] = {"calmq": [row], "skip_locked": []}
+    res["jobs_table"] = _hot_share({"inserts": 10, "updates": 30, "hot_updates": 6,
+                                    "deletes": 0})
+    assert res["jobs_table"]["hot_share"] == 0.2
+    assert res["jobs_table"]["updates_per_insert"] == 3.0
+    out = tmp_path / "e2e-pg-statements.md"
+    _write_statements(out, "e2e", res)
+    text = out.read_text()
+    assert "calmq 0.3 ms, skip_locked 0.4 ms" in text
+    assert "## calmq" in text
+    assert "## skip_locked" in text
+    assert "| 0.1234 | 50.0% | 0.02 | 50.0 | 900.0 | `WITH input AS (SELECT 1) / x` |" in text
