@@ -97,7 +97,7 @@ _HEADLINES: dict[str, list[str]] = {
     "accept": ["accepts_per_s", "p50_ms", "p99_ms"],
     "relay": ["drain_events_per_s", "ack_p50_ms", "ack_p99_ms"],
     "e2e": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms", "pg_cpu_ms_per_job"],
-    "slow": ["jobs_per_s", "jobs_per_s_lognormal"],
+    "slow": ["jobs_per_s", "jobs_per_s_lognormal", "jobs_per_s_lognormal_steady"],
     "drain": ["jobs_per_s", "pg_cpu_ms_per_job"],
     "budget": ["budget_utilization", "rate_429"],
     "priority": ["interactive_p50_ms", "interactive_p99_ms", "bulk_jobs_per_s",
