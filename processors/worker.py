@@ -107,7 +107,9 @@ class Worker:
         side = self._side_tasks(store, runner, consumer)
         try:
             while not self.stop.is_set():
+                tick = loop.time()
                 await asyncio.sleep(0.1)
+                metrics.LOOP_LAG.observe(max(0.0, loop.time() - tick - 0.1))
                 metrics.IN_FLIGHT.set(runner.in_flight)
                 metrics.SATURATION.set(runner.slots.used / s.concurrency)
                 # Hold no more jobs than the token budget lets this worker start soon.
