@@ -16,14 +16,15 @@ from calmq.errors import UsageError
 
 __all__ = ["register"]
 
-# A key without roles of its own (made before migration 0013, or without --roles) has
-# every tenant role; the operator commands use the database, not a key.
-def _roles(key: dict[str, Any]) -> str:
-    roles = ",".join(key.get("roles") or ()) or "all"
-    return f"platform {roles}" if key.get("platform") else roles
+# Every key acts for its tenant ("role": "tenant", as before); "roles" says what it may do
+# there (a key made before migration 0013, or without --roles, has all of them) and
+# "platform" whether the console shows it every tenant. Operator commands use the database.
+_KEY_ROLE = "tenant"
 
 
 def _list(args: argparse.Namespace) -> int:
+    from calmq.data.tenants import ROLES
+
     settings = settings_for(args)
 
     async def read() -> list[Any]:
@@ -33,7 +34,9 @@ def _list(args: argparse.Namespace) -> int:
     tenants = asyncio.run(read())
     rows: list[dict[str, Any]] = []
     for t in tenants:
-        keys = [{**k, "role": _roles(k), "active": k["revoked_at"] is None} for k in t.keys]
+        keys = [{**k, "role": _KEY_ROLE, "roles": k.get("roles") or list(ROLES),
+                 "platform": bool(k.get("platform")), "active": k["revoked_at"] is None}
+                for k in t.keys]
         # ISO times, as the API writes them and as the keys' times come from PostgreSQL.
         last = t.last_job_at.isoformat() if t.last_job_at else None
         rows.append({**asdict(t), "created_at": t.created_at.isoformat(), "last_job_at": last,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
@@ -168,8 +168,10 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
                  "</strong></p></section>")
 
     # Throughput and dead-letter rate, the last hour in 5-minute bins.
-    bins = sorted({r["bin"] for r in data.outcomes})
-    labels = [b.astimezone(UTC).strftime("%H:%M") for b in bins]
+    # Every 5-minute bin of the hour, empty ones too, so the chart reads as a time axis.
+    last = now.replace(minute=now.minute - now.minute % 5, second=0, microsecond=0)
+    bins = [last - timedelta(minutes=5 * i) for i in range(11, -1, -1)]
+    labels = [b.strftime("%H:%M") for b in bins]
     done = [float(sum(r["jobs"] for r in data.outcomes if r["bin"] == b
                       and r["type"] == "completed")) for b in bins]
     dead = [float(sum(r["jobs"] for r in data.outcomes if r["bin"] == b
@@ -179,9 +181,8 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     parts.append('<section aria-labelledby="throughput"><h2 id="throughput">Throughput</h2>'
                  f"<p>Last hour: {sum(done):.0f} completed, {sum(dead):.0f} dead-lettered "
                  f'(dead-letter rate <strong data-testid="dlq-rate">{rate:.1%}</strong>).</p>')
-    if bins:
-        parts.append(bars("Jobs finished per 5 minutes", labels,
-                          [("completed", done), ("dead-lettered", dead)]))
+    parts.append(bars("Jobs finished per 5 minutes", labels,
+                      [("completed", done), ("dead-lettered", dead)]))
     parts.append("</section>")
 
     # Reviews against what the reviewers of each pool can handle.
@@ -196,7 +197,8 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     for pool in review_pools:
         cap = data.review_caps.get(pool)
         n = pending.get(pool, 0)
-        state = ("past the cap: new jobs that need review wait" if cap is not None and n >= cap
+        state = (f"past the cap by {n - cap + 1}: the reviewers cannot keep up"
+                 if cap is not None and n >= cap
                  else "within the cap" if cap is not None else "no cap set")
         rows.append((pool, n, cap if cap is not None else "none",
                      ago(wait.get(pool, 0.0)) if n else "-", state))
@@ -213,7 +215,9 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     parts.append("</section>")
 
     # Tokens and cost per hour against the budget.
-    hours = [r["hour"] for r in data.spend]
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    hours = [hour - timedelta(hours=i) for i in range(23, -1, -1)]
+    by_hour = {r["hour"]: r for r in data.spend}
     per_hour_budget = float(sum(int(b["tokens_per_minute"]) for b in data.budget) * 60)
     parts.append('<section aria-labelledby="spend"><h2 id="spend">Tokens and cost</h2>')
     if per_hour_budget:
@@ -222,10 +226,10 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     else:
         parts.append("<p>No fleet token budget is configured "
                      "(<code>CALMQ_BUDGET_TOKENS_PER_MINUTE</code>).</p>")
-    if hours:
-        parts.append(bars("Tokens per hour", [h.astimezone(UTC).strftime("%H:00") for h in hours],
-                          [("tokens", [float(r["tokens"]) for r in data.spend])],
-                          limit=per_hour_budget or None, limit_label="budget"))
+    parts.append(bars("Tokens per hour, last 24 h", [h.strftime("%H:00") for h in hours],
+                      [("tokens", [float(by_hour[h]["tokens"]) if h in by_hour else 0.0
+                                   for h in hours])],
+                      limit=per_hour_budget or None, limit_label="budget"))
     parts.append(table("Tokens and cost per hour (last 24 h)",
                        ["Hour", "Tokens", "Cost USD", "of it on retries", "of it on dead letters"],
                        [(when(r["hour"]), f"{r['tokens']:,}", f"{r['cost_usd']:.4f}",

@@ -67,6 +67,12 @@ def playwright() -> Iterator[Any]:
         yield p
 
 
+def expect(locator: Any) -> Any:
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
 class Browser:
     """One Chromium (a fresh temporary profile), a context per signed-in key, and what
     went wrong in any of them: 5xx answers and script errors."""
@@ -166,7 +172,8 @@ def env(stack: StackState) -> Iterator[Env]:
 
 
 @pytest.fixture(scope="module")
-def browser(playwright: Any, env: Env) -> Iterator[Browser]:
+def browser(env: Env, playwright: Any) -> Iterator[Browser]:
+    # env first: it uses asyncio.run, which cannot run inside Playwright's event loop.
     b = Browser(playwright, env.wf.api_url)
     try:
         yield b
@@ -211,26 +218,25 @@ def test_cancel_a_queued_job(env: Env, owner: Any) -> None:
 def test_watch_a_job_go_queued_running_completed_live(env: Env, owner: Any) -> None:
     job_id = env.wf.submit("summarize_t", {"text": "watch me", "mode": "success",
                                            "delay_ms": 1500}, )
-    owner.goto("/console/jobs?lane=interactive")
+    owner.goto("/console/jobs?lane=bulk")
     owner.wait_for_selector(f'a[href="/console/jobs/{job_id}"]')
     shot(owner, "jobs")
     owner.goto(f"/console/jobs/{job_id}")
     assert owner.locator("#job-status").inner_text() == "queued"
     env.start_workers()  # now the job can run: the page follows it over the API's SSE
-    owner.wait_for_selector("#job-status.running", timeout=60_000)
-    owner.wait_for_selector("#job-status.completed", timeout=60_000)
-    # The page reloads once the job ends; what it saw live is kept across the reload.
-    owner.wait_for_function(
-        "document.getElementById('job-status').dataset.seen === 'queued running completed'")
+    # What the page saw live, in order (kept across the reload when the job ends).
+    expect(owner.locator("#job-status")).to_have_attribute(
+        "data-seen", "queued running completed", timeout=60_000)
+    expect(owner.locator("#job-status")).to_have_text("completed")
     owner.wait_for_load_state()
     assert "summary" in owner.locator("#artifact-h + pre").inner_text()
     shot(owner, "job")
     # The lane filter takes today's lanes and one nobody uses yet without an error.
     owner.goto("/console/jobs?lane=batch")
     owner.wait_for_selector("td.empty")
-    body = owner.request.get("/console/jobs.json?lane=interactive").json()
+    body = owner.request.get("/console/jobs.json?lane=bulk").json()
     assert job_id in [j["job_id"] for j in body["jobs"]]
-    assert all(j["lane"] == "interactive" for j in body["jobs"])
+    assert all(j["lane"] == "bulk" for j in body["jobs"])
     assert owner.request.get("/console/jobs.json?lane=batch").json() == {"jobs": []}
     found = owner.request.get(f"/console/jobs.json?q={job_id[:8]}").json()["jobs"]
     assert [j["job_id"] for j in found] == [job_id]
@@ -311,9 +317,7 @@ def test_redrive_a_dead_letter_group_of_three(browser: Browser, env: Env, owner:
         owner.get_by_role("button", name="Redrive 3 job(s)").click()
         owner.wait_for_url(re.compile(r"done=3"))
         # The watching tab's count drops without a reload.
-        watcher.wait_for_function(
-            "document.querySelector('[data-group=\"summarize_t|summarize|verifier|"
-            "malformed_output\"]').textContent === '0'")
+        expect(count).to_have_text("0")
         for job_id in ids:
             job = env.wf.wait_status(job_id, "completed", "dead_letter")
             assert job["status"] == "completed", job
