@@ -246,7 +246,7 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
                            [(s.slot, "yes" if s.active else "no", f"{s.retained_bytes:,}")
                             for s in slots], empty="no replication slots (polling relay)"))
         parts.append("<p>Kafka consumer lag per topic and group is the "
-                     "<code>calmq_consumer_lag</code> metric on the workers' "
+                     "<code>calmq_consumer_lag_messages</code> metric on the workers' "
                      "<code>/metrics</code>.</p></section>")
     parts.append(f'<p class="muted">Read at {when(now)}.</p>')
     return html_response(layout("Overview", "".join(parts), page, current="overview"))
@@ -364,6 +364,7 @@ def _event_summary(event: dict[str, Any]) -> str:
                        ("retry_in_seconds", "retry in"), ("by", "by"), ("reviewer", "reviewer"),
                        ("decision", "decision"), ("reason", "reason"), ("fields", "fields"),
                        ("worker", "worker"), ("confidence", "confidence"),
+                       ("input_tokens", "tokens in"), ("output_tokens", "tokens out"),
                        ("artifact", "artifact")):
         if key in d and d[key] is not None:
             value = d[key]
