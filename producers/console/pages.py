@@ -465,9 +465,8 @@ async def job_page(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     artifact = job.get("artifact")
     if artifact:
         parts.append(await _preview(request, str(artifact["uri"]), artifact.get("content_type")))
-        if not caller.platform or job["tenant_id"] == caller.id:
-            parts.append(f'<p><a href="/v1/jobs/{ident}/artifact" download>Download the artifact '
-                         f"({esc(artifact.get('size'))} bytes)</a></p>")
+        parts.append(f'<p><a href="/console/jobs/{ident}/artifact" download>Download the '
+                     f"artifact ({esc(artifact.get('size'))} bytes)</a></p>")
     else:
         parts.append('<p class="muted">none yet</p>')
     parts.append("</section>")
@@ -538,6 +537,21 @@ async def job_input(request: web.Request, caller: Tenant, page: Page) -> web.Str
     raw = await request.app[OBJECTS].get(str(ref))
     return web.Response(body=raw, content_type="application/octet-stream", headers={
         "Content-Disposition": f'attachment; filename="{ident}-input"'})
+
+
+@guard()
+async def job_artifact(request: web.Request, caller: Tenant, page: Page) -> web.StreamResponse:
+    """The artifact's bytes (for a platform key too, which /v1 scopes to its own tenant)."""
+    ident = _job_id(request)
+    job = await _record(request, caller, ident)
+    artifact = job.get("artifact")
+    if not artifact:
+        raise NotFound(f"the job is {job['status']} and has no artifact",
+                       code="artifact_not_found")
+    raw = await request.app[OBJECTS].get(str(artifact["uri"]))
+    return web.Response(body=raw, headers={
+        "Content-Type": str(artifact.get("content_type") or "application/octet-stream"),
+        "Content-Disposition": f'attachment; filename="{ident}-artifact"'})
 
 
 @guard("submit", "operate")
@@ -910,6 +924,7 @@ HANDLERS: tuple[tuple[str, str, Any], ...] = (
     ("GET", "/console/jobs/{job_id:" + _UUID + "}.json", job_json),
     ("GET", "/console/jobs/{job_id:" + _UUID + "}", job_page),
     ("GET", "/console/jobs/{job_id}/input", job_input),
+    ("GET", "/console/jobs/{job_id}/artifact", job_artifact),
     ("POST", "/console/jobs/{job_id}/cancel", cancel),
     ("GET", "/console/reviews", reviews_page),
     ("GET", "/console/reviews.json", reviews_json),

@@ -230,6 +230,9 @@ def test_watch_a_job_go_queued_running_completed_live(env: Env, owner: Any) -> N
     expect(owner.locator("#job-status")).to_have_text("completed")
     owner.wait_for_load_state()
     assert "summary" in owner.locator("#artifact-h + pre").inner_text()
+    download = owner.request.get(f"/console/jobs/{job_id}/artifact")
+    assert download.status == 200
+    assert "summary" in download.json()
     shot(owner, "job")
     # The lane filter takes today's lanes and one nobody uses yet without an error.
     owner.goto("/console/jobs?lane=batch")
@@ -352,7 +355,8 @@ def test_another_tenant_sees_nothing_of_the_first(browser: Browser, env: Env, ow
     assert other.request.get("/console/reviews.json").json() == {"reviews": []}
     assert other.request.get("/console/dead-letters.json").json() == {"groups": []}
     for path in (f"/console/jobs/{mine}", f"/console/jobs/{mine}.json",
-                 f"/console/jobs/{mine}/input", f"/console/reviews/{waiting}",
+                 f"/console/jobs/{mine}/input", f"/console/jobs/{mine}/artifact",
+                 f"/console/reviews/{waiting}",
                  f"/v1/jobs/{mine}", f"/v1/jobs/{mine}/artifact", f"/v1/jobs/{mine}/events"):
         assert other.request.get(path).status == 404, path
     other.goto("/console/jobs")
