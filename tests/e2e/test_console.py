@@ -196,6 +196,15 @@ def test_sign_in_shows_who_and_rejects_a_bad_key(browser: Browser, env: Env, own
     page.get_by_label("API key").fill("cq_not-a-key")
     page.get_by_role("button", name="Sign in").click()
     assert "unknown or revoked" in page.get_by_role("alert").inner_text()
+    [cookie] = [c for c in owner.context.cookies() if c["name"] == "calmq_console"]
+    assert (cookie["httpOnly"], cookie["sameSite"]) == (True, "Strict")
+    # Sign out forgets the cookie: the next page asks for a key again.
+    leaving = browser.sign_in(env.key)
+    leaving.get_by_role("button", name="Sign out").click()
+    leaving.wait_for_url(re.compile(r"/console/sign-in"))
+    assert not [c for c in leaving.context.cookies() if c["name"] == "calmq_console"]
+    leaving.goto("/console/jobs")
+    assert "/console/sign-in" in leaving.url
     who = owner.get_by_test_id("who").inner_text()
     assert f"tenant {env.wf.tenant_name}" in who
     assert owner.get_by_test_id("platform-banner").count() == 0
