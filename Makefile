@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean
+.PHONY: install demo test test-unit lint typecheck bench clean browser
 
 install: $(STAMP)
 
@@ -18,8 +18,16 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest tests
+
+# The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
+# browser Playwright downloads. Where the package cannot be installed they are skipped
+# with the reason (and fail under CI=true).
+browser:
+	@test -x /usr/bin/chromium || apt-get install -y --no-install-recommends chromium \
+	  || { apt-get update && apt-get install -y --no-install-recommends chromium; } \
+	  || echo "make browser: the chromium package could not be installed; the console's browser tests will be skipped"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit

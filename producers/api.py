@@ -21,6 +21,7 @@ from calmq.data import Store
 from calmq.errors import CalmqError, ContractError
 from calmq.objects import ObjectStore, open_object_store
 from calmq.producers.backlog import QueueAge, SlotWatch, slot_gauges
+from calmq.producers.console import add_console
 from calmq.producers.context import (
     AUTH_CACHE,
     GROUP_COMMIT,
@@ -115,6 +116,7 @@ def build_app(
     app[OPENAPI] = document(ROUTES, registry)
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
+    add_console(app)  # the web console's pages (not in ROUTES: not in /openapi.json)
 
     hub = app[HUB]
     hub.on(KEYS, app[AUTH_CACHE].clear)  # a revoked key stops working at once

@@ -16,12 +16,15 @@ from calmq.errors import UsageError
 
 __all__ = ["register"]
 
-# calmq's keys carry no roles of their own: a key acts for its tenant (submit, read and
-# cancel that tenant's jobs, review them), and the operator commands use the database.
+# Every key acts for its tenant ("role": "tenant", as before); "roles" says what it may do
+# there (a key made before migration 0013, or without --roles, has all of them) and
+# "platform" whether the console shows it every tenant. Operator commands use the database.
 _KEY_ROLE = "tenant"
 
 
 def _list(args: argparse.Namespace) -> int:
+    from calmq.data.tenants import ROLES
+
     settings = settings_for(args)
 
     async def read() -> list[Any]:
@@ -31,7 +34,9 @@ def _list(args: argparse.Namespace) -> int:
     tenants = asyncio.run(read())
     rows: list[dict[str, Any]] = []
     for t in tenants:
-        keys = [{**k, "role": _KEY_ROLE, "active": k["revoked_at"] is None} for k in t.keys]
+        keys = [{**k, "role": _KEY_ROLE, "roles": k.get("roles") or list(ROLES),
+                 "platform": bool(k.get("platform")), "active": k["revoked_at"] is None}
+                for k in t.keys]
         # ISO times, as the API writes them and as the keys' times come from PostgreSQL.
         last = t.last_job_at.isoformat() if t.last_job_at else None
         rows.append({**asdict(t), "created_at": t.created_at.isoformat(), "last_job_at": last,
@@ -55,6 +60,20 @@ def _list(args: argparse.Namespace) -> int:
 def cmd_tenants(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(args)
+    if args.roles is not None and args.action not in ("add-key", "platform-key"):
+        raise UsageError("--roles goes with add-key or platform-key")
+    if args.action == "platform-key":
+        from calmq.data import tenants
+
+        if args.name:
+            raise UsageError("usage: calmq tenants platform-key [--roles ROLES]")
+        settings = settings_for(args)
+        check_database(settings)
+        key = tenants.add_key(settings.database_url, tenants.PLATFORM_TENANT,
+                              tenants.parse_roles(args.roles), platform=True)
+        print("a platform API key (shown once; the console shows it every tenant):")
+        print(key)
+        return 0
     if not args.name:
         raise UsageError(f"usage: calmq tenants {args.action} NAME")
     if args.rotate and args.action != "webhook-secret":
@@ -73,7 +92,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         check_database(settings)  # one error line with the address, not a traceback
         if args.action == "add-key":
             print(f"a new API key for {args.name} (shown once):")
-            print(tenants.add_key(settings.database_url, args.name))
+            print(tenants.add_key(settings.database_url, args.name,
+                                  tenants.parse_roles(args.roles)))
         elif args.action == "revoke-key":
             revoked = tenants.revoke_keys(settings.database_url, args.name, args.key_prefix)
             print(f"revoked {len(revoked)} key(s) of {args.name}: {' '.join(revoked)}")
@@ -95,12 +115,15 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 def register(command: Command, flags: Flags) -> None:
     p = command("tenants", cmd_tenants, "manage tenants: list, create, add-key, revoke-key, "
-                "webhook-secret", needs=("database_url",))
+                "webhook-secret, platform-key", needs=("database_url",))
     p.add_argument("action", choices=["list", "create", "add-key", "revoke-key",
-                                      "webhook-secret"],
+                                      "webhook-secret", "platform-key"],
                    help="list the tenants and their keys, or act on one tenant")
     p.add_argument("name", nargs="?",
                    help="the tenant's name (list: only this tenant; required otherwise)")
+    flags.option(p, "--roles", default=None,
+                 help="add-key, platform-key: what the key may do, comma-separated: submit, "
+                      "review, operate (default: all)")
     flags.option(p, "--key-prefix", help="revoke-key: only the key starting so (12 chars)")
     flags.option(p, "--rotate", action="store_true",
                  help="webhook-secret: make a new secret and print it; the previous one "

@@ -496,10 +496,13 @@ class Jobs:
                         for j in jobs])
         return jobs
 
-    async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:
-        """Cancel a job that is not terminal; its result event goes out through the outbox."""
+    async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, by: str | None = None
+                     ) -> bool:
+        """Cancel a job that is not terminal; its result event goes out through the outbox.
+        ``by``: who cancelled, recorded in the ``cancelled`` event's detail."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(self._q["cancel_job"], {"id": job_id, "tenant_id": tenant_id})
+            cur = await conn.execute(self._q["cancel_job"],
+                                     {"id": job_id, "tenant_id": tenant_id, "by": by})
             row = await cur.fetchone()
             if row is None:
                 return False

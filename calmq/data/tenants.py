@@ -28,6 +28,8 @@ from calmq.data.database import Database
 from calmq.errors import ContractError, NotFound
 
 __all__ = [
+    "PLATFORM_TENANT",
+    "ROLES",
     "Tenant",
     "TenantKeys",
     "Tenants",
@@ -36,6 +38,7 @@ __all__ = [
     "hash_key",
     "key_prefix",
     "new_key",
+    "parse_roles",
     "revoke_keys",
     "rotate_webhook_secret",
     "webhook_secret",
@@ -44,12 +47,37 @@ __all__ = [
 
 _KEY_PREFIX = "cq_"
 
+# What a key may do (migration 0013): submit (and cancel or delete its tenant's jobs),
+# review (decide awaiting reviews), operate (dead letters: list, redrive). Every key reads
+# its tenant's jobs. A key made without roles has all three, as every key had before.
+ROLES: tuple[str, ...] = ("submit", "review", "operate")
+# The tenant that holds the platform keys (`calmq tenants platform-key`).
+PLATFORM_TENANT = "platform"
+
+
+def parse_roles(text: str | None) -> tuple[str, ...] | None:
+    """Roles from a comma list (None or "all": every role); ContractError for unknown ones."""
+    if text is None or text.strip() in ("", "all"):
+        return None
+    roles = tuple(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown or not roles:
+        raise ContractError(f"unknown role(s) {', '.join(unknown) or text!r}; roles are "
+                            f"{', '.join(ROLES)} (comma-separated) or all",
+                            code="invalid_roles")
+    return roles
+
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
     id: uuid.UUID
     name: str
     key_prefix: str = ""  # of the key that authenticated (for_key); "" when made, not used
+    roles: tuple[str, ...] = ROLES  # of that key (a key stored without roles: all of them)
+    platform: bool = False  # a platform key: the console shows every tenant
+
+    def can(self, role: str) -> bool:
+        return role in self.roles
 
     @property
     def identity(self) -> str:
@@ -117,7 +145,11 @@ class Tenants:
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["tenant_for_key"], {"key_hash": hash_key(key)})
             row = await cur.fetchone()
-        return Tenant(row["id"], row["name"], row["key_prefix"]) if row else None
+        if row is None:
+            return None
+        return Tenant(row["id"], row["name"], row["key_prefix"],
+                      tuple(row["roles"]) if row["roles"] is not None else ROLES,
+                      bool(row["platform"]))
 
     async def with_keys(self, name: str | None = None) -> list[TenantKeys]:
         """Every tenant (or the one named ``name``) with its keys, by name."""
@@ -127,13 +159,20 @@ class Tenants:
         return [TenantKeys(**r) for r in rows]
 
 
-def add_key(database_url: str, tenant: str) -> str:
-    """A new API key for the tenant named ``tenant`` (returned once)."""
+def add_key(database_url: str, tenant: str, roles: tuple[str, ...] | None = None, *,
+            platform: bool = False) -> str:
+    """A new API key for the tenant named ``tenant`` (returned once); ``roles`` None: all.
+
+    ``platform``: the key of the platform team, made in the ``platform`` tenant (created
+    on first use); the console shows it every tenant's jobs."""
     key = new_key()
     with psycopg.connect(database_url, row_factory=dict_row) as conn:
+        if platform:
+            conn.execute(sql.queries()["ensure_tenant"], {"id": uuid.uuid4(), "name": tenant})
         row = conn.execute(sql.queries()["add_api_key"], {
             "id": uuid.uuid4(), "name": tenant, "key_hash": hash_key(key),
-            "key_prefix": key_prefix(key)}).fetchone()
+            "key_prefix": key_prefix(key), "roles": list(roles) if roles else None,
+            "platform": platform}).fetchone()
     if row is None:
         raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
     return key

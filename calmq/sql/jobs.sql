@@ -352,6 +352,10 @@ WITH cancelled AS (
     RETURNING id, tenant_id, workflow, step, attempt, trace_parent
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'cancelled', attempt, '{}'::jsonb FROM cancelled
+    -- who cancelled (the calling key's audit identity), when the caller says
+    SELECT id, 'cancelled', attempt,
+           CASE WHEN %(by)s::text IS NULL THEN '{}'::jsonb
+                ELSE jsonb_build_object('by', %(by)s::text) END
+    FROM cancelled
 )
 SELECT * FROM cancelled;

@@ -8,13 +8,20 @@ INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
 VALUES (%(id)s, %(tenant_id)s, %(key_hash)s, %(key_prefix)s);
 
 -- name: tenant_for_key
-SELECT t.id, t.name, k.key_prefix FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
+-- roles NULL: a key made without roles keeps every tenant role (migration 0013).
+SELECT t.id, t.name, k.key_prefix, k.roles, k.platform
+FROM api_keys k JOIN tenants t ON t.id = k.tenant_id
 WHERE k.key_hash = %(key_hash)s AND k.revoked_at IS NULL;
 
 -- name: add_api_key
-INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix)
-SELECT %(id)s, id, %(key_hash)s, %(key_prefix)s FROM tenants WHERE name = %(name)s
+INSERT INTO api_keys (id, tenant_id, key_hash, key_prefix, roles, platform)
+SELECT %(id)s, id, %(key_hash)s, %(key_prefix)s, %(roles)s::text[], %(platform)s
+FROM tenants WHERE name = %(name)s
 RETURNING key_prefix;
+
+-- name: ensure_tenant
+-- The tenant that holds the platform keys, made on first use.
+INSERT INTO tenants (id, name) VALUES (%(id)s, %(name)s) ON CONFLICT (name) DO NOTHING;
 
 -- name: revoke_api_keys
 -- Revoke keys of a tenant by prefix (or all of them with prefix NULL); the NOTIFY tells
@@ -59,7 +66,8 @@ SELECT t.id, t.name, t.created_at,
        (SELECT max(j.created_at) FROM jobs j WHERE j.tenant_id = t.id) AS last_job_at,
        coalesce((SELECT json_agg(json_build_object(
                     'prefix', k.key_prefix, 'created_at', k.created_at,
-                    'revoked_at', k.revoked_at) ORDER BY k.created_at)
+                    'revoked_at', k.revoked_at, 'roles', k.roles,
+                    'platform', k.platform) ORDER BY k.created_at)
                  FROM api_keys k WHERE k.tenant_id = t.id), '[]'::json) AS keys
 FROM tenants t
 WHERE %(name)s::text IS NULL OR t.name = %(name)s::text

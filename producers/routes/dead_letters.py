@@ -18,7 +18,7 @@ __all__ = ["ROUTES"]
 
 
 async def list_dead_letters(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "operate")
     params = request.query
     # since/until: a time without a zone is read in the database's zone; a bad one is 422.
     where = DeadLetterFilter(
@@ -32,7 +32,7 @@ async def list_dead_letters(request: web.Request) -> web.Response:
 
 
 async def redrive_dead_letter(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "operate")
     ident = job_id(request)
     req, _raw = await read_body(request, RedriveRequest)
     dead = DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS],
@@ -59,12 +59,12 @@ ROUTES = [
             *(query(n, {"type": "string", "format": "date-time"}) for n in ("since", "until")),
             LIMIT],
         "responses": {"200": answer("dead-lettered jobs, oldest death first", DeadLetterList),
-                      **problems(401, 422)},
+                      **problems(401, 403, 422)},
     }),
     Route("POST", "/v1/dead-letters/{job_id}/redrive", redrive_dead_letter, {
         "operationId": "redriveDeadLetter", "parameters": [JOB_ID],
         "requestBody": json_body(RedriveRequest),
         "responses": {"200": answer("requeued (or, with dry_run, unchanged)", Redriven),
-                      **problems(400, 401, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422)},
     }),
 ]

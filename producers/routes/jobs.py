@@ -63,7 +63,7 @@ _LIST_PARAMS = frozenset({"status", "workflow", "created_after", "created_before
 
 async def submit(request: web.Request) -> web.Response:
     started = time.perf_counter()
-    caller = await tenant(request)
+    caller = await tenant(request, "submit")
     stored: list[ObjectRef] = []
     try:
         response = await _submit(request, caller, stored)
@@ -273,10 +273,10 @@ async def get_artifact(request: web.Request) -> web.StreamResponse:
 
 
 async def cancel_job(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "submit", "operate")
     ident = job_id(request)
     store = request.app[STORE]
-    if not await store.jobs.cancel(caller.id, ident):
+    if not await store.jobs.cancel(caller.id, ident, by=caller.identity):
         job = await store.jobs.view(caller.id, ident)
         if job is None:
             raise NotFound("no such job")
@@ -289,7 +289,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def delete_job(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "submit")
     await purge(request.app[STORE], request.app[OBJECTS], request.app[SETTINGS],
                 caller.id, job_id(request))
     return web.Response(status=204)
@@ -330,7 +330,7 @@ ROUTES = [
     Route("DELETE", "/v1/jobs/{job_id}", delete_job, {
         "operationId": "deleteJob", "parameters": [JOB_ID],
         "responses": {"204": answer("objects purged, record redacted"),
-                      **problems(401, 404, 409)},
+                      **problems(401, 403, 404, 409)},
     }),
     Route("GET", "/v1/jobs/{job_id}/events", job_events, {
         "operationId": "jobEvents", "parameters": [
@@ -347,6 +347,7 @@ ROUTES = [
     }),
     Route("POST", "/v1/jobs/{job_id}/cancel", cancel_job, {
         "operationId": "cancelJob", "parameters": [JOB_ID],
-        "responses": {"200": answer("cancelled", JobView), **problems(401, 404, 409)},
+        "responses": {"200": answer("cancelled", JobView),
+                      **problems(401, 403, 404, 409)},
     }),
 ]

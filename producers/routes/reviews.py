@@ -20,7 +20,7 @@ def _desk(request: web.Request) -> ReviewDesk:
 
 
 async def review_job(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "review")
     ident = job_id(request)
     req, _raw = await read_body(request, ReviewRequest)
     await _desk(request).decide(caller.id, ident,
@@ -32,7 +32,7 @@ async def review_job(request: web.Request) -> web.Response:
 
 
 async def list_reviews(request: web.Request) -> web.Response:
-    caller = await tenant(request)
+    caller = await tenant(request, "review")
     rows = await _desk(request).pending(caller.id, limit=limit(request.query, default=100))
     return web.json_response({"reviews": [review_item(r) for r in rows]})
 
@@ -42,11 +42,11 @@ ROUTES = [
         "operationId": "reviewJob", "parameters": [JOB_ID],
         "requestBody": json_body(ReviewRequest),
         "responses": {"200": answer("decided", JobView),
-                      **problems(400, 401, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422)},
     }),
     Route("GET", "/v1/reviews", list_reviews, {
         "operationId": "listReviews", "parameters": [LIMIT],
         "responses": {"200": answer("jobs awaiting review, oldest first", ReviewList),
-                      **problems(401, 422)},
+                      **problems(401, 403, 422)},
     }),
 ]

@@ -25,7 +25,7 @@ TERMINAL = ("completed", "dead_letter", "cancelled")
 
 
 class WorkflowEnv:
-    def __init__(self, stack: StackState) -> None:
+    def __init__(self, stack: StackState, *, workers: bool = True) -> None:
         self.stack = stack
         self.db = stack.env["CALMQ_DATABASE_URL"]
         self.ledger = Ledger().start()
@@ -46,6 +46,10 @@ class WorkflowEnv:
         # What the API records as the caller in audit fields (a review's reviewer, ...).
         self.identity = f"tenant {self.tenant_name} key {key[:12]}"
         self.api = Api(self.api_url, key)
+        if workers:  # False: the test starts them (start_workers), e.g. to see jobs wait
+            self.start_workers()
+
+    def start_workers(self) -> None:
         self.worker, self.worker_port = self.start_worker(POOL)
         self.ledger_worker, self.ledger_worker_port = self.start_worker(LEDGER_POOL)
 

@@ -1,0 +1,94 @@
+-- The web console's reads (calmq/data/console.py). Every query takes %(tenant_id)s: a
+-- tenant's key sees only its own rows; NULL (a platform key) sees every tenant's.
+
+-- name: console_jobs
+-- Newest first, with every filter optional. lane is the job's priority column today
+-- (interactive, bulk); any other value is a lane nobody uses yet and matches nothing.
+-- search: a job id (or its first characters) or a metadata value, exactly.
+SELECT j.id, t.name AS tenant, j.workflow, j.status, j.priority AS lane, j.pool, j.step,
+       j.attempt, j.created_at, j.updated_at, j.metadata
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+  AND (%(statuses)s::text[] IS NULL OR j.status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+  AND (%(pool)s::text IS NULL OR j.pool = %(pool)s::text)
+  AND (%(lane)s::text IS NULL OR j.priority = %(lane)s::text)
+  AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
+  AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
+  AND (%(search)s::text IS NULL
+       OR j.id::text LIKE %(search)s::text || '%%'
+       OR EXISTS (SELECT 1 FROM jsonb_each_text(j.metadata) m
+                  WHERE m.value = %(search)s::text))
+ORDER BY j.created_at DESC, j.id DESC
+LIMIT %(limit)s;
+
+-- name: console_reviews
+-- Jobs waiting for a person, oldest first, with the model's output and the job's input.
+SELECT j.id, t.name AS tenant, j.tenant_id, j.workflow, j.step, j.pool,
+       j.review_deadline_at, j.updated_at, j.created_at, j.input, j.input_ref,
+       o.output, o.confidence
+FROM jobs j JOIN step_outputs o ON o.job_id = j.id AND o.step = j.step
+     JOIN tenants t ON t.id = j.tenant_id
+WHERE j.status = 'awaiting_review'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+ORDER BY j.updated_at, j.id
+LIMIT %(limit)s;
+
+-- name: console_backlog
+-- Unfinished jobs per pool, priority and status, and how long the oldest has waited in
+-- it (the queue age of calmq_queue_age_seconds, for queued and retrying).
+SELECT pool, priority AS lane, status, count(*) AS jobs,
+       GREATEST(0, extract(epoch FROM now() - min(updated_at)))::float8 AS oldest_seconds
+FROM jobs
+WHERE status IN ('queued', 'retrying', 'running', 'awaiting_review')
+  AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3;
+
+-- name: console_outcomes
+-- Jobs finished per 5-minute bin of the last hour, by how they ended (the history's
+-- completed and dead_lettered events: what calmq_jobs_completed_total counts).
+SELECT date_bin('5 minutes', e.at, 'epoch'::timestamptz) AS bin, e.type, count(*) AS jobs
+FROM job_events e JOIN jobs j ON j.id = e.job_id
+WHERE e.type IN ('completed', 'dead_lettered') AND e.at >= now() - interval '1 hour'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+GROUP BY 1, 2
+ORDER BY 1;
+
+-- name: console_spend
+-- Tokens and cost per hour of the last 24 (the attempts' usage, which the
+-- calmq_tokens_total counters add up), and what of it went to attempts that failed
+-- (retried) and to jobs that are dead letters now.
+SELECT date_trunc('hour', a.started_at) AS hour,
+       sum(a.input_tokens + a.output_tokens)::bigint AS tokens,
+       sum(a.cost_usd)::float8 AS cost_usd,
+       coalesce(sum(a.cost_usd) FILTER (WHERE a.outcome IS DISTINCT FROM 'completed'),
+                0)::float8 AS retry_cost_usd,
+       coalesce(sum(a.cost_usd) FILTER (WHERE j.status = 'dead_letter'), 0)::float8
+           AS dead_letter_cost_usd
+FROM job_attempts a JOIN jobs j ON j.id = a.job_id
+WHERE a.started_at >= now() - interval '24 hours'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+GROUP BY 1
+ORDER BY 1;
+
+-- name: console_budget
+-- The fleet's token budget per provider and model (calmq.budget), in tokens per minute.
+SELECT provider, model, tokens_per_minute FROM budget_buckets ORDER BY 1, 2;
+
+-- name: console_review_caps
+SELECT pool, cap FROM review_caps ORDER BY pool;
+
+-- name: console_set_review_cap
+-- A cap of NULL removes the pool's cap.
+WITH gone AS (
+    DELETE FROM review_caps WHERE pool = %(pool)s AND %(cap)s::integer IS NULL
+)
+INSERT INTO review_caps (pool, cap, updated_by)
+SELECT %(pool)s, %(cap)s::integer, %(by)s WHERE %(cap)s::integer IS NOT NULL
+ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap, updated_by = EXCLUDED.updated_by,
+                                 updated_at = now();
+
+-- name: console_last_event
+-- The id of the job's newest history entry: the console's SSE resumes after it.
+SELECT coalesce(max(id), 0) AS id FROM job_events WHERE job_id = %(id)s;

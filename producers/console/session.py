@@ -1,0 +1,138 @@
+"""Signing in to the console: the API key in a cookie, CSRF tokens, and the page guard.
+
+The cookie holds the API key itself (HttpOnly: no script reads it; SameSite=Strict: no
+other site's page sends it; Secure when the request came over HTTPS), so a revoked key
+signs everyone out at once, exactly like the API. Every form carries a CSRF token derived
+from the key (a page of another origin cannot read it); the sign-in form, before there is
+a key, uses a random token in a cookie of its own (double submit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from calmq.data import Tenant
+from calmq.errors import ContractError
+from calmq.producers.auth import COOKIE, key_tenant
+from calmq.producers.console.html import Page, esc, layout
+
+__all__ = ["COOKIE", "CSRF_COOKIE", "Handler", "csrf_token", "guard", "html_response",
+           "new_login_token", "redirect", "scope", "set_cookie"]
+
+CSRF_COOKIE = "calmq_console_csrf"
+
+Handler = Callable[[web.Request, Tenant, Page], Awaitable[web.StreamResponse]]
+
+
+def csrf_token(key: str) -> str:
+    """The CSRF token of a signed-in key's forms: a hash only the key's holder can make."""
+    return hashlib.sha256(b"calmq console csrf\0" + key.encode()).hexdigest()
+
+
+def new_login_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def set_cookie(request: web.Request, response: web.StreamResponse, name: str, value: str,
+               *, path: str = "/") -> None:
+    secure = request.secure or request.headers.get("X-Forwarded-Proto") == "https"
+    response.set_cookie(name, value, path=path, httponly=True, samesite="Strict",
+                        secure=secure)
+
+
+def redirect(location: str) -> web.Response:
+    # A 303 answer, not a raised HTTPFound: the API's error middleware turns raised HTTP
+    # exceptions into problem+json.
+    return web.Response(status=303, headers={"Location": location})
+
+
+def html_response(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="text/html", headers={
+        "Cache-Control": "no-store",
+        "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                                   "frame-ancestors 'none'; form-action 'self'",
+        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
+
+
+def scope(caller: Tenant) -> Any:
+    """The tenant a caller's console reads: its own, or None (every tenant) for a platform
+    key."""
+    return None if caller.platform else caller.id
+
+
+def _same_origin(request: web.Request) -> bool:
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin is None
+    return origin.split("://", 1)[-1] == request.host
+
+
+def error_page(request: web.Request, page: Page | None, status: int, code: str,
+               message: str) -> web.StreamResponse:
+    if request.path.endswith(".json"):
+        from calmq.producers.problems import problem
+
+        return problem(status, code, message)
+    body = (f'<p class="error" role="alert" data-code="{esc(code)}">{esc(message)}</p>'
+            f'<p><a href="/console/overview">Back to the overview</a></p>')
+    return html_response(layout(f"Error {status}", body, page), status)
+
+
+def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
+                                                       Awaitable[web.StreamResponse]]]:
+    """A console handler: signed in (else to the sign-in page), a POST with its CSRF token,
+    the key holding one of ``roles``; a ContractError becomes an error page."""
+
+    def wrap(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def run(request: web.Request) -> web.StreamResponse:
+            key = request.cookies.get(COOKIE, "")
+            caller = await key_tenant(request, key) if key else None
+            if caller is None:
+                if request.path.endswith(".json"):
+                    return error_page(request, None, 401, "not_signed_in",
+                                      "sign in at /console/sign-in")
+                target = request.path_qs if request.method == "GET" else "/console/overview"
+                response = redirect("/console/sign-in?next=" + _quote(target))
+                if key:  # a revoked key: forget it
+                    response.del_cookie(COOKIE, path="/")
+                return response
+            page = Page(caller.name, caller.key_prefix, caller.roles, caller.platform,
+                        csrf_token(key))
+            if request.method == "POST":
+                form = await request.post()
+                if not (_same_origin(request) and hmac.compare_digest(
+                        str(form.get("csrf", "")), page.csrf)):
+                    return error_page(request, page, 403, "csrf_failed",
+                                      "the form's CSRF token is missing or stale; reload "
+                                      "the page and try again")
+            if roles and not any(caller.can(r) for r in roles):
+                return error_page(request, page, 403, "role_forbidden",
+                                  f"this needs the {' or '.join(roles)} role; your key has "
+                                  f"{', '.join(caller.roles)}")
+            try:
+                return await handler(request, caller, page)
+            except ContractError as exc:
+                return error_page(request, page, exc.status, exc.code, exc.message)
+
+        return run
+
+    return wrap
+
+
+def _quote(path: str) -> str:
+    from urllib.parse import quote
+
+    return quote(path, safe="")
+
+
+def safe_next(value: str | None) -> str:
+    """Where to go after signing in: a console path only (no open redirect)."""
+    if value and value.startswith("/console/") and not value.startswith("//"):
+        return value
+    return "/console/overview"

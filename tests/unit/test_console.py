@@ -1,0 +1,81 @@
+"""The console's pure parts: roles, escaping, the review form's corrections, sign-in
+redirects, CSRF tokens and the SVG charts (the pages themselves: tests/e2e/test_console.py)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from multidict import MultiDict
+
+from calmq.data.tenants import ROLES, Tenant, parse_roles
+from calmq.errors import ContractError
+from calmq.producers.console.charts import bars
+from calmq.producers.console.html import Markup, esc, table
+from calmq.producers.console.pages import _corrections, _output_fields
+from calmq.producers.console.session import csrf_token, safe_next
+from calmq.workflows.invoice import InvoiceFields
+
+
+def test_a_key_without_roles_keeps_every_role() -> None:
+    tenant = Tenant(uuid.uuid4(), "acme", "cq_123456789")
+    assert tenant.roles == ROLES == ("submit", "review", "operate")
+    assert all(tenant.can(r) for r in ROLES)
+    assert parse_roles(None) is None
+    assert parse_roles("all") is None
+
+
+def test_roles_parse_from_a_comma_list_and_unknown_ones_are_refused() -> None:
+    assert parse_roles("review, operate,review") == ("review", "operate")
+    with pytest.raises(ContractError) as err:
+        parse_roles("review,admin")
+    assert err.value.code == "invalid_roles"
+    assert "admin" in err.value.message
+    reviewer = Tenant(uuid.uuid4(), "acme", "cq_x", ("review",))
+    assert reviewer.can("review")
+    assert not reviewer.can("operate")
+
+
+def test_every_value_is_escaped_but_markup() -> None:
+    assert esc('<script>"x"</script>') == "&lt;script&gt;&quot;x&quot;&lt;/script&gt;"
+    assert esc({"a": "<b>"}) == "{&quot;a&quot;: &quot;&lt;b&gt;&quot;}"
+    assert esc(Markup("<b>ok</b>")) == "<b>ok</b>"
+    html = table("t", ["h"], [("<img src=x>",)])
+    assert "<img" not in html
+    assert "&lt;img src=x&gt;" in html
+
+
+def test_the_review_form_follows_the_output_model_and_keeps_only_changes() -> None:
+    output = {"vendor": "Blurry", "invoice_number": "7?1", "total": 88.0, "currency": "EUR"}
+    fields = _output_fields(InvoiceFields, output)
+    assert [(n, k, r) for n, k, _v, r in fields] == [
+        ("vendor", "string", True), ("invoice_number", "string", True),
+        ("total", "number", True), ("currency", "string", True)]
+    form = MultiDict({"field:vendor": "Blurry", "field:invoice_number": "791",
+                      "field:total": "88.5", "field:currency": "EUR"})
+    assert _corrections(fields, form) == {"invoice_number": "791", "total": 88.5}
+    with pytest.raises(ContractError) as err:
+        _corrections(fields, MultiDict({"field:total": "lots"}))
+    assert (err.value.code, err.value.status) == ("invalid_fields", 422)
+
+
+def test_sign_in_only_returns_to_console_pages() -> None:
+    assert safe_next("/console/jobs?status=queued") == "/console/jobs?status=queued"
+    for bad in (None, "", "https://evil.example/", "//evil.example/console/", "/v1/jobs"):
+        assert safe_next(bad) == "/console/overview"
+
+
+def test_csrf_tokens_differ_per_key_and_do_not_reveal_it() -> None:
+    a, b = csrf_token("cq_aaaa"), csrf_token("cq_bbbb")
+    assert a != b
+    assert a == csrf_token("cq_aaaa")
+    assert "cq_aaaa" not in a
+
+
+def test_a_chart_is_an_accessible_svg_with_its_numbers() -> None:
+    svg = bars("Tokens per hour", ["10:00", "11:00"], [("tokens", [5.0, 10.0])],
+               limit=20.0, limit_label="budget")
+    assert 'role="img"' in svg
+    assert "<title>Tokens per hour</title>" in svg
+    assert "tokens: 5, 10" in svg
+    assert 'class="limit"' in svg
