@@ -314,6 +314,12 @@ class StepRunner:
             # Claimable now, so the claim's snapshot (taken a moment before this read)
             # did not see it yet; another worker's claim would have made it running.
             return True
+        if step == wanted and status == "dead_letter":
+            # A redrive's request can outrun the redrive's commit the same way: the worker
+            # still sees the dead letter. Acknowledging it would leave the redriven job
+            # queued with no message (until the sweeper), so it is claimed again shortly;
+            # a true stale duplicate of a dead letter only costs its few deferrals (~4 s).
+            return True
         workflow = self.workflows.get(workflow_of.get(job_id, ""))
         if workflow is None:
             return False

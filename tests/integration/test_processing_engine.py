@@ -270,6 +270,42 @@ def test_a_message_ahead_of_its_jobs_commit_is_claimed_once_the_job_is_visible(
     assert _types(history(env.db, str(job_id))) == ["queued", "running", "completed"]
 
 
+def test_a_redrive_message_ahead_of_the_redrive_commit_is_claimed_once_visible(
+    env: Env, served: tuple[str, int],
+) -> None:
+    """A redrive's job.requested can reach a worker before the redrive's commit is visible
+    to it: the worker still sees the dead letter. It must claim the job once the redrive is
+    visible, not acknowledge the message as stale (the redriven job would wait for ever)."""
+    pool, port = served
+    deferred = metric(port, "calmq_claims_deferred_total") or 0
+    job_id = uuid.uuid4()
+    with psycopg.connect(env.db) as conn:  # the dead letter, committed
+        conn.execute(
+            "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
+            " pool, step, max_attempts, attempt, input) VALUES (%s, %s, 'summarize', 1,"
+            " 'dead_letter', 'interactive', %s, 'summarize', 3, 3, %s)",
+            (job_id, env.tenant, pool, Jsonb({"text": "second chance", "mode": "success"})))
+        conn.execute("INSERT INTO job_events (job_id, type, attempt, detail)"
+                     " VALUES (%s, 'queued', 0, '{}'), (%s, 'dead_letter', 3, '{}')",
+                     (job_id, job_id))
+    row = {"id": job_id, "tenant_id": env.tenant, "workflow": "summarize",
+           "workflow_version": 1, "step": "summarize", "attempt": 0, "priority": "interactive",
+           "pool": pool, "input_ref": None, "deadline_at": None, "trace_parent": None}
+    value = make_codec(env.stack.env["CALMQ_SCHEMA_REGISTRY_URL"]).encode(
+        "job.requested", events.requested(row))
+    with psycopg.connect(env.db) as conn:  # the redrive, committed when the block ends
+        conn.execute("UPDATE jobs SET status = 'queued', attempt = 0 WHERE id = %s", (job_id,))
+        conn.execute("INSERT INTO job_events (job_id, type, attempt, detail)"
+                     " VALUES (%s, 'redriven', 0, '{}')", (job_id,))
+        producer = Producer({"bootstrap.servers": env.bootstrap})
+        producer.produce(f"calmq.{pool}.interactive", value=value, key=str(job_id).encode())
+        assert producer.flush(10) == 0
+        wait_for(lambda: (metric(port, "calmq_claims_deferred_total") or 0) > deferred,
+                 timeout=30, what="the worker to see the dead letter still")
+    assert env.finished(str(job_id))["status"] == "completed"
+    assert _types(history(env.db, str(job_id)))[-3:] == ["redriven", "running", "completed"]
+
+
 def test_redelivered_message_of_a_finished_job_makes_no_call(
     env: Env, served: tuple[str, int],
 ) -> None:
