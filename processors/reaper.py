@@ -20,9 +20,10 @@ from calmq.data import Store
 from calmq.errors import FailureClass
 from calmq.processors import metrics
 from calmq.reviews import ReviewDesk
+from calmq.spending import SpendCaps
 from calmq.supervision import Supervisor
 
-__all__ = ["POISON_ERROR", "schedule_reaper"]
+__all__ = ["POISON_ERROR", "schedule_reaper", "schedule_spend_release"]
 
 log = logging.getLogger(__name__)
 
@@ -73,4 +74,20 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
     side.every("sweeper", max(interval, sweeper_grace_seconds / 10), sweep,
                first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
+               critical=True)
+
+
+def schedule_spend_release(side: Supervisor, caps: SpendCaps, *,
+                           first_after: float = 0.0) -> None:
+    """Every ``spend_cap_refresh_seconds``: re-publish the jobs that waited past a spend cap
+    and that no cap holds any more (the window rolled over, the cap was raised). One pass
+    at a time in the fleet (an advisory lock); a pass releases at most 500 jobs."""
+
+    async def release() -> None:
+        released = await caps.release()
+        if released:
+            metrics.RELEASED.inc(released)
+            log.info("re-published %d jobs that waited past a spend cap", released)
+
+    side.every("spend-release", caps.refresh_seconds, release, first_after=first_after,
                critical=True)

@@ -158,6 +158,9 @@ class JobView(JobSummary):
     """GET /v1/jobs/{id}: the same shape at every stage (docs/reference/api.md)."""
 
     usage: Usage
+    # Why a queued job waits (e.g. spend_cap_daily: its tenant is past its daily spend cap);
+    # null when nothing holds it back.
+    waiting_reason: str | None = None
     events: list[JobEvent]
 
 
