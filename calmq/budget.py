@@ -504,14 +504,37 @@ class TenantQuota:
 
     def __init__(self, ledger: TenantTokens, default_per_minute: int, *,
                  burst_seconds: float = 1.0, refresh_seconds: float = 10.0,
+                 queue_seconds: float = 15.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ledger = ledger
         self.default_per_minute = default_per_minute
         self.burst_seconds = burst_seconds
         self.refresh_seconds = refresh_seconds
+        self.queue_seconds = queue_seconds
         self._clock = clock
         self._own: dict[uuid.UUID, int] = {}
         self._read_at: float | None = None
+        self._waiting: dict[uuid.UUID, int] = {}  # calls of a tenant waiting here now
+        self._avg_tokens = 0.0  # of a call, moving average
+
+    def allowance(self, tenant_id: uuid.UUID) -> int | None:
+        """How many of the tenant's jobs a worker should hold: what its quota serves within
+        ``queue_seconds`` (None: no quota). The worker does not claim more of that tenant's
+        jobs (they wait, and are released as the quota allows): claimed, they would hold
+        the worker's in-flight room, and the Kafka partitions behind them, from every other
+        tenant."""
+        per_minute = self._own.get(tenant_id, self.default_per_minute)
+        return self.serves(per_minute, self.queue_seconds) if per_minute > 0 else None
+
+    def waiting(self, tenant_id: uuid.UUID) -> int:
+        """The tenant's calls waiting for its quota in this process now."""
+        return self._waiting.get(tenant_id, 0)
+
+    def serves(self, per_minute: int, seconds: float) -> int:
+        """How many calls a quota of ``per_minute`` tokens serves in ``seconds`` (at least
+        one), from the size of the calls seen so far."""
+        tokens = self._avg_tokens or 500.0
+        return max(1, math.ceil(per_minute / 60 * seconds / tokens))
 
     async def per_minute(self, tenant_id: uuid.UUID) -> int:
         now = self._clock()
@@ -534,20 +557,30 @@ class TenantQuota:
             return None
         rate = per_minute / 60
         cap = max(per_minute * self.burst_seconds / 60, 1.0)
+        self._avg_tokens = tokens if not self._avg_tokens else \
+            0.9 * self._avg_tokens + 0.1 * tokens
         waited = False
-        while True:
-            try:
-                granted, wait = await self.ledger.take(tenant_id, tokens, rate, cap)
-            except Exception as exc:  # noqa: BLE001 - fail open, see the class docstring
-                log.warning("the tenant token quota is unavailable: %s", exc)
-                return None
-            if granted:
-                return TenantHold(self, tenant_id, tokens, cap)
-            if not waited:
-                waited = True
-                _metrics().quota_waits.labels(tenant).inc()
-            # At most a second: the tenant's quota may be raised meanwhile.
-            await asyncio.sleep(min(max(wait, 0.01), 1.0))  # a refill's pause, not a sync
+        self._waiting[tenant_id] = self._waiting.get(tenant_id, 0) + 1
+        try:
+            while True:
+                try:
+                    granted, wait = await self.ledger.take(tenant_id, tokens, rate, cap)
+                except Exception as exc:  # noqa: BLE001 - fail open, see the class docstring
+                    log.warning("the tenant token quota is unavailable: %s", exc)
+                    return None
+                if granted:
+                    return TenantHold(self, tenant_id, tokens, cap)
+                if not waited:
+                    waited = True
+                    _metrics().quota_waits.labels(tenant).inc()
+                # At most a second: the tenant's quota may be raised meanwhile.
+                await asyncio.sleep(min(max(wait, 0.01), 1.0))  # a refill's pause, not a sync
+        finally:
+            left = self._waiting.get(tenant_id, 1) - 1
+            if left > 0:
+                self._waiting[tenant_id] = left
+            else:
+                self._waiting.pop(tenant_id, None)
 
     async def _give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None:
         try:
@@ -796,7 +829,8 @@ async def open_metered_provider(
         share = settings.budget_tenant_share
         quota = TenantQuota(TenantTokenLedger(db),
                             int(limits.tokens_per_minute * share) if share < 1 else 0,
-                            burst_seconds=settings.budget_burst_seconds)
+                            burst_seconds=settings.budget_burst_seconds,
+                            queue_seconds=settings.budget_queue_seconds)
     usage = UsageRecorder(db)
     usage.start()
     return BudgetedProvider(

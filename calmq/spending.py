@@ -23,7 +23,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING
+
+from prometheus_client import Gauge
 
 from calmq.data.spending import Spend, SpendCap, SpendLedger
 
@@ -33,6 +36,13 @@ if TYPE_CHECKING:
 __all__ = ["Holds", "SpendCaps", "spend_caps_from_settings"]
 
 log = logging.getLogger(__name__)
+
+
+@cache
+def _held_gauge() -> Gauge:
+    return Gauge("calmq_spend_capped_tenants",
+                 "Tenants whose work of this priority waits past a spend cap, as this process"
+                 " last read them (the fleet's own cap counts as one)", ["priority"])
 
 
 @dataclass(frozen=True)
@@ -74,8 +84,10 @@ class SpendCaps:
     """Who is past a cap, read at most every ``refresh_seconds``."""
 
     def __init__(self, ledger: SpendLedger, *, fleet: SpendCap, bulk_fraction: float,
-                 refresh_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 refresh_seconds: float, stale_seconds: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ledger = ledger
+        self.stale_seconds = stale_seconds  # a token-quota wait no quota pass released
         self.fleet = fleet
         self.bulk_fraction = bulk_fraction
         self.refresh_seconds = refresh_seconds
@@ -99,6 +111,9 @@ class SpendCaps:
         caps = await self.ledger.caps()
         fleet_capped = self.fleet.daily is not None or self.fleet.monthly is not None
         if not caps and not fleet_capped:
+            gauge = _held_gauge()
+            gauge.labels("bulk").set(0)
+            gauge.labels("interactive").set(0)
             return Holds()  # nothing capped: no need to sum anything
         spend = await self.ledger.spend()
         bulk: dict[uuid.UUID, str] = {}
@@ -117,6 +132,9 @@ class SpendCaps:
             fleet_every, fleet_bulk = _over(total, self.fleet, self.bulk_fraction)
             fleet_every = f"fleet_{fleet_every}" if fleet_every else None
             fleet_bulk = f"fleet_{fleet_bulk}" if fleet_bulk else None
+        gauge = _held_gauge()
+        gauge.labels("bulk").set(len(bulk) + (fleet_bulk is not None))
+        gauge.labels("interactive").set(len(every) + (fleet_every is not None))
         return Holds(bulk, every, fleet_bulk, fleet_every)
 
     async def release(self) -> int:
@@ -125,7 +143,8 @@ class SpendCaps:
         self._holds = holds = await self.refresh()
         released = await self.ledger.release(
             held_bulk=list(holds.bulk), held_all=list(holds.every),
-            fleet_bulk=holds.fleet_bulk is not None, fleet_all=holds.fleet_every is not None)
+            fleet_bulk=holds.fleet_bulk is not None, fleet_all=holds.fleet_every is not None,
+            stale_seconds=self.stale_seconds)
         return len(released)
 
 
@@ -135,4 +154,5 @@ def spend_caps_from_settings(settings: Settings, ledger: SpendLedger) -> SpendCa
         fleet=SpendCap(settings.spend_cap_fleet_daily_usd or None,
                        settings.spend_cap_fleet_monthly_usd or None),
         bulk_fraction=settings.spend_cap_bulk_fraction,
-        refresh_seconds=settings.spend_cap_refresh_seconds)
+        refresh_seconds=settings.spend_cap_refresh_seconds,
+        stale_seconds=settings.sweeper_grace_seconds)

@@ -27,6 +27,7 @@ from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
+from calmq.data.spending import SpendLedger
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
@@ -39,7 +40,7 @@ from calmq.processors.offsets import OffsetTracker, Position, headers_of, positi
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
-from calmq.spending import SpendCaps
+from calmq.spending import Holds, SpendCaps
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import Progress
 
@@ -126,9 +127,15 @@ class StepRunner:
         poison: PoisonSink,
         usage: UsageSink | None = None,
         spend: SpendCaps | None = None,
+        allowance: Callable[[uuid.UUID], int | None] | None = None,
     ) -> None:
         self.store = store
         self.spend = spend
+        # How many of a tenant's jobs this worker holds at most: what its token quota serves
+        # soon (calmq.budget.TenantQuota.allowance; None: no quota). Past it, the tenant's
+        # further jobs wait unclaimed (waiting_reason token_quota).
+        self.allowance = allowance
+        self._held_by: dict[uuid.UUID, int] = {}  # the tenants' jobs in self._running
         self.usage = usage
         self.codec = codec
         self.provider = provider
@@ -227,7 +234,7 @@ class StepRunner:
             for p in poison:
                 self.tracker.done((p.topic, p.partition), p.offset)
             metrics.POISON.inc(len(poison))
-        if wanted and self.spend is not None:
+        if wanted and (self.spend is not None or self.allowance is not None):
             wanted = await self._hold_capped(wanted, whose)
         if not wanted:
             return
@@ -257,33 +264,44 @@ class StepRunner:
                 continue
             task = asyncio.create_task(self._run(job, position[0][0], position))
             self._running[job_id] = task
+            self._held_by[job.tenant_id] = self._held_by.get(job.tenant_id, 0) + 1
 
     async def _hold_capped(self, wanted: list[tuple[Message, uuid.UUID]],
                            whose: dict[uuid.UUID, tuple[str, str]]
                            ) -> list[tuple[Message, uuid.UUID]]:
-        """Jobs of tenants past a spend cap wait instead of being claimed (calmq.spending):
-        their messages are acknowledged once the job row says why it waits. What is left is
-        claimed as usual (a job the hold did not find may be ahead of this worker's view)."""
-        assert self.spend is not None
-        holds = await self.spend.holds()
+        """Jobs of tenants past a spend cap (calmq.spending), or past what their token quota
+        serves soon, wait instead of being claimed: their messages are acknowledged once
+        the job row says why it waits. What is left is claimed as usual (a job the hold did
+        not find may be ahead of this worker's view)."""
+        holds = await self.spend.holds() if self.spend is not None else Holds()
         by_reason: dict[str, list[uuid.UUID]] = {}
+        taking = dict(self._held_by)  # what each tenant holds with this batch's jobs
         for _, job_id in wanted:
             tenant, priority = whose.get(job_id, ("", "bulk"))
             try:
-                reason = holds.reason(uuid.UUID(tenant), priority)
+                tenant_id = uuid.UUID(tenant)
             except ValueError:
-                reason = None
-            if reason is not None and job_id not in self._running:
+                continue
+            if job_id in self._running:
+                continue
+            reason = holds.reason(tenant_id, priority)
+            if reason is None and self.allowance is not None:
+                allowed = self.allowance(tenant_id)
+                if allowed is not None and taking.get(tenant_id, 0) >= allowed:
+                    reason = "token_quota"
+                else:
+                    taking[tenant_id] = taking.get(tenant_id, 0) + 1
+            if reason is not None:
                 by_reason.setdefault(reason, []).append(job_id)
         if not by_reason:
             return wanted
-        spend = self.spend
+        ledger = SpendLedger(self.store)
         held: set[uuid.UUID] = set()
         for reason, ids in by_reason.items():
             def hold(ids: list[uuid.UUID] = ids, reason: str = reason
                      ) -> Awaitable[list[uuid.UUID]]:
-                return spend.ledger.hold(ids, reason, {"priority_order": "bulk first"})
-            held.update(await retry_forever("holding jobs past a spend cap failed", hold))
+                return ledger.hold(ids, reason, {})
+            held.update(await retry_forever("holding waiting jobs failed", hold))
         rest = []
         for msg, job_id in wanted:
             if job_id in held:
@@ -389,6 +407,11 @@ class StepRunner:
             return
         finally:
             self._running.pop(job.id, None)
+            left = self._held_by.get(job.tenant_id, 1) - 1
+            if left > 0:
+                self._held_by[job.tenant_id] = left
+            else:
+                self._held_by.pop(job.tenant_id, None)
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         self._observe(job, finish, time.monotonic() - started, clock.seconds)

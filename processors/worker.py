@@ -24,7 +24,11 @@ from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.lag import LagSampler, admin_config
 from calmq.processors.poison import PoisonSink
-from calmq.processors.reaper import schedule_reaper, schedule_spend_release
+from calmq.processors.reaper import (
+    schedule_quota_release,
+    schedule_reaper,
+    schedule_spend_release,
+)
 from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
@@ -87,6 +91,7 @@ class Worker:
                               codec),
             usage=provider.usage.record if provider.usage is not None else None,
             spend=spend,
+            allowance=provider.quota.allowance if provider.quota is not None else None,
             config=RunnerConfig(
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,
@@ -109,6 +114,8 @@ class Worker:
         thread.start()
         log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
         side = self._side_tasks(store, runner, consumer, spend)
+        if provider.quota is not None:  # else: the spend pass releases stale waits
+            schedule_quota_release(side, SpendLedger(store), provider.quota)
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.1)

@@ -59,7 +59,8 @@ class SpendLedger:
             return [r["id"] for r in await cur.fetchall()]
 
     async def release(self, *, held_bulk: Sequence[uuid.UUID], held_all: Sequence[uuid.UUID],
-                      fleet_bulk: bool, fleet_all: bool, limit: int = 500) -> list[Job]:
+                      fleet_bulk: bool, fleet_all: bool, stale_seconds: float = 600.0,
+                      limit: int = 500) -> list[Job]:
         """Re-publish (through the outbox, in the same transaction) the waiting jobs that no
         cap holds any more; one pass at a time in the fleet."""
         async with self._db.pool.connection() as conn, conn.transaction():
@@ -69,8 +70,36 @@ class SpendLedger:
                 return []
             cur = await conn.execute(self._db.q["release_jobs"], {
                 "held_bulk": list(held_bulk), "held_all": list(held_all),
-                "fleet_bulk": fleet_bulk, "fleet_all": fleet_all, "limit": limit})
+                "fleet_bulk": fleet_bulk, "fleet_all": fleet_all,
+                "stale_seconds": stale_seconds, "limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._db.q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def quota_held_tenants(self) -> list[uuid.UUID]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["quota_held_tenants"])
+            return [r["tenant_id"] for r in await cur.fetchall()]
+
+    async def release_quota(self, limits: dict[uuid.UUID, int]) -> list[Job]:
+        """Re-publish up to ``limits[tenant]`` of each tenant's jobs that wait for its token
+        quota (through the outbox, in one transaction); one pass at a time in the fleet."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["quota_lock"])
+            row = await cur.fetchone()
+            if row is None or not row["held"]:
+                return []
+            jobs: list[Job] = []
+            for tenant_id, limit in sorted(limits.items()):
+                cur = await conn.execute(self._db.q["release_quota_jobs"],
+                                         {"tenant_id": tenant_id, "limit": limit})
+                jobs.extend(Job.from_row(r) for r in await cur.fetchall())
             if jobs:
                 async with conn.cursor() as out:
                     await out.executemany(self._db.q["insert_outbox"], [

@@ -50,9 +50,14 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.spend_release', 0)) AS 
 -- Waiting jobs whose reason no longer holds (the window rolled over, the cap was raised):
 -- the reason is cleared and the caller writes a fresh job.requested in this transaction.
 -- A job stays waiting while its tenant, or the fleet, is still past the cap for its priority.
+-- A job waiting for its token quota is released by the workers' quota pass (release_quota_
+-- jobs); here only once it waited past stale_seconds (no worker runs quotas any more): it
+-- comes back to wait again if its tenant is still crowded.
 WITH released AS (
     SELECT j.id FROM jobs j
     WHERE j.waiting_reason IS NOT NULL AND j.status IN ('queued', 'retrying')
+      AND (j.waiting_reason LIKE '%%spend_cap%%'
+           OR j.updated_at < now() - make_interval(secs => %(stale_seconds)s))
       AND NOT (j.tenant_id = ANY(%(held_bulk)s) AND j.priority <> 'interactive')
       AND NOT (j.tenant_id = ANY(%(held_all)s))
       AND NOT (%(fleet_bulk)s AND j.priority <> 'interactive')
@@ -85,3 +90,35 @@ SET spend_cap_daily_usd = CASE WHEN %(set_daily)s THEN %(daily)s::numeric
                                  ELSE spend_cap_monthly_usd END
 WHERE name = %(name)s
 RETURNING id;
+
+-- name: quota_held_tenants
+-- Tenants with jobs waiting for their token quota (the jobs_waiting_reason index).
+SELECT DISTINCT tenant_id FROM jobs
+WHERE waiting_reason = 'token_quota' AND status IN ('queued', 'retrying');
+
+-- name: quota_lock
+-- One token-quota release pass at a time in the fleet.
+SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.quota_release', 0)) AS held;
+
+-- name: release_quota_jobs
+-- As many of a tenant's jobs waiting for its token quota as the quota serves until the next
+-- pass (interactive first, then oldest): the reason is cleared and the caller writes a fresh
+-- job.requested in this transaction.
+WITH released AS (
+    SELECT j.id FROM jobs j
+    WHERE j.tenant_id = %(tenant_id)s AND j.waiting_reason = 'token_quota'
+      AND j.status IN ('queued', 'retrying')
+    ORDER BY j.priority = 'interactive' DESC, j.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM released r WHERE j.id = r.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, j.status AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "quota_refilled"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
