@@ -123,8 +123,11 @@ class _Ledger:
         return self._spend
 
 
+_NO_CAP = SpendCap(None, None)
+
+
 def _holds(caps: dict[uuid.UUID, SpendCap], spend: dict[uuid.UUID, Spend],
-           fleet: SpendCap = SpendCap(None, None)) -> Holds:
+           fleet: SpendCap = _NO_CAP) -> Holds:
     ledger: Any = _Ledger(caps, spend)  # the reads of a SpendLedger
     caps_ = SpendCaps(ledger, fleet=fleet, bulk_fraction=0.9, refresh_seconds=1)
     return asyncio.run(caps_.refresh())
