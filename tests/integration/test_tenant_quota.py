@@ -148,14 +148,7 @@ def test_one_tenants_flood_waits_at_its_quota_and_another_tenant_still_gets_budg
         wait_for(lambda: len(_completed_at(conn, few)) == FEW, timeout=60,
                  what="the other tenant's jobs")
         finished = max(_completed_at(conn, few))
-        timeline = conn.execute(
-            "SELECT j.id, e.type, extract(epoch FROM e.at) - %s, e.detail FROM job_events e"
-            " JOIN jobs j ON j.id = e.job_id WHERE j.id = ANY(%s::uuid[]) ORDER BY e.id",
-            (started, few)).fetchall()
-        flood_state = conn.execute(
-            "SELECT status, waiting_reason, count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
-            " GROUP BY 1, 2", (flood,)).fetchall()
-        assert finished - started <= 20, (finished - started, timeline, flood_state)
+        assert finished - started <= 20, finished - started
 
         # A's calls since its first: at most its quota's rate, plus a bucket.
         wait_for(lambda: len(_completed_at(conn, flood)) >= 30, timeout=60,
