@@ -472,6 +472,8 @@ class TenantTokens(Protocol):
 
     async def quotas(self) -> dict[uuid.UUID, int]: ...
 
+    async def active_tenants(self) -> int: ...
+
 
 @dataclass
 class TenantHold:
@@ -495,19 +497,24 @@ class TenantHold:
 class TenantQuota:
     """Each tenant's tokens per minute, in PostgreSQL, in front of the shared buckets.
 
-    A tenant without a quota of its own gets ``default_per_minute`` (the fleet's tokens per
-    minute times ``budget_tenant_share``). A call waits here, before it joins the shared
-    queue, while its tenant is past its quota: the shared buckets then serve the other
-    tenants. With the database away the quota is not enforced (the shared budget still
-    holds the provider's limit): metering a tenant must not stop every tenant's work.
+    A tenant without a quota of its own gets its fair share: the larger of
+    ``default_per_minute`` (the fleet's tokens per minute times ``budget_tenant_share``)
+    and an equal part of ``fleet_per_minute`` among the tenants that made calls in the last
+    minute (all of it for a tenant alone), read every ``refresh_seconds``. A call waits
+    here, before it joins the shared queue, while its tenant is past its quota: the shared
+    buckets then serve the other tenants. With the database away the quota is not enforced
+    (the shared budget still holds the provider's limit): metering a tenant must not stop
+    every tenant's work.
     """
 
     def __init__(self, ledger: TenantTokens, default_per_minute: int, *,
-                 burst_seconds: float = 1.0, refresh_seconds: float = 10.0,
-                 queue_seconds: float = 15.0,
+                 fleet_per_minute: int = 0, burst_seconds: float = 1.0,
+                 refresh_seconds: float = 2.0, queue_seconds: float = 15.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ledger = ledger
-        self.default_per_minute = default_per_minute
+        self.share_per_minute = default_per_minute
+        self.fleet_per_minute = fleet_per_minute
+        self._active = 1
         self.burst_seconds = burst_seconds
         self.refresh_seconds = refresh_seconds
         self.queue_seconds = queue_seconds
@@ -516,6 +523,13 @@ class TenantQuota:
         self._read_at: float | None = None
         self._waiting: dict[uuid.UUID, int] = {}  # calls of a tenant waiting here now
         self._avg_tokens = 0.0  # of a call, moving average
+
+    @property
+    def default_per_minute(self) -> int:
+        """The quota of a tenant without one of its own, as last read."""
+        if self.share_per_minute <= 0:
+            return 0
+        return max(self.share_per_minute, self.fleet_per_minute // max(1, self._active))
 
     def allowance(self, tenant_id: uuid.UUID) -> int | None:
         """How many of the tenant's jobs a worker should hold: what its quota serves within
@@ -541,6 +555,8 @@ class TenantQuota:
         if self._read_at is None or now - self._read_at >= self.refresh_seconds:
             try:
                 self._own = await self.ledger.quotas()
+                if self.fleet_per_minute:
+                    self._active = await self.ledger.active_tenants()
             except Exception as exc:  # noqa: BLE001 - keep the last quotas read
                 log.warning("reading the tenants' token quotas failed: %s", exc)
             self._read_at = now
@@ -829,6 +845,7 @@ async def open_metered_provider(
         share = settings.budget_tenant_share
         quota = TenantQuota(TenantTokenLedger(db),
                             int(limits.tokens_per_minute * share) if share < 1 else 0,
+                            fleet_per_minute=limits.tokens_per_minute,
                             burst_seconds=settings.budget_burst_seconds,
                             queue_seconds=settings.budget_queue_seconds)
     usage = UsageRecorder(db)

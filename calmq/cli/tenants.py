@@ -167,7 +167,7 @@ def register(command: Command, flags: Flags) -> None:
     flags.setting(p, "webhook_secret_grace_seconds")
     flags.option(p, "--tokens-per-minute",
                  help="set-quota: the tenant's token quota per minute (0: none of its own; "
-                      "default: the fair share, budget_tenant_share of the fleet's)")
+                      "default: the fair share of the fleet's)")
     flags.option(p, "--daily-usd",
                  help="set-spend-cap: the tenant's cap per UTC day in USD (none: no cap)")
     flags.option(p, "--monthly-usd",

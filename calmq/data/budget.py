@@ -155,6 +155,13 @@ class TenantTokenLedger:
             cur = await conn.execute(self._db.q["tenant_token_quotas"])
             return {r["id"]: int(r["tokens_per_minute"]) for r in await cur.fetchall()}
 
+    async def active_tenants(self) -> int:
+        """Tenants whose calls took from their quota in the last minute."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["tenant_tokens_active"])
+            row = await cur.fetchone()
+        return int(row["active"]) if row is not None else 0
+
     async def level(self, tenant_id: uuid.UUID) -> float | None:
         """The tokens the tenant's bucket held at its last touch (tooling and tests)."""
         async with self._db.pool.connection() as conn:

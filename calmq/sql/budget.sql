@@ -77,3 +77,9 @@ SELECT id, tokens_per_minute FROM tenants WHERE tokens_per_minute IS NOT NULL;
 
 -- name: tenant_token_level
 SELECT tokens, refilled_at FROM tenant_token_buckets WHERE tenant_id = %(tenant_id)s;
+
+-- name: tenant_tokens_active
+-- Tenants that made calls in the last minute: the fair share divides the fleet's quota
+-- among them. One row per tenant ever seen: a scan of a small table.
+SELECT count(*) AS active FROM tenant_token_buckets
+WHERE refilled_at > clock_timestamp() - interval '1 minute';

@@ -170,6 +170,11 @@ class _Tokens:
     async def quotas(self) -> dict[uuid.UUID, int]:
         return {}
 
+    async def active_tenants(self) -> int:
+        return self.active
+
+    active = 1
+
 
 def test_a_tenants_allowance_is_what_its_quota_serves_soon() -> None:
     """6000 tokens a minute serve 2 calls of 500 tokens in 10 s: a worker holds 2 of the
@@ -190,5 +195,22 @@ def test_a_tenants_allowance_is_what_its_quota_serves_soon() -> None:
         await asyncio.gather(*waiting, return_exceptions=True)
         assert quota.waiting(tenant) == 0
         assert TenantQuota(tokens, 0).allowance(tenant) is None
+
+    asyncio.run(run())
+
+
+def test_the_fair_share_is_all_of_it_alone_and_an_equal_part_among_active_tenants() -> None:
+    """Without a quota of its own a tenant gets the larger of the share floor and the
+    fleet's quota divided among the tenants active in the last minute."""
+
+    async def run() -> None:
+        tokens = _Tokens()
+        quota = TenantQuota(tokens, 3000, fleet_per_minute=12000, refresh_seconds=0)
+        tenant = uuid.uuid4()
+        assert await quota.per_minute(tenant) == 12000
+        tokens.active = 2
+        assert await quota.per_minute(tenant) == 6000
+        tokens.active = 10
+        assert await quota.per_minute(tenant) == 3000  # the floor
 
     asyncio.run(run())
