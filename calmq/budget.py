@@ -465,8 +465,8 @@ class TokenBudget:
 class TenantTokens(Protocol):
     """Where tenants' token buckets live (calmq.data.budget.TenantTokenLedger)."""
 
-    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float
-                   ) -> tuple[bool, float]: ...
+    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
+                   debt: bool = False) -> tuple[bool, float]: ...
 
     async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None: ...
 
@@ -562,8 +562,13 @@ class TenantQuota:
             self._read_at = now
         return self._own.get(tenant_id, self.default_per_minute)
 
-    async def acquire(self, tenant: str, tokens: float) -> TenantHold | None:
-        """Wait until the tenant's quota covers ``tokens``; None: no quota applies."""
+    async def acquire(self, tenant: str, tokens: float, priority: str = "bulk"
+                      ) -> TenantHold | None:
+        """Wait until the tenant's quota covers ``tokens``; None: no quota applies.
+
+        An interactive call never waits here: it takes its tokens even into debt, so a
+        tenant's own bulk backlog cannot hold its interactive work back (the shared buckets
+        still serve interactive first), and the tenant's bulk calls wait for the debt."""
         try:
             tenant_id = uuid.UUID(tenant)
         except ValueError:
@@ -580,7 +585,8 @@ class TenantQuota:
         try:
             while True:
                 try:
-                    granted, wait = await self.ledger.take(tenant_id, tokens, rate, cap)
+                    granted, wait = await self.ledger.take(
+                        tenant_id, tokens, rate, cap, debt=priority == "interactive")
                 except Exception as exc:  # noqa: BLE001 - fail open, see the class docstring
                     log.warning("the tenant token quota is unavailable: %s", exc)
                     return None
@@ -701,7 +707,7 @@ class BudgetedProvider:
     ) -> ModelReply:
         scope = current_scope()
         estimate = estimate_prompt_tokens(messages) + max_tokens
-        hold = (await self.quota.acquire(scope.tenant_id, estimate)
+        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
                 if self.quota is not None else None)
         try:
             reservation = (await self.budget.acquire(estimate, scope.priority)
@@ -747,7 +753,7 @@ class BudgetedProvider:
                               failure_class=FailureClass.INPUT)
         scope = current_scope()
         estimate = max(1, sum(len(t) for t in inputs) // 4)
-        hold = (await self.quota.acquire(scope.tenant_id, estimate)
+        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
                 if self.quota is not None else None)
         try:
             reservation = (await self.budget.acquire(estimate, scope.priority)

@@ -285,7 +285,9 @@ class StepRunner:
             if job_id in self._running:
                 continue
             reason = holds.reason(tenant_id, priority)
-            if reason is None and self.allowance is not None:
+            # Interactive work is never held for the quota (it does not wait at the quota
+            # either: calmq.budget.TenantQuota.acquire), and bulk cannot crowd it out.
+            if reason is None and self.allowance is not None and priority != "interactive":
                 allowed = self.allowance(tenant_id)
                 if allowed is not None and taking.get(tenant_id, 0) >= allowed:
                     reason = "token_quota"

@@ -134,12 +134,14 @@ class TenantTokenLedger:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float
-                   ) -> tuple[bool, float]:
-        """(granted, seconds to wait when not)."""
+    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
+                   debt: bool = False) -> tuple[bool, float]:
+        """(granted, seconds to wait when not); ``debt``: granted always, counted all the
+        same."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["tenant_tokens_take"], {
-                "tenant_id": tenant_id, "need": need, "rate": rate, "cap": cap})
+                "tenant_id": tenant_id, "need": need, "rate": rate, "cap": cap,
+                "debt": debt})
             row = await cur.fetchone()
         assert row is not None
         return bool(row["granted"]), float(row["wait_seconds"])

@@ -64,7 +64,7 @@ FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;
 -- name: tenant_tokens_take
 -- A tenant's token quota (migration 0012): take one call's estimate or say how long to wait.
 SELECT granted, wait_seconds
-FROM calmq_tenant_tokens_take(%(tenant_id)s, %(need)s, %(rate)s, %(cap)s);
+FROM calmq_tenant_tokens_take(%(tenant_id)s, %(need)s, %(rate)s, %(cap)s, %(debt)s);
 
 -- name: tenant_tokens_give_back
 -- What a call did not spend (a failed call: all of it) goes back, never above capacity.

@@ -155,14 +155,14 @@ def test_the_fleet_cap_holds_every_tenant() -> None:
 # -- the tenant token quota -----------------------------------------------------------------
 
 class _Tokens:
-    """A tenant token ledger that never grants: every call waits."""
+    """A tenant token ledger that grants only into debt: every bulk call waits."""
 
     def __init__(self) -> None:
         self.given_back: list[float] = []
 
-    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float
-                   ) -> tuple[bool, float]:
-        return False, 0.05
+    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
+                   debt: bool = False) -> tuple[bool, float]:
+        return debt, 0.05
 
     async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None:
         self.given_back.append(tokens)
@@ -195,6 +195,8 @@ def test_a_tenants_allowance_is_what_its_quota_serves_soon() -> None:
         await asyncio.gather(*waiting, return_exceptions=True)
         assert quota.waiting(tenant) == 0
         assert TenantQuota(tokens, 0).allowance(tenant) is None
+        # An interactive call goes at once, into debt if need be.
+        assert await quota.acquire(str(tenant), 500, "interactive") is not None
 
     asyncio.run(run())
 

@@ -22,10 +22,12 @@ CREATE TABLE tenant_token_buckets (
 -- Take p_need tokens for one call of the tenant, refilling at p_rate tokens a second up to
 -- p_cap. Granted when the balance covers the call, or when the bucket is full (a call larger
 -- than the bucket ever holds goes once the bucket is full and leaves it in debt: it waits its
--- turn instead of for ever). Otherwise nothing is taken and wait_seconds says when it will be.
+-- turn instead of for ever), or always with p_debt (an interactive call: it is counted, and
+-- the tenant's bulk calls wait for the debt). Otherwise nothing is taken and wait_seconds
+-- says when it will be.
 CREATE FUNCTION calmq_tenant_tokens_take(
     p_tenant uuid, p_need double precision, p_rate double precision, p_cap double precision,
-    OUT granted boolean, OUT wait_seconds double precision)
+    p_debt boolean, OUT granted boolean, OUT wait_seconds double precision)
 LANGUAGE plpgsql AS $$
 DECLARE
     now_   timestamptz := clock_timestamp();
@@ -35,7 +37,7 @@ BEGIN
     VALUES (p_tenant, p_cap, now_) ON CONFLICT (tenant_id) DO NOTHING;
     SELECT least(p_cap, b.tokens + p_rate * greatest(0, extract(epoch FROM now_ - b.refilled_at)))
     INTO level FROM tenant_token_buckets b WHERE b.tenant_id = p_tenant FOR UPDATE;
-    granted := level >= least(p_need, p_cap);
+    granted := p_debt OR level >= least(p_need, p_cap);
     wait_seconds := CASE WHEN granted OR p_rate <= 0 THEN 0
                          ELSE (least(p_need, p_cap) - level) / p_rate END;
     UPDATE tenant_token_buckets
