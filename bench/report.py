@@ -96,10 +96,15 @@ def text_table(res: dict[str, Any]) -> str:
 _HEADLINES: dict[str, list[str]] = {
     "accept": ["accepts_per_s", "p50_ms", "p99_ms"],
     "relay": ["drain_events_per_s", "ack_p50_ms", "ack_p99_ms"],
-    "e2e": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms"],
-    "slow": ["jobs_per_s"],
-    "drain": ["jobs_per_s"],
+    "e2e": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms", "pg_cpu_ms_per_job"],
+    "slow": ["jobs_per_s", "jobs_per_s_lognormal", "jobs_per_s_lognormal_steady"],
+    "drain": ["jobs_per_s", "pg_cpu_ms_per_job"],
     "budget": ["budget_utilization", "rate_429"],
+    "priority": ["interactive_p50_ms", "interactive_p99_ms", "bulk_jobs_per_s",
+                 "interactive_budget_share"],
+    "longcalls": ["jobs_per_s", "jobs_per_s_vs_ideal", "worker_peak_rss_mb",
+                  "worker_cpu_ms_per_job", "loop_lag_p99_ms", "lease_expiries",
+                  "commit_lag_p99_s"],
 }
 
 

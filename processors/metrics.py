@@ -13,6 +13,7 @@ __all__ = [
     "COMMIT_LAG_LAST",
     "CONSUMER_LAG",
     "DEAD_LETTERS",
+    "FENCED",
     "FORWARDED",
     "FORWARDER_HELD",
     "GROUP_SIZE",
@@ -22,6 +23,7 @@ __all__ = [
     "JOB_ATTEMPTS",
     "JOB_LATENCY",
     "LEASE_EXPIRATIONS",
+    "LOOP_LAG",
     "MODEL_SECONDS",
     "OTHER_SECONDS",
     "POISON",
@@ -42,6 +44,12 @@ CLAIMS_DEFERRED = Counter("calmq_claims_deferred_total",
                           "Messages claimed again later: their job was not visible yet")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
+# ``reason``: heartbeat_failed (the worker stopped the attempt itself: its heartbeats failed
+# for most of a lease), stale_outcome (the database refused the outcome: a newer claim, a
+# reaper or a cancel took the job), stale_write (it refused a side-effect log write).
+FENCED = Counter("calmq_attempts_fenced_total",
+                 "Attempts stopped or refused because they no longer held their job's lease",
+                 ["reason"])
 STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",
                          buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 IN_FLIGHT = Gauge("calmq_worker_in_flight",
@@ -51,7 +59,10 @@ SATURATION = Gauge("calmq_worker_saturation", "Call slots in use / concurrency")
 # commit): what a crash would make the next consumer redo, measured in time.
 COMMIT_LAG = Histogram("calmq_commit_lag_seconds",
                        "Completion-to-commit delay of the oldest offset in each commit",
-                       buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30))
+                       # to 300 s: with long-tailed calls the committed prefix waits
+                       # for the slowest call in it (bench longcalls)
+                       buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120,
+                                300))
 COMMIT_LAG_LAST = Gauge("calmq_commit_lag_last_seconds",
                         "Completion-to-commit delay of the oldest offset in the last commit")
 GROUP_WRITE_SECONDS = Histogram("calmq_group_commit_seconds",
@@ -79,6 +90,12 @@ RETRY_DELAY = Histogram("calmq_retry_delay_seconds", "Delay chosen for each sche
                         ["failure_class"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600))
 DEAD_LETTERS = Counter("calmq_dead_letters_total", "Jobs dead-lettered by a worker",
                        ["failure_class"])
+# How late the worker's event loop runs a 0.1 s timer: every callback (a model answer, a
+# claim, a heartbeat) waits that long too. Thousands of calls in flight on one loop show here
+# first.
+LOOP_LAG = Histogram("calmq_event_loop_lag_seconds",
+                     "Delay of the worker's event loop past a 0.1 s timer",
+                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 LEASE_EXPIRATIONS = Counter("calmq_lease_expirations_total",
                             "Jobs requeued by the reaper because their worker's lease expired")
 # ``pool``: a configured routing pool (a handful).

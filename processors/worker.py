@@ -118,7 +118,9 @@ class Worker:
             schedule_quota_release(side, SpendLedger(store), provider.quota)
         try:
             while not self.stop.is_set():
+                tick = loop.time()
                 await asyncio.sleep(0.1)
+                metrics.LOOP_LAG.observe(max(0.0, loop.time() - tick - 0.1))
                 metrics.IN_FLIGHT.set(runner.in_flight)
                 metrics.SATURATION.set(runner.slots.used / s.concurrency)
                 # Hold no more jobs than the token budget lets this worker start soon.
@@ -151,7 +153,8 @@ class Worker:
 
     def _side_tasks(self, store: Store, runner: StepRunner,
                     consumer: ParallelConsumer, spend: SpendCaps) -> Supervisor:
-        """Heartbeat leases every third of a lease; requeue expired leases of dead workers;
+        """Heartbeat leases every third of a lease, and stop the attempts whose leases could not
+        be extended for most of one (self-fencing); requeue expired leases of dead workers;
         apply the expiry outcome to overdue reviews; sample consumer lag. A failed pass is
         retried next interval; a lease task that stops stops the worker (its leases would
         lapse, or nobody would reap)."""
@@ -163,6 +166,11 @@ class Worker:
 
         side = Supervisor(on_critical=stop_worker)
         side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
+                   critical=True)
+        # Self-fencing: its own task, so that a heartbeat hanging on an unreachable database
+        # cannot keep the attempts running past their leases.
+        fence = max(0.1, self.settings.lease_seconds / 12)
+        side.every("lease-fence", fence, runner.fence_expiring, first_after=fence,
                    critical=True)
         schedule_reaper(side, store, ReviewDesk(store, self.workflows, runner.objects),
                         interval, first_after=interval,

@@ -10,9 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from calmq.cli.flags import Command, Flags, data_dir
 from calmq.cli.output import add_output, emit_rows, output_format
-from calmq.errors import ConfigError
+from calmq.errors import ConfigError, UsageError
 
 __all__ = ["register"]
 
@@ -66,11 +68,16 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
     from calmq.tooling.fake_provider import FakeProviderSettings, serve
 
     values = {
-        "port": args.port, "latency_ms": args.latency_ms,
+        "port": args.port, "latency_ms": args.latency_ms, "latency_dist": args.latency_dist,
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
     }
-    settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    try:
+        settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError("; ".join(
+            (f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
     return 0
@@ -91,7 +98,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"calmq bench needs the bench package (a source checkout): {exc}", file=sys.stderr)
         return 2
     try:
-        result = run_scenario(args.scenario, int(args.size) if args.size else None)
+        if args.runs is not None and args.runs < 1:
+            raise UsageError(f"--runs must be 1 or more, not {args.runs}")
+        if args.size is not None and args.size < 1:
+            raise UsageError(f"--size must be 1 or more, not {args.size}")
+        size = int(args.size) if args.size else None
+        result = (run_scenario(args.scenario, size, runs=int(args.runs)) if args.runs
+                  else run_scenario(args.scenario, size))
     except NotBuiltError as exc:
         print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
         return 2
@@ -114,12 +127,17 @@ def register(command: Command, flags: Flags) -> None:
     p = command("fake-provider", cmd_fake_provider, "run the fake model provider")
     option(p, "--port", type=int, help="port to listen on")
     option(p, "--latency-ms", type=int, help="added latency of every call")
+    option(p, "--latency-dist",
+           help="latency distribution, e.g. lognormal:median=8s,p99=40s (replaces --latency-ms)")
     option(p, "--requests-per-minute", type=int, help="429 past this many requests a minute")
     option(p, "--tokens-per-minute", type=int, help="429 past this many tokens a minute")
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
-    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"],
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
+                                        "priority", "longcalls"],
                    help="the scenario (bench/README.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")
+    option(p, "--runs", type=int,
+           help="e2e: run the dispatch pass this many times (default 5; the median counts)")

@@ -3,7 +3,7 @@
 -- name: ops_jobs_in_flight
 -- Jobs a worker holds (running with a lease) and jobs waiting for one, per pool and
 -- priority, i.e. per work topic. Both sets are small and covered by partial indexes
--- (jobs_leased, jobs_waiting), so this is no scan of the whole table.
+-- (jobs_running, jobs_waiting), so this is no scan of the whole table.
 SELECT pool, priority,
        count(*) FILTER (WHERE status = 'running') AS in_flight,
        count(*) FILTER (WHERE status IN ('queued', 'retrying')) AS waiting

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from calmq.tooling.latency import parse_latency
 
 __all__ = ["MODES", "FakeProviderSettings", "build_app", "main", "serve"]
 
@@ -75,7 +77,24 @@ class FakeProviderSettings(BaseModel):
     retry_after_seconds: float = Field(default=1.0, ge=0)
     low_confidence: float = Field(default=0.42, ge=0, le=1)
     latency_ms: int = Field(default=0, ge=0)
+    # A latency distribution (calmq/tooling/latency.py), e.g. lognormal:median=8s,p99=40s;
+    # replaces latency_ms, so real calls' spread can be benchmarked, not only a fixed time.
+    latency_dist: str = ""
     mode_override: str | None = None
+
+    @field_validator("latency_dist")
+    @classmethod
+    def _known_latency(cls, value: str) -> str:
+        if value:
+            parse_latency(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_latency(self) -> FakeProviderSettings:
+        if self.latency_dist and self.latency_ms:
+            raise ValueError("set --latency-ms or --latency-dist (latency_ms or latency_dist),"
+                             " not both")
+        return self
 
     @field_validator("mode_override")
     @classmethod
@@ -347,7 +366,8 @@ class _Provider:
 
     def __init__(self, settings: FakeProviderSettings, clock: Callable[[], float]) -> None:
         self._settings = settings
-        self._latency = settings.latency_ms / 1000
+        dist = parse_latency(settings.latency_dist or f"fixed:{settings.latency_ms}")
+        self._latency_dist, self._latency_rng = dist, dist.sampler()
         self.mode_override = settings.mode_override
         self._limiter = (
             _SlidingWindow(settings.requests_per_minute, settings.tokens_per_minute, clock)
@@ -359,6 +379,11 @@ class _Provider:
         self._status_counts: dict[int, int] = {}
         self._by_job: dict[str, list[int]] = {}  # job id -> [calls, completed]
         self._flaky_attempts: dict[str, int] = {}
+
+    @property
+    def _latency(self) -> float:
+        """This call's latency in seconds: one draw from the distribution per answer."""
+        return self._latency_dist.draw(self._latency_rng)
 
     # --- responses -------------------------------------------------------------------
 
@@ -713,6 +738,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--retry-after-seconds", type=float, default=defaults.retry_after_seconds)
     parser.add_argument("--low-confidence", type=float, default=defaults.low_confidence)
     parser.add_argument("--latency-ms", type=int, default=0)
+    parser.add_argument("--latency-dist", default="",
+                        help="e.g. lognormal:median=8s,p99=40s (replaces --latency-ms)")
     parser.add_argument("--mode-override", choices=sorted(MODES), default=None)
     args = parser.parse_args(argv)
     settings = FakeProviderSettings(**vars(args))

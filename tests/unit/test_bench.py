@@ -157,3 +157,77 @@ def test_profile_summary_scales_shares_to_measured_cpu(tmp_path: Path) -> None:
     assert "| 75.0% | 1.500 | `dumps (json/encoder.py)` |" in text
     assert "| 25.0% | 0.500 | `claim (calmq/store.py)` |" in text
     assert "EpollSelector" not in text
+
+
+def test_scrape_reads_counters_and_histogram_quantiles() -> None:
+    """A /metrics text gives counters by name and Prometheus-style quantiles of a histogram
+    (linear inside the bucket holding the rank; the last finite bound past it)."""
+    from bench.scrape import Scrape
+
+    text = "\n".join([
+        "# TYPE calmq_event_loop_lag_seconds histogram",
+        'calmq_event_loop_lag_seconds_bucket{le="0.01"} 90.0',
+        'calmq_event_loop_lag_seconds_bucket{le="0.05"} 98.0',
+        'calmq_event_loop_lag_seconds_bucket{le="0.1"} 100.0',
+        'calmq_event_loop_lag_seconds_bucket{le="+Inf"} 100.0',
+        "calmq_event_loop_lag_seconds_count 100.0",
+        "calmq_event_loop_lag_seconds_sum 1.0",
+        "# TYPE calmq_lease_expirations_total counter",
+        "calmq_lease_expirations_total 3.0",
+        "# TYPE calmq_commit_lag_seconds histogram",
+        'calmq_commit_lag_seconds_bucket{le="0.5"} 1.0',
+        'calmq_commit_lag_seconds_bucket{le="+Inf"} 4.0', ""])
+    got = Scrape(text)
+    assert got.value("calmq_lease_expirations_total") == 3.0
+    assert got.quantile("calmq_event_loop_lag_seconds", 0.5) == pytest.approx(0.01 * 50 / 90)
+    assert got.quantile("calmq_event_loop_lag_seconds", 0.99) == pytest.approx(0.075)
+    assert got.quantile("calmq_commit_lag_seconds", 0.99) == 0.5  # in +Inf: the last bound
+    assert got.quantile("calmq_nothing_seconds", 0.99) == 0.0
+
+
+@pytest.mark.parametrize("argv", [["bench", "e2e", "--runs", "0"],
+                                  ["bench", "priority", "--size", "0"]])
+def test_bench_rejects_runs_or_size_below_one(argv: list[str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--runs 0 and --size 0 are usage errors (exit 2) naming the flag, before a stack starts."""
+    assert main(argv) == 2
+    assert "must be 1 or more" in capsys.readouterr().err
+
+
+def test_new_scenarios_are_registered_with_full_default_sizes() -> None:
+    """priority and longcalls run by name with the issue's sizes as their defaults, and their
+    headline figures are in the BENCHMARKS.md table."""
+    from bench import scenarios
+
+    assert scenarios.DEFAULT_SIZES["priority"] == 50_000
+    assert scenarios.DEFAULT_SIZES["longcalls"] == 60_000
+    assert {"priority", "longcalls"} <= set(scenarios.SCENARIOS)
+    table = report.markdown_table([report.result(
+        "longcalls", 1, {"jobs_per_s": 450.0, "jobs_per_s_vs_ideal": 0.91,
+                         "loop_lag_p99_ms": 12.0, "lease_expiries": 0}, {}, {})])
+    assert "| longcalls | jobs_per_s_vs_ideal | 0.910 |" in table
+    assert "| longcalls | lease_expiries | 0 |" in table
+
+
+def test_statement_attribution_is_written_per_side(tmp_path: Path) -> None:
+    """e2e/drain write each side's heaviest statements (ms, calls and WAL per job) beside
+    PostgreSQL's CPU per job and the jobs table's HOT share."""
+    from bench.scenarios import _hot_share, _write_statements
+
+    row = {"ms_per_job": 0.1234, "share_of_toplevel": 0.5, "calls_per_job": 0.02,
+           "rows_per_call": 50.0, "wal_bytes_per_job": 900.0, "blocks_dirtied_per_job": 1.0,
+           "query": "WITH input AS (SELECT 1) | x"}
+    res = report.result("e2e", 10, {"pg_cpu_ms_per_job": 0.3},
+                        {"skip_locked": {"pg_cpu_ms_per_job": 0.4}}, {})
+    res["pg_statements"] = {"calmq": [row], "skip_locked": []}
+    res["jobs_table"] = _hot_share({"inserts": 10, "updates": 30, "hot_updates": 6,
+                                    "deletes": 0})
+    assert res["jobs_table"]["hot_share"] == 0.2
+    assert res["jobs_table"]["updates_per_insert"] == 3.0
+    out = tmp_path / "e2e-pg-statements.md"
+    _write_statements(out, "e2e", res)
+    text = out.read_text()
+    assert "calmq 0.3 ms, skip_locked 0.4 ms" in text
+    assert "## calmq" in text
+    assert "## skip_locked" in text
+    assert "| 0.1234 | 50.0% | 0.02 | 50.0 | 900.0 | `WITH input AS (SELECT 1) / x` |" in text

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from calmq.errors import InfrastructureError
@@ -58,6 +58,7 @@ def _bin() -> Path:
 class PostgresServer:
     home: Path
     port: int
+    settings: dict[str, str] = field(default_factory=dict)  # over _SERVER_SETTINGS
 
     @property
     def url(self) -> str:
@@ -102,7 +103,7 @@ class PostgresServer:
             raise InfrastructureError(f"initdb failed: {result.stdout}{result.stderr}")
         argv = [str(_bin() / "postgres"), "-D", str(data), "-p", str(self.port),
                 "-c", "listen_addresses=127.0.0.1"]
-        for key, value in _SERVER_SETTINGS.items():
+        for key, value in {**_SERVER_SETTINGS, **self.settings}.items():
             argv += ["-c", f"{key}={value}"]
         if user is not None:
             self.log_file.touch()

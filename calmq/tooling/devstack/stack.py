@@ -77,9 +77,12 @@ class StackState:
 class Stack:
     """Start, inspect and stop the local stack kept under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, data_dir: Path, environ: Mapping[str, str] | None = None, *,
+                 postgres_settings: Mapping[str, str] | None = None) -> None:
         self.data_dir = data_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
+        # Server settings on top of the dev stack's (the benchmarks load pg_stat_statements).
+        self.postgres_settings = dict(postgres_settings or {})
         self.state_file = self.data_dir / _STATE
 
     # -- state ---------------------------------------------------------------------------
@@ -148,7 +151,8 @@ class Stack:
         pg: postgres.PostgresServer | None = None
         broker: kafka.KafkaBroker | None = None
         if not db_url:
-            pg = postgres.PostgresServer(self.data_dir / "postgres", processes.free_port())
+            pg = postgres.PostgresServer(self.data_dir / "postgres", processes.free_port(),
+                                         self.postgres_settings)
         if not bootstrap:
             broker = kafka.KafkaBroker(
                 self.data_dir / "kafka", processes.free_port(), processes.free_port()
