@@ -13,6 +13,12 @@ faster. The budget holds the whole fleet under the quota (docs/explanation/token
 - A call reserves its estimate (prompt tokens + max output tokens) and settles with what
   the provider counted; the difference goes back to the fleet.
 - A 429 pauses the provider for the whole fleet until its Retry-After.
+- A call the provider refused or never received (429, 5xx, 4xx, no connection) gives its
+  whole reservation back: it counted nothing. A timeout keeps it (the provider may have
+  counted the call).
+- Each tenant has a token quota of its own (``TenantQuota``, per minute: the tenant's
+  setting or a fair share of the fleet's), taken before the shared buckets, so one tenant's
+  flood waits at its quota and cannot put the bulk bucket into debt for everyone.
 
 ``BudgetedProvider`` wraps any ``Provider`` with both, so a worker wires it in one line
 (``open_metered_provider``) and steps keep calling ``provider.complete``.
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Histogram
 
 from calmq.batching import Batcher
-from calmq.data.budget import BudgetLedger, Grant, Usage, UsageLedger
+from calmq.data.budget import BudgetLedger, Grant, TenantTokenLedger, Usage, UsageLedger
 from calmq.errors import FailureClass, StepFailure
 from calmq.gateway import ModelReply, Provider, current_clock, current_scope, open_provider
 from calmq.pricing import ModelPrice, cost_usd
@@ -53,6 +59,7 @@ __all__ = [
     "Grant",
     "Reservation",
     "SharedBuckets",
+    "TenantQuota",
     "TokenBudget",
     "UsageRecorder",
     "estimate_prompt_tokens",
@@ -66,6 +73,10 @@ log = logging.getLogger(__name__)
 _LEDGER_RETRY = Backoff(initial=0.1, maximum=1.0)
 
 PRIORITIES = ("interactive", "bulk")
+# Failures whose call the provider refused or never received: it counted no tokens, so the
+# reservation goes back whole (gateway codes, calmq/gateway.py).
+_NOT_COUNTED = frozenset({"rate_limited", "upstream_unavailable", "content_policy",
+                          "provider_permission", "provider_bad_request", "connection_error"})
 _RATE_WINDOW = 10.0  # seconds of admissions that give a process's budget rate
 
 
@@ -80,6 +91,7 @@ class _Metrics:
     wait: Histogram
     leases: Counter
     pauses: Counter
+    quota_waits: Counter
 
 
 @cache
@@ -98,6 +110,9 @@ def _metrics() -> _Metrics:
                        ["model", "priority", "outcome"]),
         pauses=Counter("calmq_budget_pauses_total", "429s that paused the provider fleet-wide",
                        ["model"]),
+        quota_waits=Counter("calmq_tenant_quota_waits_total",
+                            "Model calls that waited for their tenant's token quota",
+                            ["tenant"]),
     )
 
 
@@ -444,6 +459,158 @@ class TokenBudget:
         await self._sleep(min(max(grant.wait_seconds, 0.002), 0.25))
 
 
+# -- each tenant's token quota ---------------------------------------------------------
+
+
+class TenantTokens(Protocol):
+    """Where tenants' token buckets live (calmq.data.budget.TenantTokenLedger)."""
+
+    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
+                   debt: bool = False) -> tuple[bool, float]: ...
+
+    async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None: ...
+
+    async def quotas(self) -> dict[uuid.UUID, int]: ...
+
+    async def active_tenants(self) -> int: ...
+
+
+@dataclass
+class TenantHold:
+    """Tokens one call took from its tenant's quota; ``settle`` gives back the unspent."""
+
+    quota: TenantQuota
+    tenant_id: uuid.UUID
+    tokens: float
+    cap: float
+    _settled: bool = False
+
+    async def settle(self, charged_tokens: float) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        back = self.tokens - charged_tokens
+        if abs(back) > 1e-6:
+            await self.quota._give_back(self.tenant_id, back, self.cap)
+
+
+class TenantQuota:
+    """Each tenant's tokens per minute, in PostgreSQL, in front of the shared buckets.
+
+    A tenant without a quota of its own gets its fair share: the larger of
+    ``default_per_minute`` (the fleet's tokens per minute times ``budget_tenant_share``)
+    and an equal part of ``fleet_per_minute`` among the tenants that made calls in the last
+    minute (all of it for a tenant alone), read every ``refresh_seconds``. A call waits
+    here, before it joins the shared queue, while its tenant is past its quota: the shared
+    buckets then serve the other tenants. With the database away the quota is not enforced
+    (the shared budget still holds the provider's limit): metering a tenant must not stop
+    every tenant's work.
+    """
+
+    def __init__(self, ledger: TenantTokens, default_per_minute: int, *,
+                 fleet_per_minute: int = 0, burst_seconds: float = 1.0,
+                 refresh_seconds: float = 2.0, queue_seconds: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ledger = ledger
+        self.share_per_minute = default_per_minute
+        self.fleet_per_minute = fleet_per_minute
+        self._active = 1
+        self.burst_seconds = burst_seconds
+        self.refresh_seconds = refresh_seconds
+        self.queue_seconds = queue_seconds
+        self._clock = clock
+        self._own: dict[uuid.UUID, int] = {}
+        self._read_at: float | None = None
+        self._waiting: dict[uuid.UUID, int] = {}  # calls of a tenant waiting here now
+        self._avg_tokens = 0.0  # of a call, moving average
+
+    @property
+    def default_per_minute(self) -> int:
+        """The quota of a tenant without one of its own, as last read."""
+        if self.share_per_minute <= 0:
+            return 0
+        return max(self.share_per_minute, self.fleet_per_minute // max(1, self._active))
+
+    def allowance(self, tenant_id: uuid.UUID) -> int | None:
+        """How many of the tenant's jobs a worker should hold: what its quota serves within
+        ``queue_seconds`` (None: no quota). The worker does not claim more of that tenant's
+        jobs (they wait, and are released as the quota allows): claimed, they would hold
+        the worker's in-flight room, and the Kafka partitions behind them, from every other
+        tenant."""
+        per_minute = self._own.get(tenant_id, self.default_per_minute)
+        return self.serves(per_minute, self.queue_seconds) if per_minute > 0 else None
+
+    def waiting(self, tenant_id: uuid.UUID) -> int:
+        """The tenant's calls waiting for its quota in this process now."""
+        return self._waiting.get(tenant_id, 0)
+
+    def serves(self, per_minute: int, seconds: float) -> int:
+        """How many calls a quota of ``per_minute`` tokens serves in ``seconds`` (at least
+        one), from the size of the calls seen so far."""
+        tokens = self._avg_tokens or 500.0
+        return max(1, math.ceil(per_minute / 60 * seconds / tokens))
+
+    async def per_minute(self, tenant_id: uuid.UUID) -> int:
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self.refresh_seconds:
+            try:
+                self._own = await self.ledger.quotas()
+                if self.fleet_per_minute:
+                    self._active = await self.ledger.active_tenants()
+            except Exception as exc:  # noqa: BLE001 - keep the last quotas read
+                log.warning("reading the tenants' token quotas failed: %s", exc)
+            self._read_at = now
+        return self._own.get(tenant_id, self.default_per_minute)
+
+    async def acquire(self, tenant: str, tokens: float, priority: str = "bulk"
+                      ) -> TenantHold | None:
+        """Wait until the tenant's quota covers ``tokens``; None: no quota applies.
+
+        An interactive call never waits here: it takes its tokens even into debt, so a
+        tenant's own bulk backlog cannot hold its interactive work back (the shared buckets
+        still serve interactive first), and the tenant's bulk calls wait for the debt."""
+        try:
+            tenant_id = uuid.UUID(tenant)
+        except ValueError:
+            return None
+        per_minute = await self.per_minute(tenant_id)
+        if per_minute <= 0:
+            return None
+        rate = per_minute / 60
+        cap = max(per_minute * self.burst_seconds / 60, 1.0)
+        self._avg_tokens = tokens if not self._avg_tokens else \
+            0.9 * self._avg_tokens + 0.1 * tokens
+        waited = False
+        self._waiting[tenant_id] = self._waiting.get(tenant_id, 0) + 1
+        try:
+            while True:
+                try:
+                    granted, wait = await self.ledger.take(
+                        tenant_id, tokens, rate, cap, debt=priority == "interactive")
+                except Exception as exc:  # noqa: BLE001 - fail open, see the class docstring
+                    log.warning("the tenant token quota is unavailable: %s", exc)
+                    return None
+                if granted:
+                    return TenantHold(self, tenant_id, tokens, cap)
+                if not waited:
+                    waited = True
+                    _metrics().quota_waits.labels(tenant).inc()
+                # At most a second: the tenant's quota may be raised meanwhile.
+                await asyncio.sleep(min(max(wait, 0.01), 1.0))  # a refill's pause, not a sync
+        finally:
+            left = self._waiting.get(tenant_id, 1) - 1
+            if left > 0:
+                self._waiting[tenant_id] = left
+            else:
+                self._waiting.pop(tenant_id, None)
+
+    async def _give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None:
+        try:
+            await self.ledger.give_back(tenant_id, tokens, cap)
+        except Exception as exc:  # noqa: BLE001 - a lost give-back only makes a tenant wait
+            log.warning("giving tokens back to a tenant's quota failed: %s", exc)
+
+
 # -- usage: tokens and cost per attempt and per job ---------------------------------------
 
 
@@ -504,8 +671,10 @@ class BudgetedProvider:
         prices: Mapping[str, ModelPrice] | None = None,
         counts_max_tokens: bool = True,
         default_pause_seconds: float = 1.0,
+        quota: TenantQuota | None = None,
     ) -> None:
         self.inner = inner
+        self.quota = quota
         self.provider = provider
         self.model = model
         self.budget = budget
@@ -538,8 +707,15 @@ class BudgetedProvider:
     ) -> ModelReply:
         scope = current_scope()
         estimate = estimate_prompt_tokens(messages) + max_tokens
-        reservation = (await self.budget.acquire(estimate, scope.priority)
-                       if self.budget is not None else None)
+        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
+                if self.quota is not None else None)
+        try:
+            reservation = (await self.budget.acquire(estimate, scope.priority)
+                           if self.budget is not None else None)
+        except BaseException:
+            if hold is not None:
+                await asyncio.shield(hold.settle(0))
+            raise
         calls = _metrics().calls
         self._in_call += 1
         try:
@@ -547,18 +723,24 @@ class BudgetedProvider:
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
         except BaseException as exc:
+            charged = _charged_on_failure(exc, estimate)
             if reservation is not None:
-                reservation.settle(estimate)  # failed: assume the provider counted it all
+                reservation.settle(charged)
+            if hold is not None:
+                await asyncio.shield(hold.settle(charged))
             if isinstance(exc, StepFailure):
                 await self._failed(exc)
             raise
         finally:
             self._in_call -= 1
         calls.labels(self.provider, self.model, "ok").inc()
+        output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \
+            else reply.output_tokens
+        charged_tokens = (reply.input_tokens or estimate - max_tokens) + output
         if reservation is not None:
-            output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \
-                else reply.output_tokens
-            reservation.settle((reply.input_tokens or estimate - max_tokens) + output)
+            reservation.settle(charged_tokens)
+        if hold is not None:
+            await hold.settle(charged_tokens)
         await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
                           reply.output_tokens)
         return reply
@@ -571,13 +753,23 @@ class BudgetedProvider:
                               failure_class=FailureClass.INPUT)
         scope = current_scope()
         estimate = max(1, sum(len(t) for t in inputs) // 4)
-        reservation = (await self.budget.acquire(estimate, scope.priority)
-                       if self.budget is not None else None)
+        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
+                if self.quota is not None else None)
+        try:
+            reservation = (await self.budget.acquire(estimate, scope.priority)
+                           if self.budget is not None else None)
+        except BaseException:
+            if hold is not None:
+                await asyncio.shield(hold.settle(0))
+            raise
         try:
             reply = await inner_embed(inputs=inputs, job_id=job_id)
         except BaseException as exc:
+            charged = _charged_on_failure(exc, estimate)
             if reservation is not None:
-                reservation.settle(estimate)
+                reservation.settle(charged)
+            if hold is not None:
+                await asyncio.shield(hold.settle(charged))
             if isinstance(exc, StepFailure):
                 await self._failed(exc)
             raise
@@ -585,6 +777,8 @@ class BudgetedProvider:
         used = int(getattr(reply, "input_tokens", 0) or 0)
         if reservation is not None:
             reservation.settle(used or estimate)
+        if hold is not None:
+            await hold.settle(used or estimate)
         await self._meter(job_id, scope.workflow, scope.tenant_id, used, 0)
         return reply
 
@@ -616,6 +810,15 @@ class BudgetedProvider:
         await self.inner.close()
 
 
+def _charged_on_failure(exc: BaseException, estimate: float) -> float:
+    """What a failed call cost the quota: nothing when the provider refused it or never got
+    it; the whole estimate when it may have counted it (a timeout, a garbled answer, a step
+    cancelled mid-call)."""
+    if isinstance(exc, StepFailure) and exc.code in _NOT_COUNTED:
+        return 0.0
+    return estimate
+
+
 def limits_from_settings(settings: Settings) -> BucketLimits:
     return BucketLimits(
         tokens_per_minute=settings.budget_tokens_per_minute,
@@ -643,10 +846,18 @@ async def open_metered_provider(
         budget = TokenBudget(BudgetLedger(db), f"{settings.provider}:{url.rstrip('/')}",
                              settings.model, limits, slice_seconds=settings.budget_slice_seconds)
         await budget.start()
+    quota: TenantQuota | None = None
+    if budget is not None and limits.tokens_per_minute:
+        share = settings.budget_tenant_share
+        quota = TenantQuota(TenantTokenLedger(db),
+                            int(limits.tokens_per_minute * share) if share < 1 else 0,
+                            fleet_per_minute=limits.tokens_per_minute,
+                            burst_seconds=settings.budget_burst_seconds,
+                            queue_seconds=settings.budget_queue_seconds)
     usage = UsageRecorder(db)
     usage.start()
     return BudgetedProvider(
         inner, provider=settings.provider, model=settings.model, budget=budget, usage=usage,
         prices=settings.prices, counts_max_tokens=settings.budget_counts_max_tokens,
-        default_pause_seconds=settings.budget_default_pause_seconds,
+        default_pause_seconds=settings.budget_default_pause_seconds, quota=quota,
     )

@@ -48,6 +48,9 @@ class EventType(StrEnum):
     DEAD_LETTERED = "dead_lettered"
     CANCELLED = "cancelled"
     REDRIVEN = "redriven"
+    # Not claimed past a spend cap or a tenant's token quota, and released (calmq.spending).
+    WAITING = "waiting"
+    RESUMED = "resumed"
 
 
 # Every legal move, declared once, with the statement that makes it. The SQL guards of

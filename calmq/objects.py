@@ -10,18 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import mimetypes
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlparse
 
-from calmq.errors import ConfigError, NotFound
+from calmq.errors import ConfigError, ContractError, NotFound
 
-__all__ = ["FileObjectStore", "ObjectRef", "ObjectStore", "S3ObjectStore", "open_object_store"]
+__all__ = ["CHUNK_BYTES", "FileObjectStore", "ObjectInfo", "ObjectRef", "ObjectStore",
+           "S3ObjectStore", "iter_chunks", "media_type", "open_object_store", "read_bounded",
+           "stat_object", "too_large"]
+
+# What a streaming read holds at a time.
+CHUNK_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -234,3 +240,131 @@ def open_object_store(url: str) -> ObjectStore:
         f"object_store_url {url!r} is neither file:///path nor s3://bucket/prefix",
         code="invalid_object_store_url",
     )
+
+
+# -- input by reference: what an object is, and reading it without holding it whole -------
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    content_type: str  # a bare media type, lower case ("text/plain")
+
+
+def media_type(content_type: str) -> str:
+    """``Text/Plain; charset=utf-8`` -> ``text/plain``."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def _sniff(head: bytes, name: str) -> str:
+    """A file's media type: a file store keeps none, so from its name, else its first bytes."""
+    guessed, _ = mimetypes.guess_type(name)
+    if guessed:
+        return guessed
+    if head.startswith(b"%PDF"):
+        return "application/pdf"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "application/json"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:  # not just a character cut at the end of the sample
+            return "application/octet-stream"
+    return "text/plain"
+
+
+def _file_of(store: FileObjectStore, uri: str) -> Path:
+    parsed = urlparse(uri)
+    path = Path(unquote(parsed.path))
+    if parsed.scheme != "file" or ".." in path.parts or not path.is_relative_to(store.root):
+        raise NotFound(f"{uri} is outside this object store")
+    return path
+
+
+async def stat_object(store: ObjectStore, uri: str) -> ObjectInfo:
+    """The size and media type of an object, without reading it (NotFound when absent)."""
+    if isinstance(store, FileObjectStore):
+        path = _file_of(store, uri)
+
+        def look() -> ObjectInfo:
+            try:
+                size = path.stat().st_size
+                with path.open("rb") as fh:
+                    head = fh.read(4096)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise NotFound(f"object {uri} does not exist") from None
+            return ObjectInfo(size, _sniff(head, path.name))
+
+        return await asyncio.to_thread(look)
+    if isinstance(store, S3ObjectStore):
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or parsed.netloc != store.bucket:
+            raise NotFound(f"{uri} is outside this object store")
+        client: Any = store._client
+        try:
+            head = await asyncio.to_thread(client.head_object, Bucket=store.bucket,
+                                           Key=parsed.path.lstrip("/"))
+        except client.exceptions.ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey",
+                                                                    "NotFound"):
+                raise NotFound(f"object {uri} does not exist") from None
+            raise
+        return ObjectInfo(int(head["ContentLength"]),
+                          media_type(str(head.get("ContentType") or "application/octet-stream")))
+    data = await store.get(uri)  # another store: only whole reads exist
+    return ObjectInfo(len(data), _sniff(data[:4096], urlparse(uri).path))
+
+
+async def iter_chunks(store: ObjectStore, uri: str, chunk: int = CHUNK_BYTES
+                      ) -> AsyncIterator[bytes]:
+    """The object's bytes, ``chunk`` at a time (never whole, for the file and S3 stores)."""
+    if isinstance(store, FileObjectStore):
+        path = _file_of(store, uri)
+        try:
+            fh = await asyncio.to_thread(path.open, "rb")
+        except FileNotFoundError:
+            raise NotFound(f"object {uri} does not exist") from None
+        try:
+            while data := await asyncio.to_thread(fh.read, chunk):
+                yield data
+        finally:
+            fh.close()
+        return
+    if isinstance(store, S3ObjectStore):
+        parsed = urlparse(uri)
+        if parsed.netloc != store.bucket:
+            raise NotFound(f"{uri} is outside this object store")
+        client: Any = store._client
+        try:
+            obj = await asyncio.to_thread(client.get_object, Bucket=store.bucket,
+                                          Key=parsed.path.lstrip("/"))
+        except client.exceptions.NoSuchKey:
+            raise NotFound(f"object {uri} does not exist") from None
+        body = obj["Body"]
+        try:
+            while data := await asyncio.to_thread(body.read, chunk):
+                yield data
+        finally:
+            body.close()
+        return
+    yield await store.get(uri)
+
+
+def too_large(uri: str, limit: int) -> ContractError:
+    return ContractError(f"the input {uri} is over the workflow's {limit} byte limit for "
+                         "input by reference", code="input_too_large", status=413)
+
+
+async def read_bounded(store: ObjectStore, uri: str, limit: int) -> bytes:
+    """The object's bytes, read in chunks and never more than ``limit`` + one chunk of them:
+    ContractError ``input_too_large`` past ``limit`` (an object grown since it was checked)."""
+    data = bytearray()
+    chunks = iter_chunks(store, uri)
+    try:
+        async for piece in chunks:
+            data += piece
+            if len(data) > limit:
+                raise too_large(uri, limit)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    return bytes(data)

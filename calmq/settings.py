@@ -204,6 +204,17 @@ class Settings(BaseSettings):
     # OpenAI-style providers count max_tokens against the limit when they admit a call;
     # false for providers that count only the tokens generated.
     budget_counts_max_tokens: bool = True
+    # Each tenant's token quota, by default: budget_tokens_per_minute divided among the
+    # tenants active in the last minute, never less than this share of it (a tenant row's
+    # tokens_per_minute overrides it: `calmq tenants set-quota`). 1: no default quota.
+    budget_tenant_share: float = Field(default=0.5, gt=0, le=1)
+    # Spend caps in USD (0: none) for the whole fleet; a tenant's own are on its row
+    # (`calmq tenants set-spend-cap`). Bulk work waits once spend reaches this fraction of a
+    # cap, interactive work at the full cap, so interactive work is held last.
+    spend_cap_fleet_daily_usd: float = Field(default=0.0, ge=0)
+    spend_cap_fleet_monthly_usd: float = Field(default=0.0, ge=0)
+    spend_cap_bulk_fraction: float = Field(default=0.9, gt=0, le=1)
+    spend_cap_refresh_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Interactive jobs should start within this long of their submission (p95); the budget
     # integration test holds the fleet to it.
     interactive_wait_seconds: float = Field(default=10.0, gt=0)

@@ -99,6 +99,20 @@ LOOP_LAG = Histogram("calmq_event_loop_lag_seconds",
 LEASE_EXPIRATIONS = Counter("calmq_lease_expirations_total",
                             "Jobs requeued by the reaper because their worker's lease expired")
 # ``pool``: a configured routing pool (a handful).
+HELD = Counter("calmq_jobs_held_total",
+               "Jobs that waited instead of being claimed: their tenant or the fleet is past"
+               " a spend cap", ["priority"])
+RELEASED = Counter("calmq_jobs_released_total",
+                   "Waiting jobs re-published once no spend cap held them any more")
+# Cost of attempts by what they were: a job's first attempt of a step, a retry, the attempt
+# that dead-lettered it, or one stopped before its outcome (lease lost, shutdown). The sum
+# over kinds is what the fleet spent; divided by calmq_job_cost_jobs_total, the cost per job.
+JOB_COST = Counter("calmq_job_cost_usd_total",
+                   "Model cost of attempts in USD, by workflow, tenant and kind of attempt",
+                   ["workflow", "tenant", "kind"])
+JOB_COST_JOBS = Counter("calmq_job_cost_jobs_total",
+                        "Jobs that ended (completed or dead-lettered), by workflow and tenant",
+                        ["workflow", "tenant"])
 JOBS_SWEPT = Counter("calmq_jobs_swept_total",
                      "Waiting jobs the sweeper re-published because no message carried them",
                      ["pool"])

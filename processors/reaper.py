@@ -14,15 +14,20 @@ gets its workflow's expiry outcome.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
 
+from calmq.budget import TenantQuota
 from calmq.data import Store
+from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
 from calmq.processors import metrics
 from calmq.reviews import ReviewDesk
+from calmq.spending import SpendCaps
 from calmq.supervision import Supervisor
 
-__all__ = ["POISON_ERROR", "schedule_reaper"]
+__all__ = ["POISON_ERROR", "schedule_quota_release", "schedule_reaper",
+           "schedule_spend_release"]
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +79,41 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
                critical=True)
+
+
+def schedule_spend_release(side: Supervisor, caps: SpendCaps, *,
+                           first_after: float = 0.0) -> None:
+    """Every ``spend_cap_refresh_seconds``: re-publish the jobs that waited past a spend cap
+    and that no cap holds any more (the window rolled over, the cap was raised). One pass
+    at a time in the fleet (an advisory lock); a pass releases at most 500 jobs."""
+
+    async def release() -> None:
+        released = await caps.release()
+        if released:
+            metrics.RELEASED.inc(released)
+            log.info("re-published %d jobs that waited past a spend cap", released)
+
+    side.every("spend-release", caps.refresh_seconds, release, first_after=first_after,
+               critical=True)
+
+
+def schedule_quota_release(side: Supervisor, ledger: SpendLedger, quota: TenantQuota, *,
+                           interval: float = 1.0, first_after: float = 0.0) -> None:
+    """Every ``interval``: re-publish, per tenant, as many of the jobs that wait for its
+    token quota as the quota serves in two intervals (interactive first, then oldest).
+    Too many come back to wait again, unclaimed; too few leave the quota idle a moment.
+    A tenant whose quota was lifted gets up to 500 a pass."""
+
+    async def release() -> None:
+        tenants = await ledger.quota_held_tenants()
+        if not tenants:
+            return
+        limits: dict[uuid.UUID, int] = {}
+        for tenant in tenants:
+            per_minute = await quota.per_minute(tenant)
+            limits[tenant] = quota.serves(per_minute, 2 * interval) if per_minute > 0 else 500
+        released = await ledger.release_quota(limits)
+        if released:
+            metrics.RELEASED.inc(len(released))
+
+    side.every("quota-release", interval, release, first_after=first_after, critical=True)

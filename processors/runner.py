@@ -34,18 +34,20 @@ from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
+from calmq.data.spending import SpendLedger
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
 from calmq.kafka import header
-from calmq.objects import ObjectStore
+from calmq.objects import ObjectStore, read_bounded
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
 from calmq.processors.offsets import OffsetTracker, Position, headers_of, position_of
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
+from calmq.spending import Holds, SpendCaps
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import Progress
 
@@ -144,8 +146,16 @@ class StepRunner:
         config: RunnerConfig,
         poison: PoisonSink,
         usage: UsageSink | None = None,
+        spend: SpendCaps | None = None,
+        allowance: Callable[[uuid.UUID], int | None] | None = None,
     ) -> None:
         self.store = store
+        self.spend = spend
+        # How many of a tenant's jobs this worker holds at most: what its token quota serves
+        # soon (calmq.budget.TenantQuota.allowance; None: no quota). Past it, the tenant's
+        # further jobs wait unclaimed (waiting_reason token_quota).
+        self.allowance = allowance
+        self._held_by: dict[uuid.UUID, int] = {}  # the tenants' jobs in self._running
         self.usage = usage
         self.codec = codec
         self.provider = provider
@@ -221,6 +231,7 @@ class StepRunner:
         wanted: list[tuple[Message, uuid.UUID]] = []
         steps: dict[uuid.UUID, str] = {}
         workflow_of: dict[uuid.UUID, str] = {}
+        whose: dict[uuid.UUID, tuple[str, str]] = {}  # tenant id, priority
         poison: list[Poison] = []
         for msg in batch:
             position = position_of(msg)
@@ -233,6 +244,8 @@ class StepRunner:
                 wanted.append((msg, uuid.UUID(str(event["job_id"]))))
                 steps[wanted[-1][1]] = str(event["step"])
                 workflow_of[wanted[-1][1]] = str(event.get("workflow") or "")
+                whose[wanted[-1][1]] = (str(event.get("tenant_id") or ""),
+                                        str(event.get("priority") or "bulk"))
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 # (_decode waits out the registry being away: what reaches here is the
                 # message's own fault.)
@@ -247,6 +260,8 @@ class StepRunner:
             for p in poison:
                 self.tracker.done((p.topic, p.partition), p.offset)
             metrics.POISON.inc(len(poison))
+        if wanted and (self.spend is not None or self.allowance is not None):
+            wanted = await self._hold_capped(wanted, whose)
         if not wanted:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
@@ -277,6 +292,54 @@ class StepRunner:
             self._extended[job_id] = started
             task = asyncio.create_task(self._run(job, msg))
             self._running[job_id] = task
+            self._held_by[job.tenant_id] = self._held_by.get(job.tenant_id, 0) + 1
+
+    async def _hold_capped(self, wanted: list[tuple[Message, uuid.UUID]],
+                           whose: dict[uuid.UUID, tuple[str, str]]
+                           ) -> list[tuple[Message, uuid.UUID]]:
+        """Jobs of tenants past a spend cap (calmq.spending), or past what their token quota
+        serves soon, wait instead of being claimed: their messages are acknowledged once
+        the job row says why it waits. What is left is claimed as usual (a job the hold did
+        not find may be ahead of this worker's view)."""
+        holds = await self.spend.holds() if self.spend is not None else Holds()
+        by_reason: dict[str, list[uuid.UUID]] = {}
+        taking = dict(self._held_by)  # what each tenant holds with this batch's jobs
+        for _, job_id in wanted:
+            tenant, priority = whose.get(job_id, ("", "bulk"))
+            try:
+                tenant_id = uuid.UUID(tenant)
+            except ValueError:
+                continue
+            if job_id in self._running:
+                continue
+            reason = holds.reason(tenant_id, priority)
+            # Interactive work is never held for the quota (it does not wait at the quota
+            # either: calmq.budget.TenantQuota.acquire), and bulk cannot crowd it out.
+            if reason is None and self.allowance is not None and priority != "interactive":
+                allowed = self.allowance(tenant_id)
+                if allowed is not None and taking.get(tenant_id, 0) >= allowed:
+                    reason = "token_quota"
+                else:
+                    taking[tenant_id] = taking.get(tenant_id, 0) + 1
+            if reason is not None:
+                by_reason.setdefault(reason, []).append(job_id)
+        if not by_reason:
+            return wanted
+        ledger = SpendLedger(self.store)
+        held: set[uuid.UUID] = set()
+        for reason, ids in by_reason.items():
+            def hold(ids: list[uuid.UUID] = ids, reason: str = reason
+                     ) -> Awaitable[list[uuid.UUID]]:
+                return ledger.hold(ids, reason, {})
+            held.update(await retry_forever("holding waiting jobs failed", hold))
+        rest = []
+        for msg, job_id in wanted:
+            if job_id in held:
+                self.tracker.done(*position_of(msg))
+                metrics.HELD.labels(whose.get(job_id, ("", ""))[1] or "bulk").inc()
+            else:
+                rest.append((msg, job_id))
+        return rest
 
     async def _decode(self, data: bytes, event_type: str | None) -> tuple[str, dict[str, Any]]:
         """Decode a message (calmq's Avro, or the Debezium connector's JSON named by its
@@ -392,14 +455,23 @@ class StepRunner:
                 self.tracker.done(*position)
             # No outcome will carry them: the tokens the provider counted are still spent.
             await self._record_usage(job, clock)
+            if clock.cost_usd:
+                metrics.JOB_COST.labels(job.workflow, str(job.tenant_id), "abandoned").inc(
+                    clock.cost_usd)
             return
         finally:
             self._running.pop(job.id, None)
             self._versions.pop(job.id, None)
             self._extended.pop(job.id, None)
+            left = self._held_by.get(job.tenant_id, 1) - 1
+            if left > 0:
+                self._held_by[job.tenant_id] = left
+            else:
+                self._held_by.pop(job.tenant_id, None)
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         self._observe(job, finish, time.monotonic() - started, clock.seconds)
+        self._cost(job, finish, clock.cost_usd)
         self.committer.add(finish, position)
 
     async def _record_usage(self, job: Job, clock: ModelClock) -> None:
@@ -410,6 +482,20 @@ class StepRunner:
                              clock.cost_usd, clock.calls)
         except Exception:  # metering must not keep a stopped attempt from ending
             log.exception("recording the usage of an abandoned attempt of %s failed", job.id)
+
+    @staticmethod
+    def _cost(job: Job, finish: Finish, cost: float) -> None:
+        """The attempt's cost, apart by kind: what retries and dead letters cost shows."""
+        tenant = str(job.tenant_id)
+        if finish.status == Status.DEAD_LETTER:
+            kind = "dead_letter"
+        elif job.attempt > 1:
+            kind = "retry"
+        else:
+            kind = "first"
+        metrics.JOB_COST.labels(job.workflow, tenant, kind).inc(cost)
+        if finish.status in (Status.COMPLETED, Status.DEAD_LETTER):
+            metrics.JOB_COST_JOBS.labels(job.workflow, tenant).inc()
 
     @staticmethod
     def _observe(job: Job, finish: Finish, seconds: float, model: float) -> None:
@@ -445,7 +531,7 @@ class StepRunner:
             else:
                 data = self.progress.step_input(workflow, step, recorded)
                 if data is None:
-                    data = await self._input(job)
+                    data = await self._input(job, workflow)
                 if log.isEnabledFor(logging.DEBUG):  # the formatter redacts "input" fields
                     log.debug("step %s starts", step.name, extra={"input": data})
                 # The effect log of this attempt: its records carry the fencing token.
@@ -501,17 +587,24 @@ class StepRunner:
             # being away is not the job's fault (retried); anything else is a bug.
             return self.failures.outcome(job, topic, _after_step(job, exc))
 
-    async def _input(self, job: Job) -> dict[str, Any]:
+    async def _input(self, job: Job, workflow: Workflow) -> dict[str, Any]:
         if job.input is not None:
             return job.input
         if job.input_ref:
-            raw = await self.objects.get(job.input_ref)
+            # Input by reference obeys the workflow's rules like inline input (the API
+            # checked type and size already; a ContractError here is the job's fault).
+            accepts = workflow.accepts_reference()
+            if accepts.streams:  # the first step reads the object itself, in chunks
+                return {"input_ref": job.input_ref}
+            raw = await read_bounded(self.objects, job.input_ref, accepts.max_bytes)
             try:
                 loaded = json.loads(raw)
             except ValueError:
-                # Not JSON (a text or PDF upload): the step may read the bytes itself.
-                return {"text": raw.decode("utf-8", "replace"), "input_ref": job.input_ref}
-            return loaded if isinstance(loaded, dict) else {"text": str(loaded)}
+                loaded = None
+            if isinstance(loaded, dict):
+                return workflow.validate_input(loaded)
+            # A text file: the text of the workflow's input, held to the same model.
+            return workflow.validate_input({"text": raw.decode("utf-8", "replace")})
         raise StepFailure("the job has neither input nor input_ref", code="missing_input",
                           failure_class=FailureClass.INPUT)
 

@@ -16,6 +16,7 @@ from calmq import topics
 from calmq.budget import open_metered_provider
 from calmq.codec import make_codec
 from calmq.data import Store
+from calmq.data.spending import SpendLedger
 from calmq.errors import InfrastructureError
 from calmq.kafka import consumer_config, producer_config
 from calmq.objects import open_object_store
@@ -23,11 +24,16 @@ from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.lag import LagSampler, admin_config
 from calmq.processors.poison import PoisonSink
-from calmq.processors.reaper import schedule_reaper
+from calmq.processors.reaper import (
+    schedule_quota_release,
+    schedule_reaper,
+    schedule_spend_release,
+)
 from calmq.processors.runner import RunnerConfig, StepRunner
 from calmq.retrying import Backoff
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings, claimed_window
+from calmq.spending import SpendCaps, spend_caps_from_settings
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -72,6 +78,7 @@ class Worker:
             settling=lambda: runner.committer.pending,
         )
         codec = make_codec(s.schema_registry_url)
+        spend = spend_caps_from_settings(s, SpendLedger(store))
         runner = StepRunner(
             store=store,
             codec=codec,
@@ -83,6 +90,8 @@ class Worker:
                                                       compression=s.kafka_compression)),
                               codec),
             usage=provider.usage.record if provider.usage is not None else None,
+            spend=spend,
+            allowance=provider.quota.allowance if provider.quota is not None else None,
             config=RunnerConfig(
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,
@@ -104,7 +113,9 @@ class Worker:
         )
         thread.start()
         log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
-        side = self._side_tasks(store, runner, consumer)
+        side = self._side_tasks(store, runner, consumer, spend)
+        if provider.quota is not None:  # else: the spend pass releases stale waits
+            schedule_quota_release(side, SpendLedger(store), provider.quota)
         try:
             while not self.stop.is_set():
                 tick = loop.time()
@@ -141,7 +152,7 @@ class Worker:
             raise InfrastructureError("the worker stopped because a side task it needs stopped")
 
     def _side_tasks(self, store: Store, runner: StepRunner,
-                    consumer: ParallelConsumer) -> Supervisor:
+                    consumer: ParallelConsumer, spend: SpendCaps) -> Supervisor:
         """Heartbeat leases every third of a lease, and stop the attempts whose leases could not
         be extended for most of one (self-fencing); requeue expired leases of dead workers;
         apply the expiry outcome to overdue reviews; sample consumer lag. A failed pass is
@@ -165,6 +176,7 @@ class Worker:
                         interval, first_after=interval,
                         sweeper_grace_seconds=self.settings.sweeper_grace_seconds,
                         longest_tier_seconds=self.settings.retry_tier_list[-1][1])
+        schedule_spend_release(side, spend, first_after=interval)
         lag_interval = self.settings.consumer_lag_interval_seconds
         if lag_interval > 0:
             lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)

@@ -59,6 +59,11 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
     data = wf.validate_input(input) if input is not None else None
+    if input_ref is not None:
+        # The object's type and size are checked by the API only (this client writes the
+        # row directly and reads no store); the worker reads it bounded by the workflow's
+        # limit all the same.
+        wf.accepts_reference()
     return prepare(wf, uuid.UUID(str(tenant_id)), input=data, input_ref=input_ref,
                    priority=priority, deadline_seconds=deadline_seconds,
                    callback_url=callback_url, metadata=metadata)

@@ -158,6 +158,9 @@ class JobView(JobSummary):
     """GET /v1/jobs/{id}: the same shape at every stage (docs/reference/api.md)."""
 
     usage: Usage
+    # Why a queued job waits (e.g. spend_cap_daily: its tenant is past its daily spend cap);
+    # null when nothing holds it back.
+    waiting_reason: str | None = None
     events: list[JobEvent]
 
 
@@ -219,6 +222,13 @@ class WorkflowStep(BaseModel):
         description="JSON Schema the step's output must fit (null: not checked)")
 
 
+class ByReferenceInfo(BaseModel):
+    """What a workflow takes as input by reference (a multipart file or input_ref)."""
+
+    content_types: list[str]
+    max_bytes: int
+
+
 class WorkflowInfo(BaseModel):
     """A workflow a job may name: its version, input schema and steps."""
 
@@ -231,6 +241,8 @@ class WorkflowInfo(BaseModel):
     review_threshold: float | None = Field(
         description="results less confident than this wait for a person (null: never)")
     steps: list[WorkflowStep]
+    by_reference: ByReferenceInfo | None = Field(
+        default=None, description="what it takes by reference (null: only inline input)")
 
 
 class WorkflowList(BaseModel):

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import quote, unquote, urlparse
@@ -131,12 +131,17 @@ async def _field_text(part: BodyPartReader, room: int) -> tuple[str, int]:
 async def read_form(
     request: web.Request, objects: ObjectStore, prefix: str, max_upload: int,
     stored: list[ObjectRef], *, max_parts: int = 16, max_field_bytes: int = _FIELD_MAX,
+    file_limit: Callable[[Mapping[str, Any]], int | None] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """A multipart submit's fields, with its ``file`` part streamed to the object store.
 
     At most ``max_parts`` parts and ``max_field_bytes`` of non-file fields in all (aiohttp's
     ``client_max_size`` does not bound a multipart read): past either a 413 problem
     (``too_many_parts``, ``fields_too_large``), and the caller deletes what was stored.
+
+    ``file_limit`` (given the fields read before the file) may lower the file's limit below
+    ``max_upload`` (the workflow's own maximum): past it, a 413 ``input_too_large`` as soon
+    as the limit is crossed, not after the whole upload.
 
     The file goes under ``prefix`` and is appended to ``stored`` as soon as it is written,
     so the caller can delete it if the request fails later. ``input_ref`` names the file;
@@ -159,10 +164,19 @@ async def read_form(
             if part.name == "file":
                 if stored:
                     raise ContractError("send one part named file", code="invalid_multipart")
-                ref = await store_stream(
-                    objects, f"{prefix}/{uuid.uuid4()}", part,
-                    part.headers.get("Content-Type", "application/octet-stream")[:200],
-                    max_upload)
+                own = file_limit(fields) if file_limit is not None else None
+                limit = min(max_upload, own) if own is not None else max_upload
+                try:
+                    ref = await store_stream(
+                        objects, f"{prefix}/{uuid.uuid4()}", part,
+                        part.headers.get("Content-Type", "application/octet-stream")[:200],
+                        limit)
+                except ContractError as exc:
+                    if exc.code == "file_too_large" and limit < max_upload:
+                        raise ContractError(
+                            f"the file is over the workflow's {limit} byte limit for input by"
+                            " reference", code="input_too_large", status=413) from None
+                    raise
                 stored.append(ref)
                 digest.update(f"file={ref.sha256}".encode())
             else:

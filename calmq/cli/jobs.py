@@ -201,6 +201,7 @@ def _show_table(story: dict[str, Any]) -> None:
                     f"(pool {story['pool']}, priority {story['priority']})",
         "status": f"{story['status']} at step {story['step']}, attempt {story['attempt']}"
                   f"/{story['max_attempts']}",
+        "waiting": story.get("waiting_reason"),
         "created": story["created_at"], "updated": story["updated_at"],
         "trace id": story["trace_id"],
         "usage": f"{usage['input_tokens']} in / {usage['output_tokens']} out tokens, "

@@ -142,9 +142,11 @@ def cmd_reaper(args: argparse.Namespace) -> int:
     _metrics_server(args.metrics_port, settings.metrics_host)
 
     async def loop() -> None:
+        from calmq.data.spending import SpendLedger
         from calmq.objects import open_object_store
-        from calmq.processors.reaper import schedule_reaper
+        from calmq.processors.reaper import schedule_reaper, schedule_spend_release
         from calmq.reviews import ReviewDesk
+        from calmq.spending import spend_caps_from_settings
         from calmq.supervision import Supervisor
         from calmq.workflows import load_workflows
 
@@ -157,6 +159,8 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         schedule_reaper(side, store, desk, max(0.5, settings.lease_seconds / 3),
                         sweeper_grace_seconds=settings.sweeper_grace_seconds,
                         longest_tier_seconds=settings.retry_tier_list[-1][1])
+        # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).
+        schedule_spend_release(side, spend_caps_from_settings(settings, SpendLedger(store)))
         try:
             await side.failed.wait()  # a failed pass is retried; a stopped task ends us
         finally:

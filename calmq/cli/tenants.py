@@ -57,6 +57,63 @@ def _list(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _amount(text: str | None, flag: str, kind: type[float] | type[int]) -> float | None:
+    """A limit as given: a number >= 0, or "none" for no limit of the tenant's own."""
+    if text is None or text.strip().lower() in ("none", "default"):
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise UsageError(f"{flag} is a number >= 0 or none, not {text!r}") from None
+    if value < 0:
+        raise UsageError(f"{flag} is a number >= 0 or none, not {text!r}")
+    return value
+
+
+def _limits(args: argparse.Namespace) -> int:
+    """set-quota and set-spend-cap: the tenant row's own limits (migration 0012)."""
+    from calmq.data.spending import SpendLedger
+
+    settings = settings_for(args)
+    if args.action == "set-quota":
+        if args.tokens_per_minute is None:
+            raise UsageError("usage: calmq tenants set-quota NAME --tokens-per-minute N|default")
+        tokens = _amount(args.tokens_per_minute, "--tokens-per-minute", int)
+    else:
+        if args.daily_usd is None and args.monthly_usd is None:
+            raise UsageError("usage: calmq tenants set-spend-cap NAME [--daily-usd X|none] "
+                             "[--monthly-usd X|none]")
+        daily = _amount(args.daily_usd, "--daily-usd", float)
+        monthly = _amount(args.monthly_usd, "--monthly-usd", float)
+
+    async def write() -> bool:
+        async with open_store(settings, max_size=1) as store:
+            ledger = SpendLedger(store)
+            if args.action == "set-quota":
+                return await ledger.set_quota(args.name, None if tokens is None
+                                              else int(tokens))
+            return await ledger.set_cap(
+                args.name, daily=False if args.daily_usd is None else daily,
+                monthly=False if args.monthly_usd is None else monthly)
+
+    check_database(settings)
+    if not asyncio.run(write()):
+        print(f"no tenant named {args.name}", file=sys.stderr)
+        return Exit.ERROR
+    if args.action == "set-quota":
+        what = ("the default fair share" if tokens is None
+                else "no quota of its own" if tokens == 0 else f"{int(tokens)} tokens/minute")
+        print(f"token quota of {args.name}: {what}")
+    else:
+        given = [f"{window} {value if value is not None else 'none'}"
+                 for window, flag, value in (("daily", args.daily_usd, daily),
+                                             ("monthly", args.monthly_usd, monthly))
+                 if flag is not None]
+        print(f"spend caps of {args.name} (USD): {', '.join(given)}; waiting work resumes "
+              "within spend_cap_refresh_seconds of a raise")
+    return Exit.OK
+
+
 def cmd_tenants(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(args)
@@ -76,6 +133,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise UsageError(f"usage: calmq tenants {args.action} NAME")
+    if args.action in ("set-quota", "set-spend-cap"):
+        return _limits(args)
     if args.rotate and args.action != "webhook-secret":
         raise UsageError("--rotate goes with webhook-secret")
     settings = settings_for(args)
@@ -115,9 +174,11 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 def register(command: Command, flags: Flags) -> None:
     p = command("tenants", cmd_tenants, "manage tenants: list, create, add-key, revoke-key, "
-                "webhook-secret, platform-key", needs=("database_url",))
+                "webhook-secret, platform-key, set-quota, set-spend-cap",
+                needs=("database_url",))
     p.add_argument("action", choices=["list", "create", "add-key", "revoke-key",
-                                      "webhook-secret", "platform-key"],
+                                      "webhook-secret", "platform-key", "set-quota",
+                                      "set-spend-cap"],
                    help="list the tenants and their keys, or act on one tenant")
     p.add_argument("name", nargs="?",
                    help="the tenant's name (list: only this tenant; required otherwise)")
@@ -129,4 +190,11 @@ def register(command: Command, flags: Flags) -> None:
                  help="webhook-secret: make a new secret and print it; the previous one "
                       "also signs deliveries for --webhook-secret-grace-seconds")
     flags.setting(p, "webhook_secret_grace_seconds")
+    flags.option(p, "--tokens-per-minute",
+                 help="set-quota: the tenant's token quota per minute (0: none of its own; "
+                      "default: the fair share of the fleet's)")
+    flags.option(p, "--daily-usd",
+                 help="set-spend-cap: the tenant's cap per UTC day in USD (none: no cap)")
+    flags.option(p, "--monthly-usd",
+                 help="set-spend-cap: the tenant's cap per UTC month in USD (none: no cap)")
     add_output(p)

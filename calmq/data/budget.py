@@ -18,7 +18,7 @@ from calmq.data.database import Database
 if TYPE_CHECKING:
     from calmq.budget import BucketLimits
 
-__all__ = ["BucketState", "BudgetLedger", "Grant", "Usage", "UsageLedger"]
+__all__ = ["BucketState", "BudgetLedger", "Grant", "TenantTokenLedger", "Usage", "UsageLedger"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +126,47 @@ class UsageLedger:
         rows = [asdict(u) for u in sorted(usages, key=lambda u: u.job_id)]
         async with self._db.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             await cur.executemany(self._db.q["budget_record_usage"], rows)
+
+
+class TenantTokenLedger:
+    """Each tenant's token quota as a row of ``tenant_token_buckets`` (migration 0012)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
+                   debt: bool = False) -> tuple[bool, float]:
+        """(granted, seconds to wait when not); ``debt``: granted always, counted all the
+        same."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["tenant_tokens_take"], {
+                "tenant_id": tenant_id, "need": need, "rate": rate, "cap": cap,
+                "debt": debt})
+            row = await cur.fetchone()
+        assert row is not None
+        return bool(row["granted"]), float(row["wait_seconds"])
+
+    async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None:
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._db.q["tenant_tokens_give_back"], {
+                "tenant_id": tenant_id, "tokens": tokens, "cap": cap})
+
+    async def quotas(self) -> dict[uuid.UUID, int]:
+        """Tenants with a tokens-per-minute quota of their own."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["tenant_token_quotas"])
+            return {r["id"]: int(r["tokens_per_minute"]) for r in await cur.fetchall()}
+
+    async def active_tenants(self) -> int:
+        """Tenants whose calls took from their quota in the last minute."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["tenant_tokens_active"])
+            row = await cur.fetchone()
+        return int(row["active"]) if row is not None else 0
+
+    async def level(self, tenant_id: uuid.UUID) -> float | None:
+        """The tokens the tenant's bucket held at its last touch (tooling and tests)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["tenant_token_level"], {"tenant_id": tenant_id})
+            row = await cur.fetchone()
+        return float(row["tokens"]) if row is not None else None

@@ -160,6 +160,8 @@ class JobDetail(JobSnapshot):
     output_tokens: int
     cost_usd: Decimal  # numeric in PostgreSQL
     events: list[HistoryEvent]
+    # Why a waiting job is not being run (a spend cap: calmq.spending); None: nothing holds it.
+    waiting_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ COVERAGE: dict[str, str] = {
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
+    "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,

@@ -60,3 +60,26 @@ SELECT provider, model, tokens_per_minute, requests_per_minute, token_rate, requ
        interactive_tokens, interactive_requests, refilled_at,
        CASE WHEN isfinite(paused_until) THEN paused_until END AS paused_until
 FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;
+
+-- name: tenant_tokens_take
+-- A tenant's token quota (migration 0012): take one call's estimate or say how long to wait.
+SELECT granted, wait_seconds
+FROM calmq_tenant_tokens_take(%(tenant_id)s, %(need)s, %(rate)s, %(cap)s, %(debt)s);
+
+-- name: tenant_tokens_give_back
+-- What a call did not spend (a failed call: all of it) goes back, never above capacity.
+UPDATE tenant_token_buckets SET tokens = least(%(cap)s, tokens + %(tokens)s)
+WHERE tenant_id = %(tenant_id)s;
+
+-- name: tenant_token_quotas
+-- Tenants with a quota of their own (NULL: the default share).
+SELECT id, tokens_per_minute FROM tenants WHERE tokens_per_minute IS NOT NULL;
+
+-- name: tenant_token_level
+SELECT tokens, refilled_at FROM tenant_token_buckets WHERE tenant_id = %(tenant_id)s;
+
+-- name: tenant_tokens_active
+-- Tenants that made calls in the last minute: the fair share divides the fleet's quota
+-- among them. One row per tenant ever seen: a scan of a small table.
+SELECT count(*) AS active FROM tenant_token_buckets
+WHERE refilled_at > clock_timestamp() - interval '1 minute';

@@ -66,7 +66,7 @@ FROM job j JOIN src s ON s.id = j.id;
 -- name: job_for_tenant
 -- calmq.data.jobs.JobDetail's columns (its events: job_events)
 SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
-       metadata, input_tokens, output_tokens, cost_usd
+       metadata, input_tokens, output_tokens, cost_usd, waiting_reason
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events
@@ -152,7 +152,7 @@ WITH target AS (
 ), claimed AS (
     UPDATE jobs j SET status = 'running', attempt = j.attempt + 1,
                       lease_version = j.lease_version + 1,
-                      lease_owner = %(worker)s,
+                      lease_owner = %(worker)s, waiting_reason = NULL,
                       lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
                       updated_at = now()
     FROM target t WHERE j.id = t.id
@@ -315,6 +315,8 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.sweeper', 0)) AS held;
 WITH stranded AS (
     SELECT j.id, j.status AS old_status FROM jobs j
     WHERE j.status IN ('queued', 'retrying')
+      -- waiting past a spend cap on purpose: release_jobs (spending.sql) re-publishes it
+      AND j.waiting_reason IS NULL
       -- implied by the due time below (both are at least updated_at); here for the index
       AND j.updated_at < now() - make_interval(secs => %(grace_seconds)s)
       AND CASE WHEN j.status = 'queued' THEN j.updated_at

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from calmq.settings import Settings
 
 __all__ = [
+    "ByReference",
     "EffectLog",
     "RetryPolicy",
     "ReviewExpiry",
@@ -147,6 +148,40 @@ ReviewExpiry = Literal["dead_letter", "approve"]
 
 
 @dataclass(frozen=True)
+class ByReference:
+    """What a workflow accepts as input by reference (a multipart ``file`` or ``input_ref``).
+
+    The API checks an object against it before it accepts the job (its media type and size,
+    read from the store without reading the object), and the worker reads it bounded by
+    ``max_bytes``. ``streams``: the first step reads the object itself, in chunks (it gets
+    ``{"input_ref": uri}``); otherwise the worker reads it, and its text (``{"text": ...}``)
+    or JSON object goes through the workflow's input model like an inline input.
+    """
+
+    content_types: frozenset[str]
+    max_bytes: int
+    streams: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1 or not self.content_types:
+            raise ValueError("input by reference needs max_bytes >= 1 and a content type")
+
+    def check(self, workflow: str, content_type: str, size: int) -> None:
+        """ContractError (415 ``unsupported_input_type``, 413 ``input_too_large``) unless an
+        object of this media type and size is accepted."""
+        kind = content_type.split(";", 1)[0].strip().lower()
+        if kind not in self.content_types:
+            raise ContractError(
+                f"workflow {workflow} does not accept {kind or 'untyped'} input by reference;"
+                f" it accepts {', '.join(sorted(self.content_types))}",
+                code="unsupported_input_type", status=415)
+        if size > self.max_bytes:
+            raise ContractError(
+                f"the referenced input is {size} bytes; workflow {workflow} accepts at most "
+                f"{self.max_bytes} bytes by reference", code="input_too_large", status=413)
+
+
+@dataclass(frozen=True)
 class Workflow:
     name: str
     version: int
@@ -159,6 +194,8 @@ class Workflow:
     # What the review timer does with a review nobody decided in time.
     review_expiry: ReviewExpiry = "dead_letter"
     meta: dict[str, Any] = field(default_factory=dict)
+    # None: the workflow takes no input by reference (input_ref_not_accepted).
+    by_reference: ByReference | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -192,6 +229,14 @@ class Workflow:
     def needs_review(self, confidence: float | None) -> bool:
         threshold = self.review_threshold
         return threshold is not None and confidence is not None and confidence < threshold
+
+    def accepts_reference(self) -> ByReference:
+        """What this workflow takes by reference; ContractError when it takes nothing."""
+        if self.by_reference is None:
+            raise ContractError(f"workflow {self.name} takes no input by reference (a file "
+                                "or input_ref); send input", code="input_ref_not_accepted",
+                                status=422)
+        return self.by_reference
 
     def validate_input(self, raw: Any) -> dict[str, Any]:
         try:

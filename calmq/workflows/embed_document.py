@@ -7,16 +7,19 @@ artifact carry references. The artifact is ``{"vectors": {uri, sha256, content_t
 
 from __future__ import annotations
 
+import codecs
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from calmq.errors import FailureClass, StepFailure
+from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import Embedder
-from calmq.workflows import RetryPolicy, Step, StepContext, StepOutput, Workflow
+from calmq.workflows import ByReference, RetryPolicy, Step, StepContext, StepOutput, Workflow
 
-__all__ = ["EMBED_DOCUMENT", "EmbedInput", "chunk", "chunk_text", "embed"]
+__all__ = ["EMBED_BY_REFERENCE", "EMBED_DOCUMENT", "EmbedInput", "chunk", "chunk_stream",
+           "chunk_text", "embed"]
 
 
 class EmbedInput(BaseModel):
@@ -25,6 +28,19 @@ class EmbedInput(BaseModel):
     text: str = Field(min_length=1, max_length=5_000_000)
     chunk_chars: int = Field(default=1000, ge=50, le=100_000)
     batch_size: int = Field(default=16, ge=1, le=2048)
+
+
+class EmbedByRef(BaseModel):
+    """The knobs of a document sent by reference (defaults: the inline input's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    chunk_chars: int = Field(default=1000, ge=50, le=100_000)
+    batch_size: int = Field(default=16, ge=1, le=2048)
+
+
+# A text document of up to 20 MB; the chunk step reads it in chunks itself.
+EMBED_BY_REFERENCE = ByReference(frozenset({"text/plain", "text/markdown"}),
+                                 max_bytes=20 * 1024 * 1024, streams=True)
 
 
 class Chunked(BaseModel):
@@ -44,6 +60,16 @@ class Embedded(BaseModel):
     batches: int
 
 
+def _cut(rest: str, size: int) -> int:
+    """Where the first piece of ``rest`` (longer than ``size``) ends."""
+    cut = rest.rfind("\n\n", 0, size)
+    if cut < size // 2:
+        cut = rest.rfind(" ", 0, size)
+    if cut < size // 2:
+        cut = size
+    return cut
+
+
 def chunk_text(text: str, size: int) -> list[str]:
     """Pieces of at most ``size`` characters, cut at a paragraph or word boundary if any."""
     pieces: list[str] = []
@@ -52,14 +78,40 @@ def chunk_text(text: str, size: int) -> list[str]:
         if len(rest) <= size:
             pieces.append(rest)
             break
-        cut = rest.rfind("\n\n", 0, size)
-        if cut < size // 2:
-            cut = rest.rfind(" ", 0, size)
-        if cut < size // 2:
-            cut = size
+        cut = _cut(rest, size)
         pieces.append(rest[:cut].strip())
         rest = rest[cut:].strip()
     return [p for p in pieces if p]
+
+
+async def chunk_stream(chunks: AsyncIterator[bytes], size: int, limit: int) -> list[str]:
+    """``chunk_text`` of a UTF-8 document read chunk by chunk: the same pieces, while the
+    document's bytes are never held whole (only the pieces, and at most one piece and one
+    chunk of text not yet cut). ContractError ``input_too_large`` past ``limit`` bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pieces: list[str] = []
+    rest = ""
+    read = 0
+    started = False
+    async for data in chunks:
+        read += len(data)
+        if read > limit:
+            raise ContractError(f"the document is over the {limit} byte limit for input by "
+                                "reference", code="input_too_large", status=413)
+        rest += decoder.decode(data)
+        if not started:
+            rest = rest.lstrip()
+            started = bool(rest)
+        # Cut only what more text cannot change: a piece needs up to ``size`` characters
+        # after its start to find its boundary, and the rest is stripped after each cut.
+        while len(rest) > 2 * size:
+            cut = _cut(rest, size)
+            piece = rest[:cut].strip()
+            if piece:
+                pieces.append(piece)
+            rest = rest[cut:].lstrip()
+    pieces.extend(chunk_text(rest + decoder.decode(b"", final=True), size))
+    return pieces
 
 
 def _objects(ctx: StepContext) -> Any:
@@ -70,16 +122,28 @@ def _objects(ctx: StepContext) -> Any:
 
 
 async def chunk(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    ref = data.get("input_ref")
+    if isinstance(ref, str):  # a document by reference: read in chunks, never whole
+        # (imported here: the client distribution loads workflows but ships no object store)
+        from calmq.objects import iter_chunks
+
+        knobs = EmbedByRef.model_validate({k: v for k, v in data.items() if k != "input_ref"})
+        pieces = await chunk_stream(iter_chunks(_objects(ctx), ref), knobs.chunk_chars,
+                                    EMBED_BY_REFERENCE.max_bytes)
+        return await _store_chunks(ctx, pieces, knobs.batch_size)
     args = EmbedInput.model_validate(
         {k: v for k, v in data.items() if k in EmbedInput.model_fields})
-    pieces = chunk_text(args.text, args.chunk_chars)
+    return await _store_chunks(ctx, chunk_text(args.text, args.chunk_chars), args.batch_size)
+
+
+async def _store_chunks(ctx: StepContext, pieces: list[str], batch_size: int) -> StepOutput:
     if not pieces:
         raise StepFailure("the document has no text", code="empty_document",
                           failure_class=FailureClass.INPUT)
     ref = await _objects(ctx).put(ctx.object_key("chunks.json"), json.dumps(pieces).encode(),
                                   "application/json")
     return StepOutput(artifact={"chunks": ref.as_dict(), "count": len(pieces),
-                                "batch_size": args.batch_size})
+                                "batch_size": batch_size})
 
 
 async def embed(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
@@ -114,6 +178,7 @@ EMBED_DOCUMENT = Workflow(
     version=1,
     input_model=EmbedInput,
     review_threshold=None,
+    by_reference=EMBED_BY_REFERENCE,
     steps=(
         Step("chunk", chunk, timeout_seconds=60.0, retry=RetryPolicy(max_attempts=2),
              output_model=Chunked),

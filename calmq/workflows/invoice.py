@@ -17,10 +17,19 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calmq.errors import FailureClass, StepFailure
-from calmq.workflows import RetryPolicy, ReviewExpiry, Step, StepContext, StepOutput, Workflow
+from calmq.workflows import (
+    ByReference,
+    RetryPolicy,
+    ReviewExpiry,
+    Step,
+    StepContext,
+    StepOutput,
+    Workflow,
+)
 from calmq.workflows.effects import once
 
 __all__ = [
+    "INVOICE_BY_REFERENCE",
     "INVOICE_SYSTEM_PROMPT",
     "InvoiceFields",
     "InvoiceInput",
@@ -94,7 +103,11 @@ async def extract_text(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
     text = data.get("text") if isinstance(data.get("text"), str) else None
     ref = data.get("input_ref")
     if isinstance(ref, str) and ctx.objects is not None:
-        raw = await ctx.objects.get(ref)
+        # pypdf needs the whole file: read it bounded by what the API checked. (Imported
+        # here: the client distribution loads workflows but ships no object store.)
+        from calmq.objects import read_bounded
+
+        raw = await read_bounded(ctx.objects, ref, INVOICE_BY_REFERENCE.max_bytes)
         if raw.startswith(b"%PDF"):
             text = await asyncio.to_thread(pdf_text, raw)
         else:
@@ -170,6 +183,11 @@ def _post_to(ledger_url: str) -> Any:
     return post_ledger
 
 
+# A PDF (its text layer is read: no OCR) or a text file; the first step reads it itself.
+INVOICE_BY_REFERENCE = ByReference(
+    frozenset({"application/pdf", "text/plain"}), max_bytes=20 * 1024 * 1024, streams=True)
+
+
 def invoice_workflow(
     ledger_url: str,
     *,
@@ -192,6 +210,7 @@ def invoice_workflow(
         review_threshold=review_threshold,
         review_deadline_seconds=review_deadline_seconds,
         review_expiry=review_expiry,
+        by_reference=INVOICE_BY_REFERENCE,
         steps=(
             Step("extract_text", extract_text, timeout_seconds=60.0, pool=text_pool,
                  retry=RetryPolicy(max_attempts=2), output_model=InvoiceText),

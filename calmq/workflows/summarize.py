@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calmq.errors import FailureClass, StepFailure
-from calmq.workflows import Step, StepContext, StepOutput, Workflow
+from calmq.workflows import ByReference, Step, StepContext, StepOutput, Workflow
 
 __all__ = ["SUMMARIZE", "SummarizeInput", "SummaryOutput", "summarize"]
 
@@ -79,4 +79,8 @@ SUMMARIZE = Workflow(
     version=1,
     input_model=SummarizeInput,
     steps=(Step("summarize", summarize, timeout_seconds=60.0, max_attempts=3),),
+    # A text file (its text must fit SummarizeInput.text, like an inline one) or a JSON
+    # input object; 4 bytes a character at most.
+    by_reference=ByReference(frozenset({"text/plain", "text/markdown", "application/json"}),
+                             max_bytes=800_000),
 )

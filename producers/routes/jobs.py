@@ -14,6 +14,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ from prometheus_client import Counter, Histogram
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
-from calmq.objects import ObjectRef, presigned_url
+from calmq.objects import ObjectRef, presigned_url, stat_object
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.intake import prepare, submit_keyed
@@ -44,7 +45,7 @@ from calmq.producers.timestamps import format_time, parse_time
 from calmq.producers.uploads import delete_object, read_form, read_object, tenant_owns
 from calmq.producers.views import event_view, job_summary, job_view
 from calmq.producers.webhooks import check_callback_url
-from calmq.workflows import find_workflow
+from calmq.workflows import Workflow, find_workflow
 
 __all__ = ["ROUTES"]
 
@@ -79,15 +80,17 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
                   ) -> web.Response:
     settings = request.app[SETTINGS]
     multipart = request.content_type.startswith("multipart/")
+    workflows = request.app[WORKFLOWS]
     if multipart:
         fields, raw = await read_form(request, request.app[OBJECTS], f"{caller.id}/inputs",
                                       settings.max_upload_bytes, stored,
                                       max_parts=settings.max_multipart_parts,
-                                      max_field_bytes=settings.max_multipart_field_bytes)
+                                      max_field_bytes=settings.max_multipart_field_bytes,
+                                      file_limit=lambda seen: _file_limit(workflows, seen))
         req = validate(SubmitRequest, fields)
     else:
         req, raw = await read_body(request, SubmitRequest)
-    workflow = find_workflow(req.workflow, request.app[WORKFLOWS])
+    workflow = find_workflow(req.workflow, workflows)
     if (req.input is None) == (req.input_ref is None):
         raise ContractError("send exactly one of input and input_ref", code="invalid_body",
                             status=422)
@@ -96,6 +99,8 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
             settings.object_store_url, caller.id, req.input_ref):
         raise ContractError("input_ref must point inside your tenant's prefix of the store",
                             code="input_ref_forbidden", status=403)
+    if req.input_ref is not None:
+        await _check_reference(request, workflow, req.input_ref, stored)
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
@@ -125,6 +130,28 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         {"job_id": str(new_id), "status": "queued", "status_url": f"/v1/jobs/{new_id}"},
         status=202,
     )
+
+
+def _file_limit(workflows: dict[str, Workflow], fields: Mapping[str, Any]) -> int | None:
+    """A multipart file's own limit when its workflow field came first: the workflow's."""
+    found = workflows.get(str(fields.get("workflow", "")))
+    return found.by_reference.max_bytes if found and found.by_reference else None
+
+
+async def _check_reference(request: web.Request, workflow: Workflow, uri: str,
+                           stored: list[ObjectRef]) -> None:
+    """Input by reference obeys the workflow's rules: it must take input by reference, of
+    this media type and size (the upload as received, or the object as stored)."""
+    accepts = workflow.accepts_reference()
+    if stored:
+        accepts.check(workflow.name, stored[0].content_type, stored[0].size)
+        return
+    try:
+        info = await stat_object(request.app[OBJECTS], uri)
+    except NotFound:
+        raise ContractError("input_ref names no object in the store; upload it first",
+                            code="input_ref_not_found", status=422) from None
+    accepts.check(workflow.name, info.content_type, info.size)
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from calmq.errors import NotFound
 from calmq.producers.auth import tenant
 from calmq.producers.context import WORKFLOWS
-from calmq.producers.models import WorkflowInfo, WorkflowList, WorkflowStep
+from calmq.producers.models import ByReferenceInfo, WorkflowInfo, WorkflowList, WorkflowStep
 from calmq.producers.routing import Route, answer, problems
 from calmq.workflows import Workflow
 
@@ -31,7 +31,10 @@ def workflow_info(workflow: Workflow) -> WorkflowInfo:
         steps=[WorkflowStep(name=s.name, pool=workflow.pool_of(s),
                             timeout_seconds=s.timeout_seconds, max_attempts=s.attempts,
                             output_schema=_schema(s.output_model))
-               for s in workflow.steps])
+               for s in workflow.steps],
+        by_reference=None if workflow.by_reference is None else ByReferenceInfo(
+            content_types=sorted(workflow.by_reference.content_types),
+            max_bytes=workflow.by_reference.max_bytes))
 
 
 async def list_workflows(request: web.Request) -> web.Response:

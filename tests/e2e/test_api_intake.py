@@ -139,6 +139,11 @@ def test_input_ref_outside_tenant_prefix_is_403(stack: StackState) -> None:
         assert status == 403, (ref, body)
         assert hdrs["Content-Type"].startswith("application/problem+json")
         assert body["code"] == "input_ref_forbidden"
+    # Inside its own prefix, an object that exists (issue 15: a referenced input must exist,
+    # and is checked against the workflow's rules) is accepted.
+    mine = Path(urlparse(base).path) / str(tenant_id) / "inputs" / "mine.txt"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text("my own document")
     status, _h, body = api.call("POST", "/v1/jobs", {
         "workflow": "summarize", "input_ref": f"{base}/{tenant_id}/inputs/mine.txt"})
     assert status == 202, body

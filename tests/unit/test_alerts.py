@@ -89,6 +89,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.relay.cdc
     import calmq.retrying
     import calmq.reviews
+    import calmq.spending
     import calmq.supervision
 
     # The factories below are the modules' own lazy constructors (cached: calling one
@@ -98,6 +99,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.retrying._retries()
     calmq.supervision._failures()
     calmq.reviews._review_wait()
+    calmq.spending._held_gauge()
     calmq.producers.backlog.queue_age_gauge()
     calmq.producers.backlog.slot_gauges()
     for module in (calmq.processors.metrics, calmq.producers.api, calmq.producers.intake,

@@ -1,0 +1,127 @@
+"""Spend caps as rows: the caps of tenants (columns of ``tenants``), what each tenant spent
+this day and month (summed from ``job_attempts``), and the jobs that wait past a cap
+(``jobs.waiting_reason``, migration 0012). What is held when is calmq.spending's.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from calmq import events, topics
+from calmq.data.database import Database
+from calmq.data.jobs import Job
+from calmq.data.outbox import entry
+
+__all__ = ["Spend", "SpendCap", "SpendLedger"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpendCap:
+    """A tenant's caps in USD; None: no cap for that window."""
+
+    daily: float | None
+    monthly: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """What a tenant spent in USD this UTC day and this UTC month."""
+
+    day: float
+    month: float
+
+
+class SpendLedger:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def caps(self) -> dict[uuid.UUID, SpendCap]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["spend_caps"])
+            return {r["id"]: SpendCap(r["daily"], r["monthly"]) for r in await cur.fetchall()}
+
+    async def spend(self) -> dict[uuid.UUID, Spend]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["spend_by_tenant"])
+            return {r["tenant_id"]: Spend(r["day"], r["month"]) for r in await cur.fetchall()}
+
+    async def hold(self, ids: Sequence[uuid.UUID], reason: str, detail: dict[str, Any]
+                   ) -> list[uuid.UUID]:
+        """Make the waiting ones of ``ids`` wait with ``reason``; returns those newly held."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["hold_jobs"], {
+                "ids": list(ids), "reason": reason,
+                "detail": json.dumps({"reason": reason, **detail})})
+            return [r["id"] for r in await cur.fetchall()]
+
+    async def release(self, *, held_bulk: Sequence[uuid.UUID], held_all: Sequence[uuid.UUID],
+                      fleet_bulk: bool, fleet_all: bool, stale_seconds: float = 600.0,
+                      limit: int = 500) -> list[Job]:
+        """Re-publish (through the outbox, in the same transaction) the waiting jobs that no
+        cap holds any more; one pass at a time in the fleet."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["held_jobs_lock"])
+            row = await cur.fetchone()
+            if row is None or not row["held"]:
+                return []
+            cur = await conn.execute(self._db.q["release_jobs"], {
+                "held_bulk": list(held_bulk), "held_all": list(held_all),
+                "fleet_bulk": fleet_bulk, "fleet_all": fleet_all,
+                "stale_seconds": stale_seconds, "limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._db.q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def quota_held_tenants(self) -> list[uuid.UUID]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["quota_held_tenants"])
+            return [r["tenant_id"] for r in await cur.fetchall()]
+
+    async def release_quota(self, limits: dict[uuid.UUID, int]) -> list[Job]:
+        """Re-publish up to ``limits[tenant]`` of each tenant's jobs that wait for its token
+        quota (through the outbox, in one transaction); one pass at a time in the fleet."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["quota_lock"])
+            row = await cur.fetchone()
+            if row is None or not row["held"]:
+                return []
+            jobs: list[Job] = []
+            for tenant_id, limit in sorted(limits.items()):
+                cur = await conn.execute(self._db.q["release_quota_jobs"],
+                                         {"tenant_id": tenant_id, "limit": limit})
+                jobs.extend(Job.from_row(r) for r in await cur.fetchall())
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._db.q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def set_quota(self, name: str, tokens_per_minute: int | None) -> bool:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["set_tenant_quota"], {
+                "name": name, "tokens_per_minute": tokens_per_minute})
+            return await cur.fetchone() is not None
+
+    async def set_cap(self, name: str, *, daily: float | bool | None = False,
+                      monthly: float | bool | None = False) -> bool:
+        """Set a tenant's caps (None: no cap); a window left False keeps its cap."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["set_tenant_spend_cap"], {
+                "name": name,
+                "set_daily": daily is not False, "daily": None if daily is False else daily,
+                "set_monthly": monthly is not False,
+                "monthly": None if monthly is False else monthly})
+            return await cur.fetchone() is not None

@@ -1,0 +1,158 @@
+"""Spend caps: cost is a constrained resource like tokens.
+
+A tenant (a row's ``spend_cap_daily_usd`` / ``spend_cap_monthly_usd``) and the whole fleet
+(settings ``spend_cap_fleet_daily_usd`` / ``_monthly_usd``) may have a cap per UTC day and
+per UTC month. What was spent is summed from the attempts' recorded cost (retries and
+dead-lettered attempts included), read every ``spend_cap_refresh_seconds``.
+
+Work past a cap is never dropped: a worker that polls a job of a capped tenant does not claim
+it; the job keeps its status (``queued`` for new work) with a ``waiting_reason`` and a
+``waiting`` event, and its message is acknowledged. A release pass (one at a time in the
+fleet) clears the reason and re-publishes the job (event ``resumed``) once the window rolled
+over or the cap was raised. Bulk work waits first: once spend reaches
+``spend_cap_bulk_fraction`` of a cap; interactive work waits at the full cap.
+
+Calls in flight are not stopped, and their cost counts once their attempt ends: a fleet may
+pass a cap by what its in-flight attempts spend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import TYPE_CHECKING
+
+from prometheus_client import Gauge
+
+from calmq.data.spending import Spend, SpendCap, SpendLedger
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
+
+__all__ = ["Holds", "SpendCaps", "spend_caps_from_settings"]
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _held_gauge() -> Gauge:
+    return Gauge("calmq_spend_capped_tenants",
+                 "Tenants whose work of this priority waits past a spend cap, as this process"
+                 " last read them (the fleet's own cap counts as one)", ["priority"])
+
+
+@dataclass(frozen=True)
+class Holds:
+    """Who waits right now: per tenant, bulk only or all priorities, and the fleet."""
+
+    bulk: dict[uuid.UUID, str] = field(default_factory=dict)  # tenant -> reason
+    every: dict[uuid.UUID, str] = field(default_factory=dict)
+    fleet_bulk: str | None = None
+    fleet_every: str | None = None
+
+    def reason(self, tenant_id: uuid.UUID, priority: str) -> str | None:
+        """Why a job of this tenant and priority must wait now; None: it may run."""
+        if self.fleet_every:
+            return self.fleet_every
+        if tenant_id in self.every:
+            return self.every[tenant_id]
+        if priority != "interactive":
+            return self.fleet_bulk or self.bulk.get(tenant_id)
+        return None
+
+
+def _over(spend: Spend, cap: SpendCap, bulk_fraction: float) -> tuple[str | None, str | None]:
+    """(reason all work waits, reason bulk work waits) for one spender's caps."""
+    every: str | None = None
+    bulk: str | None = None
+    for window, spent, limit in (("daily", spend.day, cap.daily),
+                                 ("monthly", spend.month, cap.monthly)):
+        if limit is None:
+            continue
+        if spent >= limit and every is None:
+            every = f"spend_cap_{window}"
+        if spent >= limit * bulk_fraction and bulk is None:
+            bulk = f"spend_cap_{window}"
+    return every, bulk
+
+
+class SpendCaps:
+    """Who is past a cap, read at most every ``refresh_seconds``."""
+
+    def __init__(self, ledger: SpendLedger, *, fleet: SpendCap, bulk_fraction: float,
+                 refresh_seconds: float, stale_seconds: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ledger = ledger
+        self.stale_seconds = stale_seconds  # a token-quota wait no quota pass released
+        self.fleet = fleet
+        self.bulk_fraction = bulk_fraction
+        self.refresh_seconds = refresh_seconds
+        self._clock = clock
+        self._holds = Holds()
+        self._read_at: float | None = None
+
+    async def holds(self) -> Holds:
+        """The holds as last read, read again when older than the refresh interval. With
+        the database away the last ones read stand (the claim would fail anyway)."""
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self.refresh_seconds:
+            self._read_at = now
+            try:
+                self._holds = await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - keep the last holds read
+                log.warning("reading the spend caps failed: %s", exc)
+        return self._holds
+
+    async def refresh(self) -> Holds:
+        caps = await self.ledger.caps()
+        fleet_capped = self.fleet.daily is not None or self.fleet.monthly is not None
+        if not caps and not fleet_capped:
+            gauge = _held_gauge()
+            gauge.labels("bulk").set(0)
+            gauge.labels("interactive").set(0)
+            return Holds()  # nothing capped: no need to sum anything
+        spend = await self.ledger.spend()
+        bulk: dict[uuid.UUID, str] = {}
+        every: dict[uuid.UUID, str] = {}
+        for tenant_id, cap in caps.items():
+            all_reason, bulk_reason = _over(spend.get(tenant_id, Spend(0.0, 0.0)), cap,
+                                            self.bulk_fraction)
+            if all_reason:
+                every[tenant_id] = all_reason
+            if bulk_reason:
+                bulk[tenant_id] = bulk_reason
+        fleet_every = fleet_bulk = None
+        if fleet_capped:
+            total = Spend(sum(s.day for s in spend.values()),
+                          sum(s.month for s in spend.values()))
+            fleet_every, fleet_bulk = _over(total, self.fleet, self.bulk_fraction)
+            fleet_every = f"fleet_{fleet_every}" if fleet_every else None
+            fleet_bulk = f"fleet_{fleet_bulk}" if fleet_bulk else None
+        gauge = _held_gauge()
+        gauge.labels("bulk").set(len(bulk) + (fleet_bulk is not None))
+        gauge.labels("interactive").set(len(every) + (fleet_every is not None))
+        return Holds(bulk, every, fleet_bulk, fleet_every)
+
+    async def release(self) -> int:
+        """Re-publish the waiting jobs no cap holds any more (fresh holds); how many."""
+        self._read_at = self._clock()
+        self._holds = holds = await self.refresh()
+        released = await self.ledger.release(
+            held_bulk=list(holds.bulk), held_all=list(holds.every),
+            fleet_bulk=holds.fleet_bulk is not None, fleet_all=holds.fleet_every is not None,
+            stale_seconds=self.stale_seconds)
+        return len(released)
+
+
+def spend_caps_from_settings(settings: Settings, ledger: SpendLedger) -> SpendCaps:
+    return SpendCaps(
+        ledger,
+        fleet=SpendCap(settings.spend_cap_fleet_daily_usd or None,
+                       settings.spend_cap_fleet_monthly_usd or None),
+        bulk_fraction=settings.spend_cap_bulk_fraction,
+        refresh_seconds=settings.spend_cap_refresh_seconds,
+        stale_seconds=settings.sweeper_grace_seconds)

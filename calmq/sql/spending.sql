@@ -1,0 +1,124 @@
+-- Named queries of the spend caps (calmq/spending.py, calmq/data/spending.py).
+
+-- name: spend_caps
+-- The tenants with a cap of their own.
+SELECT id, spend_cap_daily_usd::float8 AS daily, spend_cap_monthly_usd::float8 AS monthly
+FROM tenants WHERE spend_cap_daily_usd IS NOT NULL OR spend_cap_monthly_usd IS NOT NULL;
+
+-- name: spend_by_tenant
+-- What each tenant spent this UTC day and this UTC month: the cost of the attempts that
+-- started in the window (retries and dead-lettered attempts included). An attempt's cost is
+-- written with its outcome, so calls in flight are counted when they end.
+SELECT j.tenant_id,
+       coalesce(sum(a.cost_usd) FILTER (
+           WHERE a.started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'),
+           0)::float8 AS day,
+       coalesce(sum(a.cost_usd), 0)::float8 AS month
+FROM job_attempts a JOIN jobs j ON j.id = a.job_id
+WHERE a.started_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+  AND a.cost_usd > 0
+GROUP BY j.tenant_id;
+
+-- name: hold_jobs
+-- Jobs of a tenant past a spend cap: they keep their status (queued, or retrying) and wait
+-- with a reason instead of being claimed; the event says which cap (written when the reason
+-- is new). The message that carried them is acknowledged: release_jobs writes a fresh one.
+-- Returns every job of ids that now waits with this reason.
+WITH target AS (
+    SELECT id, waiting_reason AS old_reason FROM jobs
+    WHERE id = ANY(%(ids)s) AND status IN ('queued', 'retrying')
+    ORDER BY id
+    FOR UPDATE
+), held AS (
+    UPDATE jobs j SET waiting_reason = %(reason)s,
+                      updated_at = CASE WHEN t.old_reason IS DISTINCT FROM %(reason)s
+                                        THEN now() ELSE j.updated_at END
+    FROM target t WHERE j.id = t.id
+    RETURNING j.id, j.attempt, t.old_reason
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt, %(detail)s::jsonb FROM held
+    WHERE old_reason IS DISTINCT FROM %(reason)s
+)
+SELECT id FROM held;
+
+-- name: held_jobs_lock
+-- One release pass at a time in the fleet (as the sweeper's).
+SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.spend_release', 0)) AS held;
+
+-- name: release_jobs
+-- Waiting jobs whose reason no longer holds (the window rolled over, the cap was raised):
+-- the reason is cleared and the caller writes a fresh job.requested in this transaction.
+-- A job stays waiting while its tenant, or the fleet, is still past the cap for its priority.
+-- A job waiting for its token quota is released by the workers' quota pass (release_quota_
+-- jobs); here only once it waited past stale_seconds (no worker runs quotas any more): it
+-- comes back to wait again if its tenant is still crowded.
+WITH released AS (
+    SELECT j.id FROM jobs j
+    WHERE j.waiting_reason IS NOT NULL AND j.status IN ('queued', 'retrying')
+      AND (j.waiting_reason LIKE '%%spend_cap%%'
+           OR j.updated_at < now() - make_interval(secs => %(stale_seconds)s))
+      AND NOT (j.tenant_id = ANY(%(held_bulk)s) AND j.priority <> 'interactive')
+      AND NOT (j.tenant_id = ANY(%(held_all)s))
+      AND NOT (%(fleet_bulk)s AND j.priority <> 'interactive')
+      AND NOT %(fleet_all)s
+    ORDER BY j.priority = 'interactive' DESC, j.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM released r WHERE j.id = r.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, j.status AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "under_cap"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
+
+-- name: set_tenant_quota
+UPDATE tenants SET tokens_per_minute = %(tokens_per_minute)s WHERE name = %(name)s
+RETURNING id;
+
+-- name: set_tenant_spend_cap
+-- A window not given keeps its cap; given as NULL, it has none.
+UPDATE tenants
+SET spend_cap_daily_usd = CASE WHEN %(set_daily)s THEN %(daily)s::numeric
+                               ELSE spend_cap_daily_usd END,
+    spend_cap_monthly_usd = CASE WHEN %(set_monthly)s THEN %(monthly)s::numeric
+                                 ELSE spend_cap_monthly_usd END
+WHERE name = %(name)s
+RETURNING id;
+
+-- name: quota_held_tenants
+-- Tenants with jobs waiting for their token quota (the jobs_waiting_reason index).
+SELECT DISTINCT tenant_id FROM jobs
+WHERE waiting_reason = 'token_quota' AND status IN ('queued', 'retrying');
+
+-- name: quota_lock
+-- One token-quota release pass at a time in the fleet.
+SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.quota_release', 0)) AS held;
+
+-- name: release_quota_jobs
+-- As many of a tenant's jobs waiting for its token quota as the quota serves until the next
+-- pass (interactive first, then oldest): the reason is cleared and the caller writes a fresh
+-- job.requested in this transaction.
+WITH released AS (
+    SELECT j.id FROM jobs j
+    WHERE j.tenant_id = %(tenant_id)s AND j.waiting_reason = 'token_quota'
+      AND j.status IN ('queued', 'retrying')
+    ORDER BY j.priority = 'interactive' DESC, j.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM released r WHERE j.id = r.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, j.status AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "quota_refilled"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
