@@ -69,6 +69,7 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "port": args.port, "latency_ms": args.latency_ms,
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
+        "batch_completion_seconds": args.batch_completion_seconds,
     }
     settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
     with contextlib.suppress(KeyboardInterrupt):
@@ -117,6 +118,8 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--requests-per-minute", type=int, help="429 past this many requests a minute")
     option(p, "--tokens-per-minute", type=int, help="429 past this many tokens a minute")
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
+    option(p, "--batch-completion-seconds", type=float,
+           help="how long a batch runs before it ends (the batch APIs)")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"],

@@ -104,6 +104,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batcher(args: argparse.Namespace) -> int:
+    from calmq.processors.batcher import BatchLane
+
+    settings = settings_for(args)
+    configure_logging(settings.log_level, settings.log_redact_fields)
+    _metrics_server(args.metrics_port, settings.metrics_host)
+    _long_running()
+    asyncio.run(BatchLane(settings, pack=not args.poll_only, poll=not args.pack_only).run())
+    return 0
+
+
 def cmd_forwarder(args: argparse.Namespace) -> int:
     import signal
 
@@ -184,6 +195,18 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
     setting(p, "step_timeout_seconds")
     setting(p, "max_attempts")
+    p = command("batcher", cmd_batcher, "the batch lane: pack calmq.<pool>.batch jobs into "
+                "provider batches and collect their results", needs=_BOTH)
+    setting(p, "pool")
+    option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
+    setting(p, "batch_max_requests")
+    setting(p, "batch_max_age_seconds")
+    setting(p, "batch_poll_interval_seconds")
+    roles = p.add_mutually_exclusive_group()
+    roles.add_argument("--pack-only", action="store_true",
+                       help="only pack jobs into batches (run the poller elsewhere)")
+    roles.add_argument("--poll-only", action="store_true",
+                       help="only collect batches (the poller; run as many as you like)")
     p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due",
                 needs=_BOTH)
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")

@@ -73,6 +73,8 @@ class Job:
     trace_parent: str | None
     created_at: datetime
     old_status: str
+    # online, or batch (the providers' batch APIs: calmq.processors.batcher)
+    lane: str = "online"
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
@@ -102,6 +104,7 @@ class NewJob:
     callback_url: str | None = None
     deadline_at: datetime | None = None
     trace_parent: str | None = None
+    lane: str = "online"
 
     @property
     def attempt(self) -> int:
@@ -225,7 +228,7 @@ def _insert_params(job: NewJob) -> dict[str, Any]:
 
 def _requested(job: NewJob) -> OutboxEntry:
     # created_at: the database's commit-side clock replaces it (insert_job).
-    return entry(topics.work_route(job.pool, job.priority), "job.requested",
+    return entry(topics.work_route(job.pool, job.priority, job.lane), "job.requested",
                  events.requested(job), key=job.id, trace_parent=job.trace_parent)
 
 
@@ -432,7 +435,7 @@ class Jobs:
             if jobs:
                 async with conn.cursor() as out:
                     await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
                               events.requested(j), key=j.id,
                               trace_parent=j.trace_parent).params()
                         for j in jobs])
@@ -480,7 +483,7 @@ class Jobs:
             if jobs:
                 async with conn.cursor() as out:
                     await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
                               events.requested(j), key=j.id,
                               trace_parent=j.trace_parent).params()
                         for j in jobs])

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
+from calmq.lanes import check_lane
 from calmq.jobs import TERMINAL, Status
 from calmq.objects import ObjectRef, presigned_url
 from calmq.producers.auth import tenant
@@ -96,6 +97,9 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
             settings.object_store_url, caller.id, req.input_ref):
         raise ContractError("input_ref must point inside your tenant's prefix of the store",
                             code="input_ref_forbidden", status=403)
+    check_lane(req.lane, req.priority, req.deadline_seconds,
+               window_seconds=settings.batch_completion_window_seconds,
+               margin_seconds=settings.batch_deadline_margin_seconds)
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
