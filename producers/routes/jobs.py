@@ -22,8 +22,8 @@ from prometheus_client import Counter, Histogram
 
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
-from calmq.lanes import check_lane
 from calmq.jobs import TERMINAL, Status
+from calmq.lanes import check_lane
 from calmq.objects import ObjectRef, presigned_url
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS

@@ -178,15 +178,19 @@ def test_batch_lane_jobs_end_as_the_same_jobs_online_at_half_the_cost(
         assert rows[b]["input_tokens"] == rows[a]["input_tokens"]
         assert float(rows[b]["cost_usd"]) == pytest.approx(float(rows[a]["cost_usd"]) / 2, rel=1e-6)
     statuses = Counter(rows[b]["status"] for b in batch)
-    assert statuses["completed"] and statuses["awaiting_review"] and statuses["dead_letter"]
+    assert statuses["completed"]
+    assert statuses["awaiting_review"]
+    assert statuses["dead_letter"]
     # Each job's history says which provider batch carried each of its attempts.
     first = history(env.db, batch[0])
     batched = [e for e in first if e["type"] == "batched"]
-    assert batched and batched[0]["detail"]["batch_id"]
+    assert batched
+    assert batched[0]["detail"]["batch_id"]
     assert batched[0]["detail"]["provider"] == provider
     # No request went twice to the provider, and every batch is recorded.
     sent = _custom_ids_at_fake(fake, batch)
-    assert sent and max(sent.values()) == 1
+    assert sent
+    assert max(sent.values()) == 1
     recorded = _batch_rows(env.db, pool)
     assert all(r["provider_id"] for r in recorded)
     assert {r["state"] for r in recorded} == {"collected"}
@@ -215,9 +219,11 @@ def test_an_expired_batch_finishes_through_a_second_batch_or_online(
         assert codes == ["batch_expired"]
         assert rows[job_id]["attempt"] == 2
         if job_id in waiting:
-            assert len(set(batches)) == 2 and rows[job_id]["lane"] == "batch"
+            assert len(set(batches)) == 2
+            assert rows[job_id]["lane"] == "batch"
         else:
-            assert len(batches) == 1 and rows[job_id]["lane"] == "online"
+            assert len(batches) == 1
+            assert rows[job_id]["lane"] == "online"
     expired = {e["code"] for j in waiting + urgent for e in rows[j]["errors"] or []}
     assert expired == {"batch_expired"}
 
@@ -247,7 +253,8 @@ def test_kill_9_of_the_batcher_loses_nothing_and_creates_no_duplicate_batch(
     rows = _settled(env.db, ids, timeout=90)
     assert {r["status"] for r in rows.values()} == {"completed"}
     sent = _custom_ids_at_fake(fake, ids)
-    assert sum(sent.values()) == len(ids) and max(sent.values()) == 1
+    assert sum(sent.values()) == len(ids)
+    assert max(sent.values()) == 1
     recorded = _batch_rows(env.db, pool)
     assert all(r["provider_id"] for r in recorded if r["state"] != "abandoned")
     assert len({r["provider_id"] for r in recorded}) == len(recorded)
