@@ -20,6 +20,10 @@ from calmq.jobs import Status
 __all__ = [
     "Accepted",
     "Artifact",
+    "BatchDetail",
+    "BatchInfo",
+    "BatchJob",
+    "BatchList",
     "DeadLetter",
     "DeadLetterList",
     "JobError",
@@ -209,6 +213,51 @@ class DeadLetter(BaseModel):
 
 class DeadLetterList(BaseModel):
     dead_letters: list[DeadLetter]
+
+
+class BatchInfo(BaseModel):
+    """A provider batch of the batch lane (docs/how-to/batch-backfills.md)."""
+
+    key: uuid.UUID = Field(description="calmq's id of the batch (sent to the provider)")
+    provider: str
+    model: str
+    pool: str
+    provider_id: str | None = Field(description="the provider's batch id (null: not yet)")
+    state: Literal["creating", "submitted", "collected", "abandoned"]
+    provider_status: str | None
+    request_count: int
+    created_at: datetime
+    submitted_at: datetime | None
+    ended_at: datetime | None
+    collected_at: datetime | None
+    counts: dict[str, Any]
+    cancel_requested: bool
+    cost_usd: float = Field(description="settled requests at the batch price")
+    online_cost_usd: float = Field(description="what the same tokens cost online")
+    savings_usd: float
+
+
+class BatchJob(BaseModel):
+    """One job attempt in a provider batch (``custom_id``: job id _ attempt)."""
+
+    job_id: uuid.UUID
+    attempt: int
+    custom_id: str
+    state: Literal["pending", "settled", "retried", "cancelled"]
+    status: Status
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    online_cost_usd: float
+    settled_at: datetime | None
+
+
+class BatchList(BaseModel):
+    batches: list[BatchInfo]
+
+
+class BatchDetail(BatchInfo):
+    jobs: list[BatchJob] = Field(description="the caller's jobs in the batch")
 
 
 class WorkflowStep(BaseModel):
