@@ -10,15 +10,21 @@ from __future__ import annotations
 
 from calmq.errors import ContractError
 
-__all__ = ["BATCH", "LANES", "ONLINE", "check_lane"]
+__all__ = ["BATCH", "DEFAULT_MARGIN_SECONDS", "DEFAULT_WINDOW_SECONDS", "LANES", "ONLINE",
+           "check_lane"]
 
 ONLINE = "online"
 BATCH = "batch"
 LANES = (ONLINE, BATCH)
+# OpenAI's and Anthropic's completion window, and the margin a deadline must leave past it
+# (the settings' defaults; the client library, which has no settings, uses these).
+DEFAULT_WINDOW_SECONDS = 24 * 3600.0
+DEFAULT_MARGIN_SECONDS = 3600.0
 
 
 def check_lane(lane: str, priority: str, deadline_seconds: int | None, *,
-               window_seconds: float, margin_seconds: float) -> None:
+               window_seconds: float = DEFAULT_WINDOW_SECONDS,
+               margin_seconds: float = DEFAULT_MARGIN_SECONDS) -> None:
     """Refuse a submission the batch lane cannot serve (a ContractError with its code).
 
     Refused, not routed online: a caller who asked for the batch price and gets the online

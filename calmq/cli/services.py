@@ -105,8 +105,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_batcher(args: argparse.Namespace) -> int:
+    from calmq.errors import UsageError
     from calmq.processors.batcher import BatchLane
 
+    if args.pack_only and args.poll_only:
+        raise UsageError("--pack-only and --poll-only exclude each other (neither: both "
+                         "roles)", code="conflicting_flags")
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
@@ -202,11 +206,10 @@ def register(command: Command, flags: Flags) -> None:
     setting(p, "batch_max_requests")
     setting(p, "batch_max_age_seconds")
     setting(p, "batch_poll_interval_seconds")
-    roles = p.add_mutually_exclusive_group()
-    roles.add_argument("--pack-only", action="store_true",
-                       help="only pack jobs into batches (run the poller elsewhere)")
-    roles.add_argument("--poll-only", action="store_true",
-                       help="only collect batches (the poller; run as many as you like)")
+    option(p, "--pack-only", action="store_true",
+           help="only pack jobs into batches (run the poller elsewhere)")
+    option(p, "--poll-only", action="store_true",
+           help="only collect batches (the poller; run as many as you like)")
     p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due",
                 needs=_BOTH)
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
