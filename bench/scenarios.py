@@ -37,7 +37,7 @@ __all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
 PY = sys.executable
 # budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
-                 "budget": 1500}
+                 "budget": 1500, "batch": 20000}
 ACCEPT_CONCURRENCY = 32
 E2E_CONCURRENCY = 64
 DISPATCH_RATE = 500.0
@@ -742,9 +742,15 @@ def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                       figures["budget_utilization"], base["budget_utilization"])}, versions)
 
 
+def _batch(size: int, log: Log, sampler: Sampler, **kw: Any) -> dict[str, Any]:
+    from bench.batch_lane import batch  # its own module: the batch lane's three phases
+
+    return batch(size, log, sampler, **kw)
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "accept": accept, "relay": relay, "e2e": e2e, "slow": slow, "drain": drain,
-    "budget": budget,
+    "budget": budget, "batch": _batch,
 }
 
 

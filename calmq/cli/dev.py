@@ -122,7 +122,8 @@ def register(command: Command, flags: Flags) -> None:
            help="how long a batch runs before it ends (the batch APIs)")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
-    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget"],
+    p.add_argument("scenario",
+                   choices=["accept", "relay", "e2e", "slow", "drain", "budget", "batch"],
                    help="the scenario (bench/README.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")

@@ -1003,7 +1003,37 @@ class _BatchApis:
                                  for r in b.requests),
         })
 
+    async def synthetic(self, request: web.Request) -> web.Response:
+        """POST /admin/batches/synthetic {"lines": n, "pad": bytes}: a completed OpenAI batch
+        whose output file holds ``n`` successful answers padded to about ``pad`` bytes each
+        (benchmarks: the poller's memory while it streams a large results file)."""
+        try:
+            body = json.loads(await request.read())
+            lines, pad = int(body["lines"]), int(body.get("pad", 1000))
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body: {"lines": n, "pad": bytes}'}, status=400)
+        filler = "x" * max(0, pad - 400)
+        chunks = [_line({
+            "id": f"batch_req_syn_{n}", "custom_id": f"synthetic-{n}_1",
+            "response": {"status_code": 200, "request_id": f"req_syn_{n}", "body": {
+                "id": f"chatcmpl-syn-{n}", "object": "chat.completion", "model": "fake-small",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "refusal": None,
+                    "content": _summary_json(f"synthetic {n} {filler}", 0.97)}}],
+                "usage": {"prompt_tokens": 20, "completion_tokens": 20, "total_tokens": 40}}},
+            "error": None}) for n in range(lines)]
+        batch = _Batch(id=f"batch_fake{next(self._ids)}", anthropic=False,
+                       endpoint="/v1/chat/completions", requests=[], metadata={},
+                       created=time.time(), expire=False, status="completed",
+                       counts={"succeeded": lines}, ended=time.time())
+        batch.output_file_id = f"file-fake{next(self._ids)}"
+        self._files[batch.output_file_id] = ("batch_output", b"".join(chunks))
+        self._batches[batch.id] = batch
+        return web.json_response({**self._openai_view(batch),
+                                  "bytes": len(self._files[batch.output_file_id][1])})
+
     def routes(self, app: web.Application) -> None:
+        app.router.add_post("/admin/batches/synthetic", self.synthetic)
         app.router.add_post("/v1/files", self.upload_file)
         app.router.add_get("/v1/files/{file_id}/content", self.file_content)
         app.router.add_post("/v1/batches", self.create_openai)

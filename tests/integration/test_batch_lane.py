@@ -307,3 +307,37 @@ def test_the_api_accepts_a_batch_lane_job_with_a_long_deadline(env: Env) -> None
         "deadline_seconds": 2 * 24 * 3600})
     assert status == 202, body
     assert _rows(env.db, [body["job_id"]])[body["job_id"]]["lane"] == "batch"
+
+
+def test_a_cancelled_job_leaves_its_pack_and_a_running_batch_s_result_is_ignored(
+        env: Env, fake: str) -> None:
+    """Cancelled while it waits in a pack: it is not sent. Cancelled once its batch runs at
+    the provider: its result is ignored and the job stays cancelled."""
+    pool = _pool(env, "blcan")
+    _batcher(env, pool, fake, batch_max_age_seconds="3")
+    _admin(fake, completion_seconds=4)
+    try:
+        packed, keep = _submit(env, pool, [{"text": "cancel me"}, {"text": "keep me"}],
+                               lane="batch")
+        wait_for(lambda: _rows(env.db, [packed])[packed]["status"] == "running", timeout=30,
+                 what="the job claimed into a pack")
+        status, _h, body = env.api.call("POST", f"/v1/jobs/{packed}/cancel")
+        assert status in (200, 202), body
+        (late,) = _submit(env, pool, [{"text": "cancel me late"}], lane="batch")
+        wait_for(lambda: any(e["type"] == "batched" for e in history(env.db, late)),
+                 timeout=30, what="the late job in a created batch")
+        status, _h, body = env.api.call("POST", f"/v1/jobs/{late}/cancel")
+        assert status in (200, 202), body
+        rows = _settled(env.db, [packed, keep, late], timeout=60)
+        assert rows[keep]["status"] == "completed"
+        assert rows[packed]["status"] == "cancelled"
+        assert rows[late]["status"] == "cancelled"
+        wait_for(lambda: {r["state"] for r in _batch_rows(env.db, pool)} == {"collected"},
+                 timeout=30, what="the late job's batch collected")
+    finally:
+        _admin(fake, completion_seconds=1)
+    sent = _custom_ids_at_fake(fake, [packed, keep, late])
+    assert packed not in {c.rpartition("_")[0] for c in sent}
+    assert {c.rpartition("_")[0] for c in sent} == {keep, late}
+    assert rows[late]["artifact"] is None
+    assert not any(e["type"] == "completed" for e in history(env.db, late))
