@@ -239,6 +239,9 @@ class BatchPacker:
         if not moved:
             return
         lines = [i.line for i in items if i.job.id in moved]
+        # The batch's lease is kept while the create runs (a 200 MB upload takes a while):
+        # a poller takes a ``creating`` batch only once its batcher stopped keeping it.
+        keeper = asyncio.create_task(self._keep(key))
         try:
             view = await self.client.create(lines, str(key))
         except InfrastructureError as exc:
@@ -246,11 +249,22 @@ class BatchPacker:
             # and creates it then if the provider does not have it.
             log.warning("creating batch %s at the provider failed: %s", key, exc)
             return
+        finally:
+            keeper.cancel()
         CREATED.labels(self.client.kind).inc()
         await retry_forever("recording a created batch failed", lambda: (
             self.store.batches.submitted(key, view.provider_id, view.status,
                                          s.batch_poll_interval_seconds)))
         log.info("batch %s (%s) created with %d requests", view.provider_id, key, len(moved))
+
+    async def _keep(self, key: uuid.UUID) -> None:
+        lease = self.settings.batch_lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                await self.store.batches.heartbeat(key, self.worker_id, lease)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.warning("keeping the lease of batch %s failed: %s", key, exc)
 
     def _put_back(self, pack: _Pack) -> None:
         target = self.packs.setdefault((pack.model, pack.endpoint), _Pack(pack.model,
