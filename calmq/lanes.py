@@ -11,7 +11,7 @@ from __future__ import annotations
 from calmq.errors import ContractError
 
 __all__ = ["BATCH", "DEFAULT_MARGIN_SECONDS", "DEFAULT_WINDOW_SECONDS", "LANES", "ONLINE",
-           "check_lane"]
+           "check_lane", "choose_lane"]
 
 ONLINE = "online"
 BATCH = "batch"
@@ -46,3 +46,20 @@ def check_lane(lane: str, priority: str, deadline_seconds: int | None, *,
             f"{window_seconds:g} s completion window plus a {margin_seconds:g} s margin); "
             f"got {deadline_seconds} s: submit it online or give it a longer deadline",
             code="deadline_too_short_for_batch", status=422)
+
+
+def choose_lane(lane: str | None, priority: str, deadline_seconds: int | None, *,
+                bulk_lane: str = ONLINE, window_seconds: float = DEFAULT_WINDOW_SECONDS,
+                margin_seconds: float = DEFAULT_MARGIN_SECONDS) -> str:
+    """The lane of a submission: the one it asked for (checked by ``check_lane``), else its
+    workflow's lane for bulk work (``Workflow.bulk_lane``) when the job fits that lane, else
+    online. A default never refuses a job: one the batch lane cannot serve goes online."""
+    if lane is not None:
+        check_lane(lane, priority, deadline_seconds, window_seconds=window_seconds,
+                   margin_seconds=margin_seconds)
+        return lane
+    if bulk_lane != BATCH or priority != "bulk":
+        return ONLINE
+    if deadline_seconds is not None and deadline_seconds < window_seconds + margin_seconds:
+        return ONLINE
+    return BATCH

@@ -31,7 +31,7 @@ import psycopg
 
 from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
-from calmq.lanes import check_lane
+from calmq.lanes import choose_lane
 from calmq.producers.intake import prepare
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
@@ -51,19 +51,19 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     tenant_id: uuid.UUID | str, workflow: str, input: dict[str, Any] | None,
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
-    workflows: Mapping[str, Workflow] | None, lane: str = "online",
+    workflows: Mapping[str, Workflow] | None, lane: str | None = None,
 ) -> NewJob:
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
                             status=422)
     if priority not in ("interactive", "bulk"):
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
-    check_lane(lane, priority, deadline_seconds)
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
+    chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None
     return prepare(wf, uuid.UUID(str(tenant_id)), input=data, input_ref=input_ref,
                    priority=priority, deadline_seconds=deadline_seconds,
-                   callback_url=callback_url, metadata=metadata, lane=lane)
+                   callback_url=callback_url, metadata=metadata, lane=chosen)
 
 
 def enqueue(
@@ -78,7 +78,7 @@ def enqueue(
     callback_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
-    lane: str = "online",
+    lane: str | None = None,
 ) -> uuid.UUID:
     """Insert a job in the caller's transaction on ``conn``; returns its id. Does not commit.
 
@@ -104,7 +104,7 @@ async def enqueue_async(
     callback_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
-    lane: str = "online",
+    lane: str | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for an async psycopg connection."""
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,

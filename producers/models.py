@@ -61,7 +61,8 @@ class SubmitRequest(BaseModel):
     priority: Literal["interactive", "bulk"] = "bulk"
     # batch: through the provider's batch API at its batch price, answered within its
     # completion window (bulk only; the deadline, if any, must leave the window)
-    lane: Literal["online", "batch"] = "online"
+    # (default: the workflow's lane for bulk work, else online)
+    lane: Literal["online", "batch"] | None = None
     deadline_seconds: int | None = Field(default=None, gt=0, le=_MAX_DEADLINE)
     callback_url: str | None = Field(default=None, max_length=2000)
     metadata: dict[str, Any] = Field(default_factory=dict)

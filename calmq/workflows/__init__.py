@@ -154,6 +154,9 @@ class Workflow:
     # What the review timer does with a review nobody decided in time.
     review_expiry: ReviewExpiry = "dead_letter"
     meta: dict[str, Any] = field(default_factory=dict)
+    # The lane of its bulk jobs submitted without one: "batch" for a backfill workflow
+    # (calmq.lanes.default_lane; an interactive job or a short deadline stays online).
+    bulk_lane: Literal["online", "batch"] = "online"
 
     def __post_init__(self) -> None:
         if not self.steps:

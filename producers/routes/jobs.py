@@ -23,7 +23,7 @@ from prometheus_client import Counter, Histogram
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
-from calmq.lanes import check_lane
+from calmq.lanes import choose_lane
 from calmq.objects import ObjectRef, presigned_url
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
@@ -97,9 +97,10 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
             settings.object_store_url, caller.id, req.input_ref):
         raise ContractError("input_ref must point inside your tenant's prefix of the store",
                             code="input_ref_forbidden", status=403)
-    check_lane(req.lane, req.priority, req.deadline_seconds,
-               window_seconds=settings.batch_completion_window_seconds,
-               margin_seconds=settings.batch_deadline_margin_seconds)
+    lane = choose_lane(req.lane, req.priority, req.deadline_seconds,
+                       bulk_lane=workflow.bulk_lane,
+                       window_seconds=settings.batch_completion_window_seconds,
+                       margin_seconds=settings.batch_deadline_margin_seconds)
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
@@ -109,7 +110,8 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         raise ContractError("Idempotency-Key must be 1 to 255 printable ASCII characters",
                             code="invalid_header")
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
-    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data},
+    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data,
+                                          "lane": lane},
                   trace_parent=request.headers.get("traceparent"))
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)

@@ -23,7 +23,7 @@ from calmq.batches import (
     parse_custom_id,
 )
 from calmq.errors import ContractError, FailureClass
-from calmq.lanes import check_lane
+from calmq.lanes import check_lane, choose_lane
 from calmq.pricing import DEFAULT_PRICES, ModelPrice, batch_cost_usd, cost_usd
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
@@ -47,6 +47,19 @@ def test_the_lane_rule_accepts_what_the_lane_can_serve() -> None:
     check_lane("batch", "bulk", 25 * 3600)
     check_lane("online", "interactive", 5)
     check_lane("batch", "bulk", 120, window_seconds=60, margin_seconds=60)
+
+
+def test_a_workflow_can_make_the_batch_lane_the_default_for_its_bulk_jobs() -> None:
+    """Asked for: checked (refused with its code). Not asked for: the workflow's bulk lane
+    when the job fits it, else online; a default never refuses a job."""
+    assert choose_lane(None, "bulk", None, bulk_lane="batch") == "batch"
+    assert choose_lane(None, "interactive", None, bulk_lane="batch") == "online"
+    assert choose_lane(None, "bulk", 3600, bulk_lane="batch") == "online"
+    assert choose_lane(None, "bulk", None) == "online"
+    assert choose_lane("online", "bulk", None, bulk_lane="batch") == "online"
+    with pytest.raises(ContractError) as err:
+        choose_lane("batch", "bulk", 60, bulk_lane="batch")
+    assert err.value.code == "deadline_too_short_for_batch"
 
 
 def test_the_batch_price_is_half_the_online_price_unless_the_table_says() -> None:
