@@ -1,4 +1,4 @@
-"""The long-running parts: API, relay, worker, forwarder, reaper. Each runs until SIGTERM."""
+"""The long-running parts: API, relay, worker, forwarder, reaper, batcher; each until SIGTERM."""
 
 from __future__ import annotations
 
