@@ -77,11 +77,14 @@ SETTLED = Counter("calmq_batch_jobs_settled_total", "Batch results settled", ["r
 TURNAROUND = Histogram("calmq_batch_turnaround_seconds",
                        "From a batch's creation to its collection",
                        buckets=(1, 5, 30, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 86400))
-COST = Counter("calmq_batch_cost_usd_total", "Cost of batched requests at the batch price")
+COST = Counter("calmq_batch_cost_usd_total", "Cost of batched requests at the batch price",
+               ["tenant", "model"])
 ONLINE_COST = Counter("calmq_batch_online_equivalent_usd_total",
-                      "What the batched requests' tokens would have cost online")
+                      "What the batched requests' tokens would have cost online",
+                      ["tenant", "model"])
 SAVINGS = Counter("calmq_batch_savings_usd_total",
-                  "Online-equivalent cost minus batch cost of batched requests")
+                  "Online-equivalent cost minus batch cost of batched requests",
+                  ["tenant", "model"])
 
 _SETTLE_CHUNK = 200
 
@@ -469,9 +472,10 @@ class Poller:
             label = "succeeded" if finish.error is None else str(finish.error.get("code"))
             counts[label] = counts.get(label, 0) + 1
             SETTLED.labels("ok" if finish.error is None else "failed").inc()
-            COST.inc(cost)
-            ONLINE_COST.inc(online_cost)
-            SAVINGS.inc(max(0.0, online_cost - cost))
+            who = (str(job.tenant_id), batch.model)
+            COST.labels(*who).inc(cost)
+            ONLINE_COST.labels(*who).inc(online_cost)
+            SAVINGS.labels(*who).inc(max(0.0, online_cost - cost))
             rows.append({"custom_id": custom_id(job.id, job.attempt), "state": state,
                          "input_tokens": tokens_in, "output_tokens": tokens_out,
                          "cost_usd": cost, "online_cost_usd": online_cost})

@@ -239,12 +239,14 @@ def _kill(proc: Any) -> None:
     proc.wait(timeout=10)
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_kill_9_of_the_batcher_loses_nothing_and_creates_no_duplicate_batch(
-        env: Env, fake: str) -> None:
+        env: Env, fake: str, provider: str) -> None:
     """The batcher is killed while it waits for the provider to answer a create (the batch
-    exists there, calmq has not recorded its id): the next batcher adopts that batch."""
-    pool = _pool(env, "blkb")
-    proc = _batcher(env, pool, fake)
+    exists there, calmq has not recorded its id): the next batcher adopts that batch (by its
+    key in OpenAI's metadata; Anthropic's: the one unrecorded batch of its size since)."""
+    pool = _pool(env, "blkb" + provider[:2])
+    proc = _batcher(env, pool, fake, provider)
     _admin(fake, create_delay_seconds=4)
     try:
         before = _get(fake + "/admin/batches")["batches"]
@@ -255,7 +257,7 @@ def test_kill_9_of_the_batcher_loses_nothing_and_creates_no_duplicate_batch(
         _kill(proc)
     finally:
         _admin(fake, create_delay_seconds=0)
-    _batcher(env, pool, fake)
+    _batcher(env, pool, fake, provider)
     rows = _settled(env.db, ids, timeout=90)
     assert {r["status"] for r in rows.values()} == {"completed"}
     sent = _custom_ids_at_fake(fake, ids)
