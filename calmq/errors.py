@@ -16,6 +16,7 @@ __all__ = [
     "ContractError",
     "FailureClass",
     "InfrastructureError",
+    "LeaseLost",
     "NotFound",
     "StepFailure",
     "UsageError",
@@ -84,6 +85,14 @@ class InfrastructureError(CalmqError):
     """A real part (Kafka, PostgreSQL, the object store, a binary) failed or cannot start."""
 
     code = "infrastructure_error"
+
+
+class LeaseLost(CalmqError):
+    """The attempt no longer holds its job: a newer claim (another worker's, or the same
+    worker id's after a restart), a reaper or a cancel took it. The database refused the
+    attempt's write (its fencing token is stale); the attempt ends with no outcome."""
+
+    code = "lease_lost"
 
 
 class StepFailure(CalmqError):

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -223,8 +224,8 @@ class BatchPacker:
                 return
             key = uuid.uuid4()
             items = list(pack.items.values())
-            rows = [BatchRequestRow(i.job.id, i.job.attempt, i.custom_id, i.body)
-                    for i in items]
+            rows = [BatchRequestRow(i.job.id, i.job.attempt, i.custom_id, i.body,
+                                    i.job.lease_version) for i in items]
             moved = await self.store.batches.record(
                 key=key, provider=self.client.kind, model=pack.model, endpoint=pack.endpoint,
                 pool=s.pool, worker=self.worker_id, rows=rows, input_bytes=pack.size,
@@ -338,11 +339,14 @@ class ReplyBook:
 
 
 class Poller:
-    def __init__(self, *, store: Store, client: BatchClient, runner: StepRunner,
-                 book: ReplyBook, settings: Settings, worker_id: str) -> None:
+    def __init__(self, *, store: Store, client: BatchClient,
+                 settler: Callable[[str], StepRunner], book: ReplyBook, settings: Settings,
+                 worker_id: str) -> None:
         self.store = store
         self.client = client
-        self.runner = runner
+        # A step runner whose worker id is the batch's lease owner: every write of a settled
+        # attempt (side-effect log, step output, outcome) is fenced as the batch's.
+        self.settler = settler
         self.book = book
         self.settings = settings
         self.worker_id = worker_id
@@ -405,15 +409,16 @@ class Poller:
 
     async def _collect(self, batch: OpenBatch, view: BatchView) -> None:
         started = time.monotonic()
+        runner = self.settler(batch_owner(batch.key))
         chunk: list[BatchResult] = []
         counts: dict[str, int] = {}
         async for result in self.client.results(view):
             chunk.append(result)
             if len(chunk) >= _SETTLE_CHUNK:
-                await self._settle(batch, chunk, view, counts)
+                await self._settle(runner, batch, chunk, counts)
                 chunk = []
                 await self._keep_lease(batch, started)
-        await self._settle(batch, chunk, view, counts)
+        await self._settle(runner, batch, chunk, counts)
         # Requests the results do not answer (not run: the batch expired or was cancelled).
         missing = ("batch_expired" if view.outcome == "expired" else
                    "batch_cancelled" if view.outcome == "cancelled" else "batch_result_missing")
@@ -421,9 +426,9 @@ class Poller:
             rest = await self.store.batches.pending_jobs(batch.key, None, _SETTLE_CHUNK)
             if not rest:
                 break
-            await self._settle(batch, [BatchResult(c, failure=StepFailure(
+            await self._settle(runner, batch, [BatchResult(c, failure=StepFailure(
                 f"the provider did not run this request: {missing}", code=missing,
-                failure_class=FailureClass.TRANSIENT)) for c in rest], view, counts, rest)
+                failure_class=FailureClass.TRANSIENT)) for c in rest], counts, rest)
             await self._keep_lease(batch, started)
         await self.store.batches.collected(batch.key, view.status, {**view.counts, **counts})
         TURNAROUND.observe(max(0.0, (datetime.now(UTC) - batch.created_at).total_seconds()))
@@ -434,7 +439,7 @@ class Poller:
             await self.store.batches.heartbeat(batch.key, self.worker_id,
                                                self.settings.batch_lease_seconds)
 
-    async def _settle(self, batch: OpenBatch, results: list[BatchResult], view: BatchView,
+    async def _settle(self, runner: StepRunner, batch: OpenBatch, results: list[BatchResult],
                       counts: dict[str, int], jobs: dict[str, Job] | None = None) -> None:
         if not results:
             return
@@ -458,7 +463,7 @@ class Poller:
                 topic = topics.topic_for_route(topics.work_route(job.pool, "bulk", ONLINE))
                 online.append(job.id)
             work.append((job, topic))
-        finishes = await asyncio.gather(*(self._attempt(batch, job, topic)
+        finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
                                           for job, topic in work))
         await self.store.batches.fall_back_online(online)
         await retry_forever("writing batch outcomes failed",
@@ -483,12 +488,12 @@ class Poller:
         # ``cancelled`` when the batch is collected.
         await self.store.batches.settle(batch.key, rows)
 
-    async def _attempt(self, batch: OpenBatch, job: Job, topic: str) -> Finish:
+    @staticmethod
+    async def _attempt(runner: StepRunner, job: Job, topic: str) -> Finish:
         """The runner's attempt of ``job`` answered from its result (own task: own scope)."""
         async def run() -> Finish:
             clock = model_clock()
-            finish = await self.runner._attempt(job, topic)
-            finish.worker = batch_owner(batch.key)  # the lease the batch holds the job by
+            finish = await runner._attempt(job, topic)
             finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                             "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
             for entry in finish.outbox:
@@ -560,11 +565,14 @@ class BatchLane:
         runner.packer = packer
         packer.runner = runner
         book = ReplyBook(self._client(), s)
-        settler = StepRunner(
-            store=store, codec=codec, provider=book, objects=objects, workflows=self.workflows,
-            tracker=consumer.tracker, poison=poison,
-            config=config(self.worker_id, 10 * _SETTLE_CHUNK, s.step_timeout_seconds or 60.0))
-        poller = Poller(store=store, client=book.client, runner=settler, book=book,
+
+        def settler(owner: str) -> StepRunner:
+            return StepRunner(
+                store=store, codec=codec, provider=book, objects=objects,
+                workflows=self.workflows, tracker=consumer.tracker, poison=poison,
+                config=config(owner, 10 * _SETTLE_CHUNK, s.step_timeout_seconds or 60.0))
+
+        poller = Poller(store=store, client=book.client, settler=settler, book=book,
                         settings=s, worker_id=self.worker_id)
         runner.start()
         stopping = asyncio.Event()

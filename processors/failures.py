@@ -93,4 +93,5 @@ class FailureStage:
 
     def _finish(self, job: Job, **outcome: Any) -> Finish:
         return Finish(job_id=job.id, worker=self.worker_id, step=job.step,
-                      attempt=job.attempt, outcome="failed", **outcome)
+                      attempt=job.attempt, lease_version=job.lease_version, outcome="failed",
+                      **outcome)

@@ -13,6 +13,7 @@ __all__ = [
     "COMMIT_LAG_LAST",
     "CONSUMER_LAG",
     "DEAD_LETTERS",
+    "FENCED",
     "FORWARDED",
     "FORWARDER_HELD",
     "GROUP_SIZE",
@@ -42,6 +43,12 @@ CLAIMS_DEFERRED = Counter("calmq_claims_deferred_total",
                           "Messages claimed again later: their job was not visible yet")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
+# ``reason``: heartbeat_failed (the worker stopped the attempt itself: its heartbeats failed
+# for most of a lease), stale_outcome (the database refused the outcome: a newer claim, a
+# reaper or a cancel took the job), stale_write (it refused a side-effect log write).
+FENCED = Counter("calmq_attempts_fenced_total",
+                 "Attempts stopped or refused because they no longer held their job's lease",
+                 ["reason"])
 STEP_SECONDS = Histogram("calmq_step_seconds", "Time in a step attempt",
                          buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 IN_FLIGHT = Gauge("calmq_worker_in_flight",

@@ -6,6 +6,13 @@ current step with its timeout, then hand the outcome to the group committer, whi
 a few milliseconds' worth of outcomes (status, history, outbox) in ONE transaction and only
 then marks their offsets complete. A message whose job is terminal, cancelled or held by a
 live lease is acknowledged without a model call.
+
+Fencing: each claim gives the attempt a token (the job's ``lease_version``) that every write
+of the attempt carries (heartbeat, side-effect log, step output, artifact key, outcome); the
+database takes a write only while the job is still at that version, so an attempt that lost
+its lease -- to another worker, or to the same worker id restarted -- records nothing. And a
+worker whose heartbeats fail stops its attempts itself before their leases can run out
+(``fence_expiring``): no outcome, the offset left pending, the message claimed again later.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from calmq.batching import Batcher
 from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
-from calmq.errors import ContractError, FailureClass, InfrastructureError, StepFailure
+from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
 from calmq.kafka import header
@@ -48,6 +55,12 @@ log = logging.getLogger(__name__)
 
 # Writes an attempt's model usage on its own: (job_id, input, output tokens, cost, calls).
 UsageSink = Callable[[str, int, int, float, int], Awaitable[None]]
+
+# An attempt whose lease was last known extended this share of a lease ago is stopped by its
+# worker (self-fencing). Heartbeats run every third of a lease, so it takes two failed ones
+# in a row; the sixth left is the margin for the cancel to take effect before any other
+# worker may claim the job.
+FENCE_AT = 5 / 6
 
 
 @dataclass(frozen=True)
@@ -100,10 +113,17 @@ class Committer:
 
     async def _write(self, group: list[tuple[Finish, Position]]) -> None:
         started = time.monotonic()
-        await self.store.attempts.finish([f for f, _ in group])
+        moved = await self.store.attempts.finish([f for f, _ in group])
         for finish, (tp, offset) in group:
+            # Done either way: an outcome the database refused (its attempt lost the lease)
+            # belongs to a job that another attempt, with its own message, now holds.
             self.tracker.done(tp, offset)
-            metrics.finished(finish.status, finish.error)
+            if finish.job_id in moved:
+                metrics.finished(finish.status, finish.error)
+            else:
+                log.warning("the outcome of attempt %d of %s was refused: the attempt no "
+                            "longer held the job", finish.attempt, finish.job_id)
+                metrics.FENCED.labels("stale_outcome").inc()
         metrics.GROUP_WRITE_SECONDS.observe(time.monotonic() - started)
         metrics.GROUP_SIZE.observe(len(group))
 
@@ -137,11 +157,17 @@ class StepRunner:
         self.slots = CallSlots(config.concurrency, config.interactive_reserve)
         self.poison = poison
         self.progress = Progress(store, objects, config.review_deadline_seconds)
-        self.effects = SideEffects(store)
         self.failures = FailureStage(worker_id=config.worker_id, tiers=config.tiers,
                                      backoff=config.backoff, workflows=workflows,
                                      max_attempts=config.max_attempts)
         self._running: dict[uuid.UUID, asyncio.Task[None]] = {}
+        # Per running attempt: its fencing token, and when its lease was last known extended
+        # (monotonic time at which the claim or heartbeat that extended it was sent).
+        self._versions: dict[uuid.UUID, int] = {}
+        self._extended: dict[uuid.UUID, float] = {}
+        # Attempts this worker stopped itself (self-fencing): their messages are claimed again.
+        self._fenced: set[uuid.UUID] = set()
+        self._handbacks: set[asyncio.Task[None]] = set()
         # Polled messages waiting for a claim, and the claimers working through them.
         self._inbox: list[Message] = []
         self._claimers: set[asyncio.Task[None]] = set()
@@ -224,7 +250,7 @@ class StepRunner:
         if not wanted:
             return
         ids = {job_id for _, job_id in wanted if job_id not in self._running}
-        started = time.monotonic()
+        started = time.monotonic()  # the leases the claim grants start after this
         jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
             list(ids), self.config.worker_id, self.config.lease_seconds, steps))
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
@@ -247,7 +273,9 @@ class StepRunner:
                 self.tracker.done(*position)
                 metrics.SKIPPED.inc()
                 continue
-            task = asyncio.create_task(self._run(job, position[0][0], position))
+            self._versions[job_id] = job.lease_version
+            self._extended[job_id] = started
+            task = asyncio.create_task(self._run(job, msg))
             self._running[job_id] = task
 
     async def _decode(self, data: bytes, event_type: str | None) -> tuple[str, dict[str, Any]]:
@@ -309,7 +337,9 @@ class StepRunner:
         metrics.CLAIMS_DEFERRED.inc()
         asyncio.get_running_loop().call_later(min(0.005 * 2 ** tries, 1.0), self.submit, [msg])
 
-    async def _run(self, job: Job, topic: str, position: Position) -> None:
+    async def _run(self, job: Job, msg: Message) -> None:
+        position = position_of(msg)
+        topic = position[0][0]
         # This task's context: every record logged while the attempt runs (runner, gateway,
         # budget) names the job, attempt and trace; the model clock times its model calls.
         logs.bind(job_id=str(job.id), attempt=job.attempt, step=job.step,
@@ -324,6 +354,14 @@ class StepRunner:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self._attempt(job, topic)
+        except LeaseLost as exc:
+            # The database refused a write of this attempt (a side-effect record): another
+            # attempt holds the job now, with its own message. No outcome; acknowledge.
+            log.warning("attempt %d of %s stopped: %s", job.attempt, job.id, exc.message)
+            metrics.FENCED.labels("stale_write").inc()
+            self.tracker.done(*position)
+            await self._record_usage(job, clock)
+            return
         except Exception:
             # Building the outcome failed (the failure stage itself raised): the attempt
             # still ends, once, as a bug, so its offset and lease are released.
@@ -333,16 +371,26 @@ class StepRunner:
                 "the attempt's outcome could not be recorded", code="unhandled_exception",
                 failure_class=FailureClass.BUG))
         except asyncio.CancelledError:
-            if not self._abandoning:
+            if self._abandoning:
+                # Abandoned at shutdown: leave the offset pending so the partition's next
+                # owner reads the message again.
+                pass
+            elif job.id in self._fenced:
+                # Stopped by this worker before its lease could run out (heartbeats failing):
+                # no outcome, and the offset stays pending; the message is claimed again
+                # once the database answers (the claim then decides who runs it).
+                self._hand_back(job, msg)
+            else:
                 # The lease was lost (cancelled job, or a reaper requeued it): discard the
-                # result and acknowledge. Abandoned at shutdown: leave the offset pending so
-                # the partition's next owner reads the message again.
+                # result and acknowledge.
                 self.tracker.done(*position)
             # No outcome will carry them: the tokens the provider counted are still spent.
             await self._record_usage(job, clock)
             return
         finally:
             self._running.pop(job.id, None)
+            self._versions.pop(job.id, None)
+            self._extended.pop(job.id, None)
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         self._observe(job, finish, time.monotonic() - started, clock.seconds)
@@ -394,9 +442,12 @@ class StepRunner:
                     data = await self._input(job)
                 if log.isEnabledFor(logging.DEBUG):  # the formatter redacts "input" fields
                     log.debug("step %s starts", step.name, extra={"input": data})
+                # The effect log of this attempt: its records carry the fencing token.
+                effects = SideEffects(self.store, self.config.worker_id, job.lease_version)
                 ctx = StepContext(str(job.id), str(job.tenant_id), step.name,
-                                  job.attempt, self.provider, self.objects, self.effects,
-                                  priority=job.priority, workflow=job.workflow)
+                                  job.attempt, self.provider, self.objects, effects,
+                                  priority=job.priority, workflow=job.workflow,
+                                  lease_version=job.lease_version)
                 enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
                 timeout = self.config.step_timeout_seconds or step.timeout_seconds
                 # Claimed ahead, a job may wait here for a slot; its timeout starts after.
@@ -417,7 +468,7 @@ class StepRunner:
         except ContractError as exc:
             return self.failures.outcome(job, topic, StepFailure(exc.message, code=exc.code,
                                                         failure_class=FailureClass.INPUT))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, LeaseLost):
             raise
         except Exception as exc:  # a step that raised something it did not classify
             if _infrastructure(exc):
@@ -437,7 +488,7 @@ class StepRunner:
         assert workflow is not None
         try:
             return await self._succeeded(job, workflow, output)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, LeaseLost):
             raise
         except Exception as exc:  # noqa: BLE001 - every attempt ends in one outcome
             # After the model call: writing the artifact or step output failed. The store
@@ -472,12 +523,13 @@ class StepRunner:
         """
         self._abandoning = True
         tasks = dict(self._running)
+        leases = {job_id: self._versions[job_id] for job_id in tasks}
         for task in tasks.values():
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             try:
-                await self.store.jobs.release_leases(list(tasks), self.config.worker_id)
+                await self.store.jobs.release_leases(leases, self.config.worker_id)
             except Exception:
                 log.exception("releasing %d leases failed", len(tasks))
         return len(tasks)
@@ -486,16 +538,63 @@ class StepRunner:
 
     async def heartbeat(self) -> None:
         """Extend the leases of running jobs; abort the ones this worker no longer holds."""
-        ids = list(self._running)
-        if not ids:
+        leases = {job_id: self._versions[job_id] for job_id in self._running
+                  if job_id not in self._fenced}
+        if not leases:
             return
-        held = await self.store.jobs.heartbeat(ids, self.config.worker_id,
+        sent = time.monotonic()  # the extended leases run from after this
+        held = await self.store.jobs.heartbeat(leases, self.config.worker_id,
                                                self.config.lease_seconds)
-        for job_id in ids:
+        for job_id, version in leases.items():
             task = self._running.get(job_id)
-            if job_id not in held and task is not None:
+            if task is None or self._versions.get(job_id) != version:
+                continue  # ended meanwhile (or its job was claimed again since)
+            if job_id in held:
+                self._extended[job_id] = sent
+            elif job_id not in self._fenced:
                 task.cancel()
                 metrics.ABORTED.inc()
+
+    async def fence_expiring(self) -> int:
+        """Self-fencing: stop every attempt whose lease may run out soon because this worker
+        could not extend it (its heartbeats failed: the database is away or too slow), before
+        any other worker may claim the job. Such an attempt ends with no outcome, its slot is
+        freed and its offset stays pending: its message goes back to the claim, which runs
+        once the database answers and decides who runs the job. Returns how many it stopped.
+        """
+        limit = self.config.lease_seconds * FENCE_AT
+        now = time.monotonic()
+        stopped = 0
+        for job_id, task in list(self._running.items()):
+            since = now - self._extended.get(job_id, now)
+            if since < limit or job_id in self._fenced:
+                continue
+            self._fenced.add(job_id)
+            task.cancel()
+            stopped += 1
+            metrics.FENCED.labels("heartbeat_failed").inc()
+            log.warning("stopping attempt of %s: its lease was last extended %.1f s ago "
+                        "(lease %.1f s) and may be taken over", job_id, since,
+                        self.config.lease_seconds, extra={"job_id": str(job_id)})
+        return stopped
+
+    def _hand_back(self, job: Job, msg: Message) -> None:
+        """Claim a self-fenced attempt's message again, once its lease is handed back."""
+        async def hand_back() -> None:
+            try:
+                # Expire the lease at once if it is still this attempt's (the database
+                # answered again before it ran out), so the claim need not wait for it.
+                await retry_forever(
+                    "handing back the lease of a stopped attempt failed",
+                    lambda: self.store.jobs.release_leases({job.id: job.lease_version},
+                                                           self.config.worker_id))
+            finally:
+                self._fenced.discard(job.id)
+            self.submit([msg])
+
+        task = asyncio.create_task(hand_back())
+        self._handbacks.add(task)
+        task.add_done_callback(self._handbacks.discard)
 
 
 def _infrastructure(exc: BaseException) -> bool:

@@ -140,7 +140,8 @@ class Worker:
 
     def _side_tasks(self, store: Store, runner: StepRunner,
                     consumer: ParallelConsumer) -> Supervisor:
-        """Heartbeat leases every third of a lease; requeue expired leases of dead workers;
+        """Heartbeat leases every third of a lease, and stop the attempts whose leases could not
+        be extended for most of one (self-fencing); requeue expired leases of dead workers;
         apply the expiry outcome to overdue reviews; sample consumer lag. A failed pass is
         retried next interval; a lease task that stops stops the worker (its leases would
         lapse, or nobody would reap)."""
@@ -152,6 +153,11 @@ class Worker:
 
         side = Supervisor(on_critical=stop_worker)
         side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
+                   critical=True)
+        # Self-fencing: its own task, so that a heartbeat hanging on an unreachable database
+        # cannot keep the attempts running past their leases.
+        fence = max(0.1, self.settings.lease_seconds / 12)
+        side.every("lease-fence", fence, runner.fence_expiring, first_after=fence,
                    critical=True)
         schedule_reaper(side, store, ReviewDesk(store, self.workflows, runner.objects),
                         interval, first_after=interval,

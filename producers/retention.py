@@ -1,8 +1,9 @@
 """Deleting a job's data: on request (DELETE /v1/jobs/{id}) and by age (the retention sweep).
 
 A purge deletes the job's objects first (its input, its artifact, every object its step
-outputs name, the artifacts of its steps and the folder its steps write to: embed_document's
-chunks and vectors), then redacts its row and every row about it (calmq.data.retention's
+outputs name, the artifacts of its steps and of each of their attempts -- also of a stale
+attempt, which no row names -- and the folder its steps write to: embed_document's chunks
+and vectors), then redacts its row and every row about it (calmq.data.retention's
 ``COVERAGE``: step outputs, reviewed fields, attempt errors, redriven attempts, side-effect
 responses, webhook URLs and errors, idempotency keys, unpublished events), keeping ids,
 times, statuses and token/cost numbers for audit and accounting. Objects first: if the
@@ -41,8 +42,12 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
     # Only objects inside the tenant's own prefix: an input_ref is checked at submit, but
     # a purge must never be the way to delete something else.
     uris = job.object_uris()
-    for step in {*job.steps}:  # each step's artifact, also one no row names any more
-        uri = object_uri(objects, artifact_key(tenant_id, job_id, step))
+    # Each step's artifact, also one no row names any more: the one a review completed, and
+    # each attempt's (keyed by its fencing token; a stale attempt's is named by no row).
+    keys = [artifact_key(tenant_id, job_id, step) for step in {*job.steps}]
+    keys += [artifact_key(tenant_id, job_id, step, version) for step, version in job.attempts]
+    for key in keys:
+        uri = object_uri(objects, key)
         if uri is not None:
             uris.add(uri)
     for uri in sorted(uris):

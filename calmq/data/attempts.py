@@ -33,6 +33,9 @@ class Finish:
     status: str
     event_type: str
     outcome: str
+    # The attempt's fencing token (Job.lease_version): the outcome is written only while the
+    # job is still at it. 0 matches no claimed job, so a Finish that forgets it is refused.
+    lease_version: int = 0
     event_detail: dict[str, Any] = field(default_factory=dict)
     artifact: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
@@ -50,7 +53,8 @@ class Finish:
         assert self.record is not None
         r = self.record
         return {"job_id": self.job_id, "worker": self.worker, "step": self.step,
-                "state": r["state"], "output": Jsonb(r["output"]),
+                "lease_version": self.lease_version, "state": r["state"],
+                "output": Jsonb(r["output"]),
                 "confidence": r.get("confidence"),
                 "review_deadline_at": r.get("review_deadline_at"),
                 "next_pool": r.get("next_pool"), "next_max_attempts": r.get("next_max_attempts")}
@@ -62,6 +66,7 @@ class Finish:
             "worker": self.worker,
             "step": self.step,
             "attempt": self.attempt,
+            "lease_version": self.lease_version,
             "status": self.status,
             "event_type": self.event_type,
             "outcome": self.outcome,
@@ -83,10 +88,11 @@ class Attempts:
         self._db = db
         self._q = db.q
 
-    async def finish(self, finishes: Sequence[Finish]) -> None:
-        """Record a group of finished attempts in ONE transaction (group commit)."""
+    async def finish(self, finishes: Sequence[Finish]) -> set[uuid.UUID]:
+        """Record a group of finished attempts in ONE transaction (group commit); returns the
+        jobs it moved. A job missing there was fenced: its attempt no longer held it."""
         if not finishes:
-            return
+            return set()
         # Job rows are locked in id order, like claim and heartbeat, so that concurrent
         # group commits and heartbeats cannot deadlock.
         finishes = sorted(finishes, key=lambda f: f.job_id)
@@ -97,9 +103,10 @@ class Attempts:
                 # One statement is its own transaction on this autocommit connection: no
                 # BEGIN and COMMIT round trips, each of which held the rows locked while it
                 # waited for a busy event loop (pg_stat_activity: "idle in transaction").
-                await conn.execute(self._q["finish_attempts"], {"rows": rows})
-                return
+                cur = await conn.execute(self._q["finish_attempts"], {"rows": rows})
+                return {r["id"] for r in await cur.fetchall()}
             async with conn.transaction(), conn.cursor() as cur:
                 # Before finish_attempts: its lease guard is still true then.
                 await cur.executemany(self._q["wf_record_step_output"], records)
                 await cur.execute(self._q["finish_attempts"], {"rows": rows})
+                return {r["id"] for r in await cur.fetchall()}

@@ -38,6 +38,7 @@ class BatchRequestRow:
     attempt: int
     custom_id: str
     request: dict[str, Any]
+    lease_version: int = 0  # the packing attempt's fencing token
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +126,10 @@ class Batches:
                 "pool": pool, "request_count": len(rows), "input_bytes": input_bytes,
                 "enqueued_tokens": enqueued_tokens, "worker": worker,
                 "lease_seconds": lease_seconds})
+            ordered = sorted(rows, key=lambda r: r.job_id)
             cur = await conn.execute(self._q["batch_take_jobs"], {
-                "ids": sorted({r.job_id for r in rows}), "worker": worker,
+                "ids": [r.job_id for r in ordered],
+                "versions": [r.lease_version for r in ordered], "worker": worker,
                 "owner": batch_owner(key), "hold_seconds": hold_seconds})
             moved = {r["id"] for r in await cur.fetchall()}
             await conn.execute(self._q["batch_insert_jobs"], {

@@ -54,7 +54,9 @@ class Job:
     """A job as a worker holds it: the columns ``claim_jobs`` returns.
 
     ``old_status`` is the status the claim found (``running`` means its lease had expired
-    and the job was taken over from a dead worker).
+    and the job was taken over from a dead worker). ``lease_version`` is the claim's fencing
+    token: every write of the attempt carries it, and the database takes the write only
+    while the job is still at that version (calmq/sql/migrations/0011_attempt_fencing.sql).
     """
 
     id: uuid.UUID
@@ -73,6 +75,7 @@ class Job:
     trace_parent: str | None
     created_at: datetime
     old_status: str
+    lease_version: int = 0  # 0: never claimed
     # online, or batch (the providers' batch APIs: calmq.processors.batcher)
     lane: str = "online"
 
@@ -411,20 +414,27 @@ class Jobs:
             return {r["id"]: (r["step"], r["status"]) for r in await cur.fetchall()}
 
     async def heartbeat(
-        self, ids: Sequence[uuid.UUID], worker: str, lease_seconds: float
+        self, leases: Mapping[uuid.UUID, int], worker: str, lease_seconds: float
     ) -> set[uuid.UUID]:
-        """Extend the leases this worker still holds; returns the ids it still holds."""
+        """Extend the leases this worker still holds (``leases``: job id -> the attempt's
+        lease_version); returns the ids whose lease is still that attempt's."""
+        ids = list(leases)
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(
                 self._q["heartbeat"],
-                {"ids": list(ids), "worker": worker, "lease_seconds": lease_seconds})
+                {"ids": ids, "versions": [leases[i] for i in ids], "worker": worker,
+                 "lease_seconds": lease_seconds})
             return {r["id"] for r in await cur.fetchall()}
 
-    async def release_leases(self, ids: Sequence[uuid.UUID], worker: str) -> set[uuid.UUID]:
-        """Expire now the leases ``worker`` holds on ``ids`` (it stops without finishing them)."""
+    async def release_leases(self, leases: Mapping[uuid.UUID, int],
+                             worker: str) -> set[uuid.UUID]:
+        """Expire now the leases ``worker``'s attempts hold (``leases``: job id -> the
+        attempt's lease_version; it stops without finishing them)."""
+        ids = list(leases)
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["release_leases"],
-                                     {"ids": list(ids), "worker": worker})
+                                     {"ids": ids, "versions": [leases[i] for i in ids],
+                                      "worker": worker})
             return {r["id"] for r in await cur.fetchall()}
 
     async def reap_expired_leases(self, limit: int = 500) -> list[Job]:

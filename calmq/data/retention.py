@@ -66,6 +66,8 @@ class JobData:
     artifact: dict[str, Any] | None
     redacted_at: datetime | None
     steps: list[str] = field(default_factory=list)  # steps that recorded an output
+    # (step, lease_version) of every attempt: each may have written an artifact of its own.
+    attempts: list[tuple[str, int]] = field(default_factory=list)
     documents: list[Any] = field(default_factory=list)  # JSON that may name objects
 
     def object_uris(self) -> set[str]:
@@ -101,8 +103,10 @@ class Retention:
                 return None
             cur = await conn.execute(self._db.q["retention_job_documents"], params)
             outputs = await cur.fetchall()
+            cur = await conn.execute(self._db.q["retention_job_attempt_versions"], params)
+            attempts = [(a["step"], int(a["lease_version"])) for a in await cur.fetchall()]
         return JobData(row["status"], row["input_ref"], row["artifact"], row["redacted_at"],
-                       steps=[o["step"] for o in outputs],
+                       steps=[o["step"] for o in outputs], attempts=attempts,
                        documents=[d for o in outputs for d in (o["output"], o["model_output"])])
 
     async def redact(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> bool:

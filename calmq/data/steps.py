@@ -4,7 +4,8 @@ A step's output is written with the job's move to its next step (calmq.data.atte
 that query in the group commit); this module reads them back, so that a resumed job skips
 the steps already done. The side-effect log records an external call's intent before the
 call and its answer after it (calmq.workflows.effects): each record is its own commit,
-durable before the call is made.
+durable before the call is made, and is taken only from the attempt that holds the job (its
+fencing token): a stale attempt gets ``LeaseLost`` and makes no call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Literal
 from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
+from calmq.errors import LeaseLost
 
 __all__ = ["EffectRecord", "SideEffects", "StepRecord", "StepRecords"]
 
@@ -54,10 +56,15 @@ class StepRecords:
 
 
 class SideEffects:
-    """The effect log in PostgreSQL (table side_effects); a ``calmq.workflows.EffectLog``."""
+    """The effect log in PostgreSQL (table side_effects); a ``calmq.workflows.EffectLog``.
 
-    def __init__(self, db: Database) -> None:
+    One per attempt: its writes carry the attempt's worker and fencing token
+    (``lease_version``), and raise ``LeaseLost`` once the job is no longer the attempt's.
+    """
+
+    def __init__(self, db: Database, worker: str, lease_version: int) -> None:
         self._db = db
+        self._fence = {"worker": worker, "lease_version": lease_version}
 
     async def lookup(self, job_id: str, key: str) -> EffectRecord | None:
         async with self._db.pool.connection() as conn:
@@ -69,11 +76,18 @@ class SideEffects:
         """Record the intent before the call; returns how many calls it has had."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["wf_effect_called"],
-                                     {"job_id": job_id, "key": key})
+                                     {"job_id": job_id, "key": key, **self._fence})
             row = await cur.fetchone()
-        return int(row["calls"]) if row else 0
+        if row is None or not row["held"]:
+            raise LeaseLost(f"job {job_id} is no longer this attempt's: effect {key} not called")
+        return int(row["calls"] or 0)
 
     async def confirmed(self, job_id: str, key: str, response: dict[str, Any]) -> None:
         async with self._db.pool.connection() as conn:
-            await conn.execute(self._db.q["wf_effect_confirmed"],
-                               {"job_id": job_id, "key": key, "response": Jsonb(response)})
+            cur = await conn.execute(self._db.q["wf_effect_confirmed"],
+                                     {"job_id": job_id, "key": key, "response": Jsonb(response),
+                                      **self._fence})
+            row = await cur.fetchone()
+        if row is None or not row["held"]:
+            raise LeaseLost(f"job {job_id} is no longer this attempt's: the answer of effect "
+                            f"{key} is not recorded")

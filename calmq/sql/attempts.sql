@@ -5,18 +5,21 @@
 -- jobs, write their history and their outbox events: ONE statement for the whole group
 -- (its rows: a JSON array, see Finish.row in calmq/data/attempts.py), so the history trigger runs
 -- once and the planner once, not once per job. Job rows are locked in id order, like claim
--- and heartbeat. The guard on lease_owner makes a late finish (after a reaper or a cancel
--- took the job) a no-op for that job.
+-- and heartbeat. The guard is the attempt's fencing token: a finish whose lease_version is
+-- no longer the job's (a reaper, a cancel or a newer claim took the job, by another worker
+-- or by the same worker id) is a no-op for that job. Returns the ids of the jobs it moved.
 WITH input AS (
     SELECT *
     FROM jsonb_to_recordset(%(rows)s::jsonb)
-         AS r(job_id uuid, worker text, step text, attempt integer, status text,
+         AS r(job_id uuid, worker text, step text, attempt integer, lease_version bigint,
+              status text,
               event_type text, outcome text, event_detail jsonb, artifact jsonb, error jsonb,
               next_step text, reset_attempt boolean, outbox jsonb, model_calls integer,
               input_tokens bigint, output_tokens bigint, cost_usd float8, ord bigint)
 ), target AS (
     SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id
     WHERE j.lease_owner = i.worker AND j.status = 'running'
+      AND j.lease_version = i.lease_version
     ORDER BY j.id
     FOR UPDATE OF j
 ), moved AS (
@@ -52,23 +55,25 @@ WITH input AS (
     SELECT i.job_id, i.event_type, i.attempt, i.event_detail
     FROM input i JOIN moved m ON m.id = i.job_id
     ORDER BY i.ord
+), emitted AS (
+    -- A terminal event carries the job's usage totals as this statement has just written them
+    -- (the event was built before this attempt's tokens were added); a dead letter also every
+    -- attempt's error.
+    INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+    SELECT e.id, e.route, m.id::text, e.type,
+           CASE WHEN e.type IN ('job.result', 'job.dead_lettered')
+                THEN e.payload
+                     || jsonb_build_object('usage', jsonb_build_object(
+                            'input_tokens', m.input_tokens, 'output_tokens', m.output_tokens,
+                            'cost_usd', m.cost_usd,
+                            'lane', COALESCE(e.payload #>> '{usage,lane}', 'online')))
+                     || CASE WHEN e.type = 'job.dead_lettered'
+                             THEN jsonb_build_object('errors', m.errors) ELSE '{}'::jsonb END
+                ELSE e.payload END,
+           e.headers
+    FROM input i JOIN moved m ON m.id = i.job_id,
+         jsonb_to_recordset(i.outbox)
+             AS e(id uuid, route text, type text, payload jsonb, headers jsonb, n integer)
+    ORDER BY i.ord, e.n
 )
--- A terminal event carries the job's usage totals as this statement has just written them
--- (the event was built before this attempt's tokens were added); a dead letter also every
--- attempt's error.
-INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
-SELECT e.id, e.route, m.id::text, e.type,
-       CASE WHEN e.type IN ('job.result', 'job.dead_lettered')
-            THEN e.payload
-                 || jsonb_build_object('usage', jsonb_build_object(
-                        'input_tokens', m.input_tokens, 'output_tokens', m.output_tokens,
-                        'cost_usd', m.cost_usd,
-                        'lane', COALESCE(e.payload #>> '{usage,lane}', 'online')))
-                 || CASE WHEN e.type = 'job.dead_lettered'
-                         THEN jsonb_build_object('errors', m.errors) ELSE '{}'::jsonb END
-            ELSE e.payload END,
-       e.headers
-FROM input i JOIN moved m ON m.id = i.job_id,
-     jsonb_to_recordset(i.outbox)
-         AS e(id uuid, route text, type text, payload jsonb, headers jsonb, n integer)
-ORDER BY i.ord, e.n;
+SELECT id FROM moved;

@@ -12,13 +12,16 @@ VALUES (%(key)s, %(provider)s, %(model)s, %(endpoint)s, %(pool)s, %(request_coun
 
 -- name: batch_take_jobs
 -- The packed jobs the batcher still holds move to the batch's lease (held for the
--- provider's window plus the margin); a job cancelled or taken meanwhile is left out.
--- Locked in id order, like claim, heartbeat and finish.
-WITH held AS (
-    SELECT id FROM jobs
-    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
-    ORDER BY id
-    FOR UPDATE
+-- provider's window plus the margin); a job cancelled or taken meanwhile is left out. Given
+-- as (id, lease_version) pairs like heartbeat: the attempt's fencing token stays the batch's
+-- (its result is settled under it). Locked in id order, like claim, heartbeat and finish.
+WITH mine AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(versions)s::bigint[]) AS m(id, lease_version)
+), held AS (
+    SELECT j.id FROM jobs j JOIN mine m ON m.id = j.id AND m.lease_version = j.lease_version
+    WHERE j.lease_owner = %(worker)s AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
 )
 UPDATE jobs j SET lease_owner = %(owner)s,
                   lease_expires_at = now() + make_interval(secs => %(hold_seconds)s),
@@ -99,7 +102,8 @@ SELECT provider_id FROM provider_batches WHERE provider = %(provider)s AND provi
 -- With custom_ids NULL: every such job (the ones a finished batch did not answer).
 SELECT j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
        j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-       j.trace_parent, j.created_at, j.status AS old_status, j.lane, bj.custom_id
+       j.trace_parent, j.created_at, j.status AS old_status, j.lease_version, j.lane,
+       bj.custom_id
 FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
 WHERE bj.batch_key = %(key)s AND bj.state = 'pending'
   AND (%(custom_ids)s::text[] IS NULL OR bj.custom_id = ANY(%(custom_ids)s::text[]))

@@ -131,7 +131,8 @@ WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 -- name: claim_jobs
 -- Claim every job of a polled batch in one statement. A job is claimable when it is
 -- waiting (queued, retrying) or running under an expired lease (its worker died; the
--- history then says requeued_after_restart before the new running event).
+-- history then says requeued_after_restart before the new running event). Each claim moves
+-- lease_version on: the fencing token the attempt's writes carry (see heartbeat).
 WITH target AS (
     SELECT id, status AS old_status FROM jobs
     WHERE id = ANY(%(ids)s)
@@ -150,24 +151,31 @@ WITH target AS (
     FOR UPDATE
 ), claimed AS (
     UPDATE jobs j SET status = 'running', attempt = j.attempt + 1,
+                      lease_version = j.lease_version + 1,
                       lease_owner = %(worker)s,
                       lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
                       updated_at = now()
     FROM target t WHERE j.id = t.id
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, t.old_status, j.lane
-), requeued AS (
-    INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'requeued_after_restart', attempt - 1, '{"reason": "lease_expired"}'::jsonb
-    FROM claimed WHERE old_status = 'running'
+              j.trace_parent, j.created_at, t.old_status, j.lease_version, j.lane
 ), attempts AS (
-    INSERT INTO job_attempts (job_id, step, attempt, worker, started_at)
-    SELECT id, step, attempt, %(worker)s, now() FROM claimed
+    INSERT INTO job_attempts (job_id, step, attempt, worker, started_at, lease_version)
+    SELECT id, step, attempt, %(worker)s, now(), lease_version FROM claimed
     ON CONFLICT (job_id, step, attempt) DO NOTHING
-), running AS (
+), history AS (
+    -- One INSERT, ordered: two data-modifying CTEs run in no set order, and the history
+    -- (read in id order) then said running before requeued_after_restart now and then.
     INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'running', attempt, jsonb_build_object('worker', %(worker)s::text) FROM claimed
+    SELECT id, type, attempt, detail FROM (
+        SELECT id, 0 AS seq, 'requeued_after_restart' AS type, attempt - 1 AS attempt,
+               '{"reason": "lease_expired"}'::jsonb AS detail
+        FROM claimed WHERE old_status = 'running'
+        UNION ALL
+        SELECT id, 1, 'running', attempt, jsonb_build_object('worker', %(worker)s::text)
+        FROM claimed
+    ) e
+    ORDER BY id, seq
 )
 SELECT * FROM claimed;
 
@@ -176,13 +184,18 @@ SELECT * FROM claimed;
 SELECT id, step, status FROM jobs WHERE id = ANY(%(ids)s);
 
 -- name: heartbeat
+-- Extends the leases of the attempts given as (id, lease_version) pairs: only while the job
+-- is still at that version, so an attempt whose lease was taken over (even by the same
+-- worker id, restarted) is told it lost it instead of extending its successor's lease.
 -- Rows are locked in id order, the order claim and finish use too: concurrent heartbeats,
 -- claims and group commits of one worker then never deadlock on each other.
-WITH held AS (
-    SELECT id FROM jobs
-    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
-    ORDER BY id
-    FOR UPDATE
+WITH mine AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(versions)s::bigint[]) AS m(id, lease_version)
+), held AS (
+    SELECT j.id FROM jobs j JOIN mine m ON m.id = j.id AND m.lease_version = j.lease_version
+    WHERE j.lease_owner = %(worker)s AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
 )
 UPDATE jobs j SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
 FROM held WHERE j.id = held.id
@@ -193,11 +206,16 @@ RETURNING j.id;
 -- the lease expires now, so the message's redelivery (or the reaper) takes the job at once
 -- and the history reads requeued_after_restart, running.
 -- Its attempt is marked released: the job did not end it (the attempt cap counts only
--- attempts that ended with their worker, see poison_expired_leases).
-WITH released AS (
-    UPDATE jobs SET lease_expires_at = now(), updated_at = now()
-    WHERE id = ANY(%(ids)s) AND lease_owner = %(worker)s AND status = 'running'
-    RETURNING id, step, attempt
+-- attempts that ended with their worker, see poison_expired_leases). Given as (id,
+-- lease_version) pairs like heartbeat: a lease taken over since is not this worker's to hand.
+WITH mine AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(versions)s::bigint[]) AS m(id, lease_version)
+), released AS (
+    UPDATE jobs j SET lease_expires_at = now(), updated_at = now()
+    FROM mine m
+    WHERE j.id = m.id AND j.lease_version = m.lease_version
+      AND j.lease_owner = %(worker)s AND j.status = 'running'
+    RETURNING j.id, j.step, j.attempt
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = 'released'
     FROM released r
@@ -232,8 +250,8 @@ WITH poisoned AS (
     FROM poisoned p WHERE j.id = p.id
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lane,
-              j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version,
+              j.lane, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'dead_lettered', attempt, %(error)s::jsonb FROM dead
@@ -268,7 +286,7 @@ WITH expired AS (
     -- the columns claim_jobs returns: both are read as calmq.data.jobs.Job
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lane
+              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version, j.lane
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_after_restart', attempt, '{"reason": "lease_expired"}'::jsonb
@@ -316,7 +334,7 @@ WITH stranded AS (
     -- the columns claim_jobs returns: read as calmq.data.jobs.Job
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, s.old_status, j.lane
+              j.trace_parent, j.created_at, s.old_status, j.lease_version, j.lane
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_by_sweeper', attempt,

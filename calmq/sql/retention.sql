@@ -24,6 +24,18 @@ SELECT s.step, s.output, s.model_output FROM step_outputs s
 JOIN jobs j ON j.id = s.job_id
 WHERE s.job_id = %(id)s AND j.tenant_id = %(tenant_id)s;
 
+-- name: retention_job_attempt_versions
+-- Each attempt's step and fencing token, of this round and of earlier (redriven) ones: an
+-- attempt's artifact is keyed by them, also a stale attempt's that no row points at.
+SELECT a.step, a.lease_version FROM job_attempts a
+JOIN jobs j ON j.id = a.job_id
+WHERE a.job_id = %(id)s AND j.tenant_id = %(tenant_id)s AND a.lease_version IS NOT NULL
+UNION
+SELECT r.step, (r.record ->> 'lease_version')::bigint FROM job_attempts_redriven r
+JOIN jobs j ON j.id = r.job_id
+WHERE r.job_id = %(id)s AND j.tenant_id = %(tenant_id)s
+  AND r.record ->> 'lease_version' IS NOT NULL;
+
 -- The statements below run in the transaction of retention_redact_job, after it redacted
 -- the row (so only for the tenant's terminal job); every table with a job or tenant column
 -- is in calmq.data.retention.COVERAGE, and tests/integration/test_deletion_coverage.py

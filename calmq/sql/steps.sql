@@ -3,12 +3,17 @@
 -- Names start with wf_.
 
 -- name: wf_record_step_output
--- Runs in the group-commit transaction just before finish_attempts, under the same lease
--- guard: a late finish (after a reaper or a cancel took the job) records nothing. It also
--- points the job at its next step's pool and attempt budget, and sets a review deadline.
+-- Runs in the group-commit transaction just before finish_attempts, under the same guard
+-- (the attempt's fencing token): a late finish (after a reaper, a cancel or a newer claim
+-- took the job) records nothing. The row is locked here already, so a claim cannot slip in
+-- between this check and finish_attempts' (which would leave an output without its move).
+-- It also points the job at its next step's pool and attempt budget, and sets a review
+-- deadline.
 WITH held AS (
     SELECT id FROM jobs
     WHERE id = %(job_id)s AND lease_owner = %(worker)s AND status = 'running'
+      AND lease_version = %(lease_version)s
+    FOR UPDATE
 ), recorded AS (
     INSERT INTO step_outputs (job_id, step, state, output, model_output, confidence)
     SELECT id, %(step)s, %(state)s, %(output)s, %(output)s, %(confidence)s FROM held
@@ -31,11 +36,35 @@ SELECT state, calls, response FROM side_effects WHERE job_id = %(job_id)s AND ke
 
 -- name: wf_effect_called
 -- Record the intent before the call; a second call of an unconfirmed effect counts itself.
-INSERT INTO side_effects (job_id, key, state) VALUES (%(job_id)s, %(key)s, 'called')
-ON CONFLICT (job_id, key) DO UPDATE SET calls = side_effects.calls + 1, called_at = now()
-    WHERE side_effects.state = 'called'
-RETURNING state, calls;
+-- Only for the attempt that holds the job (its fencing token, as in finish_attempts): a
+-- stale attempt gets held = false and must not make the call. The row lock (shared) orders
+-- this check against a claim that takes the job over.
+WITH held AS (
+    SELECT id FROM jobs
+    WHERE id = %(job_id)s AND lease_owner = %(worker)s AND status = 'running'
+      AND lease_version = %(lease_version)s
+    FOR SHARE
+), effect AS (
+    INSERT INTO side_effects (job_id, key, state)
+    SELECT id, %(key)s, 'called' FROM held
+    ON CONFLICT (job_id, key) DO UPDATE SET calls = side_effects.calls + 1, called_at = now()
+        WHERE side_effects.state = 'called'
+    RETURNING state, calls
+)
+SELECT EXISTS (SELECT 1 FROM held) AS held, (SELECT calls FROM effect) AS calls;
 
 -- name: wf_effect_confirmed
-UPDATE side_effects SET state = 'confirmed', response = %(response)s, confirmed_at = now()
-WHERE job_id = %(job_id)s AND key = %(key)s;
+-- Under the same guard: a stale attempt's answer is not recorded. The attempt holding the
+-- job calls again with the same idempotency key, and the external system answers it with
+-- the first posting (calmq.workflows.effects), as after a crash between call and confirm.
+WITH held AS (
+    SELECT id FROM jobs
+    WHERE id = %(job_id)s AND lease_owner = %(worker)s AND status = 'running'
+      AND lease_version = %(lease_version)s
+    FOR SHARE
+), confirmed AS (
+    UPDATE side_effects s SET state = 'confirmed', response = %(response)s,
+                              confirmed_at = now()
+    FROM held WHERE s.job_id = held.id AND s.key = %(key)s
+)
+SELECT EXISTS (SELECT 1 FROM held) AS held;

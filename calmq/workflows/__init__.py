@@ -61,6 +61,9 @@ class StepContext:
     # Which share of the token budget the step's model calls draw on (calmq.budget).
     priority: str = "bulk"
     workflow: str = ""
+    # The attempt's fencing token (its claim's lease_version): objects it writes are keyed
+    # by it, so a stale attempt never overwrites what the attempt holding the job wrote.
+    lease_version: int = 0
 
     @property
     def idempotency_key(self) -> str:
@@ -72,8 +75,10 @@ class StepContext:
         return CallScope(self.job_id, self.tenant_id, self.workflow, self.priority)
 
     def object_key(self, name: str) -> str:
-        """Where this step keeps an object of its own: under the tenant's prefix."""
-        return f"{self.tenant_id}/{self.job_id}/{self.step}/{name}"
+        """Where this attempt of the step keeps an object of its own: under the tenant's
+        prefix, in the job's folder (a purge deletes it whole), by the attempt's fencing
+        token (an attempt that lost its lease writes beside the winner's, never over it)."""
+        return f"{self.tenant_id}/{self.job_id}/{self.step}/{self.lease_version}/{name}"
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,16 @@ STEP_COMPLETED = "step_completed"
 _FINAL = ("done", "approved")
 
 
-def artifact_key(tenant_id: uuid.UUID, job_id: uuid.UUID, step: str) -> str:
+def artifact_key(tenant_id: uuid.UUID, job_id: uuid.UUID, step: str,
+                 lease_version: int | None = None) -> str:
+    """Where a step's artifact goes: by the attempt's fencing token (``lease_version``), so
+    a stale attempt's artifact lands beside the winner's and the finishing transaction
+    points the job at the one that won; without one, the artifact a review completes."""
     # One folder per tenant, not per job: on a filesystem store a new folder per job cost a
     # millisecond of journal work on every completion, serialized on the parent folder.
-    return f"{tenant_id}/artifacts/{job_id}.{step}.json"
+    if lease_version is None:
+        return f"{tenant_id}/artifacts/{job_id}.{step}.json"
+    return f"{tenant_id}/artifacts/{job_id}.{step}.{lease_version}.json"
 
 
 class Progress:
@@ -82,7 +88,8 @@ class Progress:
     ) -> Finish:
         step = workflow.step(job.step)
         base: dict[str, Any] = {"job_id": job.id, "worker": worker, "step": step.name,
-                                "attempt": job.attempt, "outcome": "completed"}
+                                "attempt": job.attempt, "lease_version": job.lease_version,
+                                "outcome": "completed"}
         tokens = {"input_tokens": out.input_tokens, "output_tokens": out.output_tokens}
         record: dict[str, Any] = {"state": "done", "output": out.artifact,
                                   "confidence": out.confidence}
@@ -126,6 +133,6 @@ class Progress:
 
     async def write_artifact(self, job: Job, output: dict[str, Any]) -> dict[str, Any]:
         body = json.dumps(output, separators=(",", ":")).encode()
-        key = artifact_key(job.tenant_id, job.id, job.step)
+        key = artifact_key(job.tenant_id, job.id, job.step, job.lease_version)
         ref = await self.objects.put(key, body, "application/json")
         return dict(ref.as_dict())

@@ -205,8 +205,10 @@ def test_sigterm_past_the_grace_period_hands_work_to_the_next_worker(env: Env) -
     pool = env.pool("abandon")
     proc, _port = env.procs.worker(pool, **{**BASE, "grace_seconds": "0.3",
                                             "lease_seconds": "30"})
+    # 8 s: long enough that a loaded machine's slow SIGTERM handling cannot let the first
+    # worker finish the call itself, short enough to tell a released lease from an expired one.
     (job_id,) = env.submit(pool, {"text": "too slow to finish", "mode": "success",
-                                  "delay_ms": 4000})
+                                  "delay_ms": 8000})
     fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
     wait_for(lambda: fake_stats(fake)["by_job"].get(job_id, {}).get("calls"), timeout=30,
              what="the model call to start")
@@ -215,8 +217,10 @@ def test_sigterm_past_the_grace_period_hands_work_to_the_next_worker(env: Env) -
     # Its lease expired on release: still running, or already requeued by a reaper.
     assert job_rows(env.db, [job_id])[job_id]["status"] in ("running", "queued")
     env.procs.worker(pool, **{**BASE, "lease_seconds": "30"})
-    # With a 30 s lease, finishing well before it could expire shows the lease was released.
-    job = env.finished(job_id, timeout=20)
+    # With a 30 s lease, finishing well before it could expire shows the lease was released:
+    # an unreleased lease would let the job be claimed 30 s after the first claim at the
+    # earliest, and its 8 s call end past this deadline.
+    job = env.finished(job_id, timeout=29)
     assert job["status"] == "completed"
     assert _types(job["events"]) == ["queued", "running", "requeued_after_restart", "running",
                                      "completed"]
