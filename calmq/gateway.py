@@ -262,6 +262,18 @@ class OpenAIProvider(_HttpProvider):
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> ModelReply:
+        body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                 response_schema=response_schema)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return self.parse_reply(await self._post(self.endpoint, body, headers))
+
+    endpoint = "/v1/chat/completions"
+
+    def request_body(
+        self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The body of the call; a provider batch sends the very same (calmq.batches)."""
         # max_completion_tokens, not the deprecated max_tokens: reasoning models (o1, o3, ...)
         # answer 400 to max_tokens, which calmq would dead-letter as an input error.
         body: dict[str, Any] = {
@@ -273,8 +285,11 @@ class OpenAIProvider(_HttpProvider):
                 "type": "json_schema",
                 "json_schema": {"name": "output", "schema": response_schema, "strict": True},
             }
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        data = await self._post("/v1/chat/completions", body, headers)
+        return body
+
+    @staticmethod
+    def parse_reply(data: Any) -> ModelReply:
+        """A 2xx answer's reply (also a batch result line's ``response.body``)."""
         try:
             choice = data["choices"][0]
             message = choice["message"]
@@ -308,6 +323,18 @@ class AnthropicProvider(_HttpProvider):
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> ModelReply:
+        body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                 response_schema=response_schema)
+        headers = {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
+        return self.parse_reply(await self._post(self.endpoint, body, headers))
+
+    endpoint = "/v1/messages"
+
+    def request_body(
+        self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The body of the call (a batch request's ``params``); the schema is not sent."""
         system = "\n".join(m["content"] for m in messages if m["role"] == "system")
         body: dict[str, Any] = {
             "model": self.model,
@@ -317,8 +344,11 @@ class AnthropicProvider(_HttpProvider):
         }
         if system:
             body["system"] = system
-        headers = {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
-        data = await self._post("/v1/messages", body, headers)
+        return body
+
+    @staticmethod
+    def parse_reply(data: Any) -> ModelReply:
+        """A 2xx answer's reply (also a batch result's ``message``)."""
         try:
             text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
             usage = data.get("usage") or {}

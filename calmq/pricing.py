@@ -12,7 +12,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["DEFAULT_PRICES", "ModelPrice", "cost_usd", "price_for"]
+__all__ = ["BATCH_DISCOUNT", "DEFAULT_PRICES", "ModelPrice", "batch_cost_usd", "cost_usd",
+           "price_for"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,13 @@ class ModelPrice(BaseModel):
 
     input: float = Field(ge=0)
     output: float = Field(ge=0)
+    # The batch APIs' price (the batch column); None: BATCH_DISCOUNT of the online price.
+    batch_input: float | None = Field(default=None, ge=0)
+    batch_output: float | None = Field(default=None, ge=0)
+
+
+# What OpenAI's Batch API and Anthropic's Message Batches charge against the online price.
+BATCH_DISCOUNT = 0.5
 
 
 # The fake provider's models are priced like a small hosted model, so the demo and the
@@ -53,3 +61,18 @@ def cost_usd(
                         "add it to CALMQ_PRICES", model, provider)
         return 0.0
     return (input_tokens * price.input + output_tokens * price.output) / 1_000_000
+
+
+def batch_cost_usd(
+    prices: Mapping[str, ModelPrice], provider: str, model: str, input_tokens: int,
+    output_tokens: int,
+) -> float:
+    """The cost of one request of a provider batch in USD, at the price's batch column."""
+    price = price_for(prices, provider, model)
+    if price is None:
+        return cost_usd(prices, provider, model, input_tokens, output_tokens)  # 0, logged
+    batch_in = price.batch_input if price.batch_input is not None else (
+        price.input * BATCH_DISCOUNT)
+    batch_out = price.batch_output if price.batch_output is not None else (
+        price.output * BATCH_DISCOUNT)
+    return (input_tokens * batch_in + output_tokens * batch_out) / 1_000_000

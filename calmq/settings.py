@@ -222,6 +222,35 @@ class Settings(BaseSettings):
     # {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}. Replaces the defaults when set.
     prices: dict[str, ModelPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
 
+    # The batch lane (docs/how-to/batch-backfills.md): jobs submitted with "lane": "batch"
+    # go through the provider's batch API at its batch price, collected by `calmq batcher`.
+    batch_completion_window_seconds: float = Field(
+        default=24 * 3600.0, gt=0,
+        description="the provider's batch completion window (OpenAI and Anthropic: 24 h)")
+    batch_deadline_margin_seconds: float = Field(
+        default=3600.0, ge=0,
+        description="a batch-lane job's deadline must leave the window plus this; a shorter "
+                    "one is refused (422 deadline_too_short_for_batch)")
+    batch_max_requests: int = Field(
+        default=50_000, ge=1, le=100_000,
+        description="requests per provider batch at most (OpenAI 50,000; Anthropic 100,000)")
+    batch_max_bytes: int = Field(
+        default=200 * 1024 * 1024, ge=1024,
+        description="bytes of requests per provider batch at most (OpenAI 200 MB; "
+                    "Anthropic 256 MB)")
+    batch_max_age_seconds: float = Field(
+        default=60.0, gt=0,
+        description="a batch being packed is sent at the latest this long after its first job")
+    batch_poll_interval_seconds: float = Field(
+        default=30.0, gt=0, description="how often the poller asks the provider about a batch")
+    batch_lease_seconds: float = Field(
+        default=60.0, gt=0,
+        description="a poller's lease on a batch it collects (one poller per batch)")
+    batch_enqueued_tokens_limit: int = Field(
+        default=0, ge=0,
+        description="the provider's batch queue limit in tokens per model (estimated, prompt "
+                    "+ max_tokens); the batcher waits while open batches hold that many; 0: none")
+
     # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.

@@ -49,7 +49,10 @@ DUE_AT = "calmq-due-at"
 _FORWARDED_FROM = "calmq-forwarded-from"
 _MAX_WAIT = 0.1  # longest poll: bounds how late a timer fires and how fast stop is noticed
 # calmq.<pool>.<interactive|bulk>: the only topics a retry goes back to.
-_WORK_TOPIC = re.compile(re.escape(topics.PREFIX) + r"[A-Za-z0-9_-]+\.(?:interactive|bulk)")
+# The batch lane's topic is a work topic too: a batched request that failed transiently
+# goes back to it, into a later provider batch.
+_WORK_TOPIC = re.compile(re.escape(topics.PREFIX)
+                         + r"[A-Za-z0-9_-]+\.(?:interactive|bulk|" + topics.BATCH + ")")
 _RETRY_PREFIX = topics.topic_for_route(topics.retry_route(""))
 _MISSING_TTL = 10.0  # a topic found missing is looked up again after this long
 _CLOCK_SLACK = 5.0  # seconds a due time may run past its tier (writers' clocks differ)
@@ -241,7 +244,7 @@ class Forwarder:
         if not origin or not _WORK_TOPIC.fullmatch(origin):
             return ("missing_origin_topic",
                     f"retry message without a usable {ORIGIN} header ({origin!r}): a retry "
-                    "goes back to a work topic calmq.<pool>.<interactive|bulk>")
+                    "goes back to a work topic calmq.<pool>.<interactive|bulk|batch>")
         if origin in self._topics:
             return None
         missing_since = self._missing.get(origin)

@@ -31,6 +31,7 @@ import psycopg
 
 from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
+from calmq.lanes import choose_lane
 from calmq.producers.intake import prepare
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
@@ -50,7 +51,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     tenant_id: uuid.UUID | str, workflow: str, input: dict[str, Any] | None,
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
-    workflows: Mapping[str, Workflow] | None,
+    workflows: Mapping[str, Workflow] | None, lane: str | None = None,
 ) -> NewJob:
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
@@ -58,6 +59,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     if priority not in ("interactive", "bulk"):
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
+    chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None
     if input_ref is not None:
         # The object's type and size are checked by the API only (this client writes the
@@ -66,7 +68,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
         wf.accepts_reference()
     return prepare(wf, uuid.UUID(str(tenant_id)), input=data, input_ref=input_ref,
                    priority=priority, deadline_seconds=deadline_seconds,
-                   callback_url=callback_url, metadata=metadata)
+                   callback_url=callback_url, metadata=metadata, lane=chosen)
 
 
 def enqueue(
@@ -81,6 +83,7 @@ def enqueue(
     callback_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
+    lane: str | None = None,
 ) -> uuid.UUID:
     """Insert a job in the caller's transaction on ``conn``; returns its id. Does not commit.
 
@@ -89,7 +92,7 @@ def enqueue(
     trust boundary; the webhook dispatcher still refuses them unless allowed.
     """
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows)
+                    callback_url, metadata, workflows, lane)
     insert_job_sync(conn, job)
     return job.id
 
@@ -106,10 +109,11 @@ async def enqueue_async(
     callback_url: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
+    lane: str | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for an async psycopg connection."""
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows)
+                    callback_url, metadata, workflows, lane)
     await insert_job(conn, job)
     return job.id
 

@@ -20,6 +20,10 @@ from calmq.jobs import Status
 __all__ = [
     "Accepted",
     "Artifact",
+    "BatchDetail",
+    "BatchInfo",
+    "BatchJob",
+    "BatchList",
     "DeadLetter",
     "DeadLetterList",
     "JobError",
@@ -55,6 +59,10 @@ class SubmitRequest(BaseModel):
     input: dict[str, Any] | None = None
     input_ref: str | None = Field(default=None, max_length=2000)
     priority: Literal["interactive", "bulk"] = "bulk"
+    # batch: through the provider's batch API at its batch price, answered within its
+    # completion window (bulk only; the deadline, if any, must leave the window)
+    # (default: the workflow's lane for bulk work, else online)
+    lane: Literal["online", "batch"] | None = None
     deadline_seconds: int | None = Field(default=None, gt=0, le=_MAX_DEADLINE)
     callback_url: str | None = Field(default=None, max_length=2000)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -209,6 +217,51 @@ class DeadLetter(BaseModel):
 
 class DeadLetterList(BaseModel):
     dead_letters: list[DeadLetter]
+
+
+class BatchInfo(BaseModel):
+    """A provider batch of the batch lane (docs/how-to/batch-backfills.md)."""
+
+    key: uuid.UUID = Field(description="calmq's id of the batch (sent to the provider)")
+    provider: str
+    model: str
+    pool: str
+    provider_id: str | None = Field(description="the provider's batch id (null: not yet)")
+    state: Literal["creating", "submitted", "collected", "abandoned"]
+    provider_status: str | None
+    request_count: int
+    created_at: datetime
+    submitted_at: datetime | None
+    ended_at: datetime | None
+    collected_at: datetime | None
+    counts: dict[str, Any]
+    cancel_requested: bool
+    cost_usd: float = Field(description="settled requests at the batch price")
+    online_cost_usd: float = Field(description="what the same tokens cost online")
+    savings_usd: float
+
+
+class BatchJob(BaseModel):
+    """One job attempt in a provider batch (``custom_id``: job id _ attempt)."""
+
+    job_id: uuid.UUID
+    attempt: int
+    custom_id: str
+    state: Literal["pending", "settled", "retried", "cancelled"]
+    status: Status
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    online_cost_usd: float
+    settled_at: datetime | None
+
+
+class BatchList(BaseModel):
+    batches: list[BatchInfo]
+
+
+class BatchDetail(BatchInfo):
+    jobs: list[BatchJob] = Field(description="the caller's jobs in the batch")
 
 
 class WorkflowStep(BaseModel):

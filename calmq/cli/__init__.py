@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from calmq.cli import (
+    batches,
     completion,
     database,
     deadletters,
@@ -29,7 +30,8 @@ from calmq.errors import CalmqError, UsageError
 
 __all__ = ["main", "parser"]
 
-_GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion)
+_GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion,
+           batches)
 
 
 def _version() -> str:

@@ -71,6 +71,7 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "port": args.port, "latency_ms": args.latency_ms, "latency_dist": args.latency_dist,
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
+        "batch_completion_seconds": args.batch_completion_seconds,
     }
     try:
         settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
@@ -132,10 +133,12 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--requests-per-minute", type=int, help="429 past this many requests a minute")
     option(p, "--tokens-per-minute", type=int, help="429 past this many tokens a minute")
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
+    option(p, "--batch-completion-seconds", type=float,
+           help="how long a batch runs before it ends (the batch APIs)")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
-                                        "priority", "longcalls"],
+                                        "priority", "longcalls", "batch"],
                    help="the scenario (bench/README.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")

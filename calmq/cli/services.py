@@ -1,4 +1,4 @@
-"""The long-running parts: API, relay, worker, forwarder, reaper. Each runs until SIGTERM."""
+"""The long-running parts: API, relay, worker, forwarder, reaper, batcher; each until SIGTERM."""
 
 from __future__ import annotations
 
@@ -108,6 +108,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batcher(args: argparse.Namespace) -> int:
+    from calmq.errors import UsageError
+    from calmq.processors.batcher import BatchLane
+
+    if args.pack_only and args.poll_only:
+        raise UsageError("--pack-only and --poll-only exclude each other (neither: both "
+                         "roles)", code="conflicting_flags")
+    settings = settings_for(args)
+    configure_logging(settings.log_level, settings.log_redact_fields)
+    _metrics_server(args.metrics_port, settings.metrics_host)
+    _long_running()
+    asyncio.run(BatchLane(settings, pack=not args.poll_only, poll=not args.pack_only).run())
+    return 0
+
+
 def cmd_forwarder(args: argparse.Namespace) -> int:
     import signal
 
@@ -192,6 +207,17 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
     setting(p, "step_timeout_seconds")
     setting(p, "max_attempts")
+    p = command("batcher", cmd_batcher, "the batch lane: pack calmq.<pool>.batch jobs into "
+                "provider batches and collect their results", needs=_BOTH)
+    setting(p, "pool")
+    option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")
+    setting(p, "batch_max_requests")
+    setting(p, "batch_max_age_seconds")
+    setting(p, "batch_poll_interval_seconds")
+    option(p, "--pack-only", action="store_true",
+           help="only pack jobs into batches (run the poller elsewhere)")
+    option(p, "--poll-only", action="store_true",
+           help="only collect batches (the poller; run as many as you like)")
     p = command("forwarder", cmd_forwarder, "retry-tier forwarder: republish retries when due",
                 needs=_BOTH)
     option(p, "--metrics-port", type=int, help="serve /metrics on this port (default: none)")

@@ -76,6 +76,8 @@ class Job:
     created_at: datetime
     old_status: str
     lease_version: int = 0  # 0: never claimed
+    # online, or batch (the providers' batch APIs: calmq.processors.batcher)
+    lane: str = "online"
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
@@ -105,6 +107,7 @@ class NewJob:
     callback_url: str | None = None
     deadline_at: datetime | None = None
     trace_parent: str | None = None
+    lane: str = "online"
 
     @property
     def attempt(self) -> int:
@@ -230,7 +233,7 @@ def _insert_params(job: NewJob) -> dict[str, Any]:
 
 def _requested(job: NewJob) -> OutboxEntry:
     # created_at: the database's commit-side clock replaces it (insert_job).
-    return entry(topics.work_route(job.pool, job.priority), "job.requested",
+    return entry(topics.work_route(job.pool, job.priority, job.lane), "job.requested",
                  events.requested(job), key=job.id, trace_parent=job.trace_parent)
 
 
@@ -444,7 +447,7 @@ class Jobs:
             if jobs:
                 async with conn.cursor() as out:
                     await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
                               events.requested(j), key=j.id,
                               trace_parent=j.trace_parent).params()
                         for j in jobs])
@@ -492,7 +495,7 @@ class Jobs:
             if jobs:
                 async with conn.cursor() as out:
                     await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
                               events.requested(j), key=j.id,
                               trace_parent=j.trace_parent).params()
                         for j in jobs])

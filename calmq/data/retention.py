@@ -36,6 +36,7 @@ COVERAGE: dict[str, str] = {
                         "their delivery's job_id",
     "idempotency_keys": "deleted (the key is the tenant's text, the hash covers the body)",
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
+    "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost)",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",
@@ -53,6 +54,7 @@ _REDACTIONS = (
     "retention_redact_webhooks",
     "retention_delete_idempotency_keys",
     "retention_delete_outbox",
+    "retention_redact_batch_jobs",
 )
 
 

@@ -13,6 +13,7 @@ against a Database takes it as is, and one attribute per noun runs that noun's q
 from __future__ import annotations
 
 from calmq.data.attempts import Attempts
+from calmq.data.batches import Batches
 from calmq.data.database import Database
 from calmq.data.jobs import Jobs
 from calmq.data.tenants import Tenants
@@ -28,3 +29,4 @@ class Store(Database):
         self.jobs = Jobs(self)
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)
+        self.batches = Batches(self)

@@ -17,10 +17,10 @@ VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
 WITH job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
-                      trace_parent)
+                      trace_parent, lane)
     VALUES (%(id)s, %(tenant_id)s, %(workflow)s, %(workflow_version)s, 'queued', %(priority)s,
             %(pool)s, %(step)s, %(max_attempts)s, %(input)s, %(input_ref)s, %(metadata)s,
-            %(callback_url)s, %(deadline_at)s, %(trace_parent)s)
+            %(callback_url)s, %(deadline_at)s, %(trace_parent)s, %(lane)s)
     RETURNING id, created_at
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
@@ -42,14 +42,14 @@ WITH src AS (
         id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
         pool text, step text, max_attempts integer, input jsonb, input_ref text,
         metadata jsonb, callback_url text, deadline_at timestamptz, trace_parent text,
-        event_id uuid, route text, payload jsonb, headers jsonb)
+        lane text, event_id uuid, route text, payload jsonb, headers jsonb)
 ), job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
-                      trace_parent)
+                      trace_parent, lane)
     SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
            max_attempts, input, input_ref, COALESCE(metadata, '{}'), callback_url, deadline_at,
-           trace_parent
+           trace_parent, COALESCE(lane, 'online')
     FROM src
     RETURNING id, created_at
 ), event AS (
@@ -158,7 +158,7 @@ WITH target AS (
     FROM target t WHERE j.id = t.id
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, t.old_status, j.lease_version
+              j.trace_parent, j.created_at, t.old_status, j.lease_version, j.lane
 ), attempts AS (
     INSERT INTO job_attempts (job_id, step, attempt, worker, started_at, lease_version)
     SELECT id, step, attempt, %(worker)s, now(), lease_version FROM claimed
@@ -251,7 +251,7 @@ WITH poisoned AS (
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
               j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version,
-              j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+              j.lane, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'dead_lettered', attempt, %(error)s::jsonb FROM dead
@@ -286,7 +286,7 @@ WITH expired AS (
     -- the columns claim_jobs returns: both are read as calmq.data.jobs.Job
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version
+              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version, j.lane
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_after_restart', attempt, '{"reason": "lease_expired"}'::jsonb
@@ -336,7 +336,7 @@ WITH stranded AS (
     -- the columns claim_jobs returns: read as calmq.data.jobs.Job
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, s.old_status, j.lease_version
+              j.trace_parent, j.created_at, s.old_status, j.lease_version, j.lane
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_by_sweeper', attempt,

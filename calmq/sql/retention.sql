@@ -95,3 +95,7 @@ LIMIT %(limit)s;
 -- name: retention_prune_idempotency_keys
 DELETE FROM idempotency_keys
 WHERE created_at < now() - make_interval(secs => %(retention_seconds)s);
+
+-- name: retention_redact_batch_jobs
+-- The request sent in a provider batch holds the job's input (the prompt).
+UPDATE batch_jobs SET request = '{}'::jsonb WHERE job_id = %(id)s AND request <> '{}'::jsonb;

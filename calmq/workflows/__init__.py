@@ -196,6 +196,9 @@ class Workflow:
     meta: dict[str, Any] = field(default_factory=dict)
     # None: the workflow takes no input by reference (input_ref_not_accepted).
     by_reference: ByReference | None = None
+    # The lane of its bulk jobs submitted without one: "batch" for a backfill workflow
+    # (calmq.lanes.default_lane; an interactive job or a short deadline stays online).
+    bulk_lane: Literal["online", "batch"] = "online"
 
     def __post_init__(self) -> None:
         if not self.steps:

@@ -116,7 +116,8 @@ class Progress:
                 event_detail={"step": step.name, "next_step": following.name, "pool": pool,
                               **tokens},
                 record=record,
-                outbox=[outbox.entry(topics.work_route(pool, job.priority), "job.requested",
+                outbox=[outbox.entry(topics.work_route(pool, job.priority, job.lane),
+                                     "job.requested",
                                      requested, key=job.id,
                                      trace_parent=job.trace_parent)],
             )

@@ -24,6 +24,7 @@ from prometheus_client import Counter, Histogram
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
+from calmq.lanes import choose_lane
 from calmq.objects import ObjectRef, presigned_url, stat_object
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
@@ -101,6 +102,10 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
                             code="input_ref_forbidden", status=403)
     if req.input_ref is not None:
         await _check_reference(request, workflow, req.input_ref, stored)
+    lane = choose_lane(req.lane, req.priority, req.deadline_seconds,
+                       bulk_lane=workflow.bulk_lane,
+                       window_seconds=settings.batch_completion_window_seconds,
+                       margin_seconds=settings.batch_deadline_margin_seconds)
     if req.callback_url is not None:
         await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
     key = request.headers.get("Idempotency-Key")
@@ -110,7 +115,8 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         raise ContractError("Idempotency-Key must be 1 to 255 printable ASCII characters",
                             code="invalid_header")
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
-    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data},
+    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data,
+                                          "lane": lane},
                   trace_parent=request.headers.get("traceparent"))
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)

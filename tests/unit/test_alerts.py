@@ -81,6 +81,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     that define it ran (lazily created ones by their factories) and vice versa: the scan is
     neither vacuous nor inventing metrics."""
     import calmq.budget
+    import calmq.processors.batcher
     import calmq.processors.metrics
     import calmq.producers.api
     import calmq.producers.backlog
@@ -103,7 +104,8 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.producers.backlog.queue_age_gauge()
     calmq.producers.backlog.slot_gauges()
     for module in (calmq.processors.metrics, calmq.producers.api, calmq.producers.intake,
-                   calmq.producers.routes.jobs):  # these define theirs at import
+                   calmq.producers.routes.jobs,
+                   calmq.processors.batcher):  # these define theirs at import
         assert module.__name__ in sys.modules
 
     # prometheus_client has no public view of a collector's label names; its registry's

@@ -27,7 +27,7 @@ from calmq.tooling.devstack import kafka, postgres, processes, registry
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
 
-SERVICES = ("fake-provider", "api", "relay", "worker", "forwarder")
+SERVICES = ("fake-provider", "api", "relay", "worker", "forwarder", "batcher")
 _STATE = "stack.json"
 
 
@@ -283,7 +283,7 @@ class Stack:
             argv += ["--port", str(port)]
         elif name == "api":
             child_env["CALMQ_API_PORT"] = str(port)
-        elif name in ("relay", "worker", "forwarder"):
+        elif name in ("relay", "worker", "forwarder", "batcher"):
             argv += ["--metrics-port", str(port)]
         pid = processes.start(argv, self.data_dir / "logs" / f"{name}.log", env=child_env)
         part = Part(name, pid, address, "http")
@@ -309,8 +309,8 @@ class Stack:
         if state is None:
             return []
         stopped = []
-        order = {"worker": 0, "forwarder": 0, "relay": 1, "api": 2, "fake-provider": 3,
-                 "schema-registry": 4, "kafka": 5, "postgres": 6}
+        order = {"worker": 0, "forwarder": 0, "batcher": 0, "relay": 1, "api": 2,
+                 "fake-provider": 3, "schema-registry": 4, "kafka": 5, "postgres": 6}
         for part in sorted(state.parts, key=lambda p: order.get(p.name, -1)):
             if part.pid is None:
                 continue

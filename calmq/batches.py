@@ -1,0 +1,372 @@
+"""The providers' batch APIs, in the style of calmq.gateway: OpenAI's Batch API (a JSONL
+file of requests, ``POST /v1/batches``, output and error files) and Anthropic's Message
+Batches (``POST /v1/messages/batches``, a JSONL ``results_url``).
+
+A batch request's body is built by the online provider's own ``request_body`` and a
+result's reply read by its own ``parse_reply``, and a failed request is classified by
+``classify_status``: a batched step sees exactly the answer, and meets exactly the failure
+class, the online call would have given it. Results are streamed (never a whole file in
+memory): a 200 MB results file is normal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+
+from calmq.errors import FailureClass, InfrastructureError, StepFailure
+from calmq.gateway import AnthropicProvider, ModelReply, OpenAIProvider, classify_status
+
+__all__ = ["AnthropicBatches", "BatchClient", "BatchResult", "BatchView", "OpenAIBatches",
+           "custom_id", "open_batch_client", "parse_custom_id"]
+
+# Provider limits per batch (requests, bytes of requests).
+OPENAI_LIMITS = (50_000, 200 * 1024 * 1024)
+ANTHROPIC_LIMITS = (100_000, 256 * 1024 * 1024)
+# Anthropic's custom_id allows [A-Za-z0-9_-]{1,64}: a job id (36) + "_" + the attempt.
+_SEPARATOR = "_"
+_CHUNK = 1 << 16
+
+
+def custom_id(job_id: object, attempt: int) -> str:
+    return f"{job_id}{_SEPARATOR}{attempt}"
+
+
+def parse_custom_id(value: str) -> tuple[str, int]:
+    job_id, _, attempt = value.rpartition(_SEPARATOR)
+    return job_id, int(attempt)
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What the provider says of a batch, in calmq's words: ``outcome`` is completed,
+    expired or cancelled once it ended (None while it runs)."""
+
+    provider_id: str
+    status: str  # the provider's own status word
+    outcome: str | None
+    counts: dict[str, int] = field(default_factory=dict)
+    results: tuple[str, ...] = ()  # where its results are (file ids or a URL)
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One request's result: a reply the step reads, or the failure the call would raise."""
+
+    custom_id: str
+    reply: ModelReply | None = None
+    failure: StepFailure | None = None
+
+
+def _not_run(code: str) -> StepFailure:
+    return StepFailure(f"the provider did not run this request: {code}", code=code,
+                       failure_class=FailureClass.TRANSIENT)
+
+
+class BatchClient:
+    """One provider's batch API for one model (the base: sessions, errors, line streaming)."""
+
+    kind = "openai"
+    limits = OPENAI_LIMITS
+
+    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def endpoint(self) -> str:
+        raise NotImplementedError
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        url = path if path.startswith("http") else self.base_url + path
+        try:
+            async with self.session().request(method, url, headers=self.headers(),
+                                              **kw) as resp:
+                text = await resp.text()
+                if resp.status >= 300:
+                    raise InfrastructureError(
+                        f"{method} {path}: the provider answered {resp.status}: {text[:300]}")
+                return json.loads(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise InfrastructureError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    async def _lines(self, url: str) -> AsyncIterator[bytes]:
+        """The lines of a JSONL download, read in 64 KiB chunks (memory: one line + chunk)."""
+        full = url if url.startswith("http") else self.base_url + url
+        try:
+            async with self.session().get(full, headers=self.headers()) as resp:
+                if resp.status >= 300:
+                    raise InfrastructureError(
+                        f"GET {url}: the provider answered {resp.status}")
+                rest = b""
+                async for chunk in resp.content.iter_chunked(_CHUNK):
+                    rest += chunk
+                    *lines, rest = rest.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield line
+                if rest.strip():
+                    yield rest
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise InfrastructureError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+
+    # The interface the batcher and the poller use.
+
+    def request_body(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                     response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def line(self, custom_id: str, body: dict[str, Any]) -> bytes:
+        """One request as the batch carries it (its size counts against the byte limit)."""
+        raise NotImplementedError
+
+    async def create(self, lines: list[bytes], key: str) -> BatchView:
+        raise NotImplementedError
+
+    async def find(self, key: str, since: datetime, count: int,
+                   known: set[str]) -> str | None:
+        """The provider's id of a batch created with ``key`` that calmq did not record."""
+        raise NotImplementedError
+
+    async def view(self, provider_id: str) -> BatchView:
+        raise NotImplementedError
+
+    def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
+        raise NotImplementedError
+
+    async def cancel(self, provider_id: str) -> None:
+        raise NotImplementedError
+
+
+class OpenAIBatches(BatchClient):
+    """OpenAI's Batch API: upload the JSONL (purpose ``batch``), create the batch with a
+    ``24h`` completion window and calmq's key in its ``metadata``, read the output file and
+    the error file."""
+
+    kind = "openai"
+    limits = OPENAI_LIMITS
+    _STATUS = {"completed": "completed", "expired": "expired", "cancelled": "cancelled",
+               "failed": "expired"}
+
+    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+        super().__init__(base_url, api_key, model)
+        self._online = OpenAIProvider(base_url, api_key, model)
+
+    @property
+    def endpoint(self) -> str:
+        return self._online.endpoint
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def request_body(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                     response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._online.request_body(messages=messages, job_id=job_id,
+                                         max_tokens=max_tokens, response_schema=response_schema)
+
+    def line(self, custom_id: str, body: dict[str, Any]) -> bytes:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": self.endpoint,
+                           "body": body}, separators=(",", ":")).encode() + b"\n"
+
+    async def create(self, lines: list[bytes], key: str) -> BatchView:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", b"".join(lines), filename=f"calmq-{key}.jsonl",
+                       content_type="application/jsonl")
+        uploaded = await self._json("POST", "/v1/files", data=form)
+        created = await self._json("POST", "/v1/batches", json={
+            "input_file_id": uploaded["id"], "endpoint": self.endpoint,
+            "completion_window": "24h", "metadata": {"calmq_key": key}})
+        return self._view(created)
+
+    async def find(self, key: str, since: datetime, count: int,
+                   known: set[str]) -> str | None:
+        after: str | None = None
+        floor = since.timestamp() - 300  # clocks differ
+        while True:
+            page = await self._json("GET", "/v1/batches",
+                                    params={"limit": "100", **({"after": after} if after else {})})
+            for item in page.get("data", []):
+                if (item.get("metadata") or {}).get("calmq_key") == key:
+                    return str(item["id"])
+                if int(item.get("created_at") or 0) < floor:
+                    return None
+            if not page.get("has_more") or not page.get("last_id"):
+                return None
+            after = str(page["last_id"])
+
+    async def view(self, provider_id: str) -> BatchView:
+        return self._view(await self._json("GET", f"/v1/batches/{provider_id}"))
+
+    def _view(self, data: dict[str, Any]) -> BatchView:
+        status = str(data.get("status"))
+        counts = {k: int(v) for k, v in (data.get("request_counts") or {}).items()}
+        files = tuple(str(f) for f in (data.get("output_file_id"), data.get("error_file_id"))
+                      if f)
+        return BatchView(str(data["id"]), status, self._STATUS.get(status), counts, files)
+
+    async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
+        for file_id in view.results:
+            async for line in self._lines(f"/v1/files/{file_id}/content"):
+                yield self._result(line)
+
+    def _result(self, line: bytes) -> BatchResult:
+        item = json.loads(line)
+        cid = str(item.get("custom_id"))
+        response = item.get("response")
+        error = item.get("error")
+        if response is None:
+            code = str((error or {}).get("code") or "batch_request_failed")
+            if code in ("batch_expired", "batch_cancelled"):
+                return BatchResult(cid, failure=_not_run(code))
+            return BatchResult(cid, failure=classify_status(
+                400, json.dumps(error), None))
+        status = int(response.get("status_code") or 500)
+        body = response.get("body")
+        if status >= 300:
+            return BatchResult(cid, failure=classify_status(status, json.dumps(body), None))
+        try:
+            return BatchResult(cid, reply=self._online.parse_reply(body))
+        except StepFailure as failure:
+            return BatchResult(cid, failure=failure)
+
+    async def cancel(self, provider_id: str) -> None:
+        await self._json("POST", f"/v1/batches/{provider_id}/cancel")
+
+
+# Anthropic's error types and the HTTP status each stands for (to classify like online).
+_ANTHROPIC_STATUS = {"invalid_request_error": 400, "authentication_error": 401,
+                     "permission_error": 403, "not_found_error": 404,
+                     "request_too_large": 413, "rate_limit_error": 429, "api_error": 500,
+                     "overloaded_error": 529}
+
+
+class AnthropicBatches(BatchClient):
+    """Anthropic's Message Batches: the requests in the create call, results from
+    ``results_url``. Its batches carry no metadata: a batch created but not recorded is
+    found again as the one unrecorded batch of the same size created since (``find``)."""
+
+    kind = "anthropic"
+    limits = ANTHROPIC_LIMITS
+
+    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+        super().__init__(base_url, api_key, model)
+        self._online = AnthropicProvider(base_url, api_key, model)
+
+    @property
+    def endpoint(self) -> str:
+        return self._online.endpoint
+
+    def headers(self) -> dict[str, str]:
+        return {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
+
+    def request_body(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                     response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._online.request_body(messages=messages, job_id=job_id,
+                                         max_tokens=max_tokens, response_schema=response_schema)
+
+    def line(self, custom_id: str, body: dict[str, Any]) -> bytes:
+        return json.dumps({"custom_id": custom_id, "params": body},
+                          separators=(",", ":")).encode()
+
+    async def create(self, lines: list[bytes], key: str) -> BatchView:
+        body = b'{"requests":[' + b",".join(lines) + b"]}"
+        return self._view(await self._post_raw(body))
+
+    async def _post_raw(self, body: bytes) -> Any:
+        headers = {**self.headers(), "content-type": "application/json"}
+        url = self.base_url + "/v1/messages/batches"
+        try:
+            async with self.session().post(url, data=body, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status >= 300:
+                    raise InfrastructureError(
+                        f"POST /v1/messages/batches: the provider answered {resp.status}: "
+                        f"{text[:300]}")
+                return json.loads(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise InfrastructureError(f"POST /v1/messages/batches: {exc}") from exc
+
+    async def find(self, key: str, since: datetime, count: int,
+                   known: set[str]) -> str | None:
+        page = await self._json("GET", "/v1/messages/batches", params={"limit": "100"})
+        floor = since.timestamp() - 5
+        found = []
+        for item in page.get("data", []):
+            created = datetime.fromisoformat(str(item["created_at"]).replace("Z", "+00:00"))
+            total = sum(int(v) for v in (item.get("request_counts") or {}).values())
+            if (str(item["id"]) not in known and created.timestamp() >= floor
+                    and total == count):
+                found.append(str(item["id"]))
+        return found[-1] if found else None  # the oldest such: the first one made
+
+    async def view(self, provider_id: str) -> BatchView:
+        return self._view(await self._json("GET", f"/v1/messages/batches/{provider_id}"))
+
+    def _view(self, data: dict[str, Any]) -> BatchView:
+        status = str(data.get("processing_status"))
+        counts = {k: int(v) for k, v in (data.get("request_counts") or {}).items()}
+        outcome = None
+        if status == "ended":
+            outcome = ("cancelled" if data.get("cancel_initiated_at") else
+                       "expired" if counts.get("expired") else "completed")
+        url = data.get("results_url")
+        return BatchView(str(data["id"]), status, outcome, counts, (str(url),) if url else ())
+
+    async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
+        for url in view.results:
+            async for line in self._lines(url):
+                yield self._result(line)
+
+    def _result(self, line: bytes) -> BatchResult:
+        item = json.loads(line)
+        cid = str(item.get("custom_id"))
+        result = item.get("result") or {}
+        kind = result.get("type")
+        if kind == "succeeded":
+            try:
+                return BatchResult(cid, reply=self._online.parse_reply(result.get("message")))
+            except StepFailure as failure:
+                return BatchResult(cid, failure=failure)
+        if kind == "errored":
+            error = result.get("error") or {}
+            nested = error.get("error")
+            inner: dict[str, Any] = nested if isinstance(nested, dict) else error
+            status = _ANTHROPIC_STATUS.get(str(inner.get("type")), 500)
+            return BatchResult(cid, failure=classify_status(status, json.dumps(error), None))
+        return BatchResult(cid, failure=_not_run(
+            "batch_expired" if kind == "expired" else "batch_cancelled"))
+
+    async def cancel(self, provider_id: str) -> None:
+        await self._json("POST", f"/v1/messages/batches/{provider_id}/cancel")
+
+
+def open_batch_client(kind: str, base_url: str, api_key: str, model: str) -> BatchClient:
+    if kind == "anthropic":
+        return AnthropicBatches(base_url, api_key, model)
+    return OpenAIBatches(base_url, api_key, model)
+

@@ -1,0 +1,196 @@
+-- Provider batches of the batch lane (calmq/data/batches.py, calmq/processors/batcher.py).
+-- A batch's jobs are held under the lease owner 'batch:<key>' from the moment they are
+-- packed until their result is settled, so no worker, reaper or second batcher takes them,
+-- and a late or duplicate result is a no-op (finish_attempts' lease guard).
+
+-- name: batch_insert
+INSERT INTO provider_batches (key, provider, model, endpoint, pool, request_count, input_bytes,
+                              enqueued_tokens, lease_owner, lease_expires_at)
+VALUES (%(key)s, %(provider)s, %(model)s, %(endpoint)s, %(pool)s, %(request_count)s,
+        %(input_bytes)s, %(enqueued_tokens)s, %(worker)s,
+        now() + make_interval(secs => %(lease_seconds)s));
+
+-- name: batch_take_jobs
+-- The packed jobs the batcher still holds move to the batch's lease (held for the
+-- provider's window plus the margin); a job cancelled or taken meanwhile is left out. Given
+-- as (id, lease_version) pairs like heartbeat: the attempt's fencing token stays the batch's
+-- (its result is settled under it). Locked in id order, like claim, heartbeat and finish.
+WITH mine AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(versions)s::bigint[]) AS m(id, lease_version)
+), held AS (
+    SELECT j.id FROM jobs j JOIN mine m ON m.id = j.id AND m.lease_version = j.lease_version
+    WHERE j.lease_owner = %(worker)s AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
+)
+UPDATE jobs j SET lease_owner = %(owner)s,
+                  lease_expires_at = now() + make_interval(secs => %(hold_seconds)s),
+                  updated_at = now()
+FROM held WHERE j.id = held.id
+RETURNING j.id;
+
+-- name: batch_insert_jobs
+INSERT INTO batch_jobs (batch_key, job_id, attempt, custom_id, request)
+SELECT %(key)s, r.job_id, r.attempt, r.custom_id, r.request
+FROM jsonb_to_recordset(%(rows)s::jsonb)
+     AS r(job_id uuid, attempt integer, custom_id text, request jsonb)
+WHERE r.job_id = ANY(%(ids)s);
+
+-- name: batch_set_count
+UPDATE provider_batches SET request_count = %(count)s,
+                            state = CASE WHEN %(count)s = 0 THEN 'abandoned' ELSE state END
+WHERE key = %(key)s;
+
+-- name: batch_submitted
+-- The provider has the batch: its id is recorded, every job of it gets a ``batched``
+-- history event carrying the id, and the batch waits for its first poll.
+WITH b AS (
+    UPDATE provider_batches SET provider_id = %(provider_id)s, state = 'submitted',
+                                submitted_at = now(), provider_status = %(status)s,
+                                lease_owner = NULL, lease_expires_at = NULL,
+                                next_poll_at = now() + make_interval(secs => %(poll_seconds)s)
+    WHERE key = %(key)s AND state = 'creating'
+    RETURNING key, provider, provider_id
+)
+INSERT INTO job_events (job_id, type, attempt, detail)
+SELECT bj.job_id, 'batched', bj.attempt,
+       jsonb_build_object('batch_id', b.provider_id, 'batch_key', b.key::text,
+                          'provider', b.provider, 'custom_id', bj.custom_id)
+FROM b JOIN batch_jobs bj ON bj.batch_key = b.key AND bj.state = 'pending'
+ORDER BY bj.job_id;
+
+-- name: batch_claim_due
+-- A poller takes the open batches due for a look whose lease is free (one poller per batch).
+WITH due AS (
+    SELECT key FROM provider_batches
+    WHERE state IN ('creating', 'submitted') AND next_poll_at <= now()
+      AND (lease_expires_at IS NULL OR lease_expires_at < now())
+      AND (%(pool)s::text IS NULL OR pool = %(pool)s)
+    ORDER BY next_poll_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE provider_batches b SET lease_owner = %(worker)s,
+                              lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM due WHERE b.key = due.key
+RETURNING b.key, b.provider, b.model, b.endpoint, b.pool, b.provider_id, b.state,
+          b.request_count, b.created_at, b.cancel_requested;
+
+-- name: batch_heartbeat
+UPDATE provider_batches SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+WHERE key = %(key)s AND lease_owner = %(worker)s
+RETURNING key;
+
+-- name: batch_release
+-- A look that found the batch still running: the next one after the poll interval.
+UPDATE provider_batches SET lease_owner = NULL, lease_expires_at = NULL,
+                            provider_status = %(status)s, counts = %(counts)s,
+                            next_poll_at = now() + make_interval(secs => %(poll_seconds)s)
+WHERE key = %(key)s AND lease_owner = %(worker)s;
+
+-- name: batch_requests
+-- What a batch sends, to create it again at the provider when it never got there.
+SELECT custom_id, request FROM batch_jobs
+WHERE batch_key = %(key)s AND state = 'pending' ORDER BY custom_id;
+
+-- name: batch_known_ids
+SELECT provider_id FROM provider_batches WHERE provider = %(provider)s AND provider_id IS NOT NULL;
+
+-- name: batch_pending_jobs
+-- The jobs a batch's results settle: still pending in the batch and still held by it at the
+-- attempt the request was for (a job cancelled meanwhile is not, and its result is ignored).
+-- With custom_ids NULL: every such job (the ones a finished batch did not answer).
+SELECT j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+       j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+       j.trace_parent, j.created_at, j.status AS old_status, j.lease_version, j.lane,
+       bj.custom_id
+FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
+WHERE bj.batch_key = %(key)s AND bj.state = 'pending'
+  AND (%(custom_ids)s::text[] IS NULL OR bj.custom_id = ANY(%(custom_ids)s::text[]))
+  AND j.status = 'running' AND j.lease_owner = %(owner)s AND j.attempt = bj.attempt
+ORDER BY j.id
+LIMIT %(limit)s;
+
+-- name: batch_settle
+UPDATE batch_jobs bj SET state = r.state, input_tokens = r.input_tokens,
+                         output_tokens = r.output_tokens, cost_usd = r.cost_usd,
+                         online_cost_usd = r.online_cost_usd, settled_at = now()
+FROM jsonb_to_recordset(%(rows)s::jsonb)
+     AS r(custom_id text, state text, input_tokens bigint, output_tokens bigint,
+          cost_usd float8, online_cost_usd float8)
+WHERE bj.batch_key = %(key)s AND bj.custom_id = r.custom_id AND bj.state = 'pending';
+
+-- name: batch_fall_back_online
+-- Jobs whose deadline a new batch would miss continue online (their retry's topic is the
+-- online one, and a requeue after a lost lease goes there too).
+UPDATE jobs SET lane = 'online' WHERE id = ANY(%(ids)s) AND lane = 'batch';
+
+-- name: batch_collected
+-- Every job of the batch is settled; a pending row left is a job that was no longer held.
+WITH orphans AS (
+    UPDATE batch_jobs SET state = 'cancelled', settled_at = now()
+    WHERE batch_key = %(key)s AND state = 'pending'
+)
+UPDATE provider_batches SET state = 'collected', collected_at = now(),
+                            ended_at = COALESCE(ended_at, now()),
+                            provider_status = %(status)s, counts = %(counts)s,
+                            lease_owner = NULL, lease_expires_at = NULL
+WHERE key = %(key)s;
+
+-- name: batch_enqueued_tokens
+-- What the provider's batch queue holds for a model (its enqueued-token limit).
+SELECT COALESCE(sum(enqueued_tokens), 0)::bigint AS tokens FROM provider_batches
+WHERE provider = %(provider)s AND model = %(model)s AND state IN ('creating', 'submitted');
+
+-- name: batch_list
+SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
+       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
+       b.cancel_requested,
+       COALESCE(sum(bj.cost_usd), 0)::float8 AS cost_usd,
+       COALESCE(sum(bj.online_cost_usd), 0)::float8 AS online_cost_usd
+FROM provider_batches b LEFT JOIN batch_jobs bj ON bj.batch_key = b.key
+WHERE (%(state)s::text IS NULL OR b.state = %(state)s)
+  AND (%(tenant_id)s::uuid IS NULL OR EXISTS (
+        SELECT 1 FROM batch_jobs t JOIN jobs j ON j.id = t.job_id
+        WHERE t.batch_key = b.key AND j.tenant_id = %(tenant_id)s))
+GROUP BY b.key
+ORDER BY b.created_at DESC
+LIMIT %(limit)s;
+
+-- name: batch_find
+SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
+       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
+       b.cancel_requested,
+       COALESCE(sum(bj.cost_usd), 0)::float8 AS cost_usd,
+       COALESCE(sum(bj.online_cost_usd), 0)::float8 AS online_cost_usd
+FROM provider_batches b LEFT JOIN batch_jobs bj ON bj.batch_key = b.key
+WHERE (b.key::text = %(ref)s OR b.provider_id = %(ref)s)
+  AND (%(tenant_id)s::uuid IS NULL OR EXISTS (
+        SELECT 1 FROM batch_jobs t JOIN jobs j ON j.id = t.job_id
+        WHERE t.batch_key = b.key AND j.tenant_id = %(tenant_id)s))
+GROUP BY b.key;
+
+-- name: batch_members
+SELECT bj.job_id, bj.attempt, bj.custom_id, bj.state, bj.input_tokens, bj.output_tokens,
+       bj.cost_usd, bj.online_cost_usd, bj.settled_at, j.status
+FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
+WHERE bj.batch_key = %(key)s AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s)
+ORDER BY bj.job_id
+LIMIT %(limit)s;
+
+-- name: batch_request_cancel
+UPDATE provider_batches SET cancel_requested = true, next_poll_at = now()
+WHERE key = %(key)s AND state IN ('creating', 'submitted')
+RETURNING key;
+
+-- name: batch_stats
+-- The batch lane's gauges: open batches and the oldest one's age; batched jobs by state.
+SELECT (SELECT count(*) FROM provider_batches WHERE state IN ('creating', 'submitted'))
+           AS open_batches,
+       (SELECT COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8
+        FROM provider_batches WHERE state IN ('creating', 'submitted')) AS oldest_seconds,
+       (SELECT COALESCE(jsonb_object_agg(state, n), '{}'::jsonb) FROM (
+            SELECT bj.state, count(*) AS n FROM batch_jobs bj
+            JOIN provider_batches b ON b.key = bj.batch_key
+            WHERE b.state IN ('creating', 'submitted') OR bj.settled_at > now() - interval '1 hour'
+            GROUP BY bj.state) s) AS jobs_by_state;

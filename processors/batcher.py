@@ -1,0 +1,635 @@
+"""The batch lane's processor (`calmq batcher`): the batcher packs batch-lane jobs into
+provider batches, the poller collects each batch's results when it ends.
+
+Batcher. It consumes ``calmq.<pool>.batch`` with the worker's own consumer and step runner
+(claims with leases, poison, deferral, heartbeats, the step's input and recorded outputs):
+only its provider differs. ``BatchPacker.complete`` does not call the model: it builds the
+request body the online call would send, adds it to the pack of its model and endpoint, and
+waits. A pack is flushed when it reaches the provider's request or byte limit, or the
+settable size or age: its batch is recorded under calmq's key and its jobs move to the
+batch's lease in ONE transaction (``Batches.record``), and only then are the messages'
+offsets marked done (their waiting attempts are cancelled, which acknowledges them); the
+batch is created at the provider with that key in its metadata, and its id and each job's
+``batched`` event are recorded (``Batches.submitted``).
+
+Poller. One poller at a time holds a batch (a lease on its row). A batch still ``creating``
+whose batcher died is found again at the provider by its key (adopted) or created then;
+never twice. A batch that ended is collected: its results are streamed in chunks and each
+job is settled by the step runner's own attempt code, with a provider that answers from the
+result (``ReplyBook``): the same step function validates the output, the same progress code
+writes the artifact or asks for a review, the same failure stage picks retry or dead letter,
+and the same group commit writes status, history and outbox in one transaction. A request
+that failed transiently goes back to the batch topic (via a retry tier) for a later batch;
+one the provider did not run (batch expired or cancelled) too, unless its deadline would then
+be missed: that job continues online.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Producer
+from prometheus_client import Counter, Gauge, Histogram
+
+from calmq import topics
+from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
+from calmq.codec import make_codec
+from calmq.data import Finish, Job, Store
+from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
+from calmq.errors import FailureClass, InfrastructureError, StepFailure
+from calmq.gateway import ModelReply, current_clock, model_clock
+from calmq.kafka import consumer_config, producer_config
+from calmq.lanes import ONLINE
+from calmq.objects import open_object_store
+from calmq.pricing import batch_cost_usd, cost_usd
+from calmq.processors.consumer import ParallelConsumer
+from calmq.processors.poison import PoisonSink
+from calmq.processors.runner import RunnerConfig, StepRunner
+from calmq.retrying import Backoff, retry_forever
+from calmq.settings import Settings
+from calmq.supervision import Supervisor
+from calmq.workflows import Workflow, load_workflows
+
+__all__ = ["BatchLane", "BatchPacker", "Poller", "ReplyBook"]
+
+log = logging.getLogger(__name__)
+
+OPEN_BATCHES = Gauge("calmq_batches_open", "Provider batches not yet collected")
+OLDEST_BATCH = Gauge("calmq_batch_oldest_age_seconds", "Age of the oldest open provider batch")
+BATCH_JOBS = Gauge("calmq_batch_jobs", "Job attempts in provider batches (open, or settled "
+                   "in the last hour) by state", ["state"])
+PACKED = Counter("calmq_batch_jobs_packed_total", "Job attempts packed into provider batches")
+CREATED = Counter("calmq_batches_created_total", "Provider batches created", ["provider"])
+ADOPTED = Counter("calmq_batches_adopted_total",
+                  "Batches found again at the provider after their batcher died")
+SETTLED = Counter("calmq_batch_jobs_settled_total", "Batch results settled", ["result"])
+TURNAROUND = Histogram("calmq_batch_turnaround_seconds",
+                       "From a batch's creation to its collection",
+                       buckets=(1, 5, 30, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 86400))
+COST = Counter("calmq_batch_cost_usd_total", "Cost of batched requests at the batch price",
+               ["tenant", "model"])
+ONLINE_COST = Counter("calmq_batch_online_equivalent_usd_total",
+                      "What the batched requests' tokens would have cost online",
+                      ["tenant", "model"])
+SAVINGS = Counter("calmq_batch_savings_usd_total",
+                  "Online-equivalent cost minus batch cost of batched requests",
+                  ["tenant", "model"])
+
+_SETTLE_CHUNK = 200
+
+
+# -- batcher ------------------------------------------------------------------------------
+
+@dataclass
+class _Waiting:
+    job: Job
+    custom_id: str
+    body: dict[str, Any]
+    line: bytes
+    tokens: int
+    future: asyncio.Future[ModelReply]
+
+
+@dataclass
+class _Pack:
+    model: str
+    endpoint: str
+    items: dict[uuid.UUID, _Waiting] = field(default_factory=dict)
+    size: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, item: _Waiting) -> None:
+        if not self.items:
+            self.started = time.monotonic()
+        self.items[item.job.id] = item
+        self.size += len(item.line)
+        self.tokens += item.tokens
+
+    def remove(self, job_id: uuid.UUID) -> None:
+        item = self.items.pop(job_id, None)
+        if item is not None:
+            self.size -= len(item.line)
+            self.tokens -= item.tokens
+
+
+class BatchPacker:
+    """The batcher's provider: a model call becomes a request in the pack of its model and
+    endpoint; the call waits until its batch is recorded (then the attempt is cancelled,
+    which acknowledges its message) or the job is lost (cancelled, lease taken)."""
+
+    def __init__(self, client: BatchClient, settings: Settings, store: Store,
+                 worker_id: str) -> None:
+        self.client = client
+        self.settings = settings
+        self.store = store
+        self.worker_id = worker_id
+        self.jobs: dict[str, Job] = {}  # set by the runner for each running attempt
+        self.packs: dict[tuple[str, str], _Pack] = {}
+        self.runner: StepRunner | None = None
+        max_requests, max_bytes = client.limits
+        self.max_requests = min(max_requests, settings.batch_max_requests)
+        self.max_bytes = min(max_bytes, settings.batch_max_bytes)
+        self._flushing: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+
+    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                       response_schema: dict[str, Any] | None = None) -> ModelReply:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise StepFailure("a batch-lane step called the model outside its attempt",
+                              code="batch_unknown_job", failure_class=FailureClass.BUG)
+        body = self.client.request_body(messages=messages, job_id=job_id,
+                                        max_tokens=max_tokens, response_schema=response_schema)
+        cid = custom_id(job.id, job.attempt)
+        line = self.client.line(cid, body)
+        # Estimated like the budget does: the prompt's bytes / 4 plus the answer's bound.
+        item = _Waiting(job, cid, body, line, len(line) // 4 + max_tokens,
+                        asyncio.get_running_loop().create_future())
+        key = (str(body.get("model") or self.client.model), self.client.endpoint)
+        pack = self.packs.setdefault(key, _Pack(*key))
+        if pack.items and (len(pack.items) >= self.max_requests
+                           or pack.size + len(line) > self.max_bytes):
+            self._take(key)  # full: flushed at once, this one starts the next pack
+            pack = self.packs[key] = _Pack(*key)
+        pack.add(item)
+        if len(pack.items) >= self.max_requests:
+            self._wake.set()
+        try:
+            return await item.future
+        finally:
+            current = self.packs.get(key)
+            if current is not None:
+                current.remove(job.id)  # lost before its batch was recorded: not sent
+
+    def _take(self, key: tuple[str, str]) -> None:
+        pack = self.packs.pop(key, None)
+        if pack is None or not pack.items:
+            return
+        task = asyncio.create_task(self._flush(pack))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Flush packs as they fill or age, until ``stop``; then flush what is left."""
+        while not stop.is_set():
+            self._wake.clear()
+            with_timeout = min(1.0, self.settings.batch_max_age_seconds / 4)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), with_timeout)
+            now = time.monotonic()
+            for key, pack in list(self.packs.items()):
+                if pack.items and (len(pack.items) >= self.max_requests
+                                   or now - pack.started >= self.settings.batch_max_age_seconds):
+                    self._take(key)
+        for key in list(self.packs):
+            self._take(key)
+        await self.drain()
+
+    async def flush_all(self) -> None:
+        for key in list(self.packs):
+            self._take(key)
+        await self.drain()
+
+    async def drain(self) -> None:
+        while self._flushing:
+            await asyncio.gather(*list(self._flushing), return_exceptions=True)
+
+    async def _room(self, pack: _Pack) -> bool:
+        limit = self.settings.batch_enqueued_tokens_limit
+        if not limit:
+            return True
+        held = await self.store.batches.enqueued_tokens(self.client.kind, pack.model)
+        return held == 0 or held + pack.tokens <= limit
+
+    async def _flush(self, pack: _Pack) -> None:
+        s = self.settings
+        try:
+            if not await self._room(pack):
+                log.info("the provider's batch queue for %s is full (%d tokens): %d jobs wait",
+                         pack.model, s.batch_enqueued_tokens_limit, len(pack.items))
+                self._put_back(pack)
+                return
+            key = uuid.uuid4()
+            items = list(pack.items.values())
+            rows = [BatchRequestRow(i.job.id, i.job.attempt, i.custom_id, i.body,
+                                    i.job.lease_version) for i in items]
+            moved = await self.store.batches.record(
+                key=key, provider=self.client.kind, model=pack.model, endpoint=pack.endpoint,
+                pool=s.pool, worker=self.worker_id, rows=rows, input_bytes=pack.size,
+                enqueued_tokens=pack.tokens, lease_seconds=s.batch_lease_seconds,
+                hold_seconds=s.batch_completion_window_seconds + s.batch_deadline_margin_seconds)
+        except Exception as exc:  # noqa: BLE001 - the jobs keep their leases; tried again
+            log.warning("recording a batch of %d jobs failed (%s); trying again",
+                        len(pack.items), exc)
+            self._put_back(pack)
+            return
+        # Recorded: the jobs belong to the batch. Their attempts end here, which marks their
+        # offsets done (a job that was not moved was lost meanwhile: acknowledged too).
+        self._release(items)
+        PACKED.inc(len(moved))
+        if not moved:
+            return
+        lines = [i.line for i in items if i.job.id in moved]
+        # The batch's lease is kept while the create runs (a 200 MB upload takes a while):
+        # a poller takes a ``creating`` batch only once its batcher stopped keeping it.
+        keeper = asyncio.create_task(self._keep(key))
+        try:
+            view = await self.client.create(lines, str(key))
+        except InfrastructureError as exc:
+            # Left ``creating``: the poller looks for it by its key once this lease lapses,
+            # and creates it then if the provider does not have it.
+            log.warning("creating batch %s at the provider failed: %s", key, exc)
+            return
+        finally:
+            keeper.cancel()
+        CREATED.labels(self.client.kind).inc()
+        await retry_forever("recording a created batch failed", lambda: (
+            self.store.batches.submitted(key, view.provider_id, view.status,
+                                         s.batch_poll_interval_seconds)))
+        log.info("batch %s (%s) created with %d requests", view.provider_id, key, len(moved))
+
+    async def _keep(self, key: uuid.UUID) -> None:
+        lease = self.settings.batch_lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                await self.store.batches.heartbeat(key, self.worker_id, lease)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.warning("keeping the lease of batch %s failed: %s", key, exc)
+
+    def _put_back(self, pack: _Pack) -> None:
+        target = self.packs.setdefault((pack.model, pack.endpoint), _Pack(pack.model,
+                                                                          pack.endpoint))
+        for item in pack.items.values():
+            if str(item.job.id) in self.jobs:  # its attempt still waits (not lost meanwhile)
+                target.add(item)
+        target.started = min(target.started, pack.started)
+
+    def _release(self, items: list[_Waiting]) -> None:
+        running = self.runner._running if self.runner is not None else {}
+        for item in items:
+            task = running.get(item.job.id)
+            if task is not None:
+                task.cancel()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class _PackingRunner(StepRunner):
+    """The worker's step runner, telling the packer which attempt a model call belongs to."""
+
+    packer: BatchPacker
+
+    async def _attempt(self, job: Job, topic: str) -> Finish:
+        self.packer.jobs[str(job.id)] = job
+        try:
+            return await super()._attempt(job, topic)
+        finally:
+            self.packer.jobs.pop(str(job.id), None)
+
+
+# -- poller -------------------------------------------------------------------------------
+
+class ReplyBook:
+    """The settling runner's provider: answers a step's model call from its batch result,
+    metered at the batch price (the online-equivalent cost is kept beside it)."""
+
+    def __init__(self, client: BatchClient, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.results: dict[str, BatchResult] = {}
+        self.costs: dict[str, tuple[int, int, float, float]] = {}
+
+    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                       response_schema: dict[str, Any] | None = None) -> ModelReply:
+        result = self.results.pop(job_id, None)
+        if result is None:
+            raise StepFailure("the step made a second model call; the batch lane serves one "
+                              "call per step", code="batch_multi_call",
+                              failure_class=FailureClass.BUG)
+        if result.failure is not None:
+            raise result.failure
+        assert result.reply is not None
+        reply = result.reply
+        prices, kind, model = self.settings.prices, self.client.kind, self.client.model
+        cost = batch_cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens)
+        online = cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens)
+        self.costs[job_id] = (reply.input_tokens, reply.output_tokens, cost, online)
+        clock = current_clock()
+        if clock is not None:
+            clock.add_usage(reply.input_tokens, reply.output_tokens, cost)
+        return reply
+
+    async def close(self) -> None:
+        return None
+
+
+class Poller:
+    def __init__(self, *, store: Store, client: BatchClient,
+                 settler: Callable[[str], StepRunner], book: ReplyBook, settings: Settings,
+                 worker_id: str) -> None:
+        self.store = store
+        self.client = client
+        # A step runner whose worker id is the batch's lease owner: every write of a settled
+        # attempt (side-effect log, step output, outcome) is fenced as the batch's.
+        self.settler = settler
+        self.book = book
+        self.settings = settings
+        self.worker_id = worker_id
+        self._gate = asyncio.Semaphore(4)
+
+    async def pass_once(self) -> int:
+        """Look at the batches due; returns how many were taken."""
+        s = self.settings
+        due = await self.store.batches.claim_due(self.worker_id, s.batch_lease_seconds,
+                                                 pool=s.pool)
+        await asyncio.gather(*(self._one(b) for b in due))
+        return len(due)
+
+    async def _one(self, batch: OpenBatch) -> None:
+        async with self._gate:
+            try:
+                await self._follow(batch)
+            except Exception:  # the lease lapses and the next pass retries it
+                log.exception("following batch %s failed", batch.key)
+
+    async def _follow(self, batch: OpenBatch) -> None:
+        s = self.settings
+        if batch.state == "creating":
+            await self._create_or_adopt(batch)
+            return
+        assert batch.provider_id is not None
+        view = await self.client.view(batch.provider_id)
+        if batch.cancel_requested and not view.ended:
+            await self.client.cancel(batch.provider_id)
+            view = await self.client.view(batch.provider_id)
+        if not view.ended:
+            poll = 1.0 if batch.cancel_requested else s.batch_poll_interval_seconds
+            await self.store.batches.release(batch.key, self.worker_id, status=view.status,
+                                             counts=view.counts, poll_seconds=poll)
+            return
+        await self._collect(batch, view)
+
+    async def _create_or_adopt(self, batch: OpenBatch) -> None:
+        """A batch whose batcher died between recording it and recording the provider's id:
+        found at the provider by its key and adopted, or created now (exactly once)."""
+        s = self.settings
+        known = await self.store.batches.known_ids(self.client.kind)
+        found = await self.client.find(str(batch.key), batch.created_at, batch.request_count,
+                                       known)
+        if found is not None:
+            view = await self.client.view(found)
+            ADOPTED.inc()
+            log.warning("adopted batch %s (%s), created before its batcher stopped", found,
+                        batch.key)
+        else:
+            requests = await self.store.batches.requests(batch.key)
+            if not requests:
+                await self.store.batches.collected(batch.key, None, {})
+                return
+            view = await self.client.create([self.client.line(c, r) for c, r in requests],
+                                            str(batch.key))
+            CREATED.labels(self.client.kind).inc()
+        await self.store.batches.submitted(batch.key, view.provider_id, view.status,
+                                           s.batch_poll_interval_seconds)
+
+    async def _collect(self, batch: OpenBatch, view: BatchView) -> None:
+        started = time.monotonic()
+        runner = self.settler(batch_owner(batch.key))
+        chunk: list[BatchResult] = []
+        counts: dict[str, int] = {}
+        async for result in self.client.results(view):
+            chunk.append(result)
+            if len(chunk) >= _SETTLE_CHUNK:
+                await self._settle(runner, batch, chunk, counts)
+                chunk = []
+                await self._keep_lease(batch, started)
+        await self._settle(runner, batch, chunk, counts)
+        # Requests the results do not answer (not run: the batch expired or was cancelled).
+        missing = ("batch_expired" if view.outcome == "expired" else
+                   "batch_cancelled" if view.outcome == "cancelled" else "batch_result_missing")
+        while True:
+            rest = await self.store.batches.pending_jobs(batch.key, None, _SETTLE_CHUNK)
+            if not rest:
+                break
+            await self._settle(runner, batch, [BatchResult(c, failure=StepFailure(
+                f"the provider did not run this request: {missing}", code=missing,
+                failure_class=FailureClass.TRANSIENT)) for c in rest], counts, rest)
+            await self._keep_lease(batch, started)
+        await self.store.batches.collected(batch.key, view.status, {**view.counts, **counts})
+        TURNAROUND.observe(max(0.0, (datetime.now(UTC) - batch.created_at).total_seconds()))
+        log.info("batch %s collected: %s", view.provider_id, counts)
+
+    async def _keep_lease(self, batch: OpenBatch, started: float) -> None:
+        if time.monotonic() - started > self.settings.batch_lease_seconds / 3:
+            await self.store.batches.heartbeat(batch.key, self.worker_id,
+                                               self.settings.batch_lease_seconds)
+
+    async def _settle(self, runner: StepRunner, batch: OpenBatch, results: list[BatchResult],
+                      counts: dict[str, int], jobs: dict[str, Job] | None = None) -> None:
+        if not results:
+            return
+        if jobs is None:
+            jobs = await self.store.batches.pending_jobs(batch.key,
+                                                         [r.custom_id for r in results])
+        by_id = {r.custom_id: r for r in results}
+        window = (self.settings.batch_completion_window_seconds
+                  + self.settings.batch_deadline_margin_seconds)
+        online: list[uuid.UUID] = []
+        work: list[tuple[Job, str]] = []
+        batch_topic = topics.topic_for_route(topics.batch_route(batch.pool))
+        for cid, job in jobs.items():
+            result = by_id[cid]
+            self.book.results[str(job.id)] = result
+            topic = batch_topic
+            if (result.failure is not None and result.failure.retryable
+                    and job.deadline_at is not None
+                    and (job.deadline_at - datetime.now(UTC)).total_seconds() < window):
+                # Another batch would miss the deadline: the retry goes online.
+                topic = topics.topic_for_route(topics.work_route(job.pool, "bulk", ONLINE))
+                online.append(job.id)
+            work.append((job, topic))
+        finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
+                                          for job, topic in work))
+        await self.store.batches.fall_back_online(online)
+        await retry_forever("writing batch outcomes failed",
+                            lambda: self.store.attempts.finish(finishes))
+        rows = []
+        for (job, _), finish in zip(work, finishes, strict=True):
+            tokens_in, tokens_out, cost, online_cost = self.book.costs.pop(
+                str(job.id), (0, 0, 0.0, 0.0))
+            self.book.results.pop(str(job.id), None)
+            state = "retried" if finish.status == "retrying" else "settled"
+            label = "succeeded" if finish.error is None else str(finish.error.get("code"))
+            counts[label] = counts.get(label, 0) + 1
+            SETTLED.labels("ok" if finish.error is None else "failed").inc()
+            who = (str(job.tenant_id), batch.model)
+            COST.labels(*who).inc(cost)
+            ONLINE_COST.labels(*who).inc(online_cost)
+            SAVINGS.labels(*who).inc(max(0.0, online_cost - cost))
+            rows.append({"custom_id": custom_id(job.id, job.attempt), "state": state,
+                         "input_tokens": tokens_in, "output_tokens": tokens_out,
+                         "cost_usd": cost, "online_cost_usd": online_cost})
+        # Results of jobs no longer held (cancelled meanwhile) are ignored; their rows end
+        # ``cancelled`` when the batch is collected.
+        await self.store.batches.settle(batch.key, rows)
+
+    @staticmethod
+    async def _attempt(runner: StepRunner, job: Job, topic: str) -> Finish:
+        """The runner's attempt of ``job`` answered from its result (own task: own scope)."""
+        async def run() -> Finish:
+            clock = model_clock()
+            finish = await runner._attempt(job, topic)
+            finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
+                            "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
+            for entry in finish.outbox:
+                if entry.type in ("job.result", "job.dead_lettered"):
+                    # the lane the usage was spent in (finish_attempts fills the totals)
+                    entry.payload["usage"] = {"input_tokens": 0, "output_tokens": 0,
+                                              "cost_usd": 0.0, "lane": "batch"}
+            return finish
+
+        return await asyncio.create_task(run())
+
+
+# -- the process --------------------------------------------------------------------------
+
+class BatchLane:
+    """`calmq batcher`: the batcher and the poller of one pool in one process."""
+
+    def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None, *,
+                 pack: bool = True, poll: bool = True) -> None:
+        self.settings = settings
+        self.workflows = workflows or load_workflows(settings)
+        self.worker_id = settings.worker_id or f"batcher-{socket.gethostname()}-{os.getpid()}"
+        self.stop = threading.Event()
+        self.pack = pack
+        self.poll = poll
+
+    def topic(self) -> str:
+        return topics.topic_for_route(topics.batch_route(self.settings.pool))
+
+    def _client(self) -> BatchClient:
+        s = self.settings
+        return open_batch_client(s.provider, s.effective_provider_url,
+                                 s.provider_api_key.get_secret_value(), s.model)
+
+    async def run(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        store = Store(s.database_url, max_size=8)
+        await store.open()
+        codec = make_codec(s.schema_registry_url)
+        objects = open_object_store(s.object_store_url)
+        packer = BatchPacker(self._client(), s, store, self.worker_id)
+        window = packer.max_requests
+        consumer = ParallelConsumer(
+            consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}.batcher"), [self.topic()],
+            deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
+            max_in_flight=window, commit_interval=s.commit_interval_ms / 1000,
+            interactive_reserve=0, settling=lambda: runner.committer.pending)
+        poison = PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+                                                     compression=s.kafka_compression)), codec)
+
+        def config(worker: str, concurrency: int, timeout: float) -> RunnerConfig:
+            return RunnerConfig(
+                worker_id=worker, lease_seconds=s.lease_seconds, tiers=s.retry_tier_list,
+                backoff=Backoff(s.retry_initial_seconds, s.retry_max_seconds,
+                                s.retry_multiplier),
+                step_timeout_seconds=timeout, max_attempts=s.max_attempts,
+                review_threshold=s.review_confidence_threshold,
+                review_deadline_seconds=s.review_deadline_seconds,
+                concurrency=concurrency, interactive_reserve=0)
+
+        # A packed attempt waits for its batch to be recorded: its step timeout is the window.
+        runner = _PackingRunner(
+            store=store, codec=codec, provider=packer, objects=objects,
+            workflows=self.workflows, tracker=consumer.tracker, poison=poison,
+            config=config(self.worker_id, window, s.batch_completion_window_seconds))
+        runner.packer = packer
+        packer.runner = runner
+        book = ReplyBook(self._client(), s)
+
+        def settler(owner: str) -> StepRunner:
+            return StepRunner(
+                store=store, codec=codec, provider=book, objects=objects,
+                workflows=self.workflows, tracker=consumer.tracker, poison=poison,
+                config=config(owner, 10 * _SETTLE_CHUNK, s.step_timeout_seconds or 60.0))
+
+        poller = Poller(store=store, client=book.client, settler=settler, book=book,
+                        settings=s, worker_id=self.worker_id)
+        runner.start()
+        stopping = asyncio.Event()
+        thread: threading.Thread | None = None
+        drained = threading.Event()
+        tasks: list[asyncio.Task[Any]] = []
+        if self.pack:
+            thread = threading.Thread(target=consumer.run, args=(self.stop, drained.is_set),
+                                      name="kafka-consumer", daemon=True)
+            thread.start()
+            tasks.append(asyncio.create_task(packer.run(stopping)))
+        side = self._side_tasks(store, runner, poller)
+        log.info("batcher %s: %s, provider %s, model %s", self.worker_id, self.topic(),
+                 s.provider, s.model)
+        try:
+            while not self.stop.is_set():  # noqa: ASYNC110 - the stop event is a thread's
+                await asyncio.sleep(0.1)
+            stopping.set()
+            await packer.flush_all()
+            deadline = loop.time() + s.grace_seconds
+            while not runner.idle() and loop.time() < deadline:  # noqa: ASYNC110 - at exit
+                await asyncio.sleep(0.05)
+            await runner.abandon()
+            await runner.committer.drain()
+        finally:
+            drained.set()
+            if thread is not None:
+                await asyncio.to_thread(thread.join, 30)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await side.stop()
+            await packer.close()
+            await book.client.close()
+            await store.close()
+
+    def _side_tasks(self, store: Store, runner: StepRunner, poller: Poller) -> Supervisor:
+        s = self.settings
+
+        def stop(name: str, _exc: BaseException | None) -> None:
+            log.error("stopping the batcher: its side task %s stopped", name)
+            self.stop.set()
+
+        side = Supervisor(on_critical=stop)
+        interval = max(0.2, s.lease_seconds / 3)
+        side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
+                   critical=True)
+        if self.poll:
+            side.every("batch-poller", min(1.0, s.batch_poll_interval_seconds),
+                       poller.pass_once)
+
+        async def gauges() -> None:
+            stats = await store.batches.stats()
+            OPEN_BATCHES.set(stats.get("open_batches", 0))
+            OLDEST_BATCH.set(stats.get("oldest_seconds", 0.0))
+            for state in ("pending", "settled", "retried", "cancelled"):
+                BATCH_JOBS.labels(state).set((stats.get("jobs_by_state") or {}).get(state, 0))
+
+        side.every("batch-gauges", 5.0, gauges)
+        return side
