@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean browser
+.PHONY: install demo test test-unit lint typecheck bench clean browser promtool
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser
+test: install browser promtool
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -28,6 +28,14 @@ browser:
 	@test -x /usr/bin/chromium || apt-get install -y --no-install-recommends chromium \
 	  || { apt-get update && apt-get install -y --no-install-recommends chromium; } \
 	  || echo "make browser: the chromium package could not be installed; the console's browser tests will be skipped"
+
+# Prometheus' own checker for the shipped alert rules (tests/unit/test_alerts.py), from
+# Debian's prometheus package (its service is not started). Skipped where it cannot be
+# installed, as above.
+promtool:
+	@command -v promtool >/dev/null || apt-get install -y --no-install-recommends prometheus \
+	  || { apt-get update && apt-get install -y --no-install-recommends prometheus; } \
+	  || echo "make promtool: the prometheus package could not be installed; the alert-rule check will be skipped"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
