@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean
+.PHONY: install demo test test-unit lint typecheck bench clean chaos
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
+chaos: install
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
