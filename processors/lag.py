@@ -3,8 +3,10 @@
 Reading lag costs broker round trips: the group's committed offsets and each partition's
 high watermark. Asked through the consumer itself they ran on the consumer thread, one
 ListOffsets round trip per partition, and held up polling — measured at 500 jobs/s, about
-0.7 s every 5 s with 16 partitions, which every job fetched meanwhile waited out. An admin
-client asks for all partitions in one request each and never touches the poll loop. The
+0.7 s every 5 s with 16 partitions, which every job fetched meanwhile waited out. Clients
+of the sampler's own (an admin client for the watermarks, a consumer that never joins the
+group for its committed offsets) ask for all partitions in one request each and never touch
+the poll loop. The
 worker runs ``sample`` in a thread every ``consumer_lag_interval_seconds``, as one of its
 side tasks (calmq.supervision).
 """
