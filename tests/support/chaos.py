@@ -59,7 +59,7 @@ SERVICE_SETTINGS = {
     "CALMQ_RETRY_INITIAL_SECONDS": "0.5",
     "CALMQ_LEASE_SECONDS": "4",
     "CALMQ_GRACE_SECONDS": "2",
-    "CALMQ_STEP_TIMEOUT_SECONDS": "3",
+    "CALMQ_STEP_TIMEOUT_SECONDS": "2",
     "CALMQ_CONCURRENCY": "64",
     "CALMQ_METRICS_HOST": "127.0.0.1",
 }
@@ -159,7 +159,7 @@ class ChaosStack:
             "CALMQ_API_PORT": self.api_url.rsplit(":", 1)[1],
         }
         self._service("fake-provider", ["fake-provider", "--port", str(provider_port),
-                                        "--latency-ms", "20", "--slow-seconds", "6"],
+                                        "--latency-ms", "20", "--slow-seconds", "4"],
                       lambda: _get(self.provider_url + "/healthz"))
         self._service("api", ["api"], lambda: _get(self.api_url + "/healthz"))
         for name in ("relay", "worker-1", "worker-2", "forwarder"):
@@ -282,7 +282,7 @@ class Load:
     threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self, clients: int = 8) -> Load:
-        self.started = time.monotonic()
+        self.started = self.last_accepted = time.monotonic()
         self.next = iter(range(self.count))
         for _ in range(clients):
             thread = threading.Thread(target=self._client, daemon=True)
@@ -313,7 +313,7 @@ class Load:
             body = {"workflow": "summarize", "priority": ("interactive", "bulk")[i % 2],
                     "input": {"text": f"chaos {self.tag} job {i} of a fault matrix run",
                               "mode": mode, "fail_times": 1,
-                              "delay_ms": rng.randint(100, 800)}}
+                              "delay_ms": rng.randint(100, 600)}}
             self._post(f"{self.tag}-{i}", body, mode)
 
     def _post(self, key: str, body: dict[str, Any], mode: str) -> None:
@@ -330,6 +330,7 @@ class Load:
                 with self.lock:
                     self.accepted[key] = job_id
                     self.modes[job_id] = mode
+                    self.last_accepted = time.monotonic()
                 return
             except urllib.error.HTTPError as exc:
                 exc.read()
