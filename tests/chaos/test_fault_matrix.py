@@ -17,7 +17,8 @@ After each fault the test asserts:
 - a job's history holds one ending event (``completed``/``dead_lettered``/``cancelled``),
   and ``completed`` once for a completed job, never for another;
 - calmq.results may hold a job's result more than once (at-least-once), but every copy
-  carries the same outcome: the job's status and artifact digest; a job under review has none;
+  carries the same outcome: the job's status, artifact digest and artifact URI; a job under
+  review has none;
 - a completed job's stored artifact has the sha256 the job and its result event report;
 - no job was dead-lettered as a ``bug`` (an infrastructure fault is not the job's fault);
 - the consumer groups of the work topics (workers) and retry tiers (forwarder) committed up
@@ -236,8 +237,9 @@ def test_fault_leaves_nothing_stuck_lost_or_doubled(
                      or r["endings"] != (r["status"] != "awaiting_review")]
     assert wrong_history == [], f"{len(wrong_history)} jobs with a wrong ending history"
 
-    def outcome(status: str, artifact: dict[str, Any] | None) -> tuple[str, str | None]:
-        return status, (artifact or {}).get("sha256")
+    def outcome(status: str, artifact: dict[str, Any] | None
+                ) -> tuple[str, str | None, str | None]:
+        return status, (artifact or {}).get("sha256"), (artifact or {}).get("uri")
 
     disagree = []
     for job_id, row in rows.items():
