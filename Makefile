@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean chaos
+.PHONY: install demo test test-unit lint typecheck bench clean
 
 install: $(STAMP)
 
@@ -20,10 +20,6 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest tests
-
-# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
-chaos: install
-	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
@@ -41,3 +37,8 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: chaos
+# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
+chaos: install
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
