@@ -53,3 +53,8 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: chaos
+# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
+chaos: install
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900

@@ -180,11 +180,19 @@ class Worker:
         lag_interval = self.settings.consumer_lag_interval_seconds
         if lag_interval > 0:
             lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)
-            admin = AdminClient(admin_config(consumer.config))
+            admin = [AdminClient(admin_config(consumer.config))]
 
             async def sample_lag() -> None:
                 # In a thread: a sample is a few blocking broker round trips.
-                await asyncio.to_thread(lag.sample, admin)
+                try:
+                    await asyncio.to_thread(lag.sample, admin[0])
+                except Exception:
+                    # After a broker restart the admin client kept the partitions' old leader
+                    # epochs and answered every later sample FENCED_LEADER_EPOCH (the lag
+                    # gauge, which autoscaling reads, froze for good in the chaos test): a
+                    # new client after a failure starts from fresh metadata.
+                    admin[0] = AdminClient(admin_config(consumer.config))
+                    raise
 
             side.every("consumer-lag", lag_interval, sample_lag, first_after=lag_interval)
         return side

@@ -372,7 +372,16 @@ class CdcRelay:
         published = self._m["published"].labels(self.slot)
         since_poll = 0
         while not stop.is_set():
-            msg = cur.read_message()
+            try:
+                msg = cur.read_message()
+            except psycopg2.OperationalError:
+                raise
+            except psycopg2.DatabaseError as exc:
+                # PostgreSQL shutting down (a restart, a failover) ends the stream's COPY,
+                # which psycopg2 reports as "no COPY in progress", a DatabaseError but not an
+                # OperationalError: resume from the slot as from any lost connection (the
+                # relay exited instead when the chaos test restarted PostgreSQL).
+                raise InfrastructureError(f"the replication stream ended: {exc}") from exc
             if msg is None:
                 # Wake for new WAL at once; while records await acks, serve them every 2 ms.
                 if ledger.pending:

@@ -359,6 +359,7 @@ _ANTHROPIC_ERROR_TYPES: Final = {
     400: "invalid_request_error",
     401: "authentication_error",
     429: "rate_limit_error",
+    500: "api_error",
     503: "overloaded_error",
 }
 
@@ -381,6 +382,11 @@ class _Provider:
         self._status_counts: dict[int, int] = {}
         self._by_job: dict[str, list[int]] = {}  # job id -> [calls, completed]
         self._flaky_attempts: dict[str, int] = {}
+        # POST /admin/outage: until this monotonic time every model call fails with the
+        # statuses in turn (a provider-wide incident, whatever each job's mode says).
+        self._outage_until = 0.0
+        self._outage_statuses: tuple[int, ...] = ()
+        self._outage_calls = itertools.count()
 
     @property
     def _latency(self) -> float:
@@ -504,6 +510,8 @@ class _Provider:
                 job_stats = self._by_job[call.job_id] = [0, 0]
             job_stats[0] += 1
 
+        if self._outage_statuses and time.monotonic() < self._outage_until:
+            return await self._outage_answer(call)
         mode = self.mode_override or call.mode
         if mode not in MODES:
             await self._sleep(self._latency)
@@ -636,6 +644,18 @@ class _Provider:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         })
 
+    async def _outage_answer(self, call: _Call) -> web.Response:
+        await self._sleep(self._latency)
+        status = self._outage_statuses[next(self._outage_calls) % len(self._outage_statuses)]
+        if status == 429:
+            seconds = self._settings.retry_after_seconds
+            return self._error(call.anthropic, 429, kind="requests", code="rate_limit_exceeded",
+                               message="Rate limit reached (simulated outage)",
+                               headers={"Retry-After": _format_seconds(seconds),
+                                        "retry-after-ms": str(round(seconds * 1000))})
+        return self._error(call.anthropic, status, kind="server_error", code="outage",
+                           message="The server had an error (simulated outage)")
+
     @staticmethod
     async def _sleep(seconds: float) -> None:
         # Skipping the zero sleep keeps the common benchmark path free of a loop round-trip.
@@ -683,6 +703,24 @@ class _Provider:
             )
         self.mode_override = mode
         return web.json_response({"mode_override": mode})
+
+    async def handle_outage(self, request: web.Request) -> web.Response:
+        """``{"seconds": 20, "statuses": [500, 429]}``: every call fails for that long."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        seconds = body.get("seconds") if isinstance(body, dict) else None
+        statuses = body.get("statuses", [500, 429]) if isinstance(body, dict) else None
+        if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0
+                or not isinstance(statuses, list) or not statuses
+                or not all(s in (429, 500, 503) for s in statuses)):
+            return web.json_response(
+                {"error": 'body must be {"seconds": >= 0, "statuses": [429 | 500 | 503, ...]}'},
+                status=400)
+        self._outage_statuses = tuple(statuses)
+        self._outage_until = time.monotonic() + float(seconds)
+        return web.json_response({"seconds": seconds, "statuses": statuses})
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -1120,6 +1158,7 @@ def build_app(
     app.router.add_get("/stats", provider.handle_stats)
     app.router.add_post("/admin/reset", provider.handle_reset)
     app.router.add_post("/admin/mode", provider.handle_mode)
+    app.router.add_post("/admin/outage", provider.handle_outage)
     app.router.add_get("/healthz", provider.handle_healthz)
     _BatchApis(settings).routes(app)
     return app

@@ -379,6 +379,24 @@ async def test_admin_mode_overrides_every_job(make_client: MakeClient) -> None:
     assert (await client.post("/admin/mode", json={})).status == 400
 
 
+async def test_admin_outage_fails_every_call_in_turn_until_it_ends(
+        make_client: MakeClient) -> None:
+    """/admin/outage answers 500 and 429 (with Retry-After) in turn for every job, whatever
+    its mode, until its time is up; seconds 0 ends it; a bad body is 400."""
+    client = await make_client(retry_after_seconds=2)
+    resp = await client.post("/admin/outage", json={"seconds": 600, "statuses": [500, 429]})
+    assert resp.status == 200
+    first = await chat(client, {"text": TEXT, "mode": "success"})
+    second = await chat(client, {"text": TEXT, "mode": "low_confidence"})
+    assert (first[0], second[0]) == (500, 429)
+    assert second[2]["Retry-After"] == "2"
+    assert (await client.post("/admin/outage", json={"seconds": 0})).status == 200
+    assert (await chat(client, {"text": TEXT, "mode": "success"}))[0] == 200
+    for bad in ({}, {"seconds": -1}, {"seconds": 5, "statuses": [200]},
+                {"seconds": True}, {"seconds": 5, "statuses": []}):
+        assert (await client.post("/admin/outage", json=bad)).status == 400
+
+
 async def test_mode_override_setting_applies_from_start(make_client: MakeClient) -> None:
     """settings.mode_override replaces the mode asked for in the step input."""
     client = await make_client(mode_override="malformed")

@@ -116,11 +116,20 @@ class KafkaBroker:
             ]
         )
 
-    def start(self, jars: Path, java: str = "java") -> int:
-        """Format a fresh data dir and start the broker; returns its pid (not yet ready)."""
+    def start(self, jars: Path, java: str = "java", *, fresh: bool = True) -> int:
+        """Format a fresh data dir and start the broker; returns its pid (not yet ready).
+
+        ``fresh=False`` starts the broker on the data it already has (a restart: the chaos
+        test stops the broker and brings it back with its topics and offsets)."""
+        config = self.home / "server.properties"
+        if not fresh:
+            return processes.start(
+                [java, *_JVM_FLAGS, f"-Dlog4j2.configurationFile={self.home / 'log4j2.properties'}",
+                 "-cp", f"{jars}/*", "kafka.Kafka", str(config)],
+                self.log_file,
+            )
         shutil.rmtree(self.home / "data", ignore_errors=True)
         self.home.mkdir(parents=True, exist_ok=True)
-        config = self.home / "server.properties"
         config.write_text(self._properties())
         log4j = resources.files(__package__).joinpath("log4j2.properties")
         classpath = f"{jars}/*"

@@ -88,19 +88,24 @@ class PostgresServer:
         shutil.chown(self.home, _ROOT_RUNS_AS, _ROOT_RUNS_AS)
         return _ROOT_RUNS_AS
 
-    def start(self) -> int:
-        """initdb a fresh cluster and start the server; returns the postmaster pid."""
+    def start(self, *, fresh: bool = True) -> int:
+        """initdb a fresh cluster and start the server; returns the postmaster pid.
+
+        ``fresh=False`` starts the cluster already in ``home`` again (a restart: the chaos
+        test stops PostgreSQL and brings the same data back)."""
         data = self.home / "data"
-        shutil.rmtree(data, ignore_errors=True)
-        self.home.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            shutil.rmtree(data, ignore_errors=True)
+            self.home.mkdir(parents=True, exist_ok=True)
         user = self._run_as()
-        result = subprocess.run(
-            [str(_bin() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-             "--encoding=UTF8", "--no-sync", "--no-instructions"],
-            capture_output=True, text=True, user=user, check=False,
-        )
-        if result.returncode != 0:
-            raise InfrastructureError(f"initdb failed: {result.stdout}{result.stderr}")
+        if fresh:
+            result = subprocess.run(
+                [str(_bin() / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                 "--encoding=UTF8", "--no-sync", "--no-instructions"],
+                capture_output=True, text=True, user=user, check=False,
+            )
+            if result.returncode != 0:
+                raise InfrastructureError(f"initdb failed: {result.stdout}{result.stderr}")
         argv = [str(_bin() / "postgres"), "-D", str(data), "-p", str(self.port),
                 "-c", "listen_addresses=127.0.0.1"]
         for key, value in {**_SERVER_SETTINGS, **self.settings}.items():
