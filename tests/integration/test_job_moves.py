@@ -51,7 +51,7 @@ STATEMENTS: list[Statement] = [
     ("reap_expired_leases", Status.QUEUED, lambda _j, _t: {"limit": 500}),
     ("poison_expired_leases", Status.DEAD_LETTER, lambda _j, _t: {
         "limit": 500, "error": Jsonb({"code": "poison", "class": "input"})}),
-    ("cancel_job", Status.CANCELLED, lambda j, t: {"id": j, "tenant_id": t}),
+    ("cancel_job", Status.CANCELLED, lambda j, t: {"id": j, "tenant_id": t, "by": None}),
     ("dlq_requeue", Status.QUEUED, lambda j, _t: {
         "id": j, "detail": Jsonb({}), "workflow_version": 1, "pool": "default",
         "max_attempts": 3}),
