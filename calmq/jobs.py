@@ -48,6 +48,8 @@ class EventType(StrEnum):
     DEAD_LETTERED = "dead_lettered"
     CANCELLED = "cancelled"
     REDRIVEN = "redriven"
+    WAITING = "waiting"  # held in queued: detail.reason says for what (review_cap)
+    RESUMED = "resumed"  # a held job re-published: detail.reason
 
 
 # Every legal move, declared once, with the statement that makes it. The SQL guards of

@@ -69,6 +69,16 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
         if expired:
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
+    async def release_review_cap_holds() -> None:
+        # Jobs held for their pool's review cap (calmq.data.review_caps) go back to the
+        # work topic as decided reviews make room; one pass at a time per pool (row locks).
+        resumed = await store.review_caps.release()
+        if resumed:
+            metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
+            log.info("re-published %d jobs held for their pool's review cap", len(resumed))
+
+    side.every("review-cap-release", interval, release_review_cap_holds,
+               first_after=first_after, critical=True)
     side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)
     side.every("sweeper", max(interval, sweeper_grace_seconds / 10), sweep,
                first_after=first_after, critical=True)

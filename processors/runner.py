@@ -175,6 +175,15 @@ class StepRunner:
         # Messages whose job was not visible yet when claimed, and how often (see _ahead).
         self._deferred: dict[Position, int] = {}
         self._abandoning = False
+        # Review caps (calmq.data.review_caps): the workflows whose jobs can end in review,
+        # the pools with a cap (read at most every CAPS_TTL seconds, not once per job), and
+        # a lock that makes this worker's hold-then-claim of such jobs take turns, so two
+        # claimers do not both see room for the same last review.
+        self._review_workflows = sorted(
+            name for name, w in workflows.items() if w.review_threshold is not None)
+        self._caps: dict[str, int] = {}
+        self._caps_read = -float("inf")
+        self._cap_turn = asyncio.Lock()
 
     def start(self) -> None:
         self.committer.start()
@@ -249,11 +258,17 @@ class StepRunner:
             metrics.POISON.inc(len(poison))
         if not wanted:
             return
-        ids = {job_id for _, job_id in wanted if job_id not in self._running}
-        started = time.monotonic()  # the leases the claim grants start after this
-        jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
-            list(ids), self.config.worker_id, self.config.lease_seconds, steps))
-        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+        gated = [job_id for _, job_id in wanted
+                 if workflow_of.get(job_id) in self._review_workflows]
+        if gated and await self._capped():
+            async with self._cap_turn:
+                held = await retry_forever(
+                    "holding jobs for their pool's review cap failed",
+                    lambda: self.store.review_caps.hold(gated, self._review_workflows))
+                wanted = self._acknowledge_held(wanted, held)
+                started, jobs = await self._claim(wanted, steps)
+        else:
+            started, jobs = await self._claim(wanted, steps)
         claimed = {job.id: job for job in jobs}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
@@ -277,6 +292,44 @@ class StepRunner:
             self._extended[job_id] = started
             task = asyncio.create_task(self._run(job, msg))
             self._running[job_id] = task
+
+    async def _claim(self, wanted: list[tuple[Message, uuid.UUID]],
+                     steps: dict[uuid.UUID, str]) -> tuple[float, list[Job]]:
+        ids = {job_id for _, job_id in wanted if job_id not in self._running}
+        started = time.monotonic()  # the leases the claim grants start after this
+        if not ids:
+            return started, []
+        jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
+            list(ids), self.config.worker_id, self.config.lease_seconds, steps))
+        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+        return started, jobs
+
+    CAPS_TTL = 1.0
+
+    async def _capped(self) -> bool:
+        """Whether any pool has a review cap (cached for CAPS_TTL seconds)."""
+        now = time.monotonic()
+        if now - self._caps_read >= self.CAPS_TTL:
+            self._caps = await retry_forever("reading the review caps failed",
+                                             self.store.review_caps.capped_pools)
+            self._caps_read = now
+        return bool(self._caps)
+
+    def _acknowledge_held(self, wanted: list[tuple[Message, uuid.UUID]],
+                          held: set[uuid.UUID]) -> list[tuple[Message, uuid.UUID]]:
+        """Acknowledge the messages of jobs held for their pool's review cap: the job waits
+        in queued, and the release pass re-publishes it (a message left pending for hours
+        would block its partition's commits instead). The rest go on to the claim."""
+        rest = []
+        for msg, job_id in wanted:
+            if job_id in held:
+                position = position_of(msg)
+                self._deferred.pop(position, None)
+                self.tracker.done(*position)
+                metrics.REVIEW_CAP_HELD.inc()
+            else:
+                rest.append((msg, job_id))
+        return rest
 
     async def _decode(self, data: bytes, event_type: str | None) -> tuple[str, dict[str, Any]]:
         """Decode a message (calmq's Avro, or the Debezium connector's JSON named by its
