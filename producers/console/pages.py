@@ -27,8 +27,8 @@ from calmq.jobs import TERMINAL, EventType, Status
 from calmq.producers.auth import key_tenant
 from calmq.producers.console import CONSUMER_LAG
 from calmq.producers.console.charts import bars
-from calmq.producers.console.lag import ConsumerLag, TopicLag
 from calmq.producers.console.html import Markup, Page, ago, esc, form, layout, table, when
+from calmq.producers.console.lag import ConsumerLag, TopicLag
 from calmq.producers.console.session import (
     COOKIE,
     CSRF_COOKIE,

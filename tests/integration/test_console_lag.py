@@ -71,7 +71,8 @@ def test_the_overview_shows_lag_until_a_worker_drains_the_topic(wf: WorkflowEnv)
     # The relay publishes them; the group has not consumed them (no worker runs).
     lag = wait_for(lambda: (x := _lag(wf, platform)) and sum(x.values()) >= 3 and x,
                    timeout=60, what="the overview to show the unconsumed jobs as lag")
-    assert set(lag) <= set(WORK) and sum(lag.values()) == 3, lag
+    assert set(lag) <= set(WORK), lag
+    assert sum(lag.values()) == 3, lag
 
     wf.start_workers()
     for job_id in ids:

@@ -54,7 +54,8 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
     reviewing, held = wait_for(
         lambda: (s := _states(wf, ids)) and len(s[0]) + len(s[1]) == 4 and s,
         timeout=60, what="two reviews pending and two jobs held for the cap")
-    assert len(reviewing) == 2 and len(held) == 2, (reviewing, held)
+    assert len(reviewing) == 2, (reviewing, held)
+    assert len(held) == 2, (reviewing, held)
     for job_id in held:
         job = wf.job(job_id)
         waiting = [e["detail"] for e in job["events"] if e["type"] == "waiting"]
