@@ -17,6 +17,7 @@ import logging
 from collections import Counter
 
 from calmq.data import Store
+from calmq.data.review_caps import ReviewCaps
 from calmq.errors import FailureClass
 from calmq.processors import metrics
 from calmq.reviews import ReviewDesk
@@ -69,10 +70,12 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
         if expired:
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
+    caps = ReviewCaps(store)
+
     async def release_review_cap_holds() -> None:
         # Jobs held for their pool's review cap (calmq.data.review_caps) go back to the
         # work topic as decided reviews make room; one pass at a time per pool (row locks).
-        resumed = await store.review_caps.release()
+        resumed = await caps.release()
         if resumed:
             metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
             log.info("re-published %d jobs held for their pool's review cap", len(resumed))

@@ -34,6 +34,7 @@ from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
+from calmq.data.review_caps import ReviewCaps
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
@@ -184,6 +185,7 @@ class StepRunner:
         self._caps: dict[str, int] = {}
         self._caps_read = -float("inf")
         self._cap_turn = asyncio.Lock()
+        self.review_caps = ReviewCaps(store)
 
     def start(self) -> None:
         self.committer.start()
@@ -264,7 +266,7 @@ class StepRunner:
             async with self._cap_turn:
                 held = await retry_forever(
                     "holding jobs for their pool's review cap failed",
-                    lambda: self.store.review_caps.hold(gated, self._review_workflows))
+                    lambda: self.review_caps.hold(gated, self._review_workflows))
                 wanted = self._acknowledge_held(wanted, held)
                 started, jobs = await self._claim(wanted, steps)
         else:
@@ -311,7 +313,7 @@ class StepRunner:
         now = time.monotonic()
         if now - self._caps_read >= self.CAPS_TTL:
             self._caps = await retry_forever("reading the review caps failed",
-                                             self.store.review_caps.capped_pools)
+                                             self.review_caps.capped_pools)
             self._caps_read = now
         return bool(self._caps)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from calmq.data.attempts import Attempts
 from calmq.data.database import Database
 from calmq.data.jobs import Jobs
-from calmq.data.review_caps import ReviewCaps
 from calmq.data.tenants import Tenants
 
 __all__ = ["Store"]
@@ -29,4 +28,3 @@ class Store(Database):
         self.jobs = Jobs(self)
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)
-        self.review_caps = ReviewCaps(self)
