@@ -4,10 +4,13 @@ adding a pending review, and runs by itself once a decision makes room."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
+from calmq.data import tenants
+from calmq.producers.console.session import COOKIE
 from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv
@@ -26,6 +29,13 @@ def wf(stack: StackState) -> Iterator[WorkflowEnv]:
     finally:
         env.sql("DELETE FROM review_caps WHERE pool = %s RETURNING pool", POOL)
         env.close()
+
+
+def _page(wf: WorkflowEnv, path: str, key: str) -> str:
+    req = urllib.request.Request(wf.api_url + path, headers={"Cookie": f"{COOKIE}={key}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return str(resp.read().decode())
 
 
 def _held(job: dict) -> bool:  # type: ignore[type-arg]
@@ -64,6 +74,15 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
         assert waiting[0]["pending"] >= cap
         assert wf.attempts(job_id) == {}  # waiting for the cap is no attempt
         assert job["attempt"] == 0
+
+    # The console's overview says the pool is past its cap and how many jobs wait for it;
+    # a held job's page gives the reason.
+    platform = tenants.add_key(wf.db, tenants.PLATFORM_TENANT, None, platform=True)
+    overview = _page(wf, "/console/overview", platform)
+    assert f"<td>{POOL}</td><td>{cap}</td><td>{cap}</td>" in overview  # pending, cap
+    assert f"past the cap ({cap} pending, cap {cap})" in overview
+    assert "(2 waiting)" in overview
+    assert "reason <code>review_cap</code>" in _page(wf, f"/console/jobs/{held[0]}", platform)
 
     # Deciding one review makes room for exactly one held job.
     status, _h, answer = wf.api.call("POST", f"/v1/jobs/{reviewing[0]}/review",
