@@ -48,7 +48,8 @@ class EventType(StrEnum):
     DEAD_LETTERED = "dead_lettered"
     CANCELLED = "cancelled"
     REDRIVEN = "redriven"
-    # Not claimed past a spend cap or a tenant's token quota, and released (calmq.spending).
+    # Held in queued, detail.reason says for what: a spend cap or a tenant's token quota
+    # (calmq.spending), a pool's review cap (calmq.data.review_caps); resumed: re-published.
     WAITING = "waiting"
     RESUMED = "resumed"
 

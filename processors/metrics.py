@@ -42,6 +42,10 @@ SKIPPED = Counter("calmq_redeliveries_acked_total",
                   "Messages acknowledged without a model call (terminal or leased job)")
 CLAIMS_DEFERRED = Counter("calmq_claims_deferred_total",
                           "Messages claimed again later: their job was not visible yet")
+REVIEW_CAP_HELD = Counter("calmq_review_cap_held_total",
+                          "Messages of jobs held in queued: their pool was at its review cap")
+REVIEW_CAP_RESUMED = Counter("calmq_review_cap_resumed_total",
+                             "Jobs held for a review cap re-published as room freed")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
 # ``reason``: heartbeat_failed (the worker stopped the attempt itself: its heartbeats failed

@@ -19,6 +19,7 @@ from collections import Counter
 
 from calmq.budget import TenantQuota
 from calmq.data import Store
+from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
 from calmq.processors import metrics
@@ -74,6 +75,18 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
         if expired:
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
+    caps = ReviewCaps(store)
+
+    async def release_review_cap_holds() -> None:
+        # Jobs held for their pool's review cap (calmq.data.review_caps) go back to the
+        # work topic as decided reviews make room; one pass at a time per pool (row locks).
+        resumed = await caps.release()
+        if resumed:
+            metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
+            log.info("re-published %d jobs held for their pool's review cap", len(resumed))
+
+    side.every("review-cap-release", interval, release_review_cap_holds,
+               first_after=first_after, critical=True)
     side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)
     side.every("sweeper", max(interval, sweeper_grace_seconds / 10), sweep,
                first_after=first_after, critical=True)

@@ -34,6 +34,7 @@ from calmq import logs, tracing
 from calmq.batching import Batcher
 from calmq.codec import EventCodec, decode_message
 from calmq.data import Finish, Job, Store
+from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
@@ -185,6 +186,16 @@ class StepRunner:
         # Messages whose job was not visible yet when claimed, and how often (see _ahead).
         self._deferred: dict[Position, int] = {}
         self._abandoning = False
+        # Review caps (calmq.data.review_caps): the workflows whose jobs can end in review,
+        # the pools with a cap (read at most every CAPS_TTL seconds, not once per job), and
+        # a lock that makes this worker's hold-then-claim of such jobs take turns, so two
+        # claimers do not both see room for the same last review.
+        self._review_workflows = sorted(
+            name for name, w in workflows.items() if w.review_threshold is not None)
+        self._caps: dict[str, int] = {}
+        self._caps_read = -float("inf")
+        self._cap_turn = asyncio.Lock()
+        self.review_caps = ReviewCaps(store)
 
     def start(self) -> None:
         self.committer.start()
@@ -264,11 +275,17 @@ class StepRunner:
             wanted = await self._hold_capped(wanted, whose)
         if not wanted:
             return
-        ids = {job_id for _, job_id in wanted if job_id not in self._running}
-        started = time.monotonic()  # the leases the claim grants start after this
-        jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
-            list(ids), self.config.worker_id, self.config.lease_seconds, steps))
-        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+        gated = [job_id for _, job_id in wanted
+                 if workflow_of.get(job_id) in self._review_workflows]
+        if gated and await self._capped():
+            async with self._cap_turn:
+                held = await retry_forever(
+                    "holding jobs for their pool's review cap failed",
+                    lambda: self.review_caps.hold(gated, self._review_workflows))
+                wanted = self._acknowledge_held(wanted, held)
+                started, jobs = await self._claim(wanted, steps)
+        else:
+            started, jobs = await self._claim(wanted, steps)
         claimed = {job.id: job for job in jobs}
         claimed_ids = set(claimed)  # a second message for one of them is a duplicate
         unclaimed = [job_id for _, job_id in wanted if job_id not in claimed]
@@ -337,6 +354,44 @@ class StepRunner:
             if job_id in held:
                 self.tracker.done(*position_of(msg))
                 metrics.HELD.labels(whose.get(job_id, ("", ""))[1] or "bulk").inc()
+            else:
+                rest.append((msg, job_id))
+        return rest
+
+    async def _claim(self, wanted: list[tuple[Message, uuid.UUID]],
+                     steps: dict[uuid.UUID, str]) -> tuple[float, list[Job]]:
+        ids = {job_id for _, job_id in wanted if job_id not in self._running}
+        started = time.monotonic()  # the leases the claim grants start after this
+        if not ids:
+            return started, []
+        jobs = await retry_forever("claiming a batch failed", lambda: self.store.jobs.claim(
+            list(ids), self.config.worker_id, self.config.lease_seconds, steps))
+        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+        return started, jobs
+
+    CAPS_TTL = 1.0
+
+    async def _capped(self) -> bool:
+        """Whether any pool has a review cap (cached for CAPS_TTL seconds)."""
+        now = time.monotonic()
+        if now - self._caps_read >= self.CAPS_TTL:
+            self._caps = await retry_forever("reading the review caps failed",
+                                             self.review_caps.capped_pools)
+            self._caps_read = now
+        return bool(self._caps)
+
+    def _acknowledge_held(self, wanted: list[tuple[Message, uuid.UUID]],
+                          held: set[uuid.UUID]) -> list[tuple[Message, uuid.UUID]]:
+        """Acknowledge the messages of jobs held for their pool's review cap: the job waits
+        in queued, and the release pass re-publishes it (a message left pending for hours
+        would block its partition's commits instead). The rest go on to the claim."""
+        rest = []
+        for msg, job_id in wanted:
+            if job_id in held:
+                position = position_of(msg)
+                self._deferred.pop(position, None)
+                self.tracker.done(*position)
+                metrics.REVIEW_CAP_HELD.inc()
             else:
                 rest.append((msg, job_id))
         return rest

@@ -73,6 +73,8 @@ class Overview:
     spend: list[dict[str, Any]]  # {hour, tokens, cost_usd, retry_cost_usd, dead_letter_cost_usd}
     budget: list[dict[str, Any]]  # {provider, model, tokens_per_minute}
     review_caps: dict[str, int]
+    # Jobs waiting in queued for their pool's review cap (calmq.data.review_caps), per pool.
+    review_cap_held: dict[str, int] | None = None
 
 
 class ConsoleReads:
@@ -101,6 +103,8 @@ class ConsoleReads:
             spend=await self._rows("console_spend", scope),
             budget=await self._rows("console_budget", {}),
             review_caps={str(r["pool"]): int(r["cap"]) for r in caps},
+            review_cap_held={str(r["pool"]): int(r["held"])
+                             for r in await self._rows("review_cap_held", {})},
         )
 
     async def set_review_cap(self, pool: str, cap: int | None, by: str) -> None:

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from aiohttp import web
 
-__all__ = ["add_console"]
+__all__ = ["CONSUMER_LAG", "add_console"]
+
+# The overview's consumer-lag reader (producers.console.lag): one per application, so page
+# views share its cached answer.
+CONSUMER_LAG = web.AppKey("console_consumer_lag", object)
 
 
 def add_console(app: web.Application) -> None:
     """Register the console's routes on the API application."""
+    from calmq.producers.console.lag import ConsumerLag
     from calmq.producers.console.pages import HANDLERS
+
+    app[CONSUMER_LAG] = ConsumerLag()
 
     for method, path, handler in HANDLERS:
         app.router.add_route(method, path, handler)

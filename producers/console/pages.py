@@ -25,8 +25,10 @@ from calmq.deadletters import DeadLetterFilter, DeadLetters
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, EventType, Status
 from calmq.producers.auth import key_tenant
+from calmq.producers.console import CONSUMER_LAG
 from calmq.producers.console.charts import bars
 from calmq.producers.console.html import Markup, Page, ago, esc, form, layout, table, when
+from calmq.producers.console.lag import ConsumerLag, TopicLag
 from calmq.producers.console.session import (
     COOKIE,
     CSRF_COOKIE,
@@ -192,19 +194,19 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
         if r["status"] == "awaiting_review":
             pending[str(r["pool"])] = int(r["jobs"])
             wait[str(r["pool"])] = float(r["oldest_seconds"])
-    review_pools = sorted(set(pending) | set(data.review_caps))
+    held = data.review_cap_held or {}
+    review_pools = sorted(set(pending) | set(data.review_caps) | set(held))
     rows = []
     for pool in review_pools:
         cap = data.review_caps.get(pool)
         n = pending.get(pool, 0)
-        state = (f"past the cap by {n - cap + 1}: the reviewers cannot keep up"
-                 if cap is not None and n >= cap
-                 else "within the cap" if cap is not None else "no cap set")
         rows.append((pool, n, cap if cap is not None else "none",
-                     ago(wait.get(pool, 0.0)) if n else "-", state))
+                     ago(wait.get(pool, 0.0)) if n else "-", held.get(pool, 0),
+                     review_cap_state(n, cap, held.get(pool, 0))))
     parts.append('<section aria-labelledby="reviews"><h2 id="reviews">Reviews</h2>')
     parts.append(table("Pending reviews per pool against the reviewers' cap",
-                       ["Pool", "Pending", "Cap", "Oldest waits", "State"], rows,
+                       ["Pool", "Pending", "Cap", "Oldest waits", "Waiting for the cap",
+                        "State"], rows,
                        empty="no pending reviews", attrs='data-testid="review-caps"'))
     if caller.platform and caller.can("operate"):
         inner = ('<label for="cap-pool">Pool</label><input id="cap-pool" name="pool" required>'
@@ -245,9 +247,10 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
                            ["Slot", "Active", "Retained bytes"],
                            [(s.slot, "yes" if s.active else "no", f"{s.retained_bytes:,}")
                             for s in slots], empty="no replication slots (polling relay)"))
-        parts.append("<p>Kafka consumer lag per topic and group is the "
-                     "<code>calmq_consumer_lag_messages</code> metric on the workers' "
-                     "<code>/metrics</code>.</p></section>")
+        reader = request.app[CONSUMER_LAG]
+        assert isinstance(reader, ConsumerLag)
+        parts.append(lag_section(await reader.read(request.app[SETTINGS].kafka_bootstrap)))
+        parts.append("</section>")
     parts.append(f'<p class="muted">Read at {when(now)}.</p>')
     return html_response(layout("Overview", "".join(parts), page, current="overview"))
 
@@ -350,6 +353,42 @@ async def jobs_page(request: web.Request, caller: Tenant, page: Page) -> web.Str
     return html_response(layout("Jobs", body, page, current="jobs"))
 
 
+def lag_section(lags: list[TopicLag] | None) -> str:
+    """Consumer lag per topic and group: a table and a bar chart (None: unavailable)."""
+    if lags is None:
+        return ('<p class="error" data-testid="consumer-lag">Consumer lag unavailable: the '
+                "Kafka brokers did not answer in time.</p>")
+    parts = [table("Kafka consumer lag per topic and group (messages not yet committed)",
+                   ["Group", "Topic", "Partitions", "Lag"],
+                   [(x.group, x.topic, x.partitions, f"{x.lag:,}") for x in lags],
+                   empty="no calmq consumer group has committed offsets yet",
+                   attrs='data-testid="consumer-lag"')]
+    if lags:
+        parts.append(bars("Consumer lag per topic", [f"{x.topic} ({x.group})" for x in lags],
+                          [("messages behind", [float(x.lag) for x in lags])]))
+    return "".join(parts)
+
+
+def review_cap_state(pending: int, cap: int | None, held: int) -> str:
+    """What the overview says of a pool's pending reviews against its cap."""
+    if cap is None:
+        return (f"no cap set: {held} held job(s) are being released" if held
+                else "no cap set")
+    if pending >= cap or held:
+        return (f"past the cap ({pending} pending, cap {cap}): new jobs that need review "
+                f"wait in queued until reviews are decided ({held} waiting)")
+    return "within the cap"
+
+
+def held_for_review_cap(events: list[dict[str, Any]]) -> bool:
+    """Whether a job's newest wait (waiting / resumed events) is for its pool's review cap."""
+    for e in reversed(events):
+        if e["type"] in ("waiting", "resumed"):
+            detail = e.get("detail") or {}
+            return e["type"] == "waiting" and detail.get("reason") == "review_cap"
+    return False
+
+
 def _event_summary(event: dict[str, Any]) -> str:
     """What a person needs of an event's detail, in one line."""
     d = event.get("detail") or {}
@@ -420,6 +459,11 @@ async def job_page(request: web.Request, caller: Tenant, page: Page) -> web.Stre
              ("Metadata", json.dumps(job["metadata"]))]
     parts.append('<dl class="facts">' + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>"
                                                 for k, v in facts) + "</dl>")
+    if status == "queued" and held_for_review_cap(job["events"]):
+        parts.append('<p class="notice" data-testid="waiting-reason">Waiting (reason '
+                     "<code>review_cap</code>): the pending reviews of pool "
+                     f"{esc(job['pool'])} are at its review cap; this job runs by itself once "
+                     "reviews are decided.</p>")
     parts.append(_decision(job, caller, page))
     if job.get("error"):
         e = job["error"]

@@ -414,6 +414,13 @@ def test_a_platform_key_sees_every_tenant_and_says_so(browser: Browser, env: Env
         assert "every tenant" in page.get_by_test_id("platform-banner").inner_text(), path
     listed = {j["job_id"] for j in page.request.get("/console/jobs.json").json()["jobs"]}
     assert {theirs, mine} <= listed
+    # The fleet's view of the overview: consumer lag per topic and group (the workers of
+    # this module's pools have committed offsets by now).
+    page.goto("/console/overview")
+    lag = page.get_by_test_id("consumer-lag")
+    assert lag.is_visible()
+    assert "calmq.wft" in lag.inner_text()
+    shot(page, "platform-overview")
     page.goto(f"/console/jobs/{theirs}")
     shot(page, "platform-job")
 

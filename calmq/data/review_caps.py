@@ -1,0 +1,63 @@
+"""Review caps enforced (calmq/sql/review_caps.sql): past a pool's cap, its new jobs that can
+end in review wait in ``queued`` (event ``waiting``, reason ``review_cap``) instead of piling
+up pending reviews, and are re-published (event ``resumed``) as decisions free room.
+
+Why hold in the database rather than leave the Kafka message pending: a message left
+uncommitted for as long as reviewers take (hours) would block every later offset of its
+partition from being committed, and a restart would redeliver all of them. A held job's
+message is acknowledged; the job keeps ``queued`` (no attempt counted, never dropped) and
+the release pass gives it a fresh ``job.requested`` through the outbox, like the sweeper.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from calmq import events, topics
+from calmq.data.database import Database
+from calmq.data.jobs import Job
+from calmq.data.outbox import entry
+
+__all__ = ["ReviewCaps"]
+
+
+class ReviewCaps:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._q = db.q
+
+    async def capped_pools(self) -> dict[str, int]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["review_capped_pools"])
+            return {str(r["pool"]): int(r["cap"]) for r in await cur.fetchall()}
+
+    async def hold(self, ids: Sequence[uuid.UUID], workflows: Sequence[str]) -> set[uuid.UUID]:
+        """Hold the queued jobs among ``ids`` (of the workflows that can end in review) that
+        would take their pool past its cap; returns the ids held (their messages are done)."""
+        if not ids:
+            return set()
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["hold_for_review_cap"],
+                                     {"ids": list(ids), "workflows": list(workflows)})
+            return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
+
+    async def release(self, limit: int = 500) -> list[Job]:
+        """Re-publish held jobs as far as their pools' caps have room (or have no cap now)."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["release_review_cap_holds"], {"limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if jobs:
+                async with conn.cursor() as out:
+                    await out.executemany(self._q["insert_outbox"], [
+                        entry(topics.work_route(j.pool, j.priority), "job.requested",
+                              events.requested(j), key=j.id,
+                              trace_parent=j.trace_parent).params()
+                        for j in jobs])
+        return jobs
+
+    async def held(self) -> dict[str, int]:
+        """How many jobs wait for each pool's cap."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["review_cap_held"])
+            return {str(r["pool"]): int(r["held"]) for r in await cur.fetchall()}

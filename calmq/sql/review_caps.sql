@@ -1,0 +1,102 @@
+-- Review caps (calmq/data/review_caps.py): past its cap, a pool's new jobs that can end in
+-- review wait in queued (event waiting, reason review_cap) instead of piling up reviews;
+-- the release pass re-publishes them as decided reviews free room under the cap.
+
+-- name: review_capped_pools
+-- The pools that have a cap: the worker caches these (a batch of other pools costs nothing).
+SELECT pool, cap FROM review_caps;
+
+-- name: hold_for_review_cap
+-- Of a claim batch's jobs (ids: jobs of workflows that can end in review), hold the queued
+-- ones that would take their pool past its cap. Used: the pool's pending reviews, its
+-- running jobs of those workflows, and the jobs the release pass let go that are not in
+-- review yet (besides this batch). The cap row is locked so that the fleet's holds of one
+-- pool take turns. The event's pending: the reviews pending or on their way (running, or
+-- ahead of it in this batch) when it was held. Returns every job held (newly or again); only a new hold writes the
+-- event, so a held job the sweeper re-publishes does not grow its history.
+WITH caps AS (
+    SELECT c.pool, c.cap FROM review_caps c
+    WHERE c.pool IN (SELECT pool FROM jobs WHERE id = ANY(%(ids)s))
+    ORDER BY c.pool
+    FOR UPDATE OF c
+), used AS (
+    SELECT c.pool, c.cap, (
+        SELECT count(*) FROM jobs j
+        WHERE j.pool = c.pool AND NOT (j.id = ANY(%(ids)s))
+          AND (j.status = 'awaiting_review'
+               OR (j.status = 'running' AND j.workflow = ANY(%(workflows)s::text[]))
+               OR (j.status IN ('queued', 'retrying') AND j.review_cap_released_at IS NOT NULL
+                   AND j.review_cap_held_at IS NULL))) AS used
+    FROM caps c
+), locked AS (
+    SELECT j.id, j.pool, j.created_at, j.review_cap_held_at FROM jobs j
+    WHERE j.id = ANY(%(ids)s) AND j.status = 'queued'
+    ORDER BY j.id
+    FOR UPDATE OF j
+), ranked AS (
+    -- Jobs released before (or never held) go first, then oldest first.
+    SELECT l.id, l.review_cap_held_at AS was_held, u.cap, u.used,
+           row_number() OVER (PARTITION BY l.pool
+                              ORDER BY l.review_cap_held_at NULLS FIRST, l.created_at, l.id) AS n
+    FROM locked l JOIN used u ON u.pool = l.pool
+), held AS (
+    UPDATE jobs j SET review_cap_held_at = COALESCE(j.review_cap_held_at, now()),
+                      review_cap_released_at = NULL, updated_at = now()
+    FROM ranked r WHERE j.id = r.id AND r.n > r.cap - r.used
+    RETURNING j.id, j.pool, j.attempt, r.was_held, r.cap, r.used + r.n - 1 AS used
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt,
+           jsonb_build_object('reason', 'review_cap', 'pool', pool, 'cap', cap,
+                              'pending', used)
+    FROM held WHERE was_held IS NULL
+)
+SELECT id FROM held;
+
+-- name: release_review_cap_holds
+-- The release pass: per pool, as many held jobs (oldest hold first) as there is room under
+-- its cap (the cap less its pending reviews and the jobs released earlier that are not in
+-- review yet); a pool whose cap was removed releases them all. The caller re-publishes
+-- each (job.requested through the outbox) in the same transaction.
+WITH caps AS (
+    SELECT c.pool, c.cap FROM review_caps c ORDER BY c.pool FOR UPDATE OF c
+), room AS (
+    SELECT p.pool, CASE WHEN c.cap IS NULL THEN NULL ELSE c.cap - (
+        SELECT count(*) FROM jobs j
+        WHERE j.pool = p.pool
+          AND (j.status = 'awaiting_review'
+               OR (j.status IN ('queued', 'retrying', 'running')
+                   AND j.review_cap_released_at IS NOT NULL AND j.review_cap_held_at IS NULL)))
+    END AS room
+    FROM (SELECT DISTINCT pool FROM jobs WHERE review_cap_held_at IS NOT NULL) p
+    LEFT JOIN caps c ON c.pool = p.pool
+), ranked AS (
+    SELECT j.id, r.room,
+           row_number() OVER (PARTITION BY j.pool ORDER BY j.review_cap_held_at, j.id) AS n
+    FROM jobs j JOIN room r ON r.pool = j.pool
+    WHERE j.review_cap_held_at IS NOT NULL AND j.status = 'queued'
+), chosen AS (
+    SELECT j.id FROM jobs j JOIN ranked r ON r.id = j.id
+    WHERE r.room IS NULL OR r.n <= r.room
+    ORDER BY j.id
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), released AS (
+    UPDATE jobs j SET review_cap_held_at = NULL, review_cap_released_at = now(),
+                      updated_at = now()
+    FROM chosen c WHERE j.id = c.id AND j.status = 'queued'
+    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, 'queued'::text AS old_status, j.lease_version
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, jsonb_build_object('reason', 'review_cap') FROM released
+)
+SELECT * FROM released;
+
+-- name: review_cap_held
+-- How many jobs wait for each pool's cap (the console's overview).
+SELECT pool, count(*) AS held FROM jobs
+WHERE review_cap_held_at IS NOT NULL AND status = 'queued'
+GROUP BY pool;

@@ -1,0 +1,110 @@
+"""Review caps enforced on the real stack: past its pool's cap, a new job that can end in
+review waits in queued (event waiting, reason review_cap; no attempt counted) instead of
+adding a pending review, and runs by itself once a decision makes room."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from calmq.data import tenants
+from calmq.producers.console.session import COOKIE
+from calmq.tooling.devstack import StackState
+from tests.support.waiting import wait_for
+from tests.support.workflow_env import WorkflowEnv
+from tests.support.workflows import POOL
+
+pytestmark = pytest.mark.integration
+
+INVOICE = "Vendor: Blurry Scan Ltd\nInvoice: 7?1\nTotal: EUR 88.00\n"
+
+
+@pytest.fixture(scope="module")
+def wf(stack: StackState) -> Iterator[WorkflowEnv]:
+    env = WorkflowEnv(stack)
+    try:
+        yield env
+    finally:
+        env.sql("DELETE FROM review_caps WHERE pool = %s RETURNING pool", POOL)
+        env.close()
+
+
+def _page(wf: WorkflowEnv, path: str, key: str) -> str:
+    req = urllib.request.Request(wf.api_url + path, headers={"Cookie": f"{COOKIE}={key}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return str(resp.read().decode())
+
+
+def _held(job: dict) -> bool:  # type: ignore[type-arg]
+    return job["status"] == "queued" and any(
+        e["type"] == "waiting" and e["detail"].get("reason") == "review_cap"
+        for e in job["events"])
+
+
+def _states(wf: WorkflowEnv, ids: list[str]) -> tuple[list[str], list[str]]:
+    jobs = [wf.job(i) for i in ids]
+    return ([i for i, j in zip(ids, jobs, strict=True) if j["status"] == "awaiting_review"],
+            [i for i, j in zip(ids, jobs, strict=True) if _held(j)])
+
+
+def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
+        wf: WorkflowEnv) -> None:
+    # Reviews other tests left pending in the pool count against its cap too.
+    before = int(wf.sql("SELECT count(*)::int AS n FROM jobs WHERE pool = %s AND "
+                        "status = 'awaiting_review'", POOL)[0]["n"])
+    cap = before + 2
+    wf.sql("INSERT INTO review_caps (pool, cap, updated_by) VALUES (%s, %s, 'test') "
+           "ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap RETURNING pool", POOL, cap)
+    ids = [wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
+           for _ in range(4)]
+
+    reviewing, held = wait_for(
+        lambda: (s := _states(wf, ids)) and len(s[0]) + len(s[1]) == 4 and s,
+        timeout=60, what="two reviews pending and two jobs held for the cap")
+    assert len(reviewing) == 2, (reviewing, held)
+    assert len(held) == 2, (reviewing, held)
+    for job_id in held:
+        job = wf.job(job_id)
+        waiting = [e["detail"] for e in job["events"] if e["type"] == "waiting"]
+        assert waiting == [{"reason": "review_cap", "pool": POOL, "cap": cap,
+                            "pending": waiting[0]["pending"]}], waiting
+        assert waiting[0]["pending"] >= cap
+        assert wf.attempts(job_id) == {}  # waiting for the cap is no attempt
+        assert job["attempt"] == 0
+
+    # The console's overview says the pool is past its cap and how many jobs wait for it;
+    # a held job's page gives the reason.
+    platform = tenants.add_key(wf.db, tenants.PLATFORM_TENANT, None, platform=True)
+    overview = _page(wf, "/console/overview", platform)
+    assert f"<td>{POOL}</td><td>{cap}</td><td>{cap}</td>" in overview  # pending, cap
+    assert f"past the cap ({cap} pending, cap {cap})" in overview
+    assert "(2 waiting)" in overview
+    assert "reason <code>review_cap</code>" in _page(wf, f"/console/jobs/{held[0]}", platform)
+
+    # Deciding one review makes room for exactly one held job.
+    status, _h, answer = wf.api.call("POST", f"/v1/jobs/{reviewing[0]}/review",
+                                     {"decision": "approve"})
+    assert status == 200, answer
+    assert wf.wait_status(reviewing[0], "completed", "dead_letter")["status"] == "completed"
+    resumed = wait_for(
+        lambda: [i for i in held if wf.job(i)["status"] == "awaiting_review"] or None,
+        timeout=60, what="a held job to run into review once a review was decided")
+    assert len(resumed) == 1
+    job = wf.job(resumed[0])
+    assert [e["detail"] for e in job["events"] if e["type"] == "resumed"] == [
+        {"reason": "review_cap"}]
+    still = [i for i in held if i != resumed[0]]
+    # The pool is at its cap again (the release pass counted the job it let go against
+    # the cap until it reached review): the other stays held.
+    assert _held(wf.job(still[0]))
+    assert wf.attempts(still[0]) == {}
+
+    # Removing the cap lets every held job go.
+    wf.sql("DELETE FROM review_caps WHERE pool = %s RETURNING pool", POOL)
+    assert wf.wait_status(still[0], "awaiting_review", "completed",
+                          "dead_letter")["status"] == "awaiting_review"
+    for job_id in ids:
+        wf.api.call("POST", f"/v1/jobs/{job_id}/review", {"decision": "approve"})

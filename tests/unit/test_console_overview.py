@@ -1,0 +1,52 @@
+"""The overview's consumer-lag and review-cap rendering, and the lag reader's timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from calmq.producers.console.lag import ConsumerLag, TopicLag
+from calmq.producers.console.pages import held_for_review_cap, lag_section, review_cap_state
+
+
+def test_lag_renders_as_a_table_and_a_bar_per_topic_and_group() -> None:
+    html = lag_section([TopicLag("calmq.default", "calmq.work.default.bulk", 1234, 2),
+                        TopicLag("calmq.forwarder", "calmq.retry.5s", 0, 2)])
+    assert 'data-testid="consumer-lag"' in html
+    assert "<td>calmq.default</td><td>calmq.work.default.bulk</td><td>2</td><td>1,234</td>" in html
+    assert "<td>calmq.forwarder</td><td>calmq.retry.5s</td><td>2</td><td>0</td>" in html
+    assert html.count("<rect ") == 2  # one bar each
+    assert "calmq.work.default.bulk (calmq.default): 1234" in html
+
+
+def test_lag_unavailable_and_no_groups_say_so() -> None:
+    assert "Consumer lag unavailable" in lag_section(None)
+    empty = lag_section([])
+    assert "no calmq consumer group has committed offsets yet" in empty
+    assert "<svg" not in empty
+
+
+def test_the_review_cap_state_says_when_new_jobs_wait() -> None:
+    assert review_cap_state(1, 2, 0) == "within the cap"
+    assert review_cap_state(2, 2, 3).startswith("past the cap (2 pending, cap 2)")
+    assert "3 waiting" in review_cap_state(2, 2, 3)
+    assert review_cap_state(0, None, 0) == "no cap set"
+    assert "being released" in review_cap_state(0, None, 2)
+
+
+def test_a_job_is_held_while_its_newest_wait_is_for_the_cap() -> None:
+    waiting = {"type": "waiting", "detail": {"reason": "review_cap"}}
+    resumed = {"type": "resumed", "detail": {"reason": "review_cap"}}
+    queued = {"type": "queued", "detail": {}}
+    assert held_for_review_cap([queued, waiting])
+    assert not held_for_review_cap([queued, waiting, resumed])
+    assert held_for_review_cap([queued, waiting, resumed, waiting])
+    assert not held_for_review_cap([queued])
+
+
+def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() -> None:
+    # A real client against a closed local port: nothing listens there.
+    reader = ConsumerLag(ttl=60.0, timeout=0.5)
+    started = time.monotonic()
+    assert asyncio.run(reader.read("127.0.0.1:1")) is None
+    assert time.monotonic() - started < 5.0
