@@ -655,6 +655,21 @@ def estimate_prompt_tokens(messages: list[dict[str, str]]) -> int:
     return max(1, (chars + 3) // 4)
 
 
+@dataclass
+class _Taken:
+    """What one call holds: its shared-budget reservation and its tenant-quota hold."""
+
+    reservation: Reservation | None
+    hold: TenantHold | None
+
+    async def settle(self, charged_tokens: float) -> None:
+        if self.reservation is not None:
+            self.reservation.settle(charged_tokens)
+        if self.hold is not None:
+            # Shielded: a call cancelled at its timeout still gives its quota back.
+            await asyncio.shield(self.hold.settle(charged_tokens))
+
+
 class BudgetedProvider:
     """A ``Provider`` that waits for the fleet budget, meters usage and cost, and turns a 429
     into a fleet-wide pause. Either part may be absent (no budget configured: metering only).
@@ -707,15 +722,7 @@ class BudgetedProvider:
     ) -> ModelReply:
         scope = current_scope()
         estimate = estimate_prompt_tokens(messages) + max_tokens
-        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
-                if self.quota is not None else None)
-        try:
-            reservation = (await self.budget.acquire(estimate, scope.priority)
-                           if self.budget is not None else None)
-        except BaseException:
-            if hold is not None:
-                await asyncio.shield(hold.settle(0))
-            raise
+        taken = await self._take(scope.tenant_id, estimate, scope.priority)
         calls = _metrics().calls
         self._in_call += 1
         try:
@@ -723,24 +730,14 @@ class BudgetedProvider:
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
         except BaseException as exc:
-            charged = _charged_on_failure(exc, estimate)
-            if reservation is not None:
-                reservation.settle(charged)
-            if hold is not None:
-                await asyncio.shield(hold.settle(charged))
-            if isinstance(exc, StepFailure):
-                await self._failed(exc)
+            await self._failed_call(exc, taken, estimate)
             raise
         finally:
             self._in_call -= 1
         calls.labels(self.provider, self.model, "ok").inc()
         output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \
             else reply.output_tokens
-        charged_tokens = (reply.input_tokens or estimate - max_tokens) + output
-        if reservation is not None:
-            reservation.settle(charged_tokens)
-        if hold is not None:
-            await hold.settle(charged_tokens)
+        await taken.settle((reply.input_tokens or estimate - max_tokens) + output)
         await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
                           reply.output_tokens)
         return reply
@@ -753,34 +750,36 @@ class BudgetedProvider:
                               failure_class=FailureClass.INPUT)
         scope = current_scope()
         estimate = max(1, sum(len(t) for t in inputs) // 4)
-        hold = (await self.quota.acquire(scope.tenant_id, estimate, scope.priority)
+        taken = await self._take(scope.tenant_id, estimate, scope.priority)
+        try:
+            reply = await inner_embed(inputs=inputs, job_id=job_id)
+        except BaseException as exc:
+            await self._failed_call(exc, taken, estimate)
+            raise
+        _metrics().calls.labels(self.provider, self.model, "ok").inc()
+        used = int(getattr(reply, "input_tokens", 0) or 0)
+        await taken.settle(used or estimate)
+        await self._meter(job_id, scope.workflow, scope.tenant_id, used, 0)
+        return reply
+
+    async def _take(self, tenant: str, estimate: float, priority: str) -> _Taken:
+        """A call's tokens from its tenant's quota, then from the shared budget; what the
+        quota gave is given back if the budget wait ends otherwise (cancelled, timed out)."""
+        hold = (await self.quota.acquire(tenant, estimate, priority)
                 if self.quota is not None else None)
         try:
-            reservation = (await self.budget.acquire(estimate, scope.priority)
+            reservation = (await self.budget.acquire(estimate, priority)
                            if self.budget is not None else None)
         except BaseException:
             if hold is not None:
                 await asyncio.shield(hold.settle(0))
             raise
-        try:
-            reply = await inner_embed(inputs=inputs, job_id=job_id)
-        except BaseException as exc:
-            charged = _charged_on_failure(exc, estimate)
-            if reservation is not None:
-                reservation.settle(charged)
-            if hold is not None:
-                await asyncio.shield(hold.settle(charged))
-            if isinstance(exc, StepFailure):
-                await self._failed(exc)
-            raise
-        _metrics().calls.labels(self.provider, self.model, "ok").inc()
-        used = int(getattr(reply, "input_tokens", 0) or 0)
-        if reservation is not None:
-            reservation.settle(used or estimate)
-        if hold is not None:
-            await hold.settle(used or estimate)
-        await self._meter(job_id, scope.workflow, scope.tenant_id, used, 0)
-        return reply
+        return _Taken(reservation, hold)
+
+    async def _failed_call(self, exc: BaseException, taken: _Taken, estimate: float) -> None:
+        await taken.settle(_charged_on_failure(exc, estimate))
+        if isinstance(exc, StepFailure):
+            await self._failed(exc)
 
     async def _failed(self, failure: StepFailure) -> None:
         _metrics().calls.labels(self.provider, self.model, failure.code).inc()
