@@ -27,7 +27,8 @@ class JobQuery:
     statuses: list[str] | None = None
     workflow: str | None = None
     pool: str | None = None
-    lane: str | None = None  # the priority column today: interactive, bulk (issue 19: batch)
+    priority: str | None = None  # interactive, bulk
+    lane: str | None = None  # online, batch
     created_after: datetime | None = None
     created_before: datetime | None = None
     search: str | None = None  # a job id or its first characters, or a metadata value
@@ -40,6 +41,7 @@ class ConsoleJob:
     tenant: str
     workflow: str
     status: str
+    priority: str
     lane: str
     pool: str
     step: str
@@ -68,7 +70,7 @@ class QueuedReview:
 
 @dataclass(frozen=True, slots=True)
 class Overview:
-    backlog: list[dict[str, Any]]  # {pool, lane, status, jobs, oldest_seconds}
+    backlog: list[dict[str, Any]]  # {pool, priority, lane, status, jobs, oldest_seconds}
     outcomes: list[dict[str, Any]]  # {bin, type, jobs}
     spend: list[dict[str, Any]]  # {hour, tokens, cost_usd, retry_cost_usd, dead_letter_cost_usd}
     budget: list[dict[str, Any]]  # {provider, model, tokens_per_minute}

@@ -2,17 +2,18 @@
 -- tenant's key sees only its own rows; NULL (a platform key) sees every tenant's.
 
 -- name: console_jobs
--- Newest first, with every filter optional. lane is the job's priority column today
--- (interactive, bulk); any other value is a lane nobody uses yet and matches nothing.
+-- Newest first, with every filter optional (priority: interactive or bulk; lane: online
+-- or batch, migration 0014; any other value matches nothing).
 -- search: a job id (or its first characters) or a metadata value, exactly.
-SELECT j.id, t.name AS tenant, j.workflow, j.status, j.priority AS lane, j.pool, j.step,
+SELECT j.id, t.name AS tenant, j.workflow, j.status, j.priority, j.lane, j.pool, j.step,
        j.attempt, j.created_at, j.updated_at, j.metadata
 FROM jobs j JOIN tenants t ON t.id = j.tenant_id
 WHERE (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
   AND (%(statuses)s::text[] IS NULL OR j.status = ANY(%(statuses)s::text[]))
   AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
   AND (%(pool)s::text IS NULL OR j.pool = %(pool)s::text)
-  AND (%(lane)s::text IS NULL OR j.priority = %(lane)s::text)
+  AND (%(priority)s::text IS NULL OR j.priority = %(priority)s::text)
+  AND (%(lane)s::text IS NULL OR j.lane = %(lane)s::text)
   AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
   AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
   AND (%(search)s::text IS NULL
@@ -35,15 +36,15 @@ ORDER BY j.updated_at, j.id
 LIMIT %(limit)s;
 
 -- name: console_backlog
--- Unfinished jobs per pool, priority and status, and how long the oldest has waited in
+-- Unfinished jobs per pool, priority, lane and status, and how long the oldest has waited in
 -- it (the queue age of calmq_queue_age_seconds, for queued and retrying).
-SELECT pool, priority AS lane, status, count(*) AS jobs,
+SELECT pool, priority, lane, status, count(*) AS jobs,
        GREATEST(0, extract(epoch FROM now() - min(updated_at)))::float8 AS oldest_seconds
 FROM jobs
 WHERE status IN ('queued', 'retrying', 'running', 'awaiting_review')
   AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
-GROUP BY 1, 2, 3
-ORDER BY 1, 2, 3;
+GROUP BY 1, 2, 3, 4
+ORDER BY 1, 2, 3, 4;
 
 -- name: console_outcomes
 -- Jobs finished per 5-minute bin of the last hour, by how they ended (the history's

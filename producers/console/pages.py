@@ -49,7 +49,8 @@ __all__ = ["HANDLERS"]
 
 _PREVIEW_BYTES = 4096
 _STATUSES = [s.value for s in Status]
-_LANES = ("interactive", "bulk")  # today's priorities; the filter takes any other name too
+_PRIORITIES = ("interactive", "bulk")
+_LANES = ("online", "batch")
 
 
 # -- sign-in ------------------------------------------------------------------------------------
@@ -149,13 +150,14 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     now = datetime.now(UTC)
     parts: list[str] = []
 
-    # Backlog and queue age per pool and lane.
+    # Backlog and queue age per pool, priority and lane.
     waiting = [r for r in data.backlog if r["status"] in ("queued", "retrying")]
     parts.append('<section aria-labelledby="backlog"><h2 id="backlog">Backlog and queue age'
                  "</h2>")
-    parts.append(table("Unfinished jobs by pool, lane and status",
-                       ["Pool", "Lane", "Status", "Jobs", "Oldest waits"],
-                       [(r["pool"], r["lane"], r["status"], r["jobs"], ago(r["oldest_seconds"]))
+    parts.append(table("Unfinished jobs by pool, priority, lane and status",
+                       ["Pool", "Priority", "Lane", "Status", "Jobs", "Oldest waits"],
+                       [(r["pool"], r["priority"], r["lane"], r["status"], r["jobs"],
+                         ago(r["oldest_seconds"]))
                         for r in data.backlog], empty="no unfinished jobs"))
     pools = sorted({str(r["pool"]) for r in data.backlog})
     series = []
@@ -293,13 +295,15 @@ def _job_query(request: web.Request, caller: Tenant) -> JobQuery:
         return parse_time(name, value, zone_required=False) if value else None
 
     return JobQuery(tenant_id=scope(caller), statuses=statuses, workflow=text("workflow"),
-                    pool=text("pool"), lane=text("lane"), created_after=at("created_after"),
+                    pool=text("pool"), priority=text("priority"), lane=text("lane"),
+                    created_after=at("created_after"),
                     created_before=at("created_before"), search=text("q"), limit=100)
 
 
 def _job_json(job: ConsoleJob) -> dict[str, Any]:
     return {"job_id": str(job.id), "tenant": job.tenant, "workflow": job.workflow,
-            "status": job.status, "lane": job.lane, "pool": job.pool, "step": job.step,
+            "status": job.status, "priority": job.priority, "lane": job.lane,
+            "pool": job.pool, "step": job.step,
             "attempt": job.attempt, "created_at": format_time(job.created_at),
             "updated_at": format_time(job.updated_at), "metadata": job.metadata}
 
@@ -326,24 +330,29 @@ async def jobs_page(request: web.Request, caller: Tenant, page: Page) -> web.Str
         return (f'<label for="f-{name}">{label}</label><input id="f-{name}" name="{name}" '
                 f'type="{kind}" value="{esc(params.get(name, ""))}">')
 
-    lanes = sorted({*_LANES, *([query.lane] if query.lane else [])})
+    def choices(known: tuple[str, ...], chosen: str | None) -> list[str]:
+        return [*known, *([chosen] if chosen and chosen not in known else [])]
+
     filters = ('<form method="get" action="/console/jobs" class="filters" role="search">'
                + select("status", "Status", _STATUSES, query.statuses or [])
                + select("workflow", "Workflow", sorted(request.app[WORKFLOWS].keys()),
                         [query.workflow] if query.workflow else [])
                + field("pool", "Pool")
-               + select("lane", "Lane", lanes, [query.lane] if query.lane else [])
+               + select("priority", "Priority", choices(_PRIORITIES, query.priority),
+                        [query.priority] if query.priority else [])
+               + select("lane", "Lane", choices(_LANES, query.lane),
+                        [query.lane] if query.lane else [])
                + field("created_after", "Created after", "datetime-local")
                + field("created_before", "Created before", "datetime-local")
                + field("q", "Job id or metadata value", "search")
                + '<button type="submit">Filter</button></form>')
-    headers = ["Job", *(["Tenant"] if caller.platform else []), "Workflow", "Status", "Lane",
-               "Pool", "Step", "Attempt", "Created"]
+    headers = ["Job", *(["Tenant"] if caller.platform else []), "Workflow", "Status",
+               "Priority", "Lane", "Pool", "Step", "Attempt", "Created"]
     body_rows = []
     for j in rows:
         link = Markup(f'<a href="/console/jobs/{j.id}">{esc(str(j.id)[:8])}</a>')
         body_rows.append((link, *([j.tenant] if caller.platform else []), j.workflow,
-                          _badge(j.status), j.lane, j.pool, j.step, j.attempt,
+                          _badge(j.status), j.priority, j.lane, j.pool, j.step, j.attempt,
                           when(j.created_at)))
     live = f"/console/jobs.json?{request.query_string}"
     body = (filters + table(f"{len(rows)} job(s), newest first (live)", headers, body_rows,
@@ -451,7 +460,8 @@ async def job_page(request: web.Request, caller: Tenant, page: Page) -> web.Stre
     facts = [("Tenant", job["tenant"]),
              ("Workflow", f"{job['workflow']} v{job['workflow_version']}"),
              ("Step", job["step"]), ("Attempt", f"{job['attempt']} of {job['max_attempts']}"),
-             ("Lane", job["priority"]), ("Pool", job["pool"]),
+             ("Priority", job["priority"]), ("Lane", job["lane"]),
+             ("Pool", job["pool"]),
              ("Created", when(job["created_at"])), ("Updated", when(job["updated_at"])),
              ("Deadline", when(job["deadline_at"])), ("Trace id", _trace_id(job["trace_parent"])),
              ("Tokens", f"{int(job['input_tokens'])} in, {int(job['output_tokens'])} out"),

@@ -317,7 +317,8 @@ def test_every_pod_answers_its_probes_on_a_non_loopback_address(
     """Each Deployment's process serves its probes, and /metrics from outside loopback."""
     started = {p.owner for p in rendered_set.kubelet.started}
     assert started == {"calmq-api", "calmq-relay", "calmq-forwarder", "calmq-reaper",
-                       f"calmq-worker-{POOL_A}", f"calmq-worker-{POOL_B}"}
+                       f"calmq-worker-{POOL_A}", f"calmq-worker-{POOL_B}",
+                       f"calmq-batcher-{POOL_A}", f"calmq-batcher-{POOL_B}"}
     listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True,
                                check=False).stdout
     for pod in rendered_set.kubelet.started:
