@@ -225,16 +225,26 @@ def _insert_params(job: NewJob) -> dict[str, Any]:
     for name in _NEW_JOB_JSON:
         if params[name] is not None:
             params[name] = Jsonb(params[name])
-    out = _requested(job)
+    out = requested(job)
     params.update(event_id=out.id, route=out.route, payload=Jsonb(out.payload),
                   headers=Jsonb(out.headers))
     return params
 
 
-def _requested(job: NewJob) -> OutboxEntry:
-    # created_at: the database's commit-side clock replaces it (insert_job).
+def requested(job: NewJob | Job) -> OutboxEntry:
+    """The job.requested that sends a job (new, reaped, swept or released) to its topic:
+    its pool's priority topic, or the batch lane's. Every re-publish goes through here, so
+    none can drop the lane (a released batch-lane job once went to the online topic)."""
+    # created_at: for a new job the database's commit-side clock replaces it (insert_job).
     return entry(topics.work_route(job.pool, job.priority, job.lane), "job.requested",
                  events.requested(job), key=job.id, trace_parent=job.trace_parent)
+
+
+async def republish(conn: Any, insert_outbox: str, jobs: Sequence[Job]) -> None:
+    """Write each job's job.requested into the outbox, in the caller's transaction."""
+    if jobs:
+        async with conn.cursor() as out:
+            await out.executemany(insert_outbox, [requested(j).params() for j in jobs])
 
 
 def _json_params(job: NewJob) -> dict[str, Any]:
@@ -444,13 +454,7 @@ class Jobs:
         async with self._db.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(self._q["reap_expired_leases"], {"limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
-            if jobs:
-                async with conn.cursor() as out:
-                    await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
-                              events.requested(j), key=j.id,
-                              trace_parent=j.trace_parent).params()
-                        for j in jobs])
+            await republish(conn, self._q["insert_outbox"], jobs)
         return jobs
 
     async def dead_letter_poisoned(self, error: dict[str, Any], limit: int = 500) -> list[Job]:
@@ -492,13 +496,7 @@ class Jobs:
                 "grace_seconds": grace_seconds, "longest_tier_seconds": longest_tier_seconds,
                 "limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
-            if jobs:
-                async with conn.cursor() as out:
-                    await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority, j.lane), "job.requested",
-                              events.requested(j), key=j.id,
-                              trace_parent=j.trace_parent).params()
-                        for j in jobs])
+            await republish(conn, self._q["insert_outbox"], jobs)
         return jobs
 
     async def cancel(self, tenant_id: uuid.UUID, job_id: uuid.UUID, by: str | None = None

@@ -14,10 +14,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from calmq import events, topics
 from calmq.data.database import Database
-from calmq.data.jobs import Job
-from calmq.data.outbox import entry
+from calmq.data.jobs import Job, republish
 
 __all__ = ["ReviewCaps"]
 
@@ -47,13 +45,7 @@ class ReviewCaps:
         async with self._db.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(self._q["release_review_cap_holds"], {"limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
-            if jobs:
-                async with conn.cursor() as out:
-                    await out.executemany(self._q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
-                              events.requested(j), key=j.id,
-                              trace_parent=j.trace_parent).params()
-                        for j in jobs])
+            await republish(conn, self._q["insert_outbox"], jobs)
         return jobs
 
     async def held(self) -> dict[str, int]:

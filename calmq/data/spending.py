@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calmq import events, topics
 from calmq.data.database import Database
-from calmq.data.jobs import Job
-from calmq.data.outbox import entry
+from calmq.data.jobs import Job, republish
 
 __all__ = ["Spend", "SpendCap", "SpendLedger"]
 
@@ -73,13 +71,7 @@ class SpendLedger:
                 "fleet_bulk": fleet_bulk, "fleet_all": fleet_all,
                 "stale_seconds": stale_seconds, "limit": limit})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
-            if jobs:
-                async with conn.cursor() as out:
-                    await out.executemany(self._db.q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
-                              events.requested(j), key=j.id,
-                              trace_parent=j.trace_parent).params()
-                        for j in jobs])
+            await republish(conn, self._db.q["insert_outbox"], jobs)
         return jobs
 
     async def quota_held_tenants(self) -> list[uuid.UUID]:
@@ -100,13 +92,7 @@ class SpendLedger:
                 cur = await conn.execute(self._db.q["release_quota_jobs"],
                                          {"tenant_id": tenant_id, "limit": limit})
                 jobs.extend(Job.from_row(r) for r in await cur.fetchall())
-            if jobs:
-                async with conn.cursor() as out:
-                    await out.executemany(self._db.q["insert_outbox"], [
-                        entry(topics.work_route(j.pool, j.priority), "job.requested",
-                              events.requested(j), key=j.id,
-                              trace_parent=j.trace_parent).params()
-                        for j in jobs])
+            await republish(conn, self._db.q["insert_outbox"], jobs)
         return jobs
 
     async def set_quota(self, name: str, tokens_per_minute: int | None) -> bool:

@@ -88,7 +88,8 @@ WITH caps AS (
     -- the columns claim_jobs returns: read as calmq.data.jobs.Job
     RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
               j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'queued'::text AS old_status, j.lease_version
+              j.trace_parent, j.created_at, 'queued'::text AS old_status, j.lease_version,
+              j.lane
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, jsonb_build_object('reason', 'review_cap') FROM released
