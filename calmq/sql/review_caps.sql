@@ -8,9 +8,10 @@ SELECT pool, cap FROM review_caps;
 
 -- name: hold_for_review_cap
 -- Of a claim batch's jobs (ids: jobs of workflows that can end in review), hold the queued
--- ones that would take their pool past its cap. Used: the pool's pending reviews, its
--- running jobs of those workflows, and the jobs the release pass let go that are not in
--- review yet (besides this batch). The cap row is locked so that the fleet's holds of one
+-- ones never claimed that would take their pool past its cap. Used: the pool's pending
+-- reviews, its admitted jobs of those workflows not in review yet (running, between steps,
+-- retrying), and the jobs the release pass let go that are not in review yet (besides this
+-- batch). The cap row is locked so that the fleet's holds of one
 -- pool take turns. The event's pending: the reviews pending or on their way (running, or
 -- ahead of it in this batch) when it was held. Returns every job held (newly or again); only a new hold writes the
 -- event, so a held job the sweeper re-publishes does not grow its history.
@@ -24,13 +25,18 @@ WITH caps AS (
         SELECT count(*) FROM jobs j
         WHERE j.pool = c.pool AND NOT (j.id = ANY(%(ids)s))
           AND (j.status = 'awaiting_review'
-               OR (j.status = 'running' AND j.workflow = ANY(%(workflows)s::text[]))
+               -- admitted (claimed once) and on its way: running, between two steps, or
+               -- waiting for a retry
+               OR (j.status IN ('running', 'queued', 'retrying') AND j.lease_version > 0
+                   AND j.workflow = ANY(%(workflows)s::text[]))
                OR (j.status IN ('queued', 'retrying') AND j.review_cap_released_at IS NOT NULL
                    AND j.review_cap_held_at IS NULL))) AS used
     FROM caps c
 ), locked AS (
     SELECT j.id, j.pool, j.created_at, j.review_cap_held_at FROM jobs j
-    WHERE j.id = ANY(%(ids)s) AND j.status = 'queued'
+    -- Only a job never claimed is held: one admitted earlier (at its next step, or retrying)
+    -- already counts against the cap and goes on to its review.
+    WHERE j.id = ANY(%(ids)s) AND j.status = 'queued' AND j.lease_version = 0
     ORDER BY j.id
     FOR UPDATE OF j
 ), ranked AS (

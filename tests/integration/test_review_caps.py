@@ -7,9 +7,12 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from calmq.data import tenants
+from calmq.sql import queries
 from calmq.producers.console.session import COOKIE
 from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
@@ -108,3 +111,36 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
                           "dead_letter")["status"] == "awaiting_review"
     for job_id in ids:
         wf.api.call("POST", f"/v1/jobs/{job_id}/review", {"decision": "approve"})
+
+
+def test_a_job_admitted_before_the_cap_is_reached_is_not_held_at_its_next_step(
+        wf: WorkflowEnv) -> None:
+    # The race the cap must not lose: a job claimed while there was room finishes its first
+    # step and is queued for the next while newer jobs are claimed. It was admitted: it
+    # counts against the cap and goes on to its review; only a job never claimed waits.
+    job_id, pending = (wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
+                       for _ in range(2))
+    for i in (job_id, pending):  # pending keeps the pool's count of used reviews above 0
+        assert wf.wait_status(i, "awaiting_review", "completed",
+                              "dead_letter")["status"] == "awaiting_review"
+    hold = queries()["hold_for_review_cap"]
+    workflows = ["invoice_t"]
+    with psycopg.connect(wf.db, row_factory=dict_row) as conn:  # rolled back at the end
+        # Between its two steps: queued again at the second, with the claim's lease version.
+        conn.execute("UPDATE jobs SET status = 'queued', step = 'extract_fields' "
+                     "WHERE id = %s", (job_id,))
+        used = conn.execute(
+            "SELECT count(*)::int AS n FROM jobs WHERE pool = %s AND id <> %s AND "
+            "(status = 'awaiting_review' OR (status IN ('running', 'queued', 'retrying') "
+            "AND lease_version > 0 AND workflow = ANY(%s)))",
+            (POOL, job_id, workflows)).fetchone()["n"]  # type: ignore[index]
+        conn.execute("INSERT INTO review_caps (pool, cap, updated_by) VALUES (%s, %s, 'test') "
+                     "ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap", (POOL, used))
+        assert conn.execute(hold, {"ids": [job_id], "workflows": workflows}).fetchall() == []
+        # The same job had it never been claimed: past the cap, it waits.
+        conn.execute("UPDATE jobs SET lease_version = 0 WHERE id = %s", (job_id,))
+        held = conn.execute(hold, {"ids": [job_id], "workflows": workflows}).fetchall()
+        assert [str(r["id"]) for r in held] == [job_id]
+        conn.rollback()
+    for i in (job_id, pending):
+        wf.api.call("POST", f"/v1/jobs/{i}/review", {"decision": "approve"})
