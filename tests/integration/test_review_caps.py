@@ -12,8 +12,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from calmq.data import tenants
-from calmq.sql import queries
 from calmq.producers.console.session import COOKIE
+from calmq.sql import queries
 from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv
