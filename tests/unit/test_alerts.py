@@ -82,6 +82,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     that define it ran (lazily created ones by their factories) and vice versa: the scan is
     neither vacuous nor inventing metrics."""
     import calmq.budget
+    import calmq.cli.services
     import calmq.processors.batcher
     import calmq.processors.metrics
     import calmq.producers.api
@@ -97,6 +98,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     # The factories below are the modules' own lazy constructors (cached: calling one
     # again returns the same metrics), which is how the processes create them.
     calmq.budget._metrics()
+    calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()
     calmq.retrying._retries()
     calmq.supervision._failures()
