@@ -37,7 +37,8 @@ __all__ = ["DEFAULT_SIZES", "SCENARIOS", "NotBuiltError", "run_scenario"]
 PY = sys.executable
 # budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
-                 "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000}
+                 "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
+                 "logical_messages": 50_000}
 ACCEPT_CONCURRENCY = 32
 E2E_CONCURRENCY = 64
 DISPATCH_RATE = 500.0
@@ -914,9 +915,16 @@ def _batch(size: int, log: Log, sampler: Sampler, **kw: Any) -> dict[str, Any]:
     return batch(size, log, sampler, **kw)
 
 
+def _logical_messages(size: int, log: Log, sampler: Sampler, **kw: Any) -> dict[str, Any]:
+    from bench.logical_messages import logical_messages  # an A/B of the outbox's write path
+
+    return logical_messages(size, log, sampler, **kw)
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "accept": accept, "relay": relay, "e2e": e2e, "slow": slow, "drain": drain,
     "budget": budget, "priority": priority, "longcalls": longcalls, "batch": _batch,
+    "logical_messages": _logical_messages,
 }
 
 
