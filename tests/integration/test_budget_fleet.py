@@ -1,17 +1,27 @@
 """Three worker processes share one token budget against a rate-limited provider.
 
 The issue's scenario exactly: 300 bulk jobs and then 20 interactive ones on a fleet whose
-provider allows ~120 jobs a minute (~2.7 minutes of work; 177 s here, 0 of 320 calls
-answered 429, interactive p95 9.85 s). SCALE multiplies every rate for a quicker run by
-hand; keep it at most 2: the provider counts a sliding minute, and a run shorter than a
-minute never fills its window, so it could not show whether the fleet stays under it.
+provider allows ~120 jobs a minute (~2.7 minutes of work; ~180 s here, 0 of 320 calls
+answered 429). SCALE multiplies every rate for a quicker run by hand; keep it at most 2: the
+provider counts a sliding minute, and a run shorter than a minute never fills its window, so
+it could not show whether the fleet stays under it.
+
+The wait target sits close to what the quota allows. The fleet's rate is 97.5 % of the
+provider's (the sliding-minute margin), ~1.95 jobs a second, so even when interactive work
+takes the whole rate the k-th of 20 interactive jobs finishes no sooner than ~(k - 1) x 0.513 s
+after the first: the 19th at ~9.2 s, the 20th at ~9.7 s, plus the first one's own trip
+(~0.3 s). "p95 <= 10 s" is therefore read as the issue says it, 95 % of the interactive jobs
+(19 of 20) within the setting; an estimator that interpolates towards the 20th (e.g.
+statistics.quantiles' default, ~10.0 s here) would make the test a coin flip on the machine's
+noise. What the budget does to get there is asserted on its own: while interactive jobs wait,
+bulk jobs do not take the quota from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
+import math
 import sys
 import urllib.request
 import uuid
@@ -131,9 +141,22 @@ def test_fleet_finishes_everything_with_few_429s_and_prompt_interactive(
             "SELECT extract(epoch FROM e.at - j.created_at) FROM jobs j"
             " JOIN job_events e ON e.job_id = j.id AND e.type = 'completed'"
             " WHERE j.id = ANY(%s)", (interactive,))]
+        # While interactive jobs wait, bulk does not take the quota from them: between the first
+        # and the last interactive completion only bulk calls admitted before the interactive
+        # jobs arrived may finish (a slice per worker). Held to the interactive share alone
+        # (20 %), ~75 bulk jobs would finish in that window.
+        bulk_between = conn.execute(
+            "WITH i AS (SELECT min(e.at) AS first, max(e.at) AS last FROM job_events e"
+            "           WHERE e.job_id = ANY(%s) AND e.type = 'completed')"
+            " SELECT count(*) FROM jobs j JOIN job_events e ON e.job_id = j.id, i"
+            " WHERE j.tenant_id = %s AND j.priority = 'bulk' AND e.type = 'completed'"
+            "   AND e.at > i.first AND e.at < i.last",
+            (interactive, tenant)).fetchone()[0]  # type: ignore[index]
     assert len(waits) == INTERACTIVE
-    p95 = statistics.quantiles(waits, n=20)[-1]
+    # p95 as the issue means it: 95 % of the interactive jobs waited no longer than the setting.
+    p95 = sorted(waits)[math.ceil(0.95 * len(waits)) - 1]
     assert p95 <= settings.interactive_wait_seconds, sorted(waits)
+    assert bulk_between <= WORKERS * 2, (bulk_between, sorted(waits))
 
     stats = _get_json(fleet.provider_url + "/stats")
     calls = stats["calls"]
