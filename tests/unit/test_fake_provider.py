@@ -421,7 +421,8 @@ async def test_anthropic_success_shape(make_client: MakeClient) -> None:
     """/v1/messages answers in the Anthropic shape with input/output token usage."""
     client = await make_client()
     body = anthropic_body({"text": TEXT})
-    resp = await client.post("/v1/messages", headers=ANTHROPIC, json=body)
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=body)
     assert resp.status == 200
     data = await resp.json()
     assert data["type"] == "message"
@@ -438,7 +439,8 @@ async def test_anthropic_success_shape(make_client: MakeClient) -> None:
 async def test_anthropic_errors_and_flaky_per_job(make_client: MakeClient) -> None:
     """/v1/messages uses the Anthropic error shape and counts flaky per metadata.user_id."""
     client = await make_client()
-    resp = await client.post("/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "always_fail"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "always_fail"}))
     assert resp.status == 503
     data = await resp.json()
     assert {k: data[k] for k in ("type", "error")} == {
@@ -446,12 +448,16 @@ async def test_anthropic_errors_and_flaky_per_job(make_client: MakeClient) -> No
         "error": {"type": "overloaded_error", "message": "upstream_unavailable"},
     }
     step = {"text": TEXT, "mode": "flaky", "fail_times": 1}
-    first = await client.post("/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
-    second = await client.post("/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
+    first = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
+    second = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
     assert (first.status, second.status) == (503, 200)
-    resp = await client.post("/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "refusal"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "refusal"}))
     assert (await resp.json())["stop_reason"] == "refusal"
-    resp = await client.post("/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "unauthorized"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "unauthorized"}))
     assert resp.status == 401
     assert (await resp.json())["error"]["type"] == "authentication_error"
 

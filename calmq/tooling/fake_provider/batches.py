@@ -46,6 +46,7 @@ class _Batch:
     status: str = "validating"  # OpenAI's names; Anthropic's processing_status is derived
     output: list[bytes] | None = None
     errors: list[bytes] | None = None
+    input_file_id: str = ""
     output_file_id: str | None = None
     error_file_id: str | None = None
     counts: dict[str, int] | None = None
@@ -97,7 +98,7 @@ class BatchApis:
         self._files[file_id] = (purpose, data)
         return web.json_response({"id": file_id, "object": "file", "bytes": len(data),
                                   "created_at": int(time.time()), "filename": name,
-                                  "purpose": purpose})
+                                  "purpose": purpose, "status": "processed"})
 
     async def create_openai(self, request: web.Request) -> web.Response:
         try:
@@ -140,6 +141,7 @@ class BatchApis:
         metadata = body.get("metadata") or {}
         batch = self._start(request, anthropic=False, endpoint=endpoint, requests=requests,
                             metadata=dict(metadata), prefix="batch_fake")
+        batch.input_file_id = file_id
         await self._delay()
         return web.json_response(self._openai_view(batch, file_id))
 
@@ -190,7 +192,8 @@ class BatchApis:
         counts = batch.counts or {}
         return {
             "id": batch.id, "object": "batch", "endpoint": batch.endpoint,
-            "input_file_id": file_id, "completion_window": "24h", "status": batch.status,
+            "input_file_id": file_id or batch.input_file_id or "file-synthetic",
+            "completion_window": "24h", "status": batch.status,
             "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
             "created_at": int(batch.created),
             "completed_at": int(batch.ended) if batch.ended and batch.status == "completed"
@@ -432,12 +435,13 @@ class BatchApis:
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/admin/batches/synthetic", self.synthetic)
-        app.router.add_post("/v1/files", self.upload_file)
-        app.router.add_get("/v1/files/{file_id}/content", self.file_content)
-        app.router.add_post("/v1/batches", self.create_openai)
-        app.router.add_get("/v1/batches", self.list_openai)
-        app.router.add_get("/v1/batches/{batch_id}", self.get_openai)
-        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_openai)
+        for prefix in ("/v1", "/openai/v1"):  # OpenAI; Azure OpenAI's v1 API
+            app.router.add_post(f"{prefix}/files", self.upload_file)
+            app.router.add_get(f"{prefix}/files/{{file_id}}/content", self.file_content)
+            app.router.add_post(f"{prefix}/batches", self.create_openai)
+            app.router.add_get(f"{prefix}/batches", self.list_openai)
+            app.router.add_get(f"{prefix}/batches/{{batch_id}}", self.get_openai)
+            app.router.add_post(f"{prefix}/batches/{{batch_id}}/cancel", self.cancel_openai)
         app.router.add_post("/v1/messages/batches", self.create_anthropic)
         app.router.add_get("/v1/messages/batches", self.list_anthropic)
         app.router.add_get("/v1/messages/batches/{batch_id}", self.get_anthropic)
