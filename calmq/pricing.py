@@ -33,6 +33,7 @@ __all__ = ["BATCH_DISCOUNT", "DEFAULT_PRICES", "ModelPrice", "batch_cost_usd", "
 log = logging.getLogger(__name__)
 
 _MILLION = 1_000_000
+_UNIT = 1_000
 
 
 class ModelPrice(BaseModel):
@@ -82,14 +83,16 @@ def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
     context = {"service_tier": tier} if tier else None
 
     def per_million(**tokens: int) -> float:
+        # Priced for a thousand tokens and scaled: a million at once would be priced at the
+        # long-context tier some models have (over 200k tokens in one call).
         found = calc_price(Usage(**tokens), model, provider_id=provider_id,
                            price_context=context)
-        return float(found.total_price)
+        return float(found.total_price) * (_MILLION // _UNIT)
 
     try:
-        full = per_million(input_tokens=_MILLION)
-        cached = per_million(input_tokens=_MILLION, cache_read_tokens=_MILLION)
-        return ModelPrice(input=full, output=per_million(output_tokens=_MILLION),
+        full = per_million(input_tokens=_UNIT)
+        cached = per_million(input_tokens=_UNIT, cache_read_tokens=_UNIT)
+        return ModelPrice(input=full, output=per_million(output_tokens=_UNIT),
                           cached_input=cached)
     except (LookupError, ValueError):
         return None
