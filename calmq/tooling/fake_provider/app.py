@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from calmq.tooling.fake_provider import conformance
 from calmq.tooling.fake_provider.batches import BatchApis
 from calmq.tooling.fake_provider.online import Online
 from calmq.tooling.fake_provider.settings import MODES, FakeProviderSettings
@@ -40,6 +41,8 @@ def build_app(
     settings: FakeProviderSettings, *, clock: Callable[[], float] = time.monotonic
 ) -> web.Application:
     """The fake provider as an aiohttp app; ``clock`` only drives the rate-limit window."""
+    if settings.check_requests:
+        conformance.start_warming()
     online = Online(settings, clock)
     # Prompts in tests can be large; the 1 MiB aiohttp default would turn them into 413s.
     app = web.Application(client_max_size=16 * 1024 * 1024)

@@ -87,6 +87,7 @@ class BatchApis:
             elif part.name == "file":
                 name = part.filename or name
                 data = bytes(await part.read())
+        await conformance.ready()
         refusal = conformance.openai_file_purpose(purpose) if self.check else None
         if refusal is not None:
             self.refused(refusal.message)
@@ -103,6 +104,7 @@ class BatchApis:
     async def create_openai(self, request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
+            await conformance.ready()
             refusal = conformance.openai_batch_create(body) if self.check else None
             if refusal is not None:
                 self.refused(refusal.message)
@@ -215,6 +217,7 @@ class BatchApis:
     async def create_anthropic(self, request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
+            await conformance.ready()
             refusal = conformance.anthropic_batch(body) if self.check else None
             if refusal is not None:
                 self.refused(refusal.message)

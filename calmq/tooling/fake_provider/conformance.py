@@ -16,6 +16,8 @@ The error bodies are the providers': ``{"error": {"message", "type", "param", "c
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -34,6 +36,9 @@ __all__ = [
     "openai_embeddings",
     "openai_file_purpose",
     "openai_strict_problems",
+    "ready",
+    "start_warming",
+    "warm",
 ]
 
 SCHEMA_NAME: Final = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -102,6 +107,40 @@ def _unknown_or_type(problems: list[str], anthropic: bool) -> Refusal:
     where = first.split(":", 1)[0].removeprefix("body.")
     return Refusal(400, f"Invalid value for '{where}': {first.split(':', 1)[1].strip()}",
                    param=where, code="invalid_value")
+
+
+_warming: concurrent.futures.Future[None] | None = None
+
+
+def start_warming() -> None:
+    """``warm`` in a thread, from the server's start: the SDKs' import takes seconds on a
+    loaded machine, and must hold neither the start (the server answers /healthz at once)
+    nor the event loop (a call arriving meanwhile awaits ``ready``)."""
+    global _warming
+    if _warming is None:
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdk-warm")
+        _warming = pool.submit(warm)
+        pool.shutdown(wait=False)
+
+
+async def ready() -> None:
+    """Wait (without blocking the loop) until the SDKs' types are loaded."""
+    if _warming is not None and not _warming.done():
+        await asyncio.wrap_future(_warming)
+
+
+def warm() -> None:
+    """Import the SDKs' types and walk one request of each kind."""
+    openai_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "w", "strict": True, "schema": {
+                         "type": "object", "properties": {}, "required": [],
+                         "additionalProperties": False}}}})
+    openai_embeddings({"model": "m", "input": ["x"]})
+    openai_batch_create({"input_file_id": "f", "endpoint": "/v1/chat/completions",
+                         "completion_window": "24h"})
+    anthropic_batch({"requests": [{"custom_id": "w", "params": {
+        "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}}]})
 
 
 # -- OpenAI ------------------------------------------------------------------------------

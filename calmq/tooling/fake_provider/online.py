@@ -78,8 +78,8 @@ class Online:
         self._outage_calls = itertools.count()
         self.refused = 0
         self._refusals: deque[str] = deque(maxlen=_KEPT_REFUSALS)
-        # (wall time, path, status, model, auth scheme, extra header names) per call.
-        self._arrivals: deque[tuple[float, str, int, str, str, list[str]]] = deque(
+        # (wall time, path, job, model, auth scheme, extra header names) per call.
+        self._arrivals: deque[tuple[float, str, str, str, str, list[str]]] = deque(
             maxlen=_KEPT_CALLS)
 
     @property
@@ -198,11 +198,17 @@ class Online:
             return scheme, "unauthorized"
         return scheme, None
 
-    def _arrive(self, request: web.Request, model: str, scheme: str) -> int:
+    def _arrive(self, request: web.Request, body: Any, scheme: str) -> None:
         extra = sorted(h for h in request.headers if h.lower().startswith("x-")
                        and h.lower() not in ("x-api-key", BATCH_HEADER.lower()))
-        self._arrivals.append((time.time(), request.path, 0, model, scheme, extra))
-        return len(self._arrivals) - 1
+        model: Any = ""
+        job: Any = ""
+        if isinstance(body, dict):
+            model = body.get("model") or ""
+            meta = body.get("metadata")
+            job = body.get("user") or (meta.get("user_id") if isinstance(meta, dict) else "")
+        self._arrivals.append((time.time(), request.path, str(job or ""), str(model), scheme,
+                               extra))
 
     # --- model endpoints -------------------------------------------------------------
 
@@ -221,11 +227,11 @@ class Online:
             return self._error(anthropic, 400, kind="invalid_request_error",
                                code="invalid_request", message="invalid JSON")
         scheme, denied = self._credentials(request, anthropic)
-        model = body.get("model") if isinstance(body, dict) else None
-        self._arrive(request, model if isinstance(model, str) else "", scheme)
+        self._arrive(request, body, scheme)
         if denied:
             return self._fail(anthropic, FAILURES[denied])
         if self._settings.check_requests:
+            await conformance.ready()
             refusal = self._check(request, body, anthropic)
             if refusal is not None:
                 return self._refuse(anthropic, refusal)
@@ -350,11 +356,11 @@ class Online:
         except ValueError:
             body = None
         scheme, denied = self._credentials(request, False)
-        model = body.get("model") if isinstance(body, dict) else ""
-        self._arrive(request, model if isinstance(model, str) else "", scheme)
+        self._arrive(request, body, scheme)
         if denied:
             return self._fail(False, FAILURES[denied])
         if self._settings.check_requests:
+            await conformance.ready()
             refusal = conformance.openai_embeddings(body)
             if refusal is not None:
                 return self._refuse(False, refusal)
@@ -431,11 +437,12 @@ class Online:
         )
 
     async def handle_calls(self, request: web.Request) -> web.Response:
-        """GET /admin/calls: each recent model call's arrival (wall time), path, model,
+        """GET /admin/calls: each recent model call's arrival (wall time), path, job, model,
         auth scheme and the names of its extra ``X-`` headers."""
         return web.json_response({"calls": [
-            {"at": at, "path": path, "model": model, "auth": scheme, "headers": extra}
-            for at, path, _status, model, scheme, extra in self._arrivals]})
+            {"at": at, "path": path, "job": job, "model": model, "auth": scheme,
+             "headers": extra}
+            for at, path, job, model, scheme, extra in self._arrivals]})
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         self.calls = 0
