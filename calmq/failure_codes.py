@@ -164,7 +164,7 @@ class ProviderBlocked(StepFailure):
 
 def docs_table() -> str:
     """The provider failures as the docs' table (docs/reference/providers.md)."""
-    rows = ["| provider answer | code | class | retried | budget |",
+    rows = ["| provider answer | code | class | retried | budget: what happens |",
             "|---|---|---|---|---|"]
     for c in _ALL:
         if not c.provider_status:
