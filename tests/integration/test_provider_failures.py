@@ -110,7 +110,7 @@ def _blocked_reason(port: int) -> str | None:
 
 
 def _health(env: Env) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "calmq.cli", "health", "-o", "json"],
+    out = subprocess.run([sys.executable, "-m", "calmq.cli", "health", "-o", "json"], check=False,
                          env={**_clean_env(), **env.stack.env}, capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     rows: list[dict[str, Any]] = json.loads(out.stdout)
@@ -155,7 +155,7 @@ def test_insufficient_quota_pauses_and_context_length_is_the_jobs_input(
     """Exhausted billing pauses like a bad key (no dead letter, no attempt counted); a
     context-length error dead-letters as input at the first attempt."""
     pool = env.pool("quota")
-    _, port = env.procs.worker(pool, **_worker_settings(fake))
+    env.procs.worker(pool, **_worker_settings(fake))
     _post(fake + "/admin/outage", {"seconds": 5, "statuses": ["insufficient_quota"]})
     ids = env.submit(pool, *({"text": f"quota {n}"} for n in range(20)), priority="bulk")
     done = wait_for(lambda: (c := _counts(env.db, ids))["completed"] == 20 and c,

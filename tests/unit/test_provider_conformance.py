@@ -241,3 +241,79 @@ async def test_the_fake_refuses_the_schema_calmq_used_to_send(fake: str) -> None
     assert "additionalProperties" in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (await _get(fake, "/stats"))["refused"] == 1
+
+
+async def test_azure_deployment_urls_and_the_api_key_header(fake: str) -> None:
+    """Azure OpenAI: a deployment URL with api-version, the v1 API, and the key in the
+    api-key header (never Authorization); without api-version the deployment URL is 404."""
+    deployment = open_provider("azure", f"{fake}/openai/deployments/my-gpt", "az-key",
+                               "gpt-4o-mini", api_version="2024-10-21")
+    v1 = open_provider("azure", f"{fake}/openai/v1", "az-key", "gpt-4o-mini")
+    missing = open_provider("azure", f"{fake}/openai/deployments/my-gpt", "az-key",
+                            "gpt-4o-mini")
+    messages = [{"role": "user", "content": json.dumps({"text": "a b c"})}]
+    try:
+        for provider in (deployment, v1):
+            reply = await provider.complete(messages=messages, job_id="j", max_tokens=16)
+            assert reply.content
+            assert (await provider.embed(inputs=["x"], job_id="j")).vectors
+        with pytest.raises(StepFailure) as missed:
+            await missing.complete(messages=messages, job_id="j", max_tokens=16)
+        assert missed.value.code == "model_not_found"  # a 404: the fleet's configuration
+    finally:
+        for provider in (deployment, v1, missing):
+            await provider.close()
+    calls = (await _get(fake, "/admin/calls"))["calls"]
+    assert {c["auth"] for c in calls} == {"api-key"}
+    assert {c["path"] for c in calls} >= {"/openai/deployments/my-gpt/chat/completions",
+                                         "/openai/v1/chat/completions",
+                                         "/openai/v1/embeddings"}
+    assert (await _get(fake, "/stats"))["refused"] == 0
+
+
+async def test_openai_compatible_servers_get_the_extra_headers(fake: str) -> None:
+    """An OpenAI-compatible server (vLLM, Ollama, a LiteLLM proxy): the OpenAI paths, a
+    Bearer key when one is set, and CALMQ_PROVIDER_EXTRA_HEADERS on every call, batches
+    included."""
+    provider = open_provider("openai", f"{fake}/v1", "sk-litellm", "llama-3.1-8b",
+                             extra_headers={"X-Team": "search"})
+    client = open_batch_client("openai", f"{fake}/v1", "sk-litellm", "llama-3.1-8b",
+                               extra_headers={"X-Team": "search"})
+    try:
+        messages = [{"role": "user", "content": json.dumps({"text": "a b c"})}]
+        assert (await provider.complete(messages=messages, job_id="j", max_tokens=8)).content
+        await client.create([client.line("job-1_1", client.request_body(
+            messages=messages, job_id="job-1", max_tokens=8))], "k")
+    finally:
+        await provider.close()
+        await client.close()
+    calls = (await _get(fake, "/admin/calls"))["calls"]
+    assert calls
+    assert all(c["auth"] == "bearer" and "X-Team" in c["headers"] for c in calls
+               if c["job"] != "job-1")
+
+
+async def test_a_key_the_fake_requires_is_checked_in_each_shape() -> None:
+    """--require-key: a wrong key is the provider's 401 (calmq: provider_auth, a pause)."""
+    app = build_app(FakeProviderSettings(api_key="right"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        for kind in ("openai", "azure", "anthropic"):
+            base = f"{url}/openai/v1" if kind == "azure" else url
+            wrong = open_provider(kind, base, "wrong", "claude-sonnet-4-5")
+            right = open_provider(kind, base, "right", "claude-sonnet-4-5")
+            try:
+                with pytest.raises(StepFailure) as refused:
+                    await wrong.complete(messages=messages, job_id="j", max_tokens=8)
+                assert refused.value.code == "provider_auth"
+                assert (await right.complete(messages=messages, job_id="j", max_tokens=8))
+            finally:
+                await wrong.close()
+                await right.close()
+    finally:
+        await runner.cleanup()
