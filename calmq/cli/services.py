@@ -105,8 +105,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from confluent_kafka import Producer
 
-    from calmq.codec import make_codec
-    from calmq.kafka import producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import producer_config, service_connection
     from calmq.relay import Publisher, drop_slot, make_relay
 
     if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
@@ -128,10 +128,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # linger.ms 0: the relay is on every job's accept→dispatch path, and its records come
     # a transaction at a time already; the 2 ms linger only delayed a quiet moment's first
     # record (under load, what accumulates while requests are in flight still batches).
-    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
+    publisher = Publisher(Producer(producer_config(service_connection(settings),
                                                   compression=settings.kafka_compression,
                                                   **{"linger.ms": 0})),
-                          make_codec(settings.schema_registry_url),
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
     make_relay(settings, publisher).run(stop)
@@ -170,8 +170,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
     from calmq import topics
-    from calmq.codec import make_codec
-    from calmq.kafka import consumer_config, producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import consumer_config, producer_config, service_connection
     from calmq.processors.forwarder import Forwarder
 
     settings = settings_for(args)
@@ -182,10 +182,10 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
-    Forwarder(consumer_config(settings.kafka_bootstrap, "calmq.forwarder"),
-              Producer(producer_config(settings.kafka_bootstrap,
-                                       compression=settings.kafka_compression)),
-              make_codec(settings.schema_registry_url), tier_topics,
+    connection = service_connection(settings)
+    Forwarder(consumer_config(connection, "calmq.forwarder"),
+              Producer(producer_config(connection, compression=settings.kafka_compression)),
+              make_codec(settings.schema_registry_url, registry_config(settings)), tier_topics,
               commit_interval=settings.commit_interval_ms / 1000).run(stop)
     return 0
 
