@@ -9,9 +9,10 @@ registry instead: TLS with the stack's CA, HTTP basic auth (or a bearer token) c
 then the request passed on to Apicurio on loopback. Clients see what a Confluent Cloud,
 Aiven (Karapace) or nginx-fronted registry shows them: HTTPS and 401 without credentials.
 
-Run: ``python -m calmq.tooling.devstack.registry_proxy --port P --upstream URL --users FILE
---cert PEM --key PEM [--tokens FILE]``; ``--users`` holds ``user:password`` lines and
-``--tokens`` one bearer token a line (files, so no secret shows in ``ps``).
+Run: ``python -m calmq.tooling.devstack.registry_proxy --port P --upstream URL
+[--upstream-ca PEM] --users FILE --cert PEM --key PEM [--tokens FILE]``; ``--users`` holds
+``user:password`` lines and ``--tokens`` one bearer token a line (files, so no secret shows
+in ``ps``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _allowed(header: str, users: dict[str, str], tokens: list[str]) -> bool:
     return False
 
 
-def build_app(upstream: str, users: dict[str, str], tokens: list[str]) -> web.Application:
+def build_app(upstream: str, users: dict[str, str], tokens: list[str],
+              upstream_tls: ssl.SSLContext | None = None) -> web.Application:
     app = web.Application(client_max_size=16 * 1024 * 1024)
     session_key = web.AppKey("session", ClientSession)
 
@@ -67,7 +69,8 @@ def build_app(upstream: str, users: dict[str, str], tokens: list[str]) -> web.Ap
         body = await request.read()
         async with app[session_key].request(
                 request.method, upstream.rstrip("/") + request.rel_url.raw_path_qs,
-                headers=headers, data=body or None, allow_redirects=False) as upstream_resp:
+                headers=headers, data=body or None, allow_redirects=False,
+                ssl=upstream_tls if upstream_tls is not None else True) as upstream_resp:
             payload = await upstream_resp.read()
             out = {k: v for k, v in upstream_resp.headers.items() if k.lower() not in _DROP}
             return web.Response(status=upstream_resp.status, body=payload, headers=out)
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True)
+    p.add_argument("--upstream-ca", type=Path, help="CA of an HTTPS upstream")
     p.add_argument("--users", type=Path, required=True)
     p.add_argument("--tokens", type=Path)
     p.add_argument("--cert", type=Path, required=True)
@@ -93,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
               if args.tokens else [])
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(args.cert, args.key)
-    asyncio.run(_serve(build_app(args.upstream, users, tokens), args.port, tls))
+    upstream_tls = (ssl.create_default_context(cafile=str(args.upstream_ca))
+                    if args.upstream_ca else None)
+    asyncio.run(_serve(build_app(args.upstream, users, tokens, upstream_tls), args.port, tls))
 
 
 async def _serve(app: web.Application, port: int, tls: ssl.SSLContext) -> None:

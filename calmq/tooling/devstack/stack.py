@@ -171,7 +171,7 @@ class Stack:
         pg: postgres.PostgresServer | None = None
         brokers: list[kafka.KafkaBroker] = []
         broker_security: kafka.BrokerSecurity | None = None
-        registry_tls: tuple[tls.ServerCertificate, Path] | None = None
+        registry_tls: tuple[tls.ServerCertificate, Path, Path] | None = None
         if self.secure:
             broker_security, registry_tls, security_env = self._make_secrets()
         if not db_url:
@@ -190,8 +190,9 @@ class Stack:
         reg: registry.SchemaRegistry | None = None
         if not registry_url:
             reg = registry.SchemaRegistry(
-                self.data_dir / "registry", processes.free_port(), processes.free_port()
-            )
+                self.data_dir / "registry", processes.free_port(), processes.free_port(),
+                tls=None if registry_tls is None else (
+                    registry_tls[0].certificate, registry_tls[0].key, registry_tls[2]))
 
         def start_registry() -> None:
             assert reg is not None
@@ -310,7 +311,8 @@ class Stack:
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
 
     def _make_secrets(self) -> tuple[kafka.BrokerSecurity,
-                                     tuple[tls.ServerCertificate, Path], dict[str, str]]:
+                                     tuple[tls.ServerCertificate, Path, Path],
+                                     dict[str, str]]:
         """The secured stack's CA, certificates and passwords, and the settings that use
         them. Passwords are files (``CALMQ_*_PASSWORD_FILE``), as a Kubernetes Secret
         mounted in a pod would give them."""
@@ -343,17 +345,19 @@ class Stack:
             "CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE": str(secret_dir / "registry-password"),
             "CALMQ_SCHEMA_REGISTRY_CA_LOCATION": str(authority.ca),
         }
-        return security, (registry_cert, secret_dir / "registry-users"), env
+        return security, (registry_cert, secret_dir / "registry-users", authority.ca), env
 
     def _start_registry_proxy(self, state: StackState, upstream: str,
-                              registry_tls: tuple[tls.ServerCertificate, Path]) -> str:
-        """HTTPS with basic auth in front of Apicurio (registry_proxy.py says why)."""
-        cert, users = registry_tls
+                              registry_tls: tuple[tls.ServerCertificate, Path, Path]) -> str:
+        """HTTPS with basic auth in front of Apicurio (registry_proxy.py says why); Apicurio
+        itself serves HTTPS only, so no plain HTTP port is open either."""
+        cert, users, ca = registry_tls
         port = processes.free_port()
         upstream_root = upstream.split("/apis/", 1)[0]
         pid = processes.start(
             [sys.executable, "-m", "calmq.tooling.devstack.registry_proxy", "--port", str(port),
-             "--upstream", upstream_root, "--users", str(users), "--cert", str(cert.certificate),
+             "--upstream", upstream_root, "--upstream-ca", str(ca), "--users", str(users),
+             "--cert", str(cert.certificate),
              "--key", str(cert.key)],
             self.data_dir / "registry" / "proxy.log")
         url = f"https://127.0.0.1:{port}/apis/ccompat/v7"
