@@ -23,7 +23,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from calmq.tooling.devstack import SERVICES, Stack
 
     if args.action == "up":
-        stack = Stack(data_dir(args), secure=bool(args.secure), brokers=int(args.brokers or 1))
+        stack = Stack(data_dir(args), secure=bool(args.secure), brokers=int(args.brokers or 1),
+                      standby=bool(args.standby))
     else:
         stack = Stack(data_dir(args))
     if args.action == "up":
@@ -128,6 +129,9 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--brokers", type=int, choices=[1, 3],
            help="up: Kafka brokers (3: a KRaft cluster, topics with replication 3 and "
                 "min.insync.replicas=2)")
+    option(p, "--standby", action="store_true",
+           help="up: a streaming PostgreSQL standby beside the primary, synchronising the "
+                "relay's failover slot (promote it to try a failover)")
     option(p, "--json", action="store_true", help="status as JSON (the same as -o json)")
     add_output(p)
 

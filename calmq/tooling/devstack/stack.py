@@ -88,7 +88,7 @@ class Stack:
 
     def __init__(self, data_dir: Path, environ: Mapping[str, str] | None = None, *,
                  postgres_settings: Mapping[str, str] | None = None,
-                 secure: bool = False, brokers: int = 1) -> None:
+                 secure: bool = False, brokers: int = 1, standby: bool = False) -> None:
         self.data_dir = data_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         # Server settings on top of the dev stack's (the benchmarks load pg_stat_statements).
@@ -102,6 +102,7 @@ class Stack:
                               code="invalid_setting")
         self.secure = secure
         self.brokers = brokers
+        self.standby = standby
 
     # -- state ---------------------------------------------------------------------------
 
@@ -145,7 +146,8 @@ class Stack:
             raise ConfigError(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
         started = time.monotonic()
         state = StackState(data_dir=str(self.data_dir),
-                           options={"secure": self.secure, "brokers": self.brokers})
+                           options={"secure": self.secure, "brokers": self.brokers,
+                                    "standby": self.standby})
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save(state)
         try:
@@ -231,6 +233,8 @@ class Stack:
             )
             pg.create_database()
             db_url = pg.url
+            if self.standby:
+                self._start_standby(state, pg)
         else:
             state.parts.append(Part("postgres", None, _host_port(db_url), "postgres"))
         from calmq.data.migrations import migrate
@@ -309,6 +313,26 @@ class Stack:
                       min_insync_replicas=2 if self.brokers > 1 else None)
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
+
+    def _start_standby(self, state: StackState, primary: postgres.PostgresServer) -> None:
+        """A streaming standby of the primary that synchronises the relay's failover slot."""
+        import psycopg
+
+        standby = postgres.PostgresServer(self.data_dir / "postgres-standby",
+                                          processes.free_port(), self.postgres_settings)
+        pid = standby.start_standby(primary)
+        state.parts.append(Part("postgres-standby", pid, f"127.0.0.1:{standby.port}",
+                                "postgres"))
+        self._save(state)
+        processes.wait_until(standby.ready, timeout=60, what="the PostgreSQL standby",
+                             alive=lambda: processes.is_alive(pid))
+        # Only now that the standby's slot exists: logical changes leave the primary only
+        # once the standby has them, so a promoted standby never lacks an event the relay
+        # already published (set before the slot exists, it would hold the relay back).
+        with psycopg.connect(primary.url, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = "
+                         f"'{postgres.STANDBY_SLOT}'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def _make_secrets(self) -> tuple[kafka.BrokerSecurity,
                                      tuple[tls.ServerCertificate, Path, Path],
@@ -415,7 +439,7 @@ class Stack:
         stopped = []
         order = {"worker": 0, "forwarder": 0, "batcher": 0, "relay": 1, "api": 2,
                  "fake-provider": 3, "schema-registry-proxy": 4, "schema-registry": 4,
-                 "kafka": 5, "postgres": 6}
+                 "kafka": 5, "postgres-standby": 6, "postgres": 7}
         for part in sorted(state.parts,
                            key=lambda p: 5 if p.kind == "kafka" else order.get(p.name, -1)):
             if part.pid is None:
