@@ -20,13 +20,9 @@ its row. The recovery time runs from each kill to the first job completed after 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -55,25 +51,6 @@ KILLS = ["leader", "controller"] if FULL else ["leader"]
 DOWN_SECONDS = 10.0 if FULL else 3.0  # how long a killed broker stays down
 WORK_TOPICS = [topics.topic_for_route(topics.work_route(POOL, p))
                for p in ("interactive", "bulk")]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[ChaosStack, Results]]:
-    home = Path(tempfile.mkdtemp(prefix="calmq-brokers-"))
-    try:
-        stack = ChaosStack(home, brokers=3)
-    except Exception as exc:  # noqa: BLE001 - reported the way the session stack reports it
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"the three-broker stack could not start in CI: {exc}", pytrace=False)
-        pytest.skip(f"the three-broker stack could not start here: {exc}")
-    results = Results(stack.bootstrap, stack.registry_url)
-    try:
-        yield stack, results
-    finally:
-        results.close()
-        stack.close()
-        if not os.environ.get("CALMQ_TEST_KEEP_STACK"):
-            shutil.rmtree(home / "stack", ignore_errors=True)
 
 
 def _first_completion_after(db: str, tenant: str, after: datetime) -> datetime | None:
@@ -141,7 +118,10 @@ def test_killing_the_partition_leader_and_the_controller_loses_nothing(
         last["lagging"] = lagging_partitions(stack.bootstrap)
         return not last["lagging"]
 
-    wait_for(drained, timeout=600 if FULL else 150, what=f"the backlog to drain: {last}")
+    try:
+        wait_for(drained, timeout=600 if FULL else 150, what="the backlog to drain")
+    except AssertionError:
+        raise AssertionError(f"not drained: {last}") from None
     rows = {r["id"]: r for r in rows_of(stack.db, tenant)}
     accepted = set(load.accepted.values())
     lost = len(accepted - set(rows))

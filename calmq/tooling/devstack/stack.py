@@ -329,9 +329,12 @@ class Stack:
         # Only now that the standby's slot exists: logical changes leave the primary only
         # once the standby has them, so a promoted standby never lacks an event the relay
         # already published (set before the slot exists, it would hold the relay back).
+        # Synchronous replication to it, too (RDS Multi-AZ, Patroni's synchronous mode): a
+        # commit the API answered 202 for is on the standby when it is promoted.
         with psycopg.connect(primary.url, autocommit=True) as conn:
             conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = "
                          f"'{postgres.STANDBY_SLOT}'")
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'calmq_standby'")
             conn.execute("SELECT pg_reload_conf()")
 
     def _make_secrets(self) -> tuple[kafka.BrokerSecurity,
