@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean browser promtool
+.PHONY: install demo test test-unit lint typecheck bench clean browser promtool pgbouncer
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool
+test: install browser promtool pgbouncer
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -36,6 +36,15 @@ promtool:
 	@command -v promtool >/dev/null || apt-get install -y --no-install-recommends prometheus \
 	  || { apt-get update && apt-get install -y --no-install-recommends prometheus; } \
 	  || echo "make promtool: the prometheus package could not be installed; the alert-rule check will be skipped"
+
+# PgBouncer in transaction mode for tests/integration/test_pgbouncer.py (`calmq dev up
+# --pgbouncer`), from Debian's pgbouncer package (its service is not started). Skipped where
+# it cannot be installed; under CI=true the test fails instead.
+pgbouncer:
+	@test -x /usr/sbin/pgbouncer || command -v pgbouncer >/dev/null \
+	  || apt-get install -y --no-install-recommends pgbouncer \
+	  || { apt-get update && apt-get install -y --no-install-recommends pgbouncer; } \
+	  || echo "make pgbouncer: the pgbouncer package could not be installed; the PgBouncer test will be skipped"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
@@ -55,6 +64,10 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 .PHONY: chaos
-# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
+# The fault matrix in full (2,000 jobs, 20 s outages), and the broker-loss and PostgreSQL
+# failover runs (3,000 jobs each on three brokers and a primary with a standby); `make test`
+# runs a reduced form of each.
 chaos: install
 	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest -rA tests/chaos/test_broker_loss.py \
+	  tests/chaos/test_postgres_failover.py --timeout 1800

@@ -166,6 +166,20 @@ class Settings(BaseSettings):
 
     # Where the real parts are. Empty means "the running local stack" (calmq dev env).
     database_url: str = ""
+    database_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="transaction: database_url is a pooler in transaction mode (PgBouncer"
+                    " pool_mode=transaction): no server-side prepared statements, and LISTEN"
+                    " and the relay connect directly (direct_database_url,"
+                    " relay_database_url)")
+    direct_database_url: str = Field(
+        default="",
+        description="a direct connection, not through a transaction pooler: the API's"
+                    " LISTEN session (default: database_url)")
+    relay_database_url: str = Field(
+        default="",
+        description="the relay's direct connection: logical replication and its bookkeeping"
+                    " (default: database_url)")
     kafka_bootstrap: str = ""
     schema_registry_url: str = Field(
         default="",
@@ -482,6 +496,26 @@ class Settings(BaseSettings):
     @property
     def retry_tier_list(self) -> list[tuple[str, float]]:
         return [(t, parse_duration(t)) for t in self.retry_tiers.split(",")]
+
+    @property
+    def listen_database_url(self) -> str:
+        """Where LISTEN sessions connect: never through a transaction pooler, which hands
+        the server connection to another client after each transaction."""
+        if self.database_pooler == "transaction" and not self.direct_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: LISTEN cannot go through the pooler; set "
+                "CALMQ_DIRECT_DATABASE_URL to a direct connection", code="direct_url_missing")
+        return self.direct_database_url or self.database_url
+
+    @property
+    def relay_url(self) -> str:
+        """The relay's connection: replication cannot go through a pooler at all."""
+        if self.database_pooler == "transaction" and not self.relay_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: logical replication cannot go through the "
+                "pooler; set CALMQ_RELAY_DATABASE_URL to a direct connection",
+                code="direct_url_missing")
+        return self.relay_database_url or self.database_url
 
     @property
     def kafka_properties(self) -> dict[str, Any]:

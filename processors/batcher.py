@@ -534,7 +534,7 @@ class BatchLane:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         connection = await asyncio.to_thread(service_connection, s)
-        store = Store(s.database_url, max_size=8)
+        store = Store(s.database_url, max_size=8, **Store.pool_options(s))
         await store.open()
         codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)

@@ -67,7 +67,8 @@ class Worker:
             loop.add_signal_handler(sig, self.stop.set)
         # First: a Kafka configuration the brokers refuse stops the worker here, in one line.
         connection = await asyncio.to_thread(service_connection, s)
-        store = Store(s.database_url, max_size=12)  # 4 group-commit writers, claims, leases
+        # 4 group-commit writers, claims, leases
+        store = Store(s.database_url, max_size=12, **Store.pool_options(s))
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = await open_metered_provider(s, store)

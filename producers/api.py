@@ -112,7 +112,7 @@ def build_app(
     app[OBJECTS] = objects or open_object_store(settings.object_store_url)
     app[AUTH_CACHE] = {}
     app[GROUP_COMMIT] = GroupCommit(store.pool, max_batch=settings.accept_batch_max)
-    app[HUB] = Hub(settings.database_url)
+    app[HUB] = Hub(settings.listen_database_url)  # LISTEN: never through a pooler
     app[OPENAPI] = document(ROUTES, registry)
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)

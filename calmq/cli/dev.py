@@ -24,7 +24,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
     if args.action == "up":
         stack = Stack(data_dir(args), secure=bool(args.secure), brokers=int(args.brokers or 1),
-                      standby=bool(args.standby))
+                      standby=bool(args.standby), pooler=bool(args.pgbouncer))
     else:
         stack = Stack(data_dir(args))
     if args.action == "up":
@@ -129,6 +129,9 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--brokers", type=int, choices=[1, 3],
            help="up: Kafka brokers (3: a KRaft cluster, topics with replication 3 and "
                 "min.insync.replicas=2)")
+    option(p, "--pgbouncer", action="store_true",
+           help="up: PgBouncer in transaction mode in front of PostgreSQL, used by the API, "
+                "workers, forwarder and CLI (the relay and LISTEN connect directly)")
     option(p, "--standby", action="store_true",
            help="up: a streaming PostgreSQL standby beside the primary, synchronising the "
                 "relay's failover slot (promote it to try a failover)")

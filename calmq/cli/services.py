@@ -29,11 +29,11 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-
+    settings.listen_database_url  # noqa: B018 - behind a pooler: fail now without a direct URL
     _long_running()
 
     async def make() -> web.Application:
-        store = Store(settings.database_url, max_size=16)
+        store = Store(settings.database_url, max_size=16, **Store.pool_options(settings))
         await store.open()
         return build_app(settings, store)
 
@@ -117,7 +117,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         from calmq.cli.probes import check_database
 
         check_database(settings)  # one error line with the address, not a traceback
-        dropped = drop_slot(settings.database_url, settings.relay_slot)
+        dropped = drop_slot(settings.relay_url, settings.relay_slot)
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")
         return 0
@@ -206,7 +206,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         from calmq.supervision import Supervisor
         from calmq.workflows import load_workflows
 
-        store = Store(settings.database_url, max_size=2)
+        store = Store(settings.database_url, max_size=2, **Store.pool_options(settings))
         await store.open()
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, load_workflows(settings),

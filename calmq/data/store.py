@@ -24,8 +24,9 @@ __all__ = ["Store"]
 class Store(Database):
     """One pool, and the queries of each noun on it."""
 
-    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8) -> None:
-        super().__init__(database_url, min_size=min_size, max_size=max_size)
+    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
+                 prepare: bool = True) -> None:
+        super().__init__(database_url, min_size=min_size, max_size=max_size, prepare=prepare)
         self.jobs = Jobs(self)
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)

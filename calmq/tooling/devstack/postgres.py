@@ -72,6 +72,10 @@ class PostgresServer:
     def log_file(self) -> Path:
         return self.home / "postgres.log"
 
+    def run_as(self) -> str | None:
+        """The user PostgreSQL (and PgBouncer beside it) runs as: None unless we are root."""
+        return self._run_as()
+
     def _run_as(self) -> str | None:
         if os.geteuid() != 0:
             return None

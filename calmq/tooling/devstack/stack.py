@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 from calmq import topics
 from calmq.errors import ConfigError, InfrastructureError
-from calmq.tooling.devstack import kafka, postgres, processes, registry, tls
+from calmq.tooling.devstack import kafka, pgbouncer, postgres, processes, registry, tls
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
 
@@ -88,7 +88,8 @@ class Stack:
 
     def __init__(self, data_dir: Path, environ: Mapping[str, str] | None = None, *,
                  postgres_settings: Mapping[str, str] | None = None,
-                 secure: bool = False, brokers: int = 1, standby: bool = False) -> None:
+                 secure: bool = False, brokers: int = 1, standby: bool = False,
+                 pooler: bool = False) -> None:
         self.data_dir = data_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         # Server settings on top of the dev stack's (the benchmarks load pg_stat_statements).
@@ -103,6 +104,7 @@ class Stack:
         self.secure = secure
         self.brokers = brokers
         self.standby = standby
+        self.pooler = pooler
 
     # -- state ---------------------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class Stack:
         started = time.monotonic()
         state = StackState(data_dir=str(self.data_dir),
                            options={"secure": self.secure, "brokers": self.brokers,
-                                    "standby": self.standby})
+                                    "standby": self.standby, "pgbouncer": self.pooler})
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save(state)
         try:
@@ -241,6 +243,9 @@ class Stack:
 
         migrate(db_url)
         state.versions["postgres"] = postgres.server_version(db_url)
+        pooled_env: dict[str, str] = {}
+        if self.pooler:
+            pooled_env = self._start_pgbouncer(state, db_url, pg)
 
         if thread:
             thread.join()
@@ -291,6 +296,7 @@ class Stack:
                     "CALMQ_OBJECT_STORE_URL", store_dir.as_uri()
                 ),
                 **security_env,
+                **pooled_env,
             }
         )
         if self.brokers > 1:
@@ -313,6 +319,23 @@ class Stack:
                       min_insync_replicas=2 if self.brokers > 1 else None)
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
+
+    def _start_pgbouncer(self, state: StackState, db_url: str,
+                         pg: postgres.PostgresServer | None) -> dict[str, str]:
+        """PgBouncer in transaction mode in front of PostgreSQL; the settings that route the
+        services through it, and the relay and LISTEN around it."""
+        server = urlparse(db_url)
+        bouncer = pgbouncer.PgBouncer(self.data_dir / "pgbouncer", processes.free_port(),
+                                      server.port or 5432)
+        user = pg.run_as() if pg is not None else None
+        pid = bouncer.start(user)
+        state.parts.append(Part("pgbouncer", pid, f"127.0.0.1:{bouncer.port}", "postgres"))
+        self._save(state)
+        processes.wait_until(bouncer.ready, timeout=30, what="PgBouncer",
+                             alive=lambda: processes.is_alive(pid))
+        state.versions["pgbouncer"] = pgbouncer.version()
+        return {"CALMQ_DATABASE_URL": bouncer.url, "CALMQ_DATABASE_POOLER": "transaction",
+                "CALMQ_DIRECT_DATABASE_URL": db_url, "CALMQ_RELAY_DATABASE_URL": db_url}
 
     def _start_standby(self, state: StackState, primary: postgres.PostgresServer) -> None:
         """A streaming standby of the primary that synchronises the relay's failover slot."""
@@ -441,6 +464,7 @@ class Stack:
             return []
         stopped = []
         order = {"worker": 0, "forwarder": 0, "batcher": 0, "relay": 1, "api": 2,
+                 "pgbouncer": 5,
                  "fake-provider": 3, "schema-registry-proxy": 4, "schema-registry": 4,
                  "kafka": 5, "postgres-standby": 6, "postgres": 7}
         for part in sorted(state.parts,
