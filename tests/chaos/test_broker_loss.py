@@ -108,6 +108,7 @@ def test_killing_the_partition_leader_and_the_controller_loses_nothing(
     def drained() -> bool:
         rows = rows_of(stack.db, tenant)
         last["statuses"] = Counter(r["status"] for r in rows)
+        last["waiting"] = [r["id"] for r in rows if r["status"] not in SETTLED][:5]
         if len(rows) < JOBS or any(r["status"] not in SETTLED for r in rows):
             return False
         results.poll()

@@ -122,6 +122,7 @@ def test_promoting_the_standby_mid_run_loses_no_job_and_no_outbox_event(
     def drained() -> bool:
         rows = rows_of(stack.db, tenant)
         last["statuses"] = Counter(r["status"] for r in rows)
+        last["waiting"] = [r["id"] for r in rows if r["status"] not in SETTLED][:5]
         if len(rows) < JOBS or any(r["status"] not in SETTLED for r in rows):
             return False
         results.poll()
