@@ -533,7 +533,7 @@ class BatchLane:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        store = Store(s.database_url, max_size=8)
+        store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors)
         await store.open()
         codec = make_codec(s.schema_registry_url)
         objects = open_object_store(s.object_store_url)

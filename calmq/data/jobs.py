@@ -463,7 +463,8 @@ class Jobs:
         ``job.result`` and ``job.dead_lettered`` go out in the same transaction."""
         async with self._db.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(self._q["poison_expired_leases"],
-                                     {"limit": limit, "error": Jsonb(error)})
+                                     {"limit": limit, "error": Jsonb(error),
+                                      "keep_errors": self._db.keep_errors})
             rows = await cur.fetchall()
             if rows:
                 async with conn.cursor() as out:

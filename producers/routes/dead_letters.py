@@ -6,8 +6,9 @@ from aiohttp import web
 
 from calmq.deadletters import DeadLetterFilter, DeadLetters
 from calmq.errors import ContractError
+from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, STORE, WORKFLOWS
+from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import DeadLetterList, Redriven, RedriveRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems, query
@@ -35,6 +36,9 @@ async def redrive_dead_letter(request: web.Request) -> web.Response:
     caller = await tenant(request, "operate")
     ident = job_id(request)
     req, _raw = await read_body(request, RedriveRequest)
+    most = request.app[SETTINGS].max_note_bytes
+    check_note("reason", req.reason, most)
+    check_note("by", req.by, most)
     dead = DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS],
                        objects=request.app[OBJECTS])
     # Who redrove is the key that called, not what the body claims (an audit field).

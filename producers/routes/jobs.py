@@ -25,6 +25,7 @@ from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.lanes import choose_lane
+from calmq.limits import check_metadata, trace_parent
 from calmq.objects import ObjectRef, presigned_url, stat_object
 from calmq.producers.auth import tenant
 from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
@@ -91,6 +92,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         req = validate(SubmitRequest, fields)
     else:
         req, raw = await read_body(request, SubmitRequest)
+    check_metadata(req.metadata, settings.max_metadata_bytes)
     workflow = find_workflow(req.workflow, workflows)
     if (req.input is None) == (req.input_ref is None):
         raise ContractError("send exactly one of input and input_ref", code="invalid_body",
@@ -117,7 +119,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
     job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data,
                                           "lane": lane},
-                  trace_parent=request.headers.get("traceparent"))
+                  trace_parent=trace_parent(request.headers.get("traceparent")))
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)
         new_id, created = job.id, True

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, STORE, WORKFLOWS
+from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import JobView, ReviewList, ReviewRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems
@@ -23,6 +24,9 @@ async def review_job(request: web.Request) -> web.Response:
     caller = await tenant(request, "review")
     ident = job_id(request)
     req, _raw = await read_body(request, ReviewRequest)
+    most = request.app[SETTINGS].max_note_bytes
+    check_note("reason", req.reason, most)
+    check_note("reviewer", req.reviewer, most)
     await _desk(request).decide(caller.id, ident,
                                 Decision(req.decision, caller.identity, req.fields, req.reason,
                                          note=req.reviewer))
