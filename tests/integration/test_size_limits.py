@@ -108,9 +108,11 @@ def test_an_outbox_row_too_large_for_kafka_goes_to_the_dlq_and_others_still_comp
     assert event["job_id"] == job
     assert event["last_event"] == "job.result"
     raw = event["raw_value"]
-    assert isinstance(raw, bytes) and 0 < len(raw) <= 8 * 1024
+    assert isinstance(raw, bytes)
+    assert 0 < len(raw) <= 8 * 1024
     errors = event["errors"]
-    assert isinstance(errors, list) and errors[0]["code"] == "record_too_large"
+    assert isinstance(errors, list)
+    assert errors[0]["code"] == "record_too_large"
 
 
 def test_a_record_the_broker_refuses_as_too_large_goes_to_the_dlq(
