@@ -100,6 +100,27 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
+    auth_cache_max_misses: int = Field(
+        default=1000, ge=0, le=1_000_000,
+        description="unknown API keys the API remembers at most (the oldest is forgotten "
+                    "first); misses never push a known key out of its cache")
+    # Fair use of one API process (calmq.producers.throttle; per process, not fleet-wide).
+    api_rate_per_second: float = Field(
+        default=0.0, ge=0,
+        description="requests a second each API key may send (token bucket); past it 429 "
+                    "rate_limited with Retry-After; 0: no limit")
+    api_rate_burst: int = Field(
+        default=200, ge=1,
+        description="the token bucket's size: requests a key may send at once after a pause")
+    api_streams_per_tenant: int = Field(
+        default=100, ge=0,
+        description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
+                    "API process; more answer 429 too_many_streams; 0: no cap")
+    api_reads_per_tenant: int = Field(
+        default=8, ge=0,
+        description="expensive reads (job, review and dead-letter lists, artifact "
+                    "downloads) one tenant may run at once in one API process; more answer "
+                    "429 too_many_reads; 0: no cap")
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     max_multipart_parts: int = Field(
         default=16, ge=1, le=10_000,

@@ -24,7 +24,8 @@ import psycopg
 if TYPE_CHECKING:
     from calmq.data.attempts import Finish
 
-__all__ = ["UNSTORABLE_OUTPUT", "clean", "refused", "unstorable", "unstorable_outcome"]
+__all__ = ["UNSTORABLE_OUTPUT", "clean", "refused", "storable", "unstorable",
+           "unstorable_outcome"]
 
 UNSTORABLE_OUTPUT = "unstorable_output"
 _REPLACEMENT = "\ufffd"
@@ -40,6 +41,13 @@ def _text_problem(text: str) -> str | None:
         except UnicodeEncodeError:
             return "a lone surrogate (not valid UTF-8)"
     return None
+
+
+def storable(text: str) -> bool:
+    """Whether PostgreSQL can store ``text``: no NUL, and valid UTF-8 (no lone surrogate).
+    The one check of text, for the API's bodies and query strings (calmq.producers.parsing)
+    as for a worker's outcomes."""
+    return _text_problem(text) is None
 
 
 def unstorable(value: Any, where: str = "value") -> str | None:

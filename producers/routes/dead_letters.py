@@ -8,7 +8,7 @@ from calmq.deadletters import DeadLetterFilter, DeadLetters
 from calmq.errors import ContractError
 from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import DeadLetterList, Redriven, RedriveRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems, query
@@ -28,7 +28,9 @@ async def list_dead_letters(request: web.Request) -> web.Response:
         since=parse_time("since", params.get("since"), zone_required=False, status=422),
         until=parse_time("until", params.get("until"), zone_required=False, status=422),
         limit=limit(params, default=100))
-    rows = await DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS]).find(where)
+    with request.app[GATES].hold("read", caller.id):
+        rows = await DeadLetters(request.app[STORE],
+                                 workflows=request.app[WORKFLOWS]).find(where)
     return web.json_response({"dead_letters": [dead_letter_item(r) for r in rows]})
 
 

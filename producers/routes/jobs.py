@@ -28,7 +28,15 @@ from calmq.lanes import choose_lane
 from calmq.limits import check_metadata, trace_parent
 from calmq.objects import ObjectRef, presigned_url, stat_object
 from calmq.producers.auth import tenant
-from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.context import (
+    GATES,
+    GROUP_COMMIT,
+    HUB,
+    OBJECTS,
+    SETTINGS,
+    STORE,
+    WORKFLOWS,
+)
 from calmq.producers.intake import prepare, submit_keyed
 from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
@@ -222,7 +230,8 @@ async def list_jobs(request: web.Request) -> web.Response:
         created_before=parse_time("created_before", params.get("created_before")),
         cursor_at=cursor_at, cursor_id=cursor_id, limit=page_size + 1,
     )
-    rows = await request.app[STORE].jobs.page(which)
+    with request.app[GATES].hold("read", caller.id):
+        rows = await request.app[STORE].jobs.page(which)
     page, more = rows[:page_size], len(rows) > page_size
     next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None
     return web.json_response({"jobs": [job_summary(r) for r in page],
@@ -242,10 +251,20 @@ def _last_event_id(request: web.Request) -> int:
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: the job's history, then each new event as it is written."""
+    """Server-sent events: the job's history, then each new event as it is written.
+
+    A tenant holds at most api_streams_per_tenant streams in this process (429
+    too_many_streams past it). The table is read when the job's notification wakes the
+    stream (or the hub reconnected), never for a keep-alive."""
     caller = await tenant(request)
     ident = job_id(request)
     after = _last_event_id(request)
+    with request.app[GATES].hold("stream", caller.id):
+        return await _stream(request, caller, ident, after)
+
+
+async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after: int
+                  ) -> web.StreamResponse:
     store, hub = request.app[STORE], request.app[HUB]
 
     async def read() -> tuple[str | None, list[HistoryEvent]]:
@@ -271,7 +290,12 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             try:
                 await asyncio.wait_for(wake.wait(), timeout=_SSE_KEEPALIVE)
             except TimeoutError:
+                # Nothing happened to the job (a notification would have woken the stream):
+                # a comment keeps proxies from closing it, with no database read.
                 await resp.write(b": keep-alive\n\n")
+                rows = []
+                if not hub.closing:
+                    continue
             wake.clear()
             if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
                 break
@@ -288,6 +312,11 @@ async def job_events(request: web.Request) -> web.StreamResponse:
 
 async def get_artifact(request: web.Request) -> web.StreamResponse:
     caller = await tenant(request)
+    with request.app[GATES].hold("read", caller.id):
+        return await _artifact(request, caller)
+
+
+async def _artifact(request: web.Request, caller: Tenant) -> web.StreamResponse:
     job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import JobView, ReviewList, ReviewRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems
@@ -37,7 +37,9 @@ async def review_job(request: web.Request) -> web.Response:
 
 async def list_reviews(request: web.Request) -> web.Response:
     caller = await tenant(request, "review")
-    rows = await _desk(request).pending(caller.id, limit=limit(request.query, default=100))
+    with request.app[GATES].hold("read", caller.id):
+        rows = await _desk(request).pending(caller.id,
+                                            limit=limit(request.query, default=100))
     return web.json_response({"reviews": [review_item(r) for r in rows]})
 
 
