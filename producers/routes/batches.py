@@ -53,7 +53,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     store = request.app[STORE]
     mine = await store.batches.members(found.key, tenant_id=tenant_id,
                                        limit=found.request_count + 1)
-    if len(mine) < found.request_count:
+    if found.others:
         raise ContractError("the batch also holds other tenants' jobs: cancel your jobs "
                             "instead (POST /v1/jobs/{id}/cancel)", code="batch_shared",
                             status=409)
