@@ -65,12 +65,12 @@ ROUTES = [
             *(query(n, {"type": "string", "format": "date-time"}) for n in ("since", "until")),
             LIMIT],
         "responses": {"200": answer("dead-lettered jobs, oldest death first", DeadLetterList),
-                      **problems(401, 403, 422)},
+                      **problems(401, 403, 422, 429)},
     }),
     Route("POST", "/v1/dead-letters/{job_id}/redrive", redrive_dead_letter, {
         "operationId": "redriveDeadLetter", "parameters": [JOB_ID],
         "requestBody": json_body(RedriveRequest),
         "responses": {"200": answer("requeued (or, with dry_run, unchanged)", Redriven),
-                      **problems(400, 401, 403, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422, 429)},
     }),
 ]

@@ -372,7 +372,7 @@ ROUTES = [
             JSON: {"schema": ref("SubmitRequest")},
             "multipart/form-data": {"schema": ref("SubmitForm")}}},
         "responses": {"202": answer("accepted", Accepted),
-                      **problems(400, 401, 403, 409, 413, 415, 422, 503)},
+                      **problems(400, 401, 403, 409, 413, 415, 422, 429, 503)},
     }),
     Route("GET", "/v1/jobs", list_jobs, {
         "operationId": "listJobs",
@@ -385,16 +385,16 @@ ROUTES = [
             LIMIT,
             query("cursor", {"type": "string"})],
         "responses": {"200": answer("a page of jobs, newest first", JobPage),
-                      **problems(400, 401)},
+                      **problems(400, 401, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}", get_job, {
         "operationId": "getJob", "parameters": [JOB_ID],
-        "responses": {"200": answer("the job", JobView), **problems(401, 404)},
+        "responses": {"200": answer("the job", JobView), **problems(401, 404, 429)},
     }),
     Route("DELETE", "/v1/jobs/{job_id}", delete_job, {
         "operationId": "deleteJob", "parameters": [JOB_ID],
         "responses": {"204": answer("objects purged, record redacted"),
-                      **problems(401, 403, 404, 409)},
+                      **problems(401, 403, 404, 409, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}/events", job_events, {
         "operationId": "jobEvents", "parameters": [
@@ -403,15 +403,15 @@ ROUTES = [
              "schema": {"type": "string"}}],
         "responses": {"200": {"description": "server-sent events; each data is a JobEvent",
                               "content": {"text/event-stream": {}}},
-                      **problems(400, 401, 404)},
+                      **problems(400, 401, 404, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}/artifact", get_artifact, {
         "operationId": "getArtifact", "parameters": [JOB_ID],
-        "responses": {"200": answer("the artifact's bytes"), **problems(401, 404)},
+        "responses": {"200": answer("the artifact's bytes"), **problems(401, 404, 429)},
     }),
     Route("POST", "/v1/jobs/{job_id}/cancel", cancel_job, {
         "operationId": "cancelJob", "parameters": [JOB_ID],
         "responses": {"200": answer("cancelled", JobView),
-                      **problems(401, 403, 404, 409)},
+                      **problems(401, 403, 404, 409, 429)},
     }),
 ]

@@ -48,11 +48,11 @@ ROUTES = [
         "operationId": "reviewJob", "parameters": [JOB_ID],
         "requestBody": json_body(ReviewRequest),
         "responses": {"200": answer("decided", JobView),
-                      **problems(400, 401, 403, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422, 429)},
     }),
     Route("GET", "/v1/reviews", list_reviews, {
         "operationId": "listReviews", "parameters": [LIMIT],
         "responses": {"200": answer("jobs awaiting review, oldest first", ReviewList),
-                      **problems(401, 403, 422)},
+                      **problems(401, 403, 422, 429)},
     }),
 ]
