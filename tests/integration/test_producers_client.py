@@ -31,13 +31,15 @@ def tenant(stack: StackState) -> tuple[uuid.UUID, str]:
 
 
 def _rows(url: str, job_id: uuid.UUID) -> tuple[int, int, int]:
-    """(job rows, 'queued' events, outbox rows): what enqueue writes. A worker of the shared
-    stack may claim the job as soon as it commits, so later history is not counted."""
+    """(job rows, 'queued' events, job.requested outbox rows): what enqueue writes. A worker
+    of the shared stack may claim (and finish) the job as soon as it commits, so later
+    history and events (its job.result) are not counted."""
     with psycopg.connect(url) as conn:
         row = conn.execute(
             "SELECT (SELECT count(*) FROM jobs WHERE id = %(id)s),"
             " (SELECT count(*) FROM job_events WHERE job_id = %(id)s AND type = 'queued'),"
-            " (SELECT count(*) FROM outbox WHERE aggregateid = %(id)s::text)",
+            " (SELECT count(*) FROM outbox WHERE aggregateid = %(id)s::text"
+            "  AND type = 'job.requested')",
             {"id": job_id}).fetchone()
     assert row is not None
     return row
