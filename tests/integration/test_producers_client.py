@@ -163,3 +163,19 @@ async def test_group_commit_answers_every_request_when_a_row_has_unstorable_text
         row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)",
                            ([j.id for j in bad],)).fetchone()
         assert row == (0,)
+
+
+def test_enqueue_refuses_metadata_too_large_for_the_events(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """enqueue holds metadata to the API's limit as the events carry it: 600 kB of UTF-8
+    raises metadata_too_large and writes nothing."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    with psycopg.connect(url) as conn:
+        with pytest.raises(ContractError) as caught:
+            enqueue(conn, tenant_id=tenant[0], workflow="summarize", input={"text": "x"},
+                    metadata={"note": "é" * 300_000})
+        assert caught.value.code == "metadata_too_large"
+        assert caught.value.status == 413
+        count = conn.execute("SELECT count(*) FROM jobs WHERE tenant_id = %s AND"
+                             " metadata ? 'note'", (tenant[0],)).fetchone()
+    assert count == (0,)
