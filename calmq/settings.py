@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from calmq.errors import ConfigError
+from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
 __all__ = ["ENV_PREFIX", "Settings", "claimed_window", "parse_duration", "service_links"]
@@ -99,6 +100,27 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
+    auth_cache_max_misses: int = Field(
+        default=1000, ge=0, le=1_000_000,
+        description="unknown API keys the API remembers at most (the oldest is forgotten "
+                    "first); misses never push a known key out of its cache")
+    # Fair use of one API process (calmq.producers.throttle; per process, not fleet-wide).
+    api_rate_per_second: float = Field(
+        default=0.0, ge=0,
+        description="requests a second each API key may send (token bucket); past it 429 "
+                    "rate_limited with Retry-After; 0: no limit")
+    api_rate_burst: int = Field(
+        default=200, ge=1,
+        description="the token bucket's size: requests a key may send at once after a pause")
+    api_streams_per_tenant: int = Field(
+        default=100, ge=0,
+        description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
+                    "API process; more answer 429 too_many_streams; 0: no cap")
+    api_reads_per_tenant: int = Field(
+        default=8, ge=0,
+        description="expensive reads (job, review and dead-letter lists, artifact "
+                    "downloads) one tenant may run at once in one API process; more answer "
+                    "429 too_many_reads; 0: no cap")
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     max_multipart_parts: int = Field(
         default=16, ge=1, le=10_000,
@@ -108,6 +130,22 @@ class Settings(BaseSettings):
         default=1024 * 1024, ge=1024,
         description="largest total size of a multipart submit's non-file fields; more "
                     "answers 413 fields_too_large and stores nothing")
+    # Size limits on what a tenant sends that reaches an event or a row, measured as it
+    # will encode (docs/explanation/security.md lists every limit and what happens at it).
+    max_metadata_bytes: int = Field(
+        default=MAX_METADATA_BYTES, ge=2, le=512 * 1024,
+        description="largest submit metadata, as the compact ASCII JSON the job.result and "
+                    "job.dead_lettered events carry (non-ASCII text counts 6 bytes a "
+                    "character); more answers 413 metadata_too_large")
+    max_note_bytes: int = Field(
+        default=MAX_NOTE_BYTES, ge=16, le=64 * 1024,
+        description="largest free-text note (a review's reason and reviewer, a redrive's "
+                    "reason and by, a cancel's reason), as UTF-8 JSON text; more answers "
+                    "413 note_too_large")
+    max_job_errors: int = Field(
+        default=KEEP_ERRORS, ge=1, le=1000,
+        description="a job keeps the errors of its last this many failed attempts (older "
+                    "ones drop off); job.dead_lettered carries them")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     accept_batch_max: int = Field(default=256, ge=1)
@@ -159,6 +197,12 @@ class Settings(BaseSettings):
         description="batch compression of every record calmq produces; none and gzip are read"
                     " by every mainstream client without a codec plugin (see"
                     " docs/reference/topics.md)")
+    kafka_max_message_bytes: int = Field(
+        default=1_000_000, ge=64 * 1024, le=100 * 1024 * 1024,
+        description="the largest record calmq produces: the relay producer's "
+                    "message.max.bytes, and max.message.bytes of the topics `calmq topics "
+                    "create` makes (set together; a larger outbox row goes to calmq.dlq as "
+                    "record_too_large)")
     topic_partitions: int = Field(default=8, ge=1)
     topic_replication: int = Field(default=1, ge=1)
 

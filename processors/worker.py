@@ -65,7 +65,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        store = Store(s.database_url, max_size=12)  # 4 group-commit writers, claims, leases
+        # 4 group-commit writers, claims, leases
+        store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors)
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = await open_metered_provider(s, store)

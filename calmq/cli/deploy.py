@@ -22,7 +22,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     created = create_topics(settings.kafka_bootstrap, names,
                             partitions=settings.topic_partitions,
-                            replication=settings.topic_replication)
+                            replication=settings.topic_replication,
+                            max_message_bytes=settings.kafka_max_message_bytes)
     rows = [{"topic": name, "created": name in created} for name in names]
     if output_format(args) != "table":
         emit_rows(rows, output_format(args), [])

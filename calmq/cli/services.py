@@ -33,7 +33,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     _long_running()
 
     async def make() -> web.Application:
-        store = Store(settings.database_url, max_size=16)
+        store = Store(settings.database_url, max_size=16,
+                      keep_errors=settings.max_job_errors)
         await store.open()
         return build_app(settings, store)
 
@@ -130,7 +131,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # record (under load, what accumulates while requests are in flight still batches).
     publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
                                                   compression=settings.kafka_compression,
-                                                  **{"linger.ms": 0})),
+                                                  **{"linger.ms": 0,
+                                                     "message.max.bytes":
+                                                         settings.kafka_max_message_bytes})),
                           make_codec(settings.schema_registry_url),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
@@ -206,7 +209,8 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         from calmq.supervision import Supervisor
         from calmq.workflows import load_workflows
 
-        store = Store(settings.database_url, max_size=2)
+        store = Store(settings.database_url, max_size=2,
+                      keep_errors=settings.max_job_errors)
         await store.open()
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, load_workflows(settings),

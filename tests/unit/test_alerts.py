@@ -90,6 +90,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.producers.intake
     import calmq.producers.routes.jobs
     import calmq.relay.cdc
+    import calmq.relay.publisher
     import calmq.retrying
     import calmq.reviews
     import calmq.spending
@@ -100,6 +101,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.budget._metrics()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()
+    calmq.relay.publisher._rejected_total()
     calmq.retrying._retries()
     calmq.supervision._failures()
     calmq.reviews._review_wait()
