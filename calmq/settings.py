@@ -285,7 +285,8 @@ class Settings(BaseSettings):
     # these two estimates, which a running fleet's metrics refine.
     keda_pools: str = Field(
         default="", description="comma list of pools (default: every pool the workflows use)")
-    keda_namespace: str = "calmq"
+    keda_namespace: str = Field(
+        default="calmq", description="the namespace `calmq k8s render` renders into")
     image: str = Field(
         default=f"{IMAGE_REPOSITORY}:{__version__}",
         description="the calmq image every rendered container runs (CALMQ_KEDA_IMAGE, its "

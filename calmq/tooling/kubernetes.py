@@ -206,7 +206,7 @@ def load_values(path: Path) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     """A setting's value as the chart's ``config`` holds it (YAML's own types)."""
     if isinstance(value, dict):
-        return {k: v.model_dump() if hasattr(v, "model_dump") else v
+        return {k: v.model_dump(exclude_none=True) if hasattr(v, "model_dump") else v
                 for k, v in sorted(value.items())}
     return value
 
@@ -394,8 +394,11 @@ def _labels(component: str, pool: Any = None) -> dict[str, Any]:
     """An object's labels: the selector's, the part-of and the scrape job name that both
     Prometheus discovery styles read (the PodMonitor's jobLabel; the pod relabelling of
     docs/how-to/alerting.md)."""
-    return {**_selector(component, pool), "app.kubernetes.io/part-of": "calmq",
-            "calmq.dev/job": f"calmq-{component}", Spread(_root("commonLabels")): None}
+    labels: dict[Any, Any] = {**_selector(component, pool), "app.kubernetes.io/part-of": "calmq"}
+    if component in PARTS:
+        labels["calmq.dev/job"] = f"calmq-{component}"
+    labels[Spread(_root("commonLabels"))] = None
+    return labels
 
 
 def _meta(name: Any, component: str, part: _Part | None = None, *, pool: Any = None,
@@ -968,6 +971,18 @@ def dump_all(manifests: Mapping[str, dict[str, Any]], command: str) -> str:
                    for i, m in enumerate(manifests.values()))
 
 
+def _prune(folder: Path, keep: set[str], command: str) -> None:
+    """Remove files an earlier render of the same command wrote that this one does not (a
+    pool that is gone, a file that moved), never a file of anyone else."""
+    if not folder.is_dir():
+        return
+    mark = f"# Rendered by `{command}`"
+    for path in sorted(folder.rglob("*.yaml")):
+        name = str(path.relative_to(folder))
+        if name not in keep and path.read_text(encoding="utf-8").startswith(mark):
+            path.unlink()
+
+
 def write(values: Mapping[str, Any], folder: Path, namespace: str = "calmq", *,
           only: str | None = None, command: str = "calmq k8s render") -> list[Path]:
     """Render into ``folder``: the manifests, the hook Jobs in ``jobs/`` (where `kubectl
@@ -978,6 +993,7 @@ def write(values: Mapping[str, Any], folder: Path, namespace: str = "calmq", *,
     if only is None:
         files.update(kustomization(manifests, values, namespace))
         files["secret-template/calmq-secret.yaml"] = secret_template(values, namespace)
+    _prune(folder, set(files), command)
     written = []
     for name, manifest in files.items():
         path = folder / name
