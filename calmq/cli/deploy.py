@@ -83,7 +83,7 @@ def cmd_keda(args: argparse.Namespace) -> int:
     print("calmq keda render is replaced by `calmq k8s render --only workers`; running that",
           file=sys.stderr)
     args.only = "workers"
-    args.values = []
+    args.values = ""
     args.output_dir = args.output_dir or "deploy/keda"
     return cmd_k8s(args)
 
@@ -99,7 +99,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         print(values_text(default_values(settings), "calmq chart values, computed by "
                           "`calmq k8s values` from the settings"), end="")
         return 0
-    values = values_for(settings, *(Path(v) for v in args.values or ()))
+    files = [f.strip() for f in (args.values or "").split(",") if f.strip()]
+    values = values_for(settings, *(Path(f) for f in files))
     if args.action == "chart":
         from calmq.tooling.chart import write_chart
 
@@ -136,16 +137,15 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("action", choices=["render", "values", "chart"],
                    help="render: the manifests and the Kustomize base; values: the chart "
                         "values these settings give; chart: write the Helm chart")
-    p.add_argument("--values", "-f", action="append", default=[], metavar="FILE",
-                   help="a chart values file, as `helm -f` takes it (repeatable, later "
-                        "ones win)")
+    option(p, "--values", "-f", help="chart values file(s), as `helm -f` takes them (a comma "
+                                   "list: later ones win)")
     option(p, "--settings", help="YAML file of settings (setting: value) the defaults are "
                                  "computed from, before CALMQ_ variables and flags")
     option(p, "--output-dir", "-o", help="where to write (default deploy/kubernetes; "
                                          "chart: deploy/helm/calmq); - : one YAML stream "
                                          "to stdout")
-    p.add_argument("--only", choices=["workers"], default=None,
-                   help="workers: only the worker Deployments and their ScaledObjects")
+    option(p, "--only", choices=["workers"],
+           help="workers: only the worker Deployments and their ScaledObjects")
     setting(p, "concurrency")
     setting(p, "keda_pools")
     setting(p, "keda_namespace", "--namespace")

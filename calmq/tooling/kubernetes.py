@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -69,7 +69,6 @@ from calmq.tooling.manifests import (
     Upper,
     Val,
     When,
-    config_data,
     documents,
     merge_values,
 )
@@ -194,7 +193,10 @@ def load_values(path: Path) -> dict[str, Any]:
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of chart values", code="invalid_values")
-    settings = sorted(set(raw) & set(Settings.model_fields))
+    # `image` is a value too (a map), and a setting (a reference): only the map is a value.
+    settings = sorted(set(raw) & set(Settings.model_fields) - {"image"})
+    if isinstance(raw.get("image"), str):
+        settings.append("image")
     if settings:
         raise ConfigError(
             f"{path} names settings at its top ({', '.join(settings)}): a values file holds "
@@ -390,7 +392,7 @@ def _selector(component: str, pool: Any = None) -> dict[str, Any]:
     return labels
 
 
-def _labels(component: str, pool: Any = None) -> dict[str, Any]:
+def _labels(component: str, pool: Any = None) -> dict[Any, Any]:
     """An object's labels: the selector's, the part-of and the scrape job name that both
     Prometheus discovery styles read (the PodMonitor's jobLabel; the pod relabelling of
     docs/how-to/alerting.md)."""
@@ -763,12 +765,16 @@ def _runbook(rule: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fixed(name: str) -> Callable[[Context], str]:
+    return lambda _c: name
+
+
 def _monitoring() -> list[Doc]:
     import yaml
 
     on = _root("monitoring", "podMonitor", "enabled")
-    docs = [Doc((lambda c, n=name: f"70-podmonitor-{n}.yaml"), "podmonitors.yaml",
-                _podmonitor(name), when=on)
+    docs = [Doc(_fixed(f"70-podmonitor-{name}.yaml"), "podmonitors.yaml", _podmonitor(name),
+                when=on)
             for name in ("api", "relay", "forwarder", "reaper", "worker", "batcher")]
     alerts = yaml.safe_load(monitoring_file("alerts.yml"))
     rule_meta = _meta("calmq", "monitoring")
@@ -896,12 +902,12 @@ def render(values: Mapping[str, Any], namespace: str = "calmq", *, only: str | N
     apply them in (``jobs/`` first: they are hooks). ``only="workers"``: the worker
     Deployments and their ScaledObjects alone."""
     ctx = Context(values, namespace, chart_files())
-    out = dict(documents(DOCS, ctx))
-    if only == "workers":
-        out = {k: v for k, v in out.items() if k.startswith(_WORKER_FILES)}
-    elif only is not None:
+    if only is None:
+        return dict(documents(DOCS, ctx))
+    if only != "workers":
         raise ConfigError(f"--only {only}: the one subset is workers", code="invalid_values")
-    return out
+    docs = [d for d in DOCS if d.template == "workers.yaml"]
+    return {k: v for k, v in documents(docs, ctx) if k.startswith(_WORKER_FILES)}
 
 
 def values_for(settings: Settings, *files: Path) -> dict[str, Any]:

@@ -27,10 +27,38 @@ from typing import Any
 from calmq.errors import ConfigError
 
 __all__ = [
-    "And", "Check", "Checksum", "Dashed", "Default", "Doc", "Each", "Entries", "Expr", "FileText", "Has", "Image", "Key",
-    "Namespace", "Not", "Or", "Printf", "Required", "Spread", "Text", "Upper", "Val", "When",
-    "Context", "HELPERS", "config_data", "documents", "go_json", "helm_template",
-    "merge_values", "resolve", "setting_text",
+    "HELPERS",
+    "And",
+    "Check",
+    "Checksum",
+    "Context",
+    "Dashed",
+    "Default",
+    "Doc",
+    "Each",
+    "Entries",
+    "Expr",
+    "FileText",
+    "Has",
+    "Image",
+    "Key",
+    "Namespace",
+    "Not",
+    "Or",
+    "Printf",
+    "Required",
+    "Spread",
+    "Text",
+    "Upper",
+    "Val",
+    "When",
+    "config_data",
+    "documents",
+    "go_json",
+    "helm_template",
+    "merge_values",
+    "resolve",
+    "setting_text",
 ]
 
 
@@ -109,12 +137,19 @@ _MISSING = object()
 
 
 def _walk(node: Any, path: Sequence[str], *, strict: bool) -> Any:
+    """The value at ``path``. ``strict`` as Go templates read ``.Values.a.b``: a missing
+    last key is nil, a missing map on the way an error."""
     for i, key in enumerate(path):
-        if not isinstance(node, Mapping) or key not in node:
+        if not isinstance(node, Mapping):
             if strict:
-                raise ConfigError(f"the values have no {'.'.join(path[:i + 1])}",
+                raise ConfigError(f"the values have no map {'.'.join(path[:i])}",
                                   code="invalid_values")
             return _MISSING
+        if key not in node:
+            if not strict:
+                return _MISSING
+            node = None
+            continue
         node = node[key]
     return node
 
@@ -427,7 +462,7 @@ def _go_float(value: float) -> str:
     if value == 0:
         return "0"
     shortest = Decimal(repr(abs(value))).normalize()
-    sign, digits, exponent = shortest.as_tuple()
+    _sign, digits, exponent = shortest.as_tuple()
     text = "".join(map(str, digits))
     exp = len(text) + int(exponent) - 1
     minus = "-" if value < 0 else ""

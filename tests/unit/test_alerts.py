@@ -245,15 +245,24 @@ def _scrape(part: str, value: str, pool: str | None = None) -> dict[str, str]:
     return {"series": f"up{{{text}}}", "values": value}
 
 
+def _sample(metric: str, values: str, **labels: str) -> tuple[str, str]:
+    return metric + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", values
+
+
+_API = {"job": "calmq-api", "instance": "10.42.0.7:9100"}
+_WORKER = {"job": "calmq-worker", "pool": "default"}
 _HEALTHY_SAMPLES = [  # what a healthy install reports besides `up`, flat over 40 minutes
-    ('calmq_queue_age_seconds{pool="default",priority="interactive",instance="10.42.0.7:9100",job="calmq-api"}', "0x40"),
-    ('calmq_queue_age_seconds{pool="default",priority="bulk",instance="10.42.0.7:9100",job="calmq-api"}', "3x40"),
-    ('calmq_replication_slot_active{slot="calmq_outbox",job="calmq-api"}', "1x40"),
-    ('calmq_replication_slot_retained_wal_bytes{slot="calmq_outbox",job="calmq-api"}', "1048576x40"),
-    ('calmq_relay_slot_lag_seconds{slot="calmq_outbox",job="calmq-relay"}', "0.2x40"),
-    ('calmq_attempts_finished_total{status="completed",failure_class="",job="calmq-worker",pool="default"}', "0+60x40"),
-    ('calmq_model_calls_total{provider="openai",model="gpt-4o-mini",outcome="ok",job="calmq-worker",pool="default"}', "0+60x40"),
-    ('calmq_poison_messages_total{job="calmq-worker",pool="default"}', "0x40"),
+    _sample("calmq_queue_age_seconds", "0x40", pool="default", priority="interactive", **_API),
+    _sample("calmq_queue_age_seconds", "3x40", pool="default", priority="bulk", **_API),
+    _sample("calmq_replication_slot_active", "1x40", slot="calmq_outbox", **_API),
+    _sample("calmq_replication_slot_retained_wal_bytes", "1048576x40", slot="calmq_outbox",
+            **_API),
+    _sample("calmq_relay_slot_lag_seconds", "0.2x40", slot="calmq_outbox", job="calmq-relay"),
+    _sample("calmq_attempts_finished_total", "0+60x40", status="completed", failure_class="",
+            **_WORKER),
+    _sample("calmq_model_calls_total", "0+60x40", provider="openai", model="gpt-4o-mini",
+            outcome="ok", **_WORKER),
+    _sample("calmq_poison_messages_total", "0x40", **_WORKER),
 ]
 
 
@@ -264,9 +273,9 @@ def _scenario(name: str, parts: dict[str, str], fires: dict[str, dict[str, str]]
     series = [_scrape(part, v, "default" if part in ("worker", "batcher") else None)
               for part, v in parts.items()]
     for text, values in _HEALTHY_SAMPLES:
-        if waiting and text.startswith("calmq_queue_age_seconds") and "bulk" in text:
-            values = "0+10x40"  # jobs wait, and nobody takes them
-        series.append({"series": text, "values": values})
+        # Jobs wait, and nobody takes them: the bulk queue ages.
+        aging = waiting and text.startswith("calmq_queue_age_seconds") and "bulk" in text
+        series.append({"series": text, "values": "0+10x40" if aging else values})
     tests = []
     for rule in _rules():
         labels = fires.get(rule["alert"])
@@ -282,7 +291,7 @@ def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Pa
     each part without a target fires its absent alert, each part whose pods answer no
     scrape fires its down alert, and nothing else fires."""
     promtool = _promtool()
-    healthy = {part: "1x40" for part in (*PARTS, "batcher")}
+    healthy = dict.fromkeys((*PARTS, "batcher"), "1x40")
     scenarios = [_scenario("healthy install", healthy, {})]
     absent = {"api": "CalmqApiDown", "relay": "CalmqRelayDown",
               "forwarder": "CalmqForwarderDown", "reaper": "CalmqReaperDown"}
