@@ -13,7 +13,7 @@ from calmq.cli.probes import check_registry, open_admin
 from calmq.errors import ConfigError
 
 if TYPE_CHECKING:
-    from calmq.settings import Settings
+    from calmq.settings import Settings as SettingsType
 
 __all__ = ["register"]
 
@@ -64,7 +64,7 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render_settings(args: argparse.Namespace) -> Settings:
+def _render_settings(args: argparse.Namespace) -> SettingsType:
     """The settings a render computes its defaults from: a settings file, then CALMQ_
     variables, then flags. Not settings_for(): a running local stack's 127.0.0.1
     addresses must not leak into manifests for a cluster."""
@@ -94,10 +94,17 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     settings = _render_settings(args)
     namespace = settings.keda_namespace
     if args.action == "values":
+        from calmq.settings import Settings
         from calmq.tooling.chart import values_text
+        from calmq.tooling.keda import pools
 
-        print(values_text(default_values(settings), "calmq chart values, computed by "
-                          "`calmq k8s values` from the settings"), end="")
+        values = default_values(settings)
+        # helm -f merges over the chart's values: a pool of the chart's (the default
+        # settings', read from no environment) that these settings lack is removed by name.
+        for name in pools(Settings.model_construct()):
+            values["workers"]["pools"].setdefault(name, None)
+        print(values_text(values, "calmq chart values, computed by `calmq k8s values` from "
+                          "the settings (for helm -f)"), end="")
         return 0
     files = [f.strip() for f in (args.values or "").split(",") if f.strip()]
     values = values_for(settings, *(Path(f) for f in files))
