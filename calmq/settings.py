@@ -280,7 +280,7 @@ class Settings(BaseSettings):
         description="the provider's batch queue limit in tokens per model (estimated, prompt "
                     "+ max_tokens); the batcher waits while open batches hold that many; 0: none")
 
-    # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
+    # Kubernetes manifests and KEDA (`calmq k8s render`, docs/how-to/autoscaling.md). The cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
     keda_pools: str = Field(
