@@ -5,9 +5,9 @@ folder (the pod's emptyDir at /tmp) under its ephemeral-storage limit.
 
 The limits are read from the chart's values (deploy/helm/calmq/values.yaml: api.resources),
 the figures are printed (docs/how-to/deploy-kubernetes.md quotes them) and, with
-CALMQ_TEST_FIGURES set, written there as JSON. CALMQ_UPLOAD_MIB sets the size of each upload
-(default 100, the API's largest); the bound does not depend on it, as an upload holds one
-S3 part in memory whatever its size.
+CALMQ_TEST_FIGURES set, written there as JSON. Each upload is 100 MiB, the API's largest;
+the bound does not depend on it, as an upload holds one S3 part in memory whatever its
+size.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 CHART_VALUES = ROOT / "deploy" / "helm" / "calmq" / "values.yaml"
 UPLOADS = 10
-MIB = int(os.environ.get("CALMQ_UPLOAD_MIB", "100"))
+MIB = 100
 BUCKET = "calmq-uploads"
 LINE = b"a line of an uploaded text document, streamed to S3 in parts.\n"
 
