@@ -575,6 +575,8 @@ def test_worker_and_batcher_refuse_to_start_without_a_provider(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Outside the local stack, no provider URL is a clear error before anything starts."""
+    for name in ("CALMQ_PROVIDER_URL", "CALMQ_FAKE_PROVIDER_URL"):
+        monkeypatch.delenv(name, raising=False)
     for command in ("worker", "batcher"):
         monkeypatch.setenv("CALMQ_DATABASE_URL", "postgresql://calmq@127.0.0.1:1/calmq")
         monkeypatch.setenv("CALMQ_KAFKA_BOOTSTRAP", "127.0.0.1:1")
