@@ -16,16 +16,26 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from calmq import __version__
 from calmq.errors import ConfigError
 from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
-__all__ = ["ENV_PREFIX", "Settings", "claimed_window", "parse_duration", "service_links"]
+__all__ = ["ENV_PREFIX", "IMAGE_REPOSITORY", "STRICT_ENV", "Settings", "claimed_window",
+           "parse_duration", "service_links"]
 
 ENV_PREFIX = "CALMQ_"
 
-# Variables with the prefix that are not settings but are still ours to read.
-_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK"})
+# Variables with the prefix that are not settings but are still ours to read: the test
+# session's, the strictness switch below, and the names the results-consumer examples
+# (examples/consumers/) read, so that a shell set up for them still runs the CLI.
+STRICT_ENV = "CALMQ_STRICT_SETTINGS"
+_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK", STRICT_ENV, "CALMQ_CONSUMER_GROUP",
+                              "CALMQ_TENANT_ID", "CALMQ_MAX_MESSAGES", "CALMQ_IDLE_TIMEOUT"})
+# Old names kept for one release: variable -> the setting it now sets (a warning says so).
+_ALIASES = {"CALMQ_KEDA_IMAGE": "image"}
+# Where the release workflow pushes the image (docs/how-to/deploy-kubernetes.md).
+IMAGE_REPOSITORY = "ghcr.io/calmq/calmq"
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +92,14 @@ class Settings(BaseSettings):
 
     # Where the real parts are. Empty means "the running local stack" (calmq dev env).
     database_url: str = ""
+    migrate_database_url: str = Field(
+        default="",
+        description="the database URL `calmq migrate` uses (a role that may run DDL); "
+                    "empty: database_url")
+    relay_database_url: str = Field(
+        default="",
+        description="the database URL the relay uses (a role with REPLICATION); empty: "
+                    "database_url")
     kafka_bootstrap: str = ""
     schema_registry_url: str = Field(
         default="",
@@ -98,6 +116,17 @@ class Settings(BaseSettings):
     # Intake API.
     api_host: str = Field(default="127.0.0.1", description="address the API listens on")
     api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
+    api_metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the API's /metrics on this port (on api_host) instead of the API "
+                    "port, which then answers 404 there; unset: on the API port")
+    api_console: bool = Field(
+        default=True, description="serve the web console (/console); false: its routes "
+                                  "answer 404")
+    api_console_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the console on this port (on api_host) instead of the API port; "
+                    "unset: on the API port")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     auth_cache_max_misses: int = Field(
@@ -295,18 +324,29 @@ class Settings(BaseSettings):
         description="the provider's batch queue limit in tokens per model (estimated, prompt "
                     "+ max_tokens); the batcher waits while open batches hold that many; 0: none")
 
-    # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
+    # Kubernetes manifests and KEDA (`calmq k8s render`, docs/how-to/autoscaling.md). The cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
     keda_pools: str = Field(
         default="", description="comma list of pools (default: every pool the workflows use)")
-    keda_namespace: str = "calmq"
-    keda_image: str = "calmq:latest"
+    keda_namespace: str = Field(
+        default="calmq", description="the namespace `calmq k8s render` renders into")
+    image: str = Field(
+        default=f"{IMAGE_REPOSITORY}:{__version__}",
+        description="the calmq image every rendered container runs (CALMQ_KEDA_IMAGE, its "
+                    "old name, is read for one more release)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="imagePullPolicy of every rendered container")
+    image_pull_secrets: str = Field(
+        default="", description="comma list of Secrets the rendered pods pull the image with")
     keda_lag_threshold: int | None = Field(
         default=None, ge=1,
         description="KEDA lagThreshold, messages of lag per replica (default: the worker's"
                     " in-flight window, concurrency + an eighth)")
-    keda_min_replicas: int = Field(default=0, ge=0)
+    keda_min_replicas: int | None = Field(
+        default=None, ge=0,
+        description="KEDA minReplicaCount of every pool (default: 1 for a pool that takes "
+                    "interactive work, 0 for a bulk-only pool)")
     keda_tokens_per_job: int = Field(default=8_000, ge=1)  # estimate: prompt + completion
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
@@ -367,6 +407,14 @@ class Settings(BaseSettings):
     def effective_provider_url(self) -> str:
         return self.provider_url or self.fake_provider_url
 
+    @property
+    def effective_migrate_database_url(self) -> str:
+        return self.migrate_database_url or self.database_url
+
+    @property
+    def effective_relay_database_url(self) -> str:
+        return self.relay_database_url or self.database_url
+
     @classmethod
     def load(
         cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
@@ -387,6 +435,9 @@ class Settings(BaseSettings):
             environ = env
             shadowed = {name: field.default for name, field in cls.model_fields.items()
                         if ENV_PREFIX + name.upper() in links}
+        env = _renamed(env)
+        if environ is not None or env is not os.environ:
+            environ = env
         known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
         unknown = sorted(
             k
@@ -394,11 +445,8 @@ class Settings(BaseSettings):
             if k.startswith(ENV_PREFIX) and k not in known and k not in _NON_SETTING_ENV
         )
         if unknown:
-            raise ConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
-                "for the names calmq reads",
-                code="unknown_setting",
-            )
+            env = _unknown(env, unknown)
+            environ = env
         clean = {k: v for k, v in (overrides or {}).items() if v is not None}
         try:
             if environ is None:
@@ -416,6 +464,32 @@ class Settings(BaseSettings):
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _renamed(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with each old variable name read as its setting's new one (the new name
+    wins when both are set), and a warning naming the change."""
+    old = [k for k in _ALIASES if k in env]
+    if not old:
+        return env
+    out = {k: v for k, v in env.items() if k not in old}
+    for name in old:
+        new = ENV_PREFIX + _ALIASES[name].upper()
+        out.setdefault(new, env[name])
+        log.warning("%s is the old name of %s; it is read for one more release", name, new)
+    return out
+
+
+def _unknown(env: Mapping[str, str], unknown: list[str]) -> Mapping[str, str]:
+    """Unknown ``CALMQ_`` variables are an error; with CALMQ_STRICT_SETTINGS=false (what
+    the rendered pods set: their ConfigMap may hold a setting an older or newer release
+    does not know, during an upgrade or a rollback) a warning, and they are dropped."""
+    message = (f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
+               "for the names calmq reads")
+    if env.get(STRICT_ENV, "true").strip().lower() not in ("false", "0", "no"):
+        raise ConfigError(message, code="unknown_setting")
+    log.warning("%s (ignored: %s=false)", message, STRICT_ENV)
+    return {k: v for k, v in env.items() if k not in unknown}
 
 
 def _warn_links(links: list[str]) -> None:
