@@ -379,9 +379,14 @@ def consumer_config(connection: Connection, group: str, **extra: Any) -> dict[st
 
 def create_topics(
     connection: Connection, names: Iterable[str], *, partitions: int, replication: int = 1,
-    min_insync_replicas: int | None = None,
+    min_insync_replicas: int | None = None, max_message_bytes: int | None = None,
 ) -> list[str]:
-    """Create the topics that do not exist yet; returns the ones created now."""
+    """Create the topics that do not exist yet; returns the ones created now.
+
+    ``min_insync_replicas``: the topics' ``min.insync.replicas`` (None: the broker's).
+    ``max_message_bytes``: the topics' ``max.message.bytes``, the same number as the relay
+    producer's ``message.max.bytes`` (setting kafka_max_message_bytes), so a record the
+    relay may send is one every topic takes (None: the broker's default)."""
     config = _base(connection)
     admin = AdminClient(config)
     try:
@@ -392,8 +397,10 @@ def create_topics(
     wanted = [n for n in dict.fromkeys(names) if n not in existing]
     if not wanted:
         return []
-    topic_config = ({"min.insync.replicas": str(min_insync_replicas)}
-                    if min_insync_replicas else {})
+    topic_config = ({} if max_message_bytes is None
+                    else {"max.message.bytes": str(max_message_bytes)})
+    if min_insync_replicas:
+        topic_config["min.insync.replicas"] = str(min_insync_replicas)
     futures = admin.create_topics(
         [NewTopic(n, num_partitions=partitions, replication_factor=replication,
                   config=topic_config) for n in wanted],

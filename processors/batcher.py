@@ -45,6 +45,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
 from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
+from calmq.batching import Batcher
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
@@ -57,8 +58,9 @@ from calmq.pricing import batch_cost_usd, cost_usd
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.poison import PoisonSink
 from calmq.processors.runner import RunnerConfig, StepRunner
-from calmq.retrying import Backoff, retry_forever
+from calmq.retrying import RECONNECT, Backoff, retry_forever
 from calmq.settings import Settings
+from calmq.storable import refused
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -351,6 +353,11 @@ class Poller:
         self.settings = settings
         self.worker_id = worker_id
         self._gate = asyncio.Semaphore(4)
+        self._outcomes: Batcher[Finish] = Batcher("batch-settle", self._finish,
+                                                  retry=RECONNECT, refused=refused)
+
+    async def _finish(self, finishes: list[Finish]) -> None:
+        await self.store.attempts.finish(finishes)
 
     async def pass_once(self) -> int:
         """Look at the batches due; returns how many were taken."""
@@ -466,8 +473,12 @@ class Poller:
         finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
                                           for job, topic in work))
         await self.store.batches.fall_back_online(online)
-        await retry_forever("writing batch outcomes failed",
-                            lambda: self.store.attempts.finish(finishes))
+        # Written like the worker's committer: again while the database is away, and split
+        # (never retried forever) when one outcome's data is refused.
+        refusals = await self._outcomes.write_group(finishes) or []
+        for finish, error in zip(finishes, refusals, strict=False):
+            if error is not None:
+                log.error("batch outcome of %s dropped: %s", finish.job_id, error)
         rows = []
         for (job, _), finish in zip(work, finishes, strict=True):
             tokens_in, tokens_out, cost, online_cost = self.book.costs.pop(
@@ -534,7 +545,8 @@ class BatchLane:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
         connection = await asyncio.to_thread(service_connection, s)
-        store = Store(s.database_url, max_size=8, **Store.pool_options(s))
+        store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
+                      **Store.pool_options(s))
         await store.open()
         codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)

@@ -68,7 +68,8 @@ class Worker:
         # First: a Kafka configuration the brokers refuse stops the worker here, in one line.
         connection = await asyncio.to_thread(service_connection, s)
         # 4 group-commit writers, claims, leases
-        store = Store(s.database_url, max_size=12, **Store.pool_options(s))
+        store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors,
+                      **Store.pool_options(s))
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = await open_metered_provider(s, store)

@@ -15,11 +15,12 @@ from psycopg_pool import AsyncConnectionPool
 
 from calmq import sql
 from calmq.errors import InfrastructureError
+from calmq.limits import KEEP_ERRORS
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
 
-__all__ = ["Connection", "Database"]
+__all__ = ["KEEP_ERRORS", "Connection", "Database"]
 
 Connection = psycopg.AsyncConnection[DictRow]
 
@@ -28,8 +29,11 @@ class Database:
     """An async pool of autocommit connections whose rows are dicts, and the named queries."""
 
     def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
-                 prepare: bool = True) -> None:
+                 keep_errors: int = KEEP_ERRORS, prepare: bool = True) -> None:
         self.url = database_url
+        # How many of a job's errors its row keeps (setting max_job_errors): the statements
+        # that append one drop the oldest past it (calmq_append_error, migration 0021).
+        self.keep_errors = keep_errors
         self.q: Mapping[str, str] = sql.queries()
         # prepare=False behind a transaction pooler (PgBouncer before 1.21, or with
         # max_prepared_statements 0): a statement psycopg prepared on one server connection

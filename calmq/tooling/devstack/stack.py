@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 from calmq import topics
 from calmq.errors import ConfigError, InfrastructureError
+from calmq.settings import Settings
 from calmq.tooling.devstack import kafka, pgbouncer, postgres, processes, registry, tls
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
@@ -304,7 +305,6 @@ class Stack:
             state.env["CALMQ_TOPIC_MIN_INSYNC_REPLICAS"] = "2"
         from calmq.codec import RegistryCodec, registry_config
         from calmq.kafka import connection_config, create_topics
-        from calmq.settings import Settings
 
         # The stack's own clients use the settings its services get: the secured stack's
         # credentials, CA and the *_FILE secrets included.
@@ -316,7 +316,10 @@ class Stack:
                       topics.all_topics(["default"], _tiers(self.environ)),
                       partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")),
                       replication=self.brokers,
-                      min_insync_replicas=2 if self.brokers > 1 else None)
+                      min_insync_replicas=2 if self.brokers > 1 else None,
+                      max_message_bytes=int(self.environ.get(
+                          "CALMQ_KAFKA_MAX_MESSAGE_BYTES",
+                          Settings.model_fields["kafka_max_message_bytes"].default)))
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
 
