@@ -70,8 +70,7 @@ clean:
 # runs a reduced form of each.
 chaos: install
 	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
-	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest -rA tests/chaos/test_broker_loss.py \
-	  tests/chaos/test_postgres_failover.py --timeout 1800
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest -rA tests/chaos/test_cluster_faults.py --timeout 1800
 
 # Helm and kustomize for the chart tests (tests/unit/test_chart.py), built once from their Go
 # modules with the machine's Go toolchain and cached per user, like the Kafka jars. Where
