@@ -161,7 +161,8 @@ def test_a_batch_lane_job_goes_through_the_batcher_on_the_secured_stack(
 
 
 def test_cli_lag_and_health_read_the_secured_stack(secured: StackState) -> None:
-    """`calmq lag` and `calmq health` reach Kafka and the registry with the settings alone."""
+    """`calmq lag` and `calmq health` reach Kafka and the registry with the settings alone,
+    and `calmq dev status` reports every part of the secured stack healthy."""
     env = {**secured.env, "CALMQ_RETRY_TIERS": "1s,5s"}  # the tiers the stack was made with
     lag = _calmq(env, "lag", "-o", "json")
     assert lag.returncode == 0, lag.stderr
@@ -172,6 +173,8 @@ def test_cli_lag_and_health_read_the_secured_stack(secured: StackState) -> None:
     parts = {r["part"]: r for r in json.loads(health.stdout)}
     assert parts["kafka"]["status"] == "up"
     assert parts["schema-registry"]["status"] == "up"
+    status = _calmq(env, "dev", "status", "--data-dir", secured.data_dir, "-o", "json")
+    assert status.returncode == 0, status.stdout  # every part of the secured stack healthy
 
 
 @pytest.mark.parametrize(("drop", "code", "named"), [

@@ -145,7 +145,7 @@ class PostgresServer:
         result = subprocess.run(
             [str(_bin() / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port),
              "-U", "postgres", "-D", str(data), "-X", "stream", "-C", "-S", STANDBY_SLOT,
-             "-R", "--no-sync"],
+             "-R", "--no-sync", "--checkpoint=fast"],
             capture_output=True, text=True, user=user, check=False,
         )
         if result.returncode != 0:

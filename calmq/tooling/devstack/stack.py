@@ -51,7 +51,8 @@ class Part:
     def healthy(self) -> bool:
         if self.pid is not None and not processes.is_alive(self.pid):
             return False
-        if self.kind == "registry-tls":  # needs the stack's CA and credentials: is it there?
+        if self.kind == "registry-tls" or self.address.startswith("https://"):
+            # The secured stack's registry needs its CA and credentials: is it listening?
             parsed = urlparse(self.address)
             return processes.port_open(parsed.hostname or "127.0.0.1", parsed.port or 443)
         if self.kind in ("http", "registry"):
@@ -213,11 +214,23 @@ class Stack:
                 jars = kafka.ensure_jars()
                 jars_box.append(jars)
                 cluster = kafka.cluster_id()
-                for broker in brokers:
-                    pid = broker.start(jars, cluster_id=cluster)
+                # Each node formats its storage (a JVM run) and starts: all at once.
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(max_workers=len(brokers)) as pool:
+                    futures = [pool.submit(b.start, jars, cluster_id=cluster) for b in brokers]
+                failed: BaseException | None = None
+                for broker, future in zip(brokers, futures, strict=True):
+                    try:
+                        pid = future.result()
+                    except BaseException as exc:  # noqa: BLE001 - the others are recorded
+                        failed = failed or exc
+                        continue
                     name = "kafka" if len(brokers) == 1 else f"kafka-{broker.node_id}"
                     state.parts.append(Part(name, pid, broker.bootstrap, "kafka"))
-                    self._save(state)
+                self._save(state)  # every started node is in stack.json, so `down` stops it
+                if failed is not None:
+                    raise failed
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 errors.append(exc)
 
