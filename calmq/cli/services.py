@@ -32,12 +32,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-
+    settings.listen_database_url  # noqa: B018 - behind a pooler: fail now without a direct URL
     _long_running()
 
     async def make() -> web.Application:
         store = Store(settings.database_url, max_size=16,
-                      keep_errors=settings.max_job_errors)
+                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
         await store.open()
         return build_app(settings, store)
 
@@ -109,8 +109,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from confluent_kafka import Producer
 
-    from calmq.codec import make_codec
-    from calmq.kafka import producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import producer_config, service_connection
     from calmq.relay import Publisher, drop_slot, make_relay
 
     if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
@@ -132,12 +132,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # linger.ms 0: the relay is on every job's accept→dispatch path, and its records come
     # a transaction at a time already; the 2 ms linger only delayed a quiet moment's first
     # record (under load, what accumulates while requests are in flight still batches).
-    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
+    publisher = Publisher(Producer(producer_config(service_connection(settings),
                                                   compression=settings.kafka_compression,
                                                   **{"linger.ms": 0,
                                                      "message.max.bytes":
                                                          settings.kafka_max_message_bytes})),
-                          make_codec(settings.schema_registry_url),
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
     make_relay(settings, publisher).run(stop)
@@ -188,8 +188,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
     from calmq import topics
-    from calmq.codec import make_codec
-    from calmq.kafka import consumer_config, producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import consumer_config, producer_config, service_connection
     from calmq.processors.forwarder import Forwarder
 
     settings = settings_for(args)
@@ -200,10 +200,10 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
-    Forwarder(consumer_config(settings.kafka_bootstrap, "calmq.forwarder"),
-              Producer(producer_config(settings.kafka_bootstrap,
-                                       compression=settings.kafka_compression)),
-              make_codec(settings.schema_registry_url), tier_topics,
+    connection = service_connection(settings)
+    Forwarder(consumer_config(connection, "calmq.forwarder"),
+              Producer(producer_config(connection, compression=settings.kafka_compression)),
+              make_codec(settings.schema_registry_url, registry_config(settings)), tier_topics,
               commit_interval=settings.commit_interval_ms / 1000).run(stop)
     return 0
 
@@ -225,7 +225,7 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         from calmq.workflows import load_workflows
 
         store = Store(settings.database_url, max_size=2,
-                      keep_errors=settings.max_job_errors)
+                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
         await store.open()
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, load_workflows(settings),
