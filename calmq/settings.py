@@ -16,15 +16,38 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from calmq import __version__
 from calmq.errors import ConfigError
+from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
-__all__ = ["ENV_PREFIX", "Settings", "claimed_window", "parse_duration", "service_links"]
+__all__ = [
+    "ENV_PREFIX",
+    "FILE_SUFFIX",
+    "IMAGE_REPOSITORY",
+    "STRICT_ENV",
+    "Settings",
+    "claimed_window",
+    "kafka_properties",
+    "parse_duration",
+    "service_links",
+]
 
 ENV_PREFIX = "CALMQ_"
+# CALMQ_<NAME>_FILE=/path reads a setting from a file: a Kubernetes Secret mounted as a
+# volume, or a Docker secret, never shows the value in the pod spec or `ps e`.
+FILE_SUFFIX = "_FILE"
 
-# Variables with the prefix that are not settings but are still ours to read.
-_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK"})
+# Variables with the prefix that are not settings but are still ours to read: the test
+# session's, the strictness switch below, and the names the results-consumer examples
+# (examples/consumers/) read, so that a shell set up for them still runs the CLI.
+STRICT_ENV = "CALMQ_STRICT_SETTINGS"
+_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK", STRICT_ENV, "CALMQ_CONSUMER_GROUP",
+                              "CALMQ_TENANT_ID", "CALMQ_MAX_MESSAGES", "CALMQ_IDLE_TIMEOUT"})
+# Old names kept for one release: variable -> the setting it now sets (a warning says so).
+_ALIASES = {"CALMQ_KEDA_IMAGE": "image"}
+# Where the release workflow pushes the image (docs/how-to/deploy-kubernetes.md).
+IMAGE_REPOSITORY = "ghcr.io/calmq/calmq"
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +97,80 @@ def parse_duration(text: str) -> float:
         ) from None
 
 
+# librdkafka properties that kafka_config may not set: each has a setting of its own (named
+# in the error), or calmq's correctness rests on it (commits after durability, idempotent
+# acks=all producers, the Java-compatible partitioner, the workers' group names).
+_OWN_PROPERTIES = {
+    "bootstrap.servers": "CALMQ_KAFKA_BOOTSTRAP",
+    "metadata.broker.list": "CALMQ_KAFKA_BOOTSTRAP",
+    "security.protocol": "CALMQ_KAFKA_SECURITY_PROTOCOL",
+    "sasl.mechanism": "CALMQ_KAFKA_SASL_MECHANISM",
+    "sasl.mechanisms": "CALMQ_KAFKA_SASL_MECHANISM",
+    "sasl.username": "CALMQ_KAFKA_SASL_USERNAME",
+    "sasl.password": "CALMQ_KAFKA_SASL_PASSWORD",
+    "sasl.oauthbearer.method": "CALMQ_KAFKA_SASL_OAUTHBEARER_METHOD",
+    "sasl.oauthbearer.token.endpoint.url": "CALMQ_KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+    "sasl.oauthbearer.client.id": "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+    "sasl.oauthbearer.client.secret": "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
+    "sasl.oauthbearer.scope": "CALMQ_KAFKA_SASL_OAUTHBEARER_SCOPE",
+    "sasl.oauthbearer.extensions": "CALMQ_KAFKA_SASL_OAUTHBEARER_EXTENSIONS",
+    "ssl.ca.location": "CALMQ_KAFKA_SSL_CA_LOCATION",
+    "ssl.certificate.location": "CALMQ_KAFKA_SSL_CERTIFICATE_LOCATION",
+    "ssl.key.location": "CALMQ_KAFKA_SSL_KEY_LOCATION",
+    "ssl.key.password": "CALMQ_KAFKA_SSL_KEY_PASSWORD",
+    "compression.type": "CALMQ_KAFKA_COMPRESSION",
+    "compression.codec": "CALMQ_KAFKA_COMPRESSION",
+}
+_FIXED_PROPERTIES = frozenset({
+    "group.id", "enable.auto.commit", "enable.auto.offset.store", "enable.idempotence",
+    "acks", "request.required.acks", "partitioner", "isolation.level",
+    "partition.assignment.strategy", "transactional.id",
+})
+
+
+def kafka_properties(text: str) -> dict[str, Any]:
+    """``CALMQ_KAFKA_CONFIG``: a JSON object, or properties text (``key=value`` lines, ``#``
+    comments, as a Java client's .properties file). Raises ValueError (a ConfigError through
+    Settings.load) for what cannot be read, and for a property calmq sets itself, naming
+    the setting to use instead. Whether each name is a librdkafka property is checked when
+    a client configuration is made (calmq.kafka.connection_config), by librdkafka itself."""
+    import json
+
+    text = text.strip()
+    if not text:
+        return {}
+    props: dict[str, Any]
+    if text.startswith("{"):
+        try:
+            loaded = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"kafka_config is not a JSON object: {exc}") from None
+        if not isinstance(loaded, dict) or not all(
+                isinstance(v, str | int | float | bool) for v in loaded.values()):
+            raise ValueError("kafka_config must be a JSON object of strings, numbers and"
+                             " booleans")
+        props = {str(k).strip(): v for k, v in loaded.items()}
+    else:
+        props = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith(("#", "!")):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                key, sep, value = line.partition(":")
+            if not sep or not key.strip():
+                raise ValueError(f"kafka_config line {number} is not key=value: {line[:60]!r}")
+            props[key.strip()] = value.strip()
+    for key in props:
+        if key in _OWN_PROPERTIES:
+            raise ValueError(f"kafka_config sets {key}: use {_OWN_PROPERTIES[key]} instead")
+        if key in _FIXED_PROPERTIES:
+            raise ValueError(f"kafka_config sets {key}, which calmq sets itself (its delivery"
+                             " guarantees rest on it)")
+    return props
+
+
 class Settings(BaseSettings):
     """Every setting of every component; see docs/reference/settings.md."""
 
@@ -81,6 +178,24 @@ class Settings(BaseSettings):
 
     # Where the real parts are. Empty means "the running local stack" (calmq dev env).
     database_url: str = ""
+    migrate_database_url: str = Field(
+        default="",
+        description="the database URL `calmq migrate` uses (a role that may run DDL); "
+                    "empty: database_url")
+    relay_database_url: str = Field(
+        default="",
+        description="the database URL the relay uses (a role with REPLICATION); empty: "
+                    "database_url")
+    database_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="transaction: database_url is a pooler in transaction mode (PgBouncer"
+                    " pool_mode=transaction): no server-side prepared statements, and LISTEN"
+                    " and the relay connect directly (direct_database_url,"
+                    " relay_database_url)")
+    direct_database_url: str = Field(
+        default="",
+        description="a direct connection, not through a transaction pooler: the API's"
+                    " LISTEN session (default: database_url)")
     kafka_bootstrap: str = ""
     schema_registry_url: str = Field(
         default="",
@@ -97,8 +212,40 @@ class Settings(BaseSettings):
     # Intake API.
     api_host: str = Field(default="127.0.0.1", description="address the API listens on")
     api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
+    api_metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the API's /metrics on this port (on api_host) instead of the API "
+                    "port, which then answers 404 there; unset: on the API port")
+    api_console: bool = Field(
+        default=True, description="serve the web console (/console); false: its routes "
+                                  "answer 404")
+    api_console_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the console on this port (on api_host) instead of the API port; "
+                    "unset: on the API port")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
+    auth_cache_max_misses: int = Field(
+        default=1000, ge=0, le=1_000_000,
+        description="unknown API keys the API remembers at most (the oldest is forgotten "
+                    "first); misses never push a known key out of its cache")
+    # Fair use of one API process (calmq.producers.throttle; per process, not fleet-wide).
+    api_rate_per_second: float = Field(
+        default=0.0, ge=0,
+        description="requests a second each API key may send (token bucket); past it 429 "
+                    "rate_limited with Retry-After; 0: no limit")
+    api_rate_burst: int = Field(
+        default=200, ge=1,
+        description="the token bucket's size: requests a key may send at once after a pause")
+    api_streams_per_tenant: int = Field(
+        default=100, ge=0,
+        description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
+                    "API process; more answer 429 too_many_streams; 0: no cap")
+    api_reads_per_tenant: int = Field(
+        default=8, ge=0,
+        description="expensive reads (job, review and dead-letter lists, artifact "
+                    "downloads) one tenant may run at once in one API process; more answer "
+                    "429 too_many_reads; 0: no cap")
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     max_multipart_parts: int = Field(
         default=16, ge=1, le=10_000,
@@ -108,6 +255,22 @@ class Settings(BaseSettings):
         default=1024 * 1024, ge=1024,
         description="largest total size of a multipart submit's non-file fields; more "
                     "answers 413 fields_too_large and stores nothing")
+    # Size limits on what a tenant sends that reaches an event or a row, measured as it
+    # will encode (docs/explanation/security.md lists every limit and what happens at it).
+    max_metadata_bytes: int = Field(
+        default=MAX_METADATA_BYTES, ge=2, le=512 * 1024,
+        description="largest submit metadata, as the compact ASCII JSON the job.result and "
+                    "job.dead_lettered events carry (non-ASCII text counts 6 bytes a "
+                    "character); more answers 413 metadata_too_large")
+    max_note_bytes: int = Field(
+        default=MAX_NOTE_BYTES, ge=16, le=64 * 1024,
+        description="largest free-text note (a review's reason and reviewer, a redrive's "
+                    "reason and by, a cancel's reason), as UTF-8 JSON text; more answers "
+                    "413 note_too_large")
+    max_job_errors: int = Field(
+        default=KEEP_ERRORS, ge=1, le=1000,
+        description="a job keeps the errors of its last this many failed attempts (older "
+                    "ones drop off); job.dead_lettered carries them")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     accept_batch_max: int = Field(default=256, ge=1)
@@ -196,8 +359,81 @@ class Settings(BaseSettings):
         description="batch compression of every record calmq produces; none and gzip are read"
                     " by every mainstream client without a codec plugin (see"
                     " docs/reference/topics.md)")
+    kafka_max_message_bytes: int = Field(
+        default=1_000_000, ge=64 * 1024, le=100 * 1024 * 1024,
+        description="the largest record calmq produces: the relay producer's "
+                    "message.max.bytes, and max.message.bytes of the topics `calmq topics "
+                    "create` makes (set together; a larger outbox row goes to calmq.dlq as "
+                    "record_too_large)")
     topic_partitions: int = Field(default=8, ge=1)
     topic_replication: int = Field(default=1, ge=1)
+    topic_min_insync_replicas: int | None = Field(
+        default=None, ge=1,
+        description="min.insync.replicas of the topics calmq creates (default: the broker's;"
+                    " with replication 3, set 2 so a write survives one broker down)")
+
+    # Kafka clients: how every client (producer, consumer, admin, the relay, the lag readers,
+    # `calmq lag`, the benchmarks) reaches a secured cluster. calmq.kafka.connection_config
+    # turns these into librdkafka properties once per process.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        description="librdkafka security.protocol: PLAINTEXT, SSL (TLS, optionally mTLS),"
+                    " SASL_PLAINTEXT or SASL_SSL")
+    kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512",
+                                  "OAUTHBEARER"] = Field(
+        default="", description="SASL mechanism when the protocol is SASL_*")
+    kafka_sasl_username: str = Field(default="", description="SASL username (PLAIN, SCRAM)")
+    kafka_sasl_password: SecretStr = Field(
+        default=SecretStr(""), description="SASL password (PLAIN, SCRAM); a secret")
+    kafka_sasl_oauthbearer_method: Literal["oidc", "aws_msk_iam"] = Field(
+        default="oidc",
+        description="OAUTHBEARER tokens: oidc (client credentials at a token endpoint) or"
+                    " aws_msk_iam (signed with the AWS credentials chain; pip install"
+                    " 'calmq[msk-iam]')")
+    kafka_sasl_oauthbearer_token_endpoint_url: str = Field(
+        default="", description="OAUTHBEARER oidc: the identity provider's token endpoint")
+    kafka_sasl_oauthbearer_client_id: str = Field(
+        default="", description="OAUTHBEARER oidc: the client id")
+    kafka_sasl_oauthbearer_client_secret: SecretStr = Field(
+        default=SecretStr(""), description="OAUTHBEARER oidc: the client secret; a secret")
+    kafka_sasl_oauthbearer_scope: str = Field(
+        default="", description="OAUTHBEARER oidc: scope to request (optional)")
+    kafka_sasl_oauthbearer_extensions: str = Field(
+        default="",
+        description="OAUTHBEARER: SASL extensions, key=value,... (Confluent Cloud:"
+                    " logicalCluster=lkc-...,identityPoolId=pool-...)")
+    kafka_sasl_oauthbearer_aws_region: str = Field(
+        default="", description="OAUTHBEARER aws_msk_iam: the cluster's AWS region (default:"
+                                " the AWS SDK's region chain)")
+    kafka_ssl_ca_location: str = Field(
+        default="", description="PEM file of the CA(s) that signed the brokers' certificates"
+                                " (default: the system's trust store)")
+    kafka_ssl_certificate_location: str = Field(
+        default="", description="PEM client certificate, for mTLS (Strimzi tls users)")
+    kafka_ssl_key_location: str = Field(
+        default="", description="PEM private key of the client certificate, for mTLS")
+    kafka_ssl_key_password: SecretStr = Field(
+        default=SecretStr(""), description="password of an encrypted client key; a secret")
+    kafka_config: str = Field(
+        default="",
+        description="any other librdkafka properties for every client: a JSON object or"
+                    " properties text (key=value lines; CALMQ_KAFKA_CONFIG_FILE reads a"
+                    " .properties file); names are checked against librdkafka at start-up")
+
+    # The schema registry's credentials and TLS (the URL may also carry user:password@).
+    schema_registry_username: str = Field(
+        default="", description="registry basic auth user (Confluent Cloud: the API key)")
+    schema_registry_password: SecretStr = Field(
+        default=SecretStr(""), description="registry basic auth password; a secret")
+    schema_registry_bearer_token: SecretStr = Field(
+        default=SecretStr(""), description="registry bearer token (instead of basic auth);"
+                                           " a secret")
+    schema_registry_ca_location: str = Field(
+        default="", description="PEM file of the CA that signed the registry's certificate")
+    schema_registry_certificate_location: str = Field(
+        default="", description="PEM client certificate for the registry, for mTLS")
+    schema_registry_key_location: str = Field(
+        default="", description="PEM private key of the registry client certificate")
 
     # Relay.
     relay_mode: Literal["polling", "cdc"] = Field(
@@ -292,18 +528,29 @@ class Settings(BaseSettings):
         description="the provider's batch queue limit in tokens per model (estimated, prompt "
                     "+ max_tokens); the batcher waits while open batches hold that many; 0: none")
 
-    # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
+    # Kubernetes manifests and KEDA (`calmq k8s render`, docs/how-to/autoscaling.md). The cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
     keda_pools: str = Field(
         default="", description="comma list of pools (default: every pool the workflows use)")
-    keda_namespace: str = "calmq"
-    keda_image: str = "calmq:latest"
+    keda_namespace: str = Field(
+        default="calmq", description="the namespace `calmq k8s render` renders into")
+    image: str = Field(
+        default=f"{IMAGE_REPOSITORY}:{__version__}",
+        description="the calmq image every rendered container runs (CALMQ_KEDA_IMAGE, its "
+                    "old name, is read for one more release)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="imagePullPolicy of every rendered container")
+    image_pull_secrets: str = Field(
+        default="", description="comma list of Secrets the rendered pods pull the image with")
     keda_lag_threshold: int | None = Field(
         default=None, ge=1,
         description="KEDA lagThreshold, messages of lag per replica (default: the worker's"
                     " in-flight window, concurrency + an eighth)")
-    keda_min_replicas: int = Field(default=0, ge=0)
+    keda_min_replicas: int | None = Field(
+        default=None, ge=0,
+        description="KEDA minReplicaCount of every pool (default: 1 for a pool that takes "
+                    "interactive work, 0 for a bulk-only pool)")
     keda_tokens_per_job: int = Field(default=8_000, ge=1)  # estimate: prompt + completion
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
@@ -331,6 +578,18 @@ class Settings(BaseSettings):
                 return json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"must be a JSON object: {exc}") from None
+        return value
+
+    @field_validator("kafka_security_protocol", "kafka_sasl_mechanism", mode="before")
+    @classmethod
+    def _upper_case(cls, value: Any) -> Any:
+        # librdkafka reads both cases; the docs of every cloud print them differently.
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _kafka_properties(cls, value: str) -> str:
+        kafka_properties(value)  # raises on what cannot be read or is calmq's own
         return value
 
     @field_validator("priorities")
@@ -362,6 +621,21 @@ class Settings(BaseSettings):
         return [(t, parse_duration(t)) for t in self.retry_tiers.split(",")]
 
     @property
+    def listen_database_url(self) -> str:
+        """Where LISTEN sessions connect: never through a transaction pooler, which hands
+        the server connection to another client after each transaction."""
+        if self.database_pooler == "transaction" and not self.direct_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: LISTEN cannot go through the pooler; set "
+                "CALMQ_DIRECT_DATABASE_URL to a direct connection", code="direct_url_missing")
+        return self.direct_database_url or self.database_url
+
+    @property
+    def kafka_properties(self) -> dict[str, Any]:
+        """``kafka_config`` parsed: the extra librdkafka properties of every client."""
+        return kafka_properties(self.kafka_config)
+
+    @property
     def effective_provider_url(self) -> str:
         return self.provider_url or self.fake_provider_url
 
@@ -379,6 +653,21 @@ class Settings(BaseSettings):
                     model, dict(self.embeddings_extra_headers), self.embeddings_api_version)
         return (kind, self.effective_provider_url, self.provider_api_key.get_secret_value(),
                 model, dict(self.provider_extra_headers), self.provider_api_version)
+
+    @property
+    def effective_migrate_database_url(self) -> str:
+        return self.migrate_database_url or self.database_url
+
+    @property
+    def effective_relay_database_url(self) -> str:
+        """The relay's connection: its own role's, and never through a transaction pooler
+        (replication cannot go through one at all)."""
+        if self.database_pooler == "transaction" and not self.relay_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: logical replication cannot go through the "
+                "pooler; set CALMQ_RELAY_DATABASE_URL to a direct connection",
+                code="direct_url_missing")
+        return self.relay_database_url or self.database_url
 
     @classmethod
     def load(
@@ -400,27 +689,31 @@ class Settings(BaseSettings):
             environ = env
             shadowed = {name: field.default for name, field in cls.model_fields.items()
                         if ENV_PREFIX + name.upper() in links}
+        env = _renamed(env)
+        if environ is not None or env is not os.environ:
+            environ = env
         known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
+        from_files = {ENV_PREFIX + name.upper() + FILE_SUFFIX: name for name in cls.model_fields}
         unknown = sorted(
             k
             for k in env
-            if k.startswith(ENV_PREFIX) and k not in known and k not in _NON_SETTING_ENV
+            if k.startswith(ENV_PREFIX) and k not in known and k not in from_files
+            and k not in _NON_SETTING_ENV
         )
         if unknown:
-            raise ConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
-                "for the names calmq reads",
-                code="unknown_setting",
-            )
+            env = _unknown(env, unknown)
+            environ = env
+        files = _read_setting_files(env, from_files)
         clean = {k: v for k, v in (overrides or {}).items() if v is not None}
         try:
             if environ is None:
-                return cls(**clean)
+                return cls(**{**files, **clean})
             values = {
                 name: env[ENV_PREFIX + name.upper()]
                 for name in cls.model_fields
                 if ENV_PREFIX + name.upper() in env
             }
+            values.update(files)
             values.update(shadowed)
             values.update(clean)
             return cls.model_validate(values)
@@ -429,6 +722,57 @@ class Settings(BaseSettings):
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _read_setting_files(env: Mapping[str, str], from_files: Mapping[str, str]) -> dict[str, str]:
+    """Settings named by ``CALMQ_<NAME>_FILE``: each file's text, less one final newline (a
+    Secret's key written with ``echo`` has one; a password never ends in it)."""
+    values: dict[str, str] = {}
+    for variable, name in from_files.items():
+        path = env.get(variable)
+        if path is None:
+            continue
+        direct = variable[: -len(FILE_SUFFIX)]
+        if direct in env:
+            raise ConfigError(f"both {direct} and {variable} are set: keep one",
+                              code="conflicting_setting")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"{variable}: cannot read {path}: {exc.strerror or exc}",
+                              code="unreadable_setting_file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{variable}: {path} is not UTF-8 text",
+                              code="unreadable_setting_file") from None
+        values[name] = text.removesuffix("\n").removesuffix("\r")
+    return values
+
+
+def _renamed(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with each old variable name read as its setting's new one (the new name
+    wins when both are set), and a warning naming the change."""
+    old = [k for k in _ALIASES if k in env]
+    if not old:
+        return env
+    out = {k: v for k, v in env.items() if k not in old}
+    for name in old:
+        new = ENV_PREFIX + _ALIASES[name].upper()
+        out.setdefault(new, env[name])
+        log.warning("%s is the old name of %s; it is read for one more release", name, new)
+    return out
+
+
+def _unknown(env: Mapping[str, str], unknown: list[str]) -> Mapping[str, str]:
+    """Unknown ``CALMQ_`` variables are an error; with CALMQ_STRICT_SETTINGS=false (what
+    the rendered pods set: their ConfigMap may hold a setting an older or newer release
+    does not know, during an upgrade or a rollback) a warning, and they are dropped."""
+    message = (f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
+               "for the names calmq reads")
+    if env.get(STRICT_ENV, "true").strip().lower() not in ("false", "0", "no"):
+        raise ConfigError(message, code="unknown_setting")
+    log.warning("%s (ignored: %s=false)", message, STRICT_ENV)
+    return {k: v for k, v in env.items() if k not in unknown}
 
 
 def _warn_links(links: list[str]) -> None:

@@ -45,20 +45,22 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
 from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
-from calmq.codec import make_codec
+from calmq.batching import Batcher
+from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelReply, current_clock, model_clock
-from calmq.kafka import consumer_config, producer_config
+from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.poison import PoisonSink
 from calmq.processors.runner import RunnerConfig, StepRunner
-from calmq.retrying import Backoff, retry_forever
+from calmq.retrying import RECONNECT, Backoff, retry_forever
 from calmq.settings import Settings
+from calmq.storable import refused
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -354,6 +356,11 @@ class Poller:
         self.settings = settings
         self.worker_id = worker_id
         self._gate = asyncio.Semaphore(4)
+        self._outcomes: Batcher[Finish] = Batcher("batch-settle", self._finish,
+                                                  retry=RECONNECT, refused=refused)
+
+    async def _finish(self, finishes: list[Finish]) -> None:
+        await self.store.attempts.finish(finishes)
 
     async def pass_once(self) -> int:
         """Look at the batches due; returns how many were taken."""
@@ -469,8 +476,12 @@ class Poller:
         finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
                                           for job, topic in work))
         await self.store.batches.fall_back_online(online)
-        await retry_forever("writing batch outcomes failed",
-                            lambda: self.store.attempts.finish(finishes))
+        # Written like the worker's committer: again while the database is away, and split
+        # (never retried forever) when one outcome's data is refused.
+        refusals = await self._outcomes.write_group(finishes) or []
+        for finish, error in zip(finishes, refusals, strict=False):
+            if error is not None:
+                log.error("batch outcome of %s dropped: %s", finish.job_id, error)
         rows = []
         for (job, _), finish in zip(work, finishes, strict=True):
             tokens_in, tokens_out, cost, online_cost = self.book.costs.pop(
@@ -536,18 +547,20 @@ class BatchLane:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        store = Store(s.database_url, max_size=8)
+        connection = await asyncio.to_thread(service_connection, s)
+        store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
+                      **Store.pool_options(s))
         await store.open()
-        codec = make_codec(s.schema_registry_url)
+        codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)
         packer = BatchPacker(self._client(), s, store, self.worker_id)
         window = packer.max_requests
         consumer = ParallelConsumer(
-            consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}.batcher"), [self.topic()],
+            consumer_config(connection, f"calmq.{s.pool}.batcher"), [self.topic()],
             deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
             max_in_flight=window, commit_interval=s.commit_interval_ms / 1000,
             interactive_reserve=0, settling=lambda: runner.committer.pending)
-        poison = PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+        poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
 
         def config(worker: str, concurrency: int, timeout: float) -> RunnerConfig:

@@ -19,18 +19,16 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
+from calmq.kafka import connection_of
 from calmq.processors import metrics
 
 __all__ = ["LagSampler", "admin_config"]
 
-# Client settings an admin client shares with the consumer: where the brokers are and how
-# to reach them. Group and fetch settings are the consumer's own.
-_SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.",
-                    "broker.", "metadata.")
-
-
 def admin_config(consumer_config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in consumer_config.items() if k.startswith(_SHARED_PREFIXES)}
+    """Client settings an admin client shares with the consumer: where the brokers are and
+    how to reach them (security, ``CALMQ_KAFKA_CONFIG``'s properties, an ``oauth_cb``).
+    Group and fetch settings are the consumer's own."""
+    return connection_of(consumer_config)
 
 
 class LagSampler:

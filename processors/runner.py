@@ -50,6 +50,7 @@ from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import RECONNECT, Backoff, retry_forever
 from calmq.spending import Holds, SpendCaps
+from calmq.storable import UNSTORABLE_OUTPUT, clean, refused, unstorable_outcome
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import Progress
 
@@ -100,9 +101,11 @@ class Committer:
     ) -> None:
         self.store = store
         self.tracker = tracker
+        # A group the database refuses because of one outcome's data is split until that
+        # outcome is alone (calmq.batching); it is then dropped, its offset marked done.
         self._batcher: Batcher[tuple[Finish, Position]] = Batcher(
             "committer", self._write, window=window, max_batch=max_batch, writers=writers,
-            retry=RECONNECT)
+            retry=RECONNECT, refused=refused, rejected=self._refused)
 
     def start(self) -> None:
         self._batcher.start()
@@ -130,6 +133,15 @@ class Committer:
                 metrics.FENCED.labels("stale_outcome").inc()
         metrics.GROUP_WRITE_SECONDS.observe(time.monotonic() - started)
         metrics.GROUP_SIZE.observe(len(group))
+
+    def _refused(self, item: tuple[Finish, Position], error: BaseException) -> None:
+        """An outcome the database refused on its own (what ``StepRunner._storable`` did not
+        catch): never written again. Its offset is done, so its partition commits on; the
+        job's lease runs out and the reaper requeues it."""
+        finish, (tp, offset) = item
+        log.error("the outcome of attempt %d of %s could not be stored and was dropped: %s",
+                  finish.attempt, finish.job_id, error)
+        self.tracker.done(tp, offset)
 
     async def drain(self) -> None:
         await self._batcher.drain()
@@ -593,6 +605,27 @@ class StepRunner:
             "error_code": (finish.error or {}).get("code")})
 
     async def _attempt(self, job: Job, topic: str) -> Finish:
+        """The attempt's outcome, as it will be committed (by the committer or the batch
+        poller): held to what PostgreSQL can store first (``_storable``)."""
+        return self._storable(job, topic, await self._outcome(job, topic))
+
+    def _storable(self, job: Job, topic: str, finish: Finish) -> Finish:
+        """``finish``, or, if it holds text PostgreSQL refuses (a NUL or a lone surrogate in
+        the step's output, its error or an event: calmq.storable), the step's failure as
+        ``input`` / ``unstorable_output`` with a message that holds none of that text. The
+        group commit would otherwise fail on it, with every outcome beside it."""
+        found = unstorable_outcome(finish)
+        if found is None:
+            return finish
+        metrics.UNSTORABLE.inc()
+        message = f"the step's result holds text that cannot be stored: {found}"
+        if finish.error is not None:
+            message += f" (its error was: {clean(str(finish.error.get('message', '')))})"
+        log.warning("step %s of job %s: %s", job.step, job.id, message)
+        return self.failures.outcome(job, topic, StepFailure(
+            message, code=UNSTORABLE_OUTPUT, failure_class=FailureClass.INPUT))
+
+    async def _outcome(self, job: Job, topic: str) -> Finish:
         started = time.monotonic()
         workflow = self.workflows.get(job.workflow)
         try:

@@ -14,11 +14,11 @@ from confluent_kafka.admin import AdminClient
 
 from calmq import topics
 from calmq.budget import open_metered_provider
-from calmq.codec import make_codec
+from calmq.codec import make_codec, registry_config
 from calmq.data import Store
 from calmq.data.spending import SpendLedger
 from calmq.errors import InfrastructureError
-from calmq.kafka import consumer_config, producer_config
+from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.objects import open_object_store
 from calmq.processors import metrics
 from calmq.processors.consumer import ParallelConsumer
@@ -65,19 +65,23 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        store = Store(s.database_url, max_size=12)  # 4 group-commit writers, claims, leases
+        # First: a Kafka configuration the brokers refuse stops the worker here, in one line.
+        connection = await asyncio.to_thread(service_connection, s)
+        # 4 group-commit writers, claims, leases
+        store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors,
+                      **Store.pool_options(s))
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = await open_metered_provider(s, store)
         consumer = ParallelConsumer(
-            consumer_config(s.kafka_bootstrap, f"calmq.{s.pool}"),
+            consumer_config(connection, f"calmq.{s.pool}"),
             self.topics(),
             deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
             max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: runner.committer.pending,
         )
-        codec = make_codec(s.schema_registry_url)
+        codec = make_codec(s.schema_registry_url, registry_config(s))
         spend = spend_caps_from_settings(s, SpendLedger(store))
         runner = StepRunner(
             store=store,
@@ -86,7 +90,7 @@ class Worker:
             objects=open_object_store(s.object_store_url),
             workflows=self.workflows,
             tracker=consumer.tracker,
-            poison=PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+            poison=PoisonSink(Producer(producer_config(connection,
                                                       compression=s.kafka_compression)),
                               codec),
             usage=provider.usage.record if provider.usage is not None else None,

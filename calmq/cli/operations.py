@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
 
     from calmq.data.operations import InFlight
+    from calmq.kafka import Connection
     from calmq.settings import Settings
 
 __all__ = ["PartitionLag", "read_lag", "register"]
@@ -68,7 +69,7 @@ class PartitionLag:
     oldest_age_seconds: float | None  # the first uncommitted message's age; None: no lag
 
 
-def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
+def read_lag(connection: Connection, pools: Sequence[str] = ()) -> list[PartitionLag]:
     """Per partition of every pool's work topics: offsets, lag and the oldest message's age.
 
     The group's committed offsets come from the admin API (no group membership, so the
@@ -78,7 +79,8 @@ def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
     from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
     from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
-    admin, metadata = open_admin(bootstrap)
+    admin, metadata = open_admin(connection)
+    bootstrap = connection if isinstance(connection, str) else connection["bootstrap.servers"]
     by_pool = work_topics(list(metadata.topics))
     if pools:
         by_pool = {p: t for p, t in by_pool.items() if p in pools}
@@ -108,7 +110,7 @@ def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
                     lag=max(0, high[key] - start), oldest_age_seconds=None))
     except KafkaException as exc:
         raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
-    _oldest_ages(bootstrap, [r for r in rows if r.lag > 0])
+    _oldest_ages(connection, [r for r in rows if r.lag > 0])
     return rows
 
 
@@ -121,7 +123,7 @@ def _offsets(admin: AdminClient, parts: Sequence[Any], spec: Any) -> dict[tuple[
             for tp, f in futures.items()}
 
 
-def _oldest_ages(bootstrap: str, lagging: list[PartitionLag]) -> None:
+def _oldest_ages(connection: Connection, lagging: list[PartitionLag]) -> None:
     """Fill in each lagging partition's oldest message age: the timestamp of the message at
     its committed offset (the next one the group will process).
 
@@ -134,7 +136,7 @@ def _oldest_ages(bootstrap: str, lagging: list[PartitionLag]) -> None:
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer(kafka_config(
-        bootstrap, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
+        connection, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
                       "enable.auto.offset.store": False, "enable.partition.eof": False,
                       "fetch.wait.max.ms": 50}))
     wanted = {(r.topic, r.partition): r for r in lagging}
@@ -178,7 +180,9 @@ def cmd_lag(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     pools = [p.strip() for p in (args.pools or "").split(",") if p.strip()]
-    rows = read_lag(settings.kafka_bootstrap, pools)
+    from calmq.kafka import connection_config
+
+    rows = read_lag(connection_config(settings), pools)
     jobs, unknown = _in_flight(settings)
     if unknown:
         print(f"calmq: warning: jobs in flight unknown: {unknown}", file=sys.stderr)
@@ -368,13 +372,23 @@ def _check_database(settings: Settings) -> str:
 
 def _check_kafka(settings: Settings) -> str:
     from calmq import topics
+    from calmq.kafka import connection_config
 
-    _admin_client, metadata = open_admin(settings.kafka_bootstrap)
+    _admin_client, metadata = open_admin(connection_config(settings))
     wanted = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     missing = [t for t in wanted if t not in metadata.topics]
     if missing:
         raise RuntimeError(f"topics missing: {', '.join(missing)} (`calmq topics create`)")
     return f"{len(metadata.brokers)} broker(s), calmq's {len(wanted)} topics present"
+
+
+def _check_registry(settings: Settings) -> str:
+    """``GET /subjects`` with the settings' credentials and CA, as the services call it."""
+    from calmq.codec import check_registry, registry_config
+
+    subjects = check_registry(settings.schema_registry_url, registry_config(settings),
+                              KAFKA_TIMEOUT_SECONDS)
+    return f"{subjects} subject(s) registered"
 
 
 def _check_object_store(settings: Settings) -> str:
@@ -410,8 +424,7 @@ def _checks(settings: Settings) -> list[tuple[str, str, str, Callable[[], str] |
         ("kafka", "kafka_bootstrap", s.kafka_bootstrap,
          (lambda: _check_kafka(s)) if s.kafka_bootstrap else None),
         ("schema-registry", "schema_registry_url", _url_address(s.schema_registry_url),
-         (lambda: _http_ok(s.schema_registry_url.rstrip("/") + "/subjects"))
-         if s.schema_registry_url else None),
+         (lambda: _check_registry(s)) if s.schema_registry_url else None),
         ("object-store", "object_store_url", _url_address(s.object_store_url),
          (lambda: _check_object_store(s)) if s.object_store_url else None),
         ("api", "api_url", _url_address(s.api_url),

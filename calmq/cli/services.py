@@ -12,9 +12,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from calmq.cli.flags import Command, Flags, configure_logging, settings_for
+from calmq.errors import ConfigError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
+
+    from calmq.settings import Settings
 
 __all__ = ["register"]
 
@@ -29,11 +32,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-
+    settings.listen_database_url  # noqa: B018 - behind a pooler: fail now without a direct URL
     _long_running()
 
     async def make() -> web.Application:
-        store = Store(settings.database_url, max_size=16)
+        store = Store(settings.database_url, max_size=16,
+                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
         await store.open()
         return build_app(settings, store)
 
@@ -105,8 +109,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from confluent_kafka import Producer
 
-    from calmq.codec import make_codec
-    from calmq.kafka import producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import producer_config, service_connection
     from calmq.relay import Publisher, drop_slot, make_relay
 
     if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
@@ -117,7 +121,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         from calmq.cli.probes import check_database
 
         check_database(settings)  # one error line with the address, not a traceback
-        dropped = drop_slot(settings.database_url, settings.relay_slot)
+        dropped = drop_slot(settings.effective_relay_database_url, settings.relay_slot)
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")
         return 0
@@ -128,20 +132,33 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # linger.ms 0: the relay is on every job's accept→dispatch path, and its records come
     # a transaction at a time already; the 2 ms linger only delayed a quiet moment's first
     # record (under load, what accumulates while requests are in flight still batches).
-    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
+    publisher = Publisher(Producer(producer_config(service_connection(settings),
                                                   compression=settings.kafka_compression,
-                                                  **{"linger.ms": 0})),
-                          make_codec(settings.schema_registry_url),
+                                                  **{"linger.ms": 0,
+                                                     "message.max.bytes":
+                                                         settings.kafka_max_message_bytes})),
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
     make_relay(settings, publisher).run(stop)
     return 0
 
 
+def _needs_provider(settings: Settings, command: str) -> None:
+    """A worker or batcher without a provider URL would fail every call it makes (outside
+    the local stack, whose fake provider fills it): refuse to start instead."""
+    if not settings.effective_provider_url:
+        raise ConfigError(
+            f"calmq {command} has no model provider: set CALMQ_PROVIDER_URL (and "
+            "CALMQ_PROVIDER, CALMQ_PROVIDER_API_KEY), or start the local stack (calmq dev up)",
+            code="no_provider")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from calmq.processors.worker import Worker
 
     settings = settings_for(args)
+    _needs_provider(settings, "worker")
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
@@ -157,6 +174,7 @@ def cmd_batcher(args: argparse.Namespace) -> int:
         raise UsageError("--pack-only and --poll-only exclude each other (neither: both "
                          "roles)", code="conflicting_flags")
     settings = settings_for(args)
+    _needs_provider(settings, "batcher")
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
@@ -170,8 +188,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
     from calmq import topics
-    from calmq.codec import make_codec
-    from calmq.kafka import consumer_config, producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import consumer_config, producer_config, service_connection
     from calmq.processors.forwarder import Forwarder
 
     settings = settings_for(args)
@@ -182,10 +200,10 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
-    Forwarder(consumer_config(settings.kafka_bootstrap, "calmq.forwarder"),
-              Producer(producer_config(settings.kafka_bootstrap,
-                                       compression=settings.kafka_compression)),
-              make_codec(settings.schema_registry_url), tier_topics,
+    connection = service_connection(settings)
+    Forwarder(consumer_config(connection, "calmq.forwarder"),
+              Producer(producer_config(connection, compression=settings.kafka_compression)),
+              make_codec(settings.schema_registry_url, registry_config(settings)), tier_topics,
               commit_interval=settings.commit_interval_ms / 1000).run(stop)
     return 0
 
@@ -206,7 +224,8 @@ def cmd_reaper(args: argparse.Namespace) -> int:
         from calmq.supervision import Supervisor
         from calmq.workflows import load_workflows
 
-        store = Store(settings.database_url, max_size=2)
+        store = Store(settings.database_url, max_size=2,
+                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
         await store.open()
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, load_workflows(settings),

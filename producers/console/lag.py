@@ -20,12 +20,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
 from calmq import topics
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = ["ConsumerLag", "TopicLag"]
 
@@ -47,12 +50,12 @@ class ConsumerLag:
         self.timeout = timeout
         self.group_prefix = group_prefix
         self._admin: AdminClient | None = None
-        self._bootstrap = ""
+        self._settings: Settings | None = None
         self._value: list[TopicLag] | None = None
         self._at = -float("inf")
         self._lock = asyncio.Lock()
 
-    async def read(self, bootstrap: str) -> list[TopicLag] | None:
+    async def read(self, settings: Settings) -> list[TopicLag] | None:
         """The lag per group and topic (at most ``ttl`` seconds old), None: unavailable."""
         if time.monotonic() - self._at < self.ttl:
             return self._value
@@ -62,22 +65,25 @@ class ConsumerLag:
             try:
                 # The admin calls carry their own timeouts; this bounds the whole read.
                 value: list[TopicLag] | None = await asyncio.wait_for(
-                    asyncio.to_thread(self._read, bootstrap), self.timeout * 4)
+                    asyncio.to_thread(self._read, settings), self.timeout * 4)
             except Exception as exc:  # noqa: BLE001 - any broker failure: "unavailable"
                 log.warning("reading consumer lag failed: %s", exc)
                 value = None
             self._value, self._at = value, time.monotonic()
         return value
 
-    def _client(self, bootstrap: str) -> AdminClient:
-        if self._admin is None or bootstrap != self._bootstrap:
-            self._admin = AdminClient({"bootstrap.servers": bootstrap,
+    def _client(self, settings: Settings) -> AdminClient:
+        if self._admin is None or settings is not self._settings:
+            from calmq.kafka import connection_config
+
+            # The process's Kafka settings (security, pass-through), as every client has.
+            self._admin = AdminClient({**connection_config(settings),
                                        "socket.timeout.ms": int(self.timeout * 1000)})
-            self._bootstrap = bootstrap
+            self._settings = settings
         return self._admin
 
-    def _read(self, bootstrap: str) -> list[TopicLag]:
-        admin = self._client(bootstrap)
+    def _read(self, settings: Settings) -> list[TopicLag]:
+        admin = self._client(settings)
         t = self.timeout
         # Metadata first: with no broker answering it raises (listing groups would instead
         # answer an empty list, which would read as "no lag").

@@ -251,7 +251,7 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
                             for s in slots], empty="no replication slots (polling relay)"))
         reader = request.app[CONSUMER_LAG]
         assert isinstance(reader, ConsumerLag)
-        parts.append(lag_section(await reader.read(request.app[SETTINGS].kafka_bootstrap)))
+        parts.append(lag_section(await reader.read(request.app[SETTINGS])))
         parts.append("</section>")
     parts.append(f'<p class="muted">Read at {when(now)}.</p>')
     return html_response(layout("Overview", "".join(parts), page, current="overview"))

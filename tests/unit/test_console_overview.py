@@ -7,6 +7,7 @@ import time
 
 from calmq.producers.console.lag import ConsumerLag, TopicLag
 from calmq.producers.console.pages import held_for_review_cap, lag_section, review_cap_state
+from calmq.settings import Settings
 
 
 def test_lag_renders_as_a_table_and_a_bar_per_topic_and_group() -> None:
@@ -48,5 +49,6 @@ def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() ->
     # A real client against a closed local port: nothing listens there.
     reader = ConsumerLag(ttl=60.0, timeout=0.5)
     started = time.monotonic()
-    assert asyncio.run(reader.read("127.0.0.1:1")) is None
+    settings = Settings.load(environ={"CALMQ_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert asyncio.run(reader.read(settings)) is None
     assert time.monotonic() - started < 5.0
