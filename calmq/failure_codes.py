@@ -64,7 +64,7 @@ _ALL: Final = (
     FailureCode("upstream_unavailable", T, R, "the provider failed; retried with backoff, "
                 "never sooner than Retry-After", provider_status="500, 502, 503, 504"),
     FailureCode("provider_overloaded", T, R, "Anthropic's overloaded_error; retried with "
-                "backoff", provider_status="529"),
+                "backoff", provider_status="529, or a 5xx naming overloaded_error"),
     FailureCode("timeout", T, K, "no answer within the step's timeout (the provider may have "
                 "counted the call)", provider_status="408, client timeout"),
     FailureCode("connection_error", T, R, "the provider could not be reached, or the "

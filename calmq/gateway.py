@@ -248,7 +248,9 @@ def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
     if status == 429:
         return failure("rate_limited", f"rate limited by the provider: {detail}",
                        retry_after=wait)
-    if status == 529:
+    # Anthropic's overloaded_error (its 529; a batch result names only the type): the same
+    # code online and in a batch.
+    if status == 529 or (status >= 500 and "overloaded_error" in body):
         return failure("provider_overloaded", f"the provider is overloaded ({status}): "
                        f"{detail}", retry_after=wait)
     if status >= 500:
