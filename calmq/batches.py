@@ -19,8 +19,15 @@ from typing import Any
 
 import aiohttp
 
-from calmq.errors import FailureClass, InfrastructureError, StepFailure
-from calmq.gateway import AnthropicProvider, ModelReply, OpenAIProvider, classify_status
+from calmq.errors import InfrastructureError, StepFailure
+from calmq.failure_codes import failure
+from calmq.gateway import (
+    AnthropicProvider,
+    Endpoint,
+    ModelReply,
+    OpenAIProvider,
+    classify_status,
+)
 
 __all__ = ["AnthropicBatches", "BatchClient", "BatchResult", "BatchView", "OpenAIBatches",
            "custom_id", "open_batch_client", "parse_custom_id"]
@@ -68,8 +75,7 @@ class BatchResult:
 
 
 def _not_run(code: str) -> StepFailure:
-    return StepFailure(f"the provider did not run this request: {code}", code=code,
-                       failure_class=FailureClass.TRANSIENT)
+    return failure(code, f"the provider did not run this request: {code}")
 
 
 class BatchClient:
@@ -78,10 +84,12 @@ class BatchClient:
     kind = "openai"
     limits = OPENAI_LIMITS
 
-    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+    def __init__(self, base_url: str, api_key: str, model: str, *,
+                 endpoint: Endpoint | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
+        self.api = endpoint or Endpoint(self.kind, base_url, api_key)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -89,7 +97,7 @@ class BatchClient:
         raise NotImplementedError
 
     def headers(self) -> dict[str, str]:
-        return {}
+        return self.api.headers()
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -102,7 +110,7 @@ class BatchClient:
             await self._session.close()
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        url = path if path.startswith("http") else self.base_url + path
+        url = path if path.startswith("http") else self.api.url(path)
         try:
             async with self.session().request(method, url, headers=self.headers(),
                                               **kw) as resp:
@@ -116,7 +124,7 @@ class BatchClient:
 
     async def _lines(self, url: str) -> AsyncIterator[bytes]:
         """The lines of a JSONL download, read in 64 KiB chunks (memory: one line + chunk)."""
-        full = url if url.startswith("http") else self.base_url + url
+        full = url if url.startswith("http") else self.api.url(url)
         try:
             async with self.session().get(full, headers=self.headers()) as resp:
                 if resp.status >= 300:
@@ -172,16 +180,16 @@ class OpenAIBatches(BatchClient):
     _STATUS = {"completed": "completed", "expired": "expired", "cancelled": "cancelled",
                "failed": "expired"}
 
-    def __init__(self, base_url: str, api_key: str, model: str) -> None:
-        super().__init__(base_url, api_key, model)
-        self._online = OpenAIProvider(base_url, api_key, model)
+    def __init__(self, base_url: str, api_key: str, model: str, *,
+                 endpoint: Endpoint | None = None,
+                 structured: dict[str, str] | None = None) -> None:
+        super().__init__(base_url, api_key, model, endpoint=endpoint)
+        self._online = OpenAIProvider(base_url, api_key, model, endpoint=self.api,
+                                      structured=structured)
 
     @property
     def endpoint(self) -> str:
         return self._online.endpoint
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def request_body(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                      response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -197,8 +205,8 @@ class OpenAIBatches(BatchClient):
         form.add_field("purpose", "batch")
         form.add_field("file", b"".join(lines), filename=f"calmq-{key}.jsonl",
                        content_type="application/jsonl")
-        uploaded = await self._json("POST", "/v1/files", data=form)
-        created = await self._json("POST", "/v1/batches", json={
+        uploaded = await self._json("POST", "/files", data=form)
+        created = await self._json("POST", "/batches", json={
             "input_file_id": uploaded["id"], "endpoint": self.endpoint,
             "completion_window": "24h", "metadata": {"calmq_key": key}})
         return self._view(created)
@@ -208,7 +216,7 @@ class OpenAIBatches(BatchClient):
         after: str | None = None
         floor = since.timestamp() - 300  # clocks differ
         while True:
-            page = await self._json("GET", "/v1/batches",
+            page = await self._json("GET", "/batches",
                                     params={"limit": "100", **({"after": after} if after else {})})
             for item in page.get("data", []):
                 if (item.get("metadata") or {}).get("calmq_key") == key:
@@ -220,7 +228,7 @@ class OpenAIBatches(BatchClient):
             after = str(page["last_id"])
 
     async def view(self, provider_id: str) -> BatchView:
-        return self._view(await self._json("GET", f"/v1/batches/{provider_id}"))
+        return self._view(await self._json("GET", f"/batches/{provider_id}"))
 
     def _view(self, data: dict[str, Any]) -> BatchView:
         status = str(data.get("status"))
@@ -231,7 +239,7 @@ class OpenAIBatches(BatchClient):
 
     async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
         for file_id in view.results:
-            async for line in self._lines(f"/v1/files/{file_id}/content"):
+            async for line in self._lines(f"/files/{file_id}/content"):
                 yield self._result(line)
 
     def _result(self, line: bytes) -> BatchResult:
@@ -243,8 +251,7 @@ class OpenAIBatches(BatchClient):
             code = str((error or {}).get("code") or "batch_request_failed")
             if code in ("batch_expired", "batch_cancelled"):
                 return BatchResult(cid, failure=_not_run(code))
-            return BatchResult(cid, failure=classify_status(
-                400, json.dumps(error), None))
+            return BatchResult(cid, failure=classify_status(400, json.dumps(error), None))
         status = int(response.get("status_code") or 500)
         body = response.get("body")
         if status >= 300:
@@ -255,7 +262,7 @@ class OpenAIBatches(BatchClient):
             return BatchResult(cid, failure=failure)
 
     async def cancel(self, provider_id: str) -> None:
-        await self._json("POST", f"/v1/batches/{provider_id}/cancel")
+        await self._json("POST", f"/batches/{provider_id}/cancel")
 
 
 # Anthropic's error types and the HTTP status each stands for (to classify like online).
@@ -273,16 +280,16 @@ class AnthropicBatches(BatchClient):
     kind = "anthropic"
     limits = ANTHROPIC_LIMITS
 
-    def __init__(self, base_url: str, api_key: str, model: str) -> None:
-        super().__init__(base_url, api_key, model)
-        self._online = AnthropicProvider(base_url, api_key, model)
+    def __init__(self, base_url: str, api_key: str, model: str, *,
+                 endpoint: Endpoint | None = None,
+                 structured: dict[str, str] | None = None) -> None:
+        super().__init__(base_url, api_key, model, endpoint=endpoint)
+        self._online = AnthropicProvider(base_url, api_key, model, endpoint=self.api,
+                                         structured=structured)
 
     @property
     def endpoint(self) -> str:
         return self._online.endpoint
-
-    def headers(self) -> dict[str, str]:
-        return {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
 
     def request_body(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                      response_schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -299,7 +306,7 @@ class AnthropicBatches(BatchClient):
 
     async def _post_raw(self, body: bytes) -> Any:
         headers = {**self.headers(), "content-type": "application/json"}
-        url = self.base_url + "/v1/messages/batches"
+        url = self.api.url("/messages/batches")
         try:
             async with self.session().post(url, data=body, headers=headers) as resp:
                 text = await resp.text()
@@ -313,7 +320,7 @@ class AnthropicBatches(BatchClient):
 
     async def find(self, key: str, since: datetime, count: int,
                    known: set[str]) -> str | None:
-        page = await self._json("GET", "/v1/messages/batches", params={"limit": "100"})
+        page = await self._json("GET", "/messages/batches", params={"limit": "100"})
         floor = since.timestamp() - 5
         found = []
         for item in page.get("data", []):
@@ -325,7 +332,7 @@ class AnthropicBatches(BatchClient):
         return found[-1] if found else None  # the oldest such: the first one made
 
     async def view(self, provider_id: str) -> BatchView:
-        return self._view(await self._json("GET", f"/v1/messages/batches/{provider_id}"))
+        return self._view(await self._json("GET", f"/messages/batches/{provider_id}"))
 
     def _view(self, data: dict[str, Any]) -> BatchView:
         status = str(data.get("processing_status"))
@@ -362,11 +369,16 @@ class AnthropicBatches(BatchClient):
             "batch_expired" if kind == "expired" else "batch_cancelled"))
 
     async def cancel(self, provider_id: str) -> None:
-        await self._json("POST", f"/v1/messages/batches/{provider_id}/cancel")
+        await self._json("POST", f"/messages/batches/{provider_id}/cancel")
 
 
-def open_batch_client(kind: str, base_url: str, api_key: str, model: str) -> BatchClient:
+def open_batch_client(kind: str, base_url: str, api_key: str, model: str, *,
+                      extra_headers: dict[str, str] | None = None, api_version: str = "",
+                      structured: dict[str, str] | None = None) -> BatchClient:
+    endpoint = Endpoint(kind, base_url, api_key, tuple((extra_headers or {}).items()),
+                        api_version)
     if kind == "anthropic":
-        return AnthropicBatches(base_url, api_key, model)
-    return OpenAIBatches(base_url, api_key, model)
+        return AnthropicBatches(base_url, api_key, model, endpoint=endpoint,
+                                structured=structured)
+    return OpenAIBatches(base_url, api_key, model, endpoint=endpoint, structured=structured)
 

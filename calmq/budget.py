@@ -35,18 +35,27 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from calmq.batching import Batcher
 from calmq.data.budget import BudgetLedger, Grant, TenantTokenLedger, Usage, UsageLedger
-from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import ModelReply, Provider, current_clock, current_scope, open_provider
+from calmq.errors import StepFailure
+from calmq.failure_codes import BudgetEffect, failure, spec
+from calmq.gateway import (
+    ModelReply,
+    Provider,
+    RateLimits,
+    current_clock,
+    current_scope,
+    open_provider,
+)
 from calmq.pricing import ModelPrice, cost_usd
+from calmq.providers import ProviderGate, provider_label
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
@@ -73,10 +82,6 @@ log = logging.getLogger(__name__)
 _LEDGER_RETRY = Backoff(initial=0.1, maximum=1.0)
 
 PRIORITIES = ("interactive", "bulk")
-# Failures whose call the provider refused or never received: it counted no tokens, so the
-# reservation goes back whole (gateway codes, calmq/gateway.py).
-_NOT_COUNTED = frozenset({"rate_limited", "upstream_unavailable", "content_policy",
-                          "provider_permission", "provider_bad_request", "connection_error"})
 _RATE_WINDOW = 10.0  # seconds of admissions that give a process's budget rate
 
 
@@ -92,6 +97,7 @@ class _Metrics:
     leases: Counter
     pauses: Counter
     quota_waits: Counter
+    limits: Gauge
 
 
 @cache
@@ -113,6 +119,10 @@ def _metrics() -> _Metrics:
         quota_waits=Counter("calmq_tenant_quota_waits_total",
                             "Model calls that waited for their tenant's token quota",
                             ["tenant"]),
+        limits=Gauge("calmq_provider_limit_per_minute",
+                     "Tokens and requests per minute: the budget as configured, and as the "
+                     "provider's rate-limit headers state it",
+                     ["provider", "model", "limit", "source"]),
     )
 
 
@@ -236,6 +246,7 @@ class TokenBudget:
         self.model = model
         self.limits = limits
         self._clock = clock
+        self._slice_seconds = slice_seconds
         self._slice_tokens = limits.token_rate * slice_seconds
         self._slice_requests = max(1.0, math.floor(limits.request_rate * slice_seconds))
         self._slices: list[_Slice] = []
@@ -253,6 +264,27 @@ class TokenBudget:
     async def start(self) -> None:
         await self.ledger.configure(self.provider, self.model, self.limits)
         self._task = asyncio.create_task(self._dispatch(), name=f"budget-{self.model}")
+
+    async def lower_to(self, tokens_per_minute: int | None,
+                       requests_per_minute: int | None) -> bool:
+        """Bring the limits down to what the provider states (never up: a configured budget
+        below the provider's quota is the operator's choice); True when they changed. The
+        fleet's bucket row is configured anew, so every worker follows."""
+        tpm, rpm = self.limits.tokens_per_minute, self.limits.requests_per_minute
+        new_tpm = min(tpm, tokens_per_minute) if tpm and tokens_per_minute else tpm
+        new_rpm = min(rpm, requests_per_minute) if rpm and requests_per_minute else rpm
+        if (new_tpm, new_rpm) == (tpm, rpm):
+            return False
+        log.warning("the provider states %s tokens and %s requests per minute for %s; the "
+                    "budget (%d, %d) is brought down to them", tokens_per_minute,
+                    requests_per_minute, self.model, tpm, rpm)
+        self.limits = BucketLimits(new_tpm, new_rpm, self.limits.interactive_share,
+                                   self.limits.burst_seconds, self.limits.lease_seconds)
+        self._slice_tokens = self.limits.token_rate * self._slice_seconds
+        self._slice_requests = max(1.0, math.floor(self.limits.request_rate
+                                                   * self._slice_seconds))
+        await self.ledger.configure(self.provider, self.model, self.limits)
+        return True
 
     async def close(self) -> None:
         """Stop handing out budget and give back every unspent slice."""
@@ -687,14 +719,30 @@ class BudgetedProvider:
         counts_max_tokens: bool = True,
         default_pause_seconds: float = 1.0,
         quota: TenantQuota | None = None,
+        gate: ProviderGate | None = None,
+        learn_limits: Callable[[RateLimits], Awaitable[TokenBudget | None]] | None = None,
+        embedder: BudgetedProvider | None = None,
+        prices_table: bool = True,
     ) -> None:
         self.inner = inner
         self.quota = quota
+        # Blocks and rate-limit pauses, fleet-wide (calmq.providers).
+        self.gate = gate
+        # Makes a budget from the limits the provider states when none was configured.
+        self._learn_limits = learn_limits
+        self._learning: asyncio.Task[None] | None = None
+        # The embeddings provider, when it is not this one (CALMQ_EMBEDDINGS_*).
+        self.embedder = embedder
+        self.observed = RateLimits()
+        self.owns_usage = True  # False: the usage recorder is shared with another wrapper
+        if hasattr(inner, "observer"):
+            inner.observer = self._observe
         self.provider = provider
         self.model = model
         self.budget = budget
         self.usage = usage
         self.prices = dict(prices or {})
+        self.prices_table = prices_table
         self.counts_max_tokens = counts_max_tokens
         self.default_pause_seconds = default_pause_seconds
         self._in_call = 0  # admitted by the budget, waiting for the provider's answer
@@ -722,6 +770,8 @@ class BudgetedProvider:
     ) -> ModelReply:
         scope = current_scope()
         estimate = estimate_prompt_tokens(messages) + max_tokens
+        if self.gate is not None:
+            await self.gate.admit()  # blocked: refused here; paused: waits retry-after
         taken = await self._take(scope.tenant_id, estimate, scope.priority)
         calls = _metrics().calls
         self._in_call += 1
@@ -729,6 +779,11 @@ class BudgetedProvider:
             reply = await self.inner.complete(messages=messages, job_id=job_id,
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
+        except StepFailure as exc:
+            replacement = await self._failed_call(exc, taken, estimate)
+            if replacement is exc:
+                raise
+            raise replacement from exc
         except BaseException as exc:
             await self._failed_call(exc, taken, estimate)
             raise
@@ -739,20 +794,30 @@ class BudgetedProvider:
             else reply.output_tokens
         await taken.settle((reply.input_tokens or estimate - max_tokens) + output)
         await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
-                          reply.output_tokens)
+                          reply.output_tokens, cached=reply.cached_input_tokens,
+                          tier=reply.service_tier)
         return reply
 
     async def embed(self, *, inputs: list[str], job_id: str) -> Any:
-        """Embeddings through the same budget and meter (when the inner provider embeds)."""
+        """Embeddings through the same budget and meter (when the inner provider embeds),
+        or through the embeddings provider's own (``embedder``)."""
+        if self.embedder is not None:
+            return await self.embedder.embed(inputs=inputs, job_id=job_id)
         inner_embed = getattr(self.inner, "embed", None)
         if inner_embed is None:
-            raise StepFailure(f"provider {self.provider} cannot embed", code="not_supported",
-                              failure_class=FailureClass.INPUT)
+            raise failure("not_supported", f"provider {self.provider} cannot embed")
         scope = current_scope()
         estimate = max(1, sum(len(t) for t in inputs) // 4)
+        if self.gate is not None:
+            await self.gate.admit()
         taken = await self._take(scope.tenant_id, estimate, scope.priority)
         try:
             reply = await inner_embed(inputs=inputs, job_id=job_id)
+        except StepFailure as exc:
+            replacement = await self._failed_call(exc, taken, estimate)
+            if replacement is exc:
+                raise
+            raise replacement from exc
         except BaseException as exc:
             await self._failed_call(exc, taken, estimate)
             raise
@@ -776,20 +841,82 @@ class BudgetedProvider:
             raise
         return _Taken(reservation, hold)
 
-    async def _failed_call(self, exc: BaseException, taken: _Taken, estimate: float) -> None:
+    async def _failed_call(self, exc: BaseException, taken: _Taken,
+                           estimate: float) -> BaseException:
+        """Settle a failed call; returns what to raise (a blocked provider's refusal in
+        place of its 401/403/404/quota answer)."""
         await taken.settle(_charged_on_failure(exc, estimate))
         if isinstance(exc, StepFailure):
-            await self._failed(exc)
+            return await self._failed(exc)
+        return exc
 
-    async def _failed(self, failure: StepFailure) -> None:
+    async def _failed(self, failure: StepFailure) -> StepFailure:
         _metrics().calls.labels(self.provider, self.model, failure.code).inc()
-        if failure.code == "rate_limited" and self.budget is not None:
-            await self.budget.pause_fleet(failure.retry_after if failure.retry_after is not None
-                                          else self.default_pause_seconds)
+        if failure.code == "rate_limited":
+            seconds = (failure.retry_after if failure.retry_after is not None
+                       else self.default_pause_seconds)
+            if self.budget is not None:
+                await self.budget.pause_fleet(seconds)
+            if self.gate is not None:
+                await self.gate.pause(seconds)
+            return failure
+        if self.gate is not None:
+            return await self.gate.failed(failure)
+        return failure
+
+    def _observe(self, status: int, limits: RateLimits) -> None:
+        """Every answer's rate-limit headers: the limits the provider states, shown beside
+        the configured ones; a budget above them is brought down, a budget left unset is
+        made from them (``learn_limits``)."""
+        if not limits.stated:
+            return
+        first = not self.observed.stated
+        changed = (limits.tokens_per_minute, limits.requests_per_minute) != (
+            self.observed.tokens_per_minute, self.observed.requests_per_minute)
+        self.observed = limits
+        if not changed:
+            return
+        gauge = _metrics().limits
+        label = provider_label(self.provider)
+        for name, value in (("tokens_per_minute", limits.tokens_per_minute),
+                            ("requests_per_minute", limits.requests_per_minute)):
+            if value is not None:
+                gauge.labels(label, self.model, name, "observed").set(value)
+        if self._learning is None or self._learning.done():
+            self._learning = asyncio.get_running_loop().create_task(
+                self._learn(limits, first))
+
+    async def _learn(self, limits: RateLimits, first: bool) -> None:
+        try:
+            if self.budget is not None:
+                await self.budget.lower_to(limits.tokens_per_minute,
+                                           limits.requests_per_minute)
+            elif self._learn_limits is not None:
+                self.budget = await self._learn_limits(limits)
+            if self.budget is not None:
+                self.show_configured()
+            if self.gate is not None and self.gate.ledger is not None:
+                await self.gate.ledger.observe(self.gate.provider, self.model,
+                                               limits.tokens_per_minute,
+                                               limits.requests_per_minute)
+        except Exception as exc:  # noqa: BLE001 - learning a limit must never fail a call
+            log.warning("learning the provider's stated limits failed: %s", exc)
+
+    def show_configured(self) -> None:
+        if self.budget is None:
+            return
+        gauge = _metrics().limits
+        label = provider_label(self.provider)
+        gauge.labels(label, self.model, "tokens_per_minute", "configured").set(
+            self.budget.limits.tokens_per_minute)
+        gauge.labels(label, self.model, "requests_per_minute", "configured").set(
+            self.budget.limits.requests_per_minute)
 
     async def _meter(self, job_id: str, workflow: str, tenant: str, input_tokens: int,
-                     output_tokens: int) -> None:
-        cost = cost_usd(self.prices, self.provider, self.model, input_tokens, output_tokens)
+                     output_tokens: int, *, cached: int = 0, tier: str | None = None) -> None:
+        cost = cost_usd(self.prices, self.provider, self.model, input_tokens, output_tokens,
+                        cached_input_tokens=cached, service_tier=tier,
+                        table=self.prices_table)
         m = _metrics()
         m.tokens.labels(workflow, tenant, self.provider, self.model, "input").inc(input_tokens)
         m.tokens.labels(workflow, tenant, self.provider, self.model, "output").inc(output_tokens)
@@ -802,18 +929,26 @@ class BudgetedProvider:
             await self.usage.record(job_id, input_tokens, output_tokens, cost)
 
     async def close(self) -> None:
+        if self._learning is not None:
+            self._learning.cancel()
+        if self.gate is not None:
+            await self.gate.close()
+        if self.embedder is not None:
+            await self.embedder.close()
         if self.budget is not None:
             await self.budget.close()
-        if self.usage is not None:
+        if self.usage is not None and self.owns_usage:
             await self.usage.close()
         await self.inner.close()
 
 
 def _charged_on_failure(exc: BaseException, estimate: float) -> float:
-    """What a failed call cost the quota: nothing when the provider refused it or never got
-    it; the whole estimate when it may have counted it (a timeout, a garbled answer, a step
-    cancelled mid-call)."""
-    if isinstance(exc, StepFailure) and exc.code in _NOT_COUNTED:
+    """What a failed call cost the quota, as its code's budget effect says
+    (calmq.failure_codes): nothing when the provider refused it or never got it (refund, and
+    a pause: refused too); the whole estimate when it may have counted it (a timeout, a
+    garbled answer, a step cancelled mid-call)."""
+    if isinstance(exc, StepFailure) and spec(exc.code, exc.failure_class).budget in (
+            BudgetEffect.REFUND, BudgetEffect.PAUSE):
         return 0.0
     return estimate
 
@@ -833,30 +968,95 @@ async def open_metered_provider(
 ) -> BudgetedProvider:
     """The worker's provider: the configured gateway, metered, under the fleet budget when
     ``budget_tokens_per_minute`` or ``budget_requests_per_minute`` is set (and
-    ``shared_budget``; the benchmark's baseline turns it off)."""
-    url = settings.effective_provider_url
-    inner = open_provider(settings.provider, url, settings.provider_api_key.get_secret_value(),
-                          settings.model)
+    ``shared_budget``; the benchmark's baseline turns it off), or once the provider's
+    rate-limit headers state its limits (``provider_learn_limits``); behind the fleet's
+    provider gate (blocks and rate-limit pauses, calmq.providers). Embeddings go to the
+    embeddings provider's own wrapper when it is another provider or model."""
+    s = settings
+    url = s.effective_provider_url
+    inner = open_provider(s.provider, url, s.provider_api_key.get_secret_value(), s.model,
+                          extra_headers=s.provider_extra_headers,
+                          api_version=s.provider_api_version,
+                          structured=s.structured_outputs)
+    usage = UsageRecorder(db)
+    usage.start()
+    chat = await _metered(s, db, inner, kind=s.provider, url=url, model=s.model, usage=usage,
+                          shared_budget=shared_budget, chat=True)
+    endpoint = s.embeddings_endpoint
+    if endpoint is not None:
+        kind, e_url, key, model, headers, version = endpoint
+        if (kind, e_url.rstrip("/"), model) != (s.provider, url.rstrip("/"), s.model):
+            e_inner = open_provider(kind, e_url, key, model, extra_headers=headers,
+                                    api_version=version)
+            chat.embedder = await _metered(s, db, e_inner, kind=kind, url=e_url, model=model,
+                                           usage=usage, shared_budget=shared_budget,
+                                           chat=False)
+            chat.embedder.owns_usage = False
+    elif s.provider == "anthropic":
+        chat.embedder = None  # BudgetedProvider.embed: Anthropic's not_supported, named
+    return chat
+
+
+async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, url: str,
+                   model: str, usage: UsageRecorder, shared_budget: bool,
+                   chat: bool) -> BudgetedProvider:
+    from calmq.data.providers import ProviderLedger
+
+    s = settings
+    # The bucket (and the gate) is per endpoint and model: two OpenAI-compatible servers
+    # do not share a quota even when they serve the same model name.
+    key = f"{kind}:{url.rstrip('/')}"
     budget: TokenBudget | None = None
-    limits = limits_from_settings(settings)
+    # The configured budget applies to the chat model; an embeddings model learns its own.
+    limits = limits_from_settings(s) if chat else BucketLimits(0, 0)
     if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):
-        # The bucket is per endpoint and model: two OpenAI-compatible servers do not share
-        # a quota even when they serve the same model name.
-        budget = TokenBudget(BudgetLedger(db), f"{settings.provider}:{url.rstrip('/')}",
-                             settings.model, limits, slice_seconds=settings.budget_slice_seconds)
+        budget = TokenBudget(BudgetLedger(db), key, model, limits,
+                             slice_seconds=s.budget_slice_seconds)
         await budget.start()
     quota: TenantQuota | None = None
     if budget is not None and limits.tokens_per_minute:
-        share = settings.budget_tenant_share
+        share = s.budget_tenant_share
         quota = TenantQuota(TenantTokenLedger(db),
                             int(limits.tokens_per_minute * share) if share < 1 else 0,
                             fleet_per_minute=limits.tokens_per_minute,
-                            burst_seconds=settings.budget_burst_seconds,
-                            queue_seconds=settings.budget_queue_seconds)
-    usage = UsageRecorder(db)
-    usage.start()
-    return BudgetedProvider(
-        inner, provider=settings.provider, model=settings.model, budget=budget, usage=usage,
-        prices=settings.prices, counts_max_tokens=settings.budget_counts_max_tokens,
-        default_pause_seconds=settings.budget_default_pause_seconds, quota=quota,
-    )
+                            burst_seconds=s.budget_burst_seconds,
+                            queue_seconds=s.budget_queue_seconds)
+    ledger = ProviderLedger(db)
+
+    async def probe() -> object:
+        if chat:
+            return await inner.complete(messages=[{"role": "user", "content": "ping"}],
+                                        job_id="calmq-probe", max_tokens=1)
+        return await inner.embed(inputs=["ping"], job_id="calmq-probe")
+
+    async def release() -> None:
+        while await ledger.release_jobs():
+            pass
+
+    gate = ProviderGate(key, model, ledger=ledger, db=db, probe=probe,
+                        probe_seconds=s.provider_probe_seconds, on_unblocked=release)
+    await gate.refresh()
+    gate.start()
+
+    async def learn(stated: RateLimits) -> TokenBudget | None:
+        if not (shared_budget and s.provider_learn_limits):
+            return None
+        learned = BucketLimits(stated.tokens_per_minute or 0, stated.requests_per_minute or 0,
+                               s.budget_interactive_share, s.budget_burst_seconds,
+                               s.budget_lease_seconds)
+        log.info("no budget set for %s: starting one from the provider's stated limits "
+                 "(%d tokens, %d requests per minute)", model, learned.tokens_per_minute,
+                 learned.requests_per_minute)
+        made = TokenBudget(BudgetLedger(db), key, model, learned,
+                           slice_seconds=s.budget_slice_seconds)
+        await made.start()
+        return made
+
+    wrapped = BudgetedProvider(
+        inner, provider=kind, model=model, budget=budget, usage=usage,
+        prices=s.prices, counts_max_tokens=s.budget_counts_max_tokens,
+        default_pause_seconds=s.budget_default_pause_seconds, quota=quota, gate=gate,
+        learn_limits=learn if s.provider_learn_limits else None,
+        prices_table=s.prices_table)
+    wrapped.show_configured()
+    return wrapped

@@ -1,37 +1,52 @@
 """The model gateway: one interface over model providers, and the classification of their
 answers into calmq's failure classes.
 
-Providers: OpenAI-compatible Chat Completions (OpenAI, vLLM, Ollama, LiteLLM, and calmq's
-fake provider) and Anthropic Messages. One aiohttp session per provider, reused.
+Providers: Chat Completions (OpenAI, Azure OpenAI, OpenAI-compatible servers such as vLLM,
+Ollama and LiteLLM, and calmq's fake provider) and Anthropic Messages. One aiohttp session
+per provider, reused. The requests are built by hand and checked in the test suite against
+the official SDKs' request types (docs/explanation/decisions.md says why not the SDKs);
+structured outputs go in each provider's dialect (calmq.output_schemas); failures become
+registered codes (calmq.failure_codes).
 """
 
 from __future__ import annotations
 
+import email.utils
+import fnmatch
 import json
 import time
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
-from calmq.errors import FailureClass, StepFailure
+from calmq.errors import StepFailure
+from calmq.failure_codes import failure
+from calmq.output_schemas import anthropic_schema, openai_schema_name, openai_strict_schema
 
 __all__ = [
+    "ANTHROPIC_VERSION",
     "AnthropicProvider",
     "CallScope",
     "Embedder",
     "EmbeddingReply",
+    "Endpoint",
     "ModelClock",
     "ModelReply",
     "OpenAIProvider",
     "Provider",
+    "RateLimits",
     "classify_status",
     "current_clock",
     "current_scope",
     "enter_scope",
     "model_clock",
     "open_provider",
+    "rate_limits",
+    "retry_after",
+    "structured_outputs",
 ]
 
 
@@ -107,6 +122,11 @@ class ModelReply:
     refusal: str | None
     input_tokens: int
     output_tokens: int
+    # Of the input tokens, those the provider served from its prompt cache (cheaper); of the
+    # output tokens, those spent reasoning; the service tier the provider says it served.
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
+    service_tier: str | None = None
 
 
 class Provider(Protocol):
@@ -135,60 +155,208 @@ class Embedder(Protocol):
     async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply: ...
 
 
-def _retry_after(headers: Any) -> float | None:
-    raw = headers.get("Retry-After") if headers is not None else None
+def retry_after(headers: Any) -> float | None:
+    """How long the provider asks to wait: OpenAI's ``retry-after-ms`` (milliseconds, the
+    precise one), else ``retry-after`` in seconds (or an HTTP date)."""
+    if headers is None:
+        return None
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms is not None:
+        try:
+            return max(0.0, float(raw_ms) / 1000)
+        except ValueError:
+            pass
+    raw = headers.get("Retry-After")
     if raw is None:
         return None
     try:
         return max(0.0, float(raw))
     except ValueError:
-        return None  # an HTTP date: rare from model APIs; the backoff floor still applies
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """The limits a provider states in an answer's headers (None: not stated).
+
+    OpenAI: ``x-ratelimit-{limit,remaining}-{requests,tokens}``; Anthropic:
+    ``anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining}``
+    (``tokens`` is the stricter of input and output for the budget)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    requests_remaining: int | None = None
+    tokens_remaining: int | None = None
+    names: tuple[str, ...] = ()  # the rate-limit headers that came back
+
+    @property
+    def stated(self) -> bool:
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
+
+def _int(headers: Any, name: str) -> int | None:
+    raw = headers.get(name)
+    try:
+        return int(float(raw)) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def rate_limits(headers: Any) -> RateLimits:
+    """The rate limits an answer's headers state, in either provider's names."""
+    if headers is None:
+        return RateLimits()
+    names = tuple(sorted(k.lower() for k in headers
+                         if k.lower().startswith(("x-ratelimit-", "anthropic-ratelimit-"))
+                         or k.lower() in ("retry-after", "retry-after-ms")))
+    if any(n.startswith("anthropic-ratelimit-") for n in names):
+        tokens = [t for t in (_int(headers, "anthropic-ratelimit-tokens-limit"),
+                              _int(headers, "anthropic-ratelimit-input-tokens-limit"))
+                  if t is not None]
+        left = [t for t in (_int(headers, "anthropic-ratelimit-tokens-remaining"),
+                            _int(headers, "anthropic-ratelimit-input-tokens-remaining"))
+                if t is not None]
+        return RateLimits(_int(headers, "anthropic-ratelimit-requests-limit"),
+                          min(tokens) if tokens else None,
+                          _int(headers, "anthropic-ratelimit-requests-remaining"),
+                          min(left) if left else None, names)
+    return RateLimits(_int(headers, "x-ratelimit-limit-requests"),
+                      _int(headers, "x-ratelimit-limit-tokens"),
+                      _int(headers, "x-ratelimit-remaining-requests"),
+                      _int(headers, "x-ratelimit-remaining-tokens"), names)
 
 
 # How OpenAI, Azure OpenAI and LiteLLM name a request refused by their content policy.
 _POLICY_MARKS = ("content_policy", "content_filter")
+_CONTEXT_MARKS = ("context_length_exceeded", "prompt is too long", "maximum context length")
+_QUOTA_MARKS = ("insufficient_quota", "billing_error", "credit balance is too low")
 
 
 def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
-    """Turn a provider's non-2xx answer into a StepFailure with its failure class."""
+    """Turn a provider's non-2xx answer into a StepFailure of a registered code
+    (calmq.failure_codes): what each status and error body means is declared there."""
     detail = body[:300]
+    wait = retry_after(headers)
+    if any(mark in body for mark in _QUOTA_MARKS) or status == 402:
+        return failure("insufficient_quota", f"the provider account's quota or credit is "
+                       f"used up ({status}): {detail}")
     if status == 429:
-        return StepFailure(
-            f"rate limited by the provider: {detail}", code="rate_limited",
-            failure_class=FailureClass.TRANSIENT, retry_after=_retry_after(headers),
-        )
+        return failure("rate_limited", f"rate limited by the provider: {detail}",
+                       retry_after=wait)
+    # Anthropic's overloaded_error (its 529; a batch result names only the type): the same
+    # code online and in a batch.
+    if status == 529 or (status >= 500 and "overloaded_error" in body):
+        return failure("provider_overloaded", f"the provider is overloaded ({status}): "
+                       f"{detail}", retry_after=wait)
     if status >= 500:
-        return StepFailure(
-            f"provider answered {status}: {detail}", code="upstream_unavailable",
-            failure_class=FailureClass.TRANSIENT, retry_after=_retry_after(headers),
-        )
-    if status == 400 and any(mark in body for mark in _POLICY_MARKS):
-        return StepFailure(
-            f"the provider refused the content: {detail}", code="content_policy",
-            failure_class=FailureClass.POLICY,
-        )
-    if status in (401, 403):
-        return StepFailure(
-            f"provider refused the credentials ({status}): {detail}", code="provider_permission",
-            failure_class=FailureClass.PERMISSION,
-        )
+        return failure("upstream_unavailable", f"provider answered {status}: {detail}",
+                       retry_after=wait)
+    if status == 401:
+        return failure("provider_auth", f"the provider refused the key (401): {detail}")
+    if status == 403:
+        return failure("provider_permission", f"the key may not do this (403): {detail}")
+    if status == 404:
+        return failure("model_not_found", f"the provider has no such model or endpoint for "
+                       f"this key (404): {detail}")
     if status == 408:
-        return StepFailure("provider timed out", code="timeout",
-                           failure_class=FailureClass.TRANSIENT)
-    return StepFailure(
-        f"provider rejected the request ({status}): {detail}", code="provider_bad_request",
-        failure_class=FailureClass.INPUT,
-    )
+        return failure("timeout", "provider timed out")
+    if status == 413:
+        return failure("request_too_large", f"the request is too large (413): {detail}")
+    if any(mark in body for mark in _CONTEXT_MARKS):
+        return failure("context_length_exceeded", f"the prompt is longer than the model's "
+                       f"context ({status}): {detail}")
+    if status == 400 and any(mark in body for mark in _POLICY_MARKS):
+        return failure("content_policy", f"the provider refused the content: {detail}")
+    return failure("provider_bad_request",
+                   f"provider rejected the request ({status}): {detail}")
+
+
+Observer = Callable[[int, RateLimits], None]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one provider's API lives and how it is authenticated.
+
+    ``kind``: ``openai`` (api.openai.com, and OpenAI-compatible servers: vLLM, Ollama,
+    LiteLLM), ``azure`` (Azure OpenAI: the ``api-key`` header; the v1 API at
+    ``https://RESOURCE.openai.azure.com/openai/v1`` or a deployment URL
+    ``.../openai/deployments/NAME`` with ``api_version``), ``anthropic``. ``base_url`` may
+    end in ``/v1`` or not. ``extra_headers`` go on every request (a LiteLLM proxy's or a
+    gateway's own headers)."""
+
+    kind: str
+    base_url: str
+    api_key: str = ""
+    extra_headers: tuple[tuple[str, str], ...] = ()
+    api_version: str = ""
+
+    @property
+    def deployment(self) -> bool:
+        return self.kind == "azure" and "/openai/deployments/" in self.base_url
+
+    @property
+    def api_base(self) -> str:
+        """The prefix of the API's paths (``/chat/completions``, ``/files``, ``/batches``)."""
+        base = self.base_url.rstrip("/")
+        if self.kind == "azure":
+            if self.deployment:
+                return base.split("/openai/deployments/")[0] + "/openai/v1"
+            return base if base.endswith("/openai/v1") else base + "/openai/v1"
+        return base if base.endswith("/v1") else base + "/v1"
+
+    def url(self, path: str) -> str:
+        """The URL of ``path`` (``/chat/completions``, ``/embeddings``, ``/files``...)."""
+        if self.deployment and path in ("/chat/completions", "/embeddings"):
+            query = f"?api-version={self.api_version}" if self.api_version else ""
+            return self.base_url.rstrip("/") + path + query
+        return self.api_base + path
+
+    def headers(self) -> dict[str, str]:
+        if self.kind == "anthropic":
+            headers = {"x-api-key": self.api_key, "anthropic-version": ANTHROPIC_VERSION}
+        elif self.kind == "azure":
+            headers = {"api-key": self.api_key} if self.api_key else {}
+        else:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**headers, **dict(self.extra_headers)}
+
+
+ANTHROPIC_VERSION = "2023-06-01"
+STRUCTURED = ("schema", "prompt")
+
+
+def structured_outputs(kind: str, model: str, overrides: Mapping[str, str] | None) -> bool:
+    """Whether to send the output's schema to this provider and model (``schema``) or only
+    ask in the prompt (``prompt``). ``overrides`` maps model names (``fnmatch`` patterns) to
+    either; by default every model takes the schema but Anthropic's Claude 3 family, which
+    does not support structured outputs."""
+    for pattern, choice in (overrides or {}).items():
+        if fnmatch.fnmatchcase(model, pattern):
+            return choice == "schema"
+    return not (kind == "anthropic" and model.startswith("claude-3"))
 
 
 class _HttpProvider:
     kind = "openai"
 
-    def __init__(self, base_url: str, api_key: str, model: str) -> None:
+    def __init__(self, base_url: str, api_key: str, model: str, *,
+                 endpoint: Endpoint | None = None,
+                 structured: Mapping[str, str] | None = None) -> None:
+        self.endpoint_config = endpoint or Endpoint(self.kind, base_url, api_key)
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
+        self.schema_on = structured_outputs(self.endpoint_config.kind, model, structured)
         self._session: aiohttp.ClientSession | None = None
+        self._derived: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        # Told the status and stated limits of every answer (the budget learns from them).
+        self.observer: Observer | None = None
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -202,57 +370,71 @@ class _HttpProvider:
         if self._session is not None:
             await self._session.close()
 
-    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    def derived(self, schema: dict[str, Any], derive: Callable[[dict[str, Any]],
+                                                               dict[str, Any]]) -> dict[str, Any]:
+        """``derive(schema)``, once per schema object (steps pass the same dict each call)."""
+        hit = self._derived.get(id(schema))
+        if hit is None or hit[0] is not schema:
+            hit = self._derived[id(schema)] = (schema, derive(schema))
+        return hit[1]
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
         from calmq.tracing import current_traceparent
 
+        headers = self.endpoint_config.headers()
         traceparent = current_traceparent()
         if traceparent:  # the job's trace goes on to the provider (W3C trace context)
-            headers = {**headers, "traceparent": traceparent}
+            headers["traceparent"] = traceparent
         started = time.monotonic()
         clock = _CLOCK.get()
         try:
-            url = self.base_url + path
+            url = self.endpoint_config.url(path)
             async with self.session().post(url, json=body, headers=headers) as resp:
-                text = await resp.text()
+                if self.observer is not None:
+                    self.observer(resp.status, rate_limits(resp.headers))
+                try:
+                    text = await resp.text()
+                except aiohttp.ClientPayloadError as exc:
+                    # The headers came, the body was cut off: the provider may have counted it.
+                    raise failure("upstream_garbled", f"the provider's answer was cut off "
+                                  f"({resp.status}): {exc}") from exc
                 if resp.status >= 300:
                     raise classify_status(resp.status, text, resp.headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise StepFailure(
-                f"cannot reach the provider: {exc}", code="connection_error",
-                failure_class=FailureClass.TRANSIENT,
-            ) from exc
+            raise failure("connection_error", f"cannot reach the provider: {exc}") from exc
         except TimeoutError as exc:
-            raise StepFailure("provider timed out", code="timeout",
-                              failure_class=FailureClass.TRANSIENT) from exc
+            raise failure("timeout", "provider timed out") from exc
         finally:
             if clock is not None:
                 clock.seconds += time.monotonic() - started
         try:
             return json.loads(text)
         except ValueError as exc:
-            raise StepFailure(
-                "provider answered 2xx with a body that is not JSON", code="upstream_garbled",
-                failure_class=FailureClass.TRANSIENT,
-            ) from exc
+            raise failure("upstream_garbled",
+                          "provider answered 2xx with a body that is not JSON") from exc
 
+    def embeddings_body(self, inputs: list[str], job_id: str) -> dict[str, Any]:
+        """The body of ``POST /v1/embeddings`` (OpenAI's shape, which Azure, vLLM, Ollama,
+        LiteLLM and Voyage's OpenAI-compatible endpoint also serve)."""
+        return {"model": self.model, "input": inputs, "user": job_id}
 
     async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply:
-        """Embeddings in the OpenAI shape, which vLLM, Ollama and LiteLLM also serve."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        data = await self._post("/v1/embeddings",
-                                {"model": self.model, "input": inputs, "user": job_id}, headers)
+        data = await self._post("/embeddings", self.embeddings_body(inputs, job_id))
         try:
             rows = sorted(data["data"], key=lambda r: int(r["index"]))
             vectors = [[float(x) for x in r["embedding"]] for r in rows]
             usage = data.get("usage") or {}
             return EmbeddingReply(vectors, int(usage.get("prompt_tokens", 0)))
         except (KeyError, TypeError, ValueError) as exc:
-            raise StepFailure("provider answer lacks data[].embedding", code="upstream_garbled",
-                              failure_class=FailureClass.TRANSIENT) from exc
+            raise failure("upstream_garbled", "provider answer lacks data[].embedding") from exc
 
 
 class OpenAIProvider(_HttpProvider):
-    """OpenAI-compatible Chat Completions (``POST {base}/v1/chat/completions``)."""
+    """Chat Completions (``POST {base}/v1/chat/completions``): OpenAI, Azure OpenAI and
+    OpenAI-compatible servers."""
+
+    # The API's own name of the endpoint (a batch's ``endpoint`` and each line's ``url``).
+    endpoint = "/v1/chat/completions"
 
     async def complete(
         self,
@@ -264,10 +446,7 @@ class OpenAIProvider(_HttpProvider):
     ) -> ModelReply:
         body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                  response_schema=response_schema)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return self.parse_reply(await self._post(self.endpoint, body, headers))
-
-    endpoint = "/v1/chat/completions"
+        return self.parse_reply(await self._post("/chat/completions", body))
 
     def request_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
@@ -280,10 +459,12 @@ class OpenAIProvider(_HttpProvider):
             "model": self.model, "messages": messages, "user": job_id,
             "max_completion_tokens": max_tokens,
         }
-        if response_schema is not None:
+        if response_schema is not None and self.schema_on:
             body["response_format"] = {
                 "type": "json_schema",
-                "json_schema": {"name": "output", "schema": response_schema, "strict": True},
+                "json_schema": {"name": openai_schema_name(response_schema),
+                                "schema": self.derived(response_schema, openai_strict_schema),
+                                "strict": True},
             }
         return body
 
@@ -297,23 +478,26 @@ class OpenAIProvider(_HttpProvider):
             refusal = message.get("refusal")
             if not refusal and choice.get("finish_reason") == "content_filter":
                 refusal = "the provider's content filter stopped the answer"
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            reasoning = (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens") or 0
             return ModelReply(
                 content=message.get("content"),
                 refusal=refusal,
                 input_tokens=int(usage.get("prompt_tokens", 0)),
                 output_tokens=int(usage.get("completion_tokens", 0)),
+                cached_input_tokens=int(cached), reasoning_tokens=int(reasoning),
+                service_tier=data.get("service_tier"),
             )
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise StepFailure(
-                "provider answer lacks choices[0].message", code="upstream_garbled",
-                failure_class=FailureClass.TRANSIENT,
-            ) from exc
+            raise failure("upstream_garbled", "provider answer lacks choices[0].message") from exc
 
 
 class AnthropicProvider(_HttpProvider):
     """Anthropic Messages (``POST {base}/v1/messages``)."""
 
     kind = "anthropic"
+    endpoint = "/v1/messages"
 
     async def complete(
         self,
@@ -325,16 +509,19 @@ class AnthropicProvider(_HttpProvider):
     ) -> ModelReply:
         body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                  response_schema=response_schema)
-        headers = {"x-api-key": self.api_key, "anthropic-version": "2023-06-01"}
-        return self.parse_reply(await self._post(self.endpoint, body, headers))
+        return self.parse_reply(await self._post("/messages", body))
 
-    endpoint = "/v1/messages"
+    async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply:
+        raise failure("not_supported", "Anthropic has no embeddings API: set "
+                      "CALMQ_EMBEDDINGS_PROVIDER (OpenAI, Azure OpenAI, Voyage or an "
+                      "OpenAI-compatible server)")
 
     def request_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The body of the call (a batch request's ``params``); the schema is not sent."""
+        """The body of the call (a batch request's ``params``); the output's schema goes in
+        ``output_config.format`` for models that take it, else only the prompt asks."""
         system = "\n".join(m["content"] for m in messages if m["role"] == "system")
         body: dict[str, Any] = {
             "model": self.model,
@@ -344,6 +531,10 @@ class AnthropicProvider(_HttpProvider):
         }
         if system:
             body["system"] = system
+        if response_schema is not None and self.schema_on:
+            body["output_config"] = {"format": {
+                "type": "json_schema",
+                "schema": self.derived(response_schema, anthropic_schema)}}
         return body
 
     @staticmethod
@@ -353,20 +544,28 @@ class AnthropicProvider(_HttpProvider):
             text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
             usage = data.get("usage") or {}
             refusal = text if data.get("stop_reason") == "refusal" else None
+            cached = int(usage.get("cache_read_input_tokens") or 0)
             return ModelReply(
                 content=None if refusal else text,
                 refusal=refusal,
-                input_tokens=int(usage.get("input_tokens", 0)),
+                # Anthropic counts cache reads apart from input_tokens: calmq's input is all.
+                input_tokens=int(usage.get("input_tokens", 0)) + cached,
                 output_tokens=int(usage.get("output_tokens", 0)),
+                cached_input_tokens=cached,
+                service_tier=usage.get("service_tier"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StepFailure(
-                "provider answer lacks content", code="upstream_garbled",
-                failure_class=FailureClass.TRANSIENT,
-            ) from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise failure("upstream_garbled", "provider answer lacks content") from exc
 
 
-def open_provider(kind: str, base_url: str, api_key: str, model: str) -> Provider:
+def open_provider(kind: str, base_url: str, api_key: str, model: str, *,
+                  extra_headers: Mapping[str, str] | None = None, api_version: str = "",
+                  structured: Mapping[str, str] | None = None
+                  ) -> OpenAIProvider | AnthropicProvider:
+    """The gateway's provider of ``kind`` (``openai``, ``azure``, ``anthropic``)."""
+    endpoint = Endpoint(kind, base_url, api_key, tuple((extra_headers or {}).items()),
+                        api_version)
     if kind == "anthropic":
-        return AnthropicProvider(base_url, api_key, model)
-    return OpenAIProvider(base_url, api_key, model)
+        return AnthropicProvider(base_url, api_key, model, endpoint=endpoint,
+                                 structured=structured)
+    return OpenAIProvider(base_url, api_key, model, endpoint=endpoint, structured=structured)

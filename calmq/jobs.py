@@ -65,7 +65,8 @@ MOVES: frozenset[tuple[Status, Status]] = frozenset({
     (Status.RUNNING, Status.RETRYING),  # finish_attempts: transient failure, attempts left
     (Status.RUNNING, Status.DEAD_LETTER),  # finish_attempts; poison_expired_leases: the cap
     (Status.RUNNING, Status.AWAITING_REVIEW),  # finish_attempts: confidence below threshold
-    (Status.RUNNING, Status.QUEUED),  # finish_attempts (next step), reap_expired_leases
+    (Status.RUNNING, Status.QUEUED),  # finish_attempts (next step), reap_expired_leases,
+    # provider_hand_back (its provider is blocked: the attempt is not counted)
     (Status.AWAITING_REVIEW, Status.QUEUED),  # wf_review_resume: approved, next step
     (Status.AWAITING_REVIEW, Status.COMPLETED),  # wf_review_complete: approved, last step
     (Status.AWAITING_REVIEW, Status.DEAD_LETTER),  # wf_review_dead_letter: rejected, expired

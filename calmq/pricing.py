@@ -1,21 +1,39 @@
 """Model prices: what a call cost, from the tokens the provider reported.
 
-Prices are a setting (``CALMQ_PRICES``, JSON): model name -> USD per million input and
-output tokens. A ``provider:model`` key wins over a bare ``model`` key, for the same model
-name served at two prices. A model without a price costs 0 and is reported once in the log.
+Prices come from two places, the first that knows the model wins:
+
+1. ``CALMQ_PRICES`` (JSON): model name -> USD per million input and output tokens (and,
+   optionally, cached input and the batch column). A ``provider:model`` key wins over a bare
+   ``model`` key, for the same model name served at two prices. It is the override.
+2. The ``genai-prices`` table (pydantic's maintained database of providers' prices, shipped
+   with the package and read offline): every OpenAI and Anthropic model, with the price of
+   cached input tokens and of the service tiers (flex, priority). Turned off with
+   ``CALMQ_PRICES_TABLE=false``.
+
+Cached input tokens are priced at the cached column (OpenAI's ``cached_tokens``,
+Anthropic's cache reads); reasoning tokens are output tokens (both providers bill them so and
+count them in the output); the batch APIs charge ``BATCH_DISCOUNT`` of the online price
+unless a batch column is set; the service tier the provider says it served picks the
+table's price for that tier. A model neither place prices costs 0, is named by
+``calmq provider check`` and in ``unpriced_models()`` (the console's overview reads it), and
+logged once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["BATCH_DISCOUNT", "DEFAULT_PRICES", "ModelPrice", "batch_cost_usd", "cost_usd",
-           "price_for"]
+           "price_for", "price_source", "unpriced_models"]
 
 log = logging.getLogger(__name__)
+
+_MILLION = 1_000_000
+_UNIT = 1_000
 
 
 class ModelPrice(BaseModel):
@@ -25,6 +43,8 @@ class ModelPrice(BaseModel):
 
     input: float = Field(ge=0)
     output: float = Field(ge=0)
+    # Input tokens served from the provider's prompt cache; None: the input price.
+    cached_input: float | None = Field(default=None, ge=0)
     # The batch APIs' price (the batch column); None: BATCH_DISCOUNT of the online price.
     batch_input: float | None = Field(default=None, ge=0)
     batch_output: float | None = Field(default=None, ge=0)
@@ -41,38 +61,114 @@ DEFAULT_PRICES: dict[str, ModelPrice] = {
     "fake-large": ModelPrice(input=2.50, output=10.00),
 }
 
-_unpriced: set[str] = set()
+_unpriced: set[tuple[str, str]] = set()
+# The table's provider ids by calmq's provider kinds (Azure OpenAI bills OpenAI's prices).
+_TABLE_PROVIDER = {"openai": "openai", "azure": "openai", "anthropic": "anthropic"}
 
 
-def price_for(prices: Mapping[str, ModelPrice], provider: str, model: str) -> ModelPrice | None:
-    return prices.get(f"{provider}:{model}") or prices.get(model)
+def _kind(provider: str) -> str:
+    return provider.split(":", 1)[0]
+
+
+@cache
+def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
+    """The genai-prices table's price of ``model`` (None: not in the table, or no table)."""
+    provider_id = _TABLE_PROVIDER.get(kind)
+    if provider_id is None:
+        return None
+    try:
+        from genai_prices import Usage, calc_price
+    except ImportError:  # pragma: no cover - a dependency; only a broken install lacks it
+        return None
+    context = {"service_tier": tier} if tier else None
+
+    def per_million(**tokens: int) -> float:
+        # Priced for a thousand tokens and scaled: a million at once would be priced at the
+        # long-context tier some models have (over 200k tokens in one call).
+        found = calc_price(Usage(**tokens), model, provider_id=provider_id,
+                           price_context=context)
+        return float(found.total_price) * (_MILLION // _UNIT)
+
+    try:
+        full = per_million(input_tokens=_UNIT)
+        cached = per_million(input_tokens=_UNIT, cache_read_tokens=_UNIT)
+        return ModelPrice(input=full, output=per_million(output_tokens=_UNIT),
+                          cached_input=cached)
+    except (LookupError, ValueError):
+        return None
+
+
+def price_for(prices: Mapping[str, ModelPrice], provider: str, model: str,
+              service_tier: str | None = None, *, table: bool = True) -> ModelPrice | None:
+    """The price of ``model``: CALMQ_PRICES first, then the table (None: unpriced)."""
+    kind = _kind(provider)
+    found = prices.get(f"{kind}:{model}") or prices.get(model)
+    if found is not None:
+        return found
+    if not table:
+        return None
+    tier = service_tier if service_tier not in (None, "default", "auto", "standard") else None
+    return _table_price(kind, model, tier) or (_table_price(kind, model, None) if tier
+                                               else None)
+
+
+def price_source(prices: Mapping[str, ModelPrice], provider: str, model: str, *,
+                 table: bool = True) -> str:
+    """Where the price of ``model`` comes from: ``CALMQ_PRICES``, ``genai-prices`` or
+    ``none``."""
+    kind = _kind(provider)
+    if prices.get(f"{kind}:{model}") or prices.get(model):
+        return "CALMQ_PRICES"
+    if table and _table_price(kind, model, None) is not None:
+        return "genai-prices"
+    return "none"
+
+
+def unpriced_models() -> list[tuple[str, str]]:
+    """(provider kind, model) of every model this process called without a price: for the
+    console's overview and ``calmq provider check``."""
+    return sorted(_unpriced)
+
+
+def _missing(provider: str, model: str) -> float:
+    key = (_kind(provider), model)
+    if key not in _unpriced:
+        _unpriced.add(key)
+        log.warning("no price for model %r (provider %s): its calls are costed at 0; add it "
+                    "to CALMQ_PRICES", model, key[0])
+    return 0.0
 
 
 def cost_usd(
     prices: Mapping[str, ModelPrice], provider: str, model: str, input_tokens: int,
-    output_tokens: int,
+    output_tokens: int, *, cached_input_tokens: int = 0, service_tier: str | None = None,
+    table: bool = True,
 ) -> float:
-    """The cost of one call in USD; 0 for a model without a price."""
-    price = price_for(prices, provider, model)
+    """The cost of one call in USD; 0 for a model without a price. ``input_tokens``
+    includes the cached ones; ``output_tokens`` includes reasoning tokens."""
+    price = price_for(prices, provider, model, service_tier, table=table)
     if price is None:
-        if model not in _unpriced:
-            _unpriced.add(model)
-            log.warning("no price for model %r (provider %s): its calls are costed at 0; "
-                        "add it to CALMQ_PRICES", model, provider)
-        return 0.0
-    return (input_tokens * price.input + output_tokens * price.output) / 1_000_000
+        return _missing(provider, model)
+    cached = min(max(0, cached_input_tokens), input_tokens)
+    cached_price = price.cached_input if price.cached_input is not None else price.input
+    return ((input_tokens - cached) * price.input + cached * cached_price
+            + output_tokens * price.output) / _MILLION
 
 
 def batch_cost_usd(
     prices: Mapping[str, ModelPrice], provider: str, model: str, input_tokens: int,
-    output_tokens: int,
+    output_tokens: int, *, cached_input_tokens: int = 0, table: bool = True,
 ) -> float:
     """The cost of one request of a provider batch in USD, at the price's batch column."""
-    price = price_for(prices, provider, model)
+    price = price_for(prices, provider, model, table=table)
     if price is None:
-        return cost_usd(prices, provider, model, input_tokens, output_tokens)  # 0, logged
+        return _missing(provider, model)
     batch_in = price.batch_input if price.batch_input is not None else (
         price.input * BATCH_DISCOUNT)
     batch_out = price.batch_output if price.batch_output is not None else (
         price.output * BATCH_DISCOUNT)
-    return (input_tokens * batch_in + output_tokens * batch_out) / 1_000_000
+    cached = min(max(0, cached_input_tokens), input_tokens)
+    cached_in = (price.cached_input * BATCH_DISCOUNT if price.cached_input is not None
+                 and price.batch_input is None else batch_in)
+    return ((input_tokens - cached) * batch_in + cached * cached_in
+            + output_tokens * batch_out) / _MILLION

@@ -285,10 +285,47 @@ class Settings(BaseSettings):
                     "previous secret still signs deliveries beside the new one")
 
     # Model provider used by the gateway. Empty provider_url means the fake provider.
-    provider: Literal["openai", "anthropic"] = "openai"
+    provider: Literal["openai", "azure", "anthropic"] = "openai"
     provider_url: str = ""
     provider_api_key: SecretStr = SecretStr("")
     model: str = "fake-small"
+    # The providers' endpoints and behaviour (docs/reference/providers.md).
+    provider_extra_headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="headers sent with every provider call, JSON (a LiteLLM proxy's or an "
+                    "OpenAI-compatible gateway's own, e.g. {\"X-Team\": \"search\"})")
+    provider_api_version: str = Field(
+        default="", description="Azure OpenAI deployment URLs: the api-version query "
+                                "parameter (the v1 API needs none)")
+    structured_outputs: dict[str, Literal["schema", "prompt"]] = Field(
+        default_factory=dict,
+        description="per model name (fnmatch pattern), JSON: schema sends the output's "
+                    "schema (response_format / output_config.format), prompt only asks in "
+                    "the prompt; default schema, except Anthropic's claude-3* (prompt)")
+    provider_probe_seconds: float = Field(
+        default=15.0, gt=0,
+        description="while a provider and model are blocked (bad key, permission, model, "
+                    "billing), a worker makes one tiny probe call this often; success "
+                    "lifts the block")
+    provider_learn_limits: bool = Field(
+        default=True,
+        description="read the providers' rate-limit headers: a budget above the limits "
+                    "they state is brought down to them; with no budget set, one is made "
+                    "from them")
+    embeddings_provider: Literal["", "openai", "azure", "anthropic"] = Field(
+        default="",
+        description="the embeddings provider; empty: the chat provider when it has an "
+                    "embeddings API (not anthropic)")
+    embeddings_url: str = Field(default="", description="the embeddings provider's base "
+                                "URL; empty: the chat provider's")
+    embeddings_api_key: SecretStr = Field(default=SecretStr(""), description="the "
+                                          "embeddings provider's key; empty: the chat key")
+    embeddings_model: str = Field(default="", description="the embeddings model, e.g. "
+                                  "text-embedding-3-small; empty: the chat model")
+    embeddings_extra_headers: dict[str, str] = Field(
+        default_factory=dict, description="headers sent with every embeddings call, JSON")
+    embeddings_api_version: str = Field(default="", description="Azure OpenAI deployment "
+                                        "URLs of the embeddings provider: api-version")
 
     # Workers.
     pool: str = Field(default="default", pattern=r"^[a-z][a-z0-9_-]{0,62}$",
@@ -457,6 +494,10 @@ class Settings(BaseSettings):
     # USD per million tokens by model (or provider:model), JSON:
     # {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}. Replaces the defaults when set.
     prices: dict[str, ModelPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
+    prices_table: bool = Field(
+        default=True,
+        description="price models CALMQ_PRICES lacks from the genai-prices table (cached "
+                    "input, service tiers); false: such models cost 0")
 
     # The batch lane (docs/how-to/batch-backfills.md): jobs submitted with "lane": "batch"
     # go through the provider's batch API at its batch price, collected by `calmq batcher`.
@@ -525,7 +566,8 @@ class Settings(BaseSettings):
     queue_age_interval_seconds: float = Field(default=5.0, ge=0)
     consumer_lag_interval_seconds: float = Field(default=5.0, ge=0)
 
-    @field_validator("prices", mode="before")
+    @field_validator("prices", "provider_extra_headers", "structured_outputs",
+                     "embeddings_extra_headers", mode="before")
     @classmethod
     def _prices_from_json(cls, value: Any) -> Any:
         # Settings.load(environ=...) hands the raw environment string over unparsed.
@@ -535,7 +577,7 @@ class Settings(BaseSettings):
             try:
                 return json.loads(value)
             except ValueError as exc:
-                raise ValueError(f"prices must be a JSON object: {exc}") from None
+                raise ValueError(f"must be a JSON object: {exc}") from None
         return value
 
     @field_validator("kafka_security_protocol", "kafka_sasl_mechanism", mode="before")
@@ -596,6 +638,21 @@ class Settings(BaseSettings):
     @property
     def effective_provider_url(self) -> str:
         return self.provider_url or self.fake_provider_url
+
+    @property
+    def embeddings_endpoint(self) -> tuple[str, str, str, str, dict[str, str], str] | None:
+        """(kind, URL, key, model, extra headers, api-version) of the embeddings provider;
+        None when there is none (the chat provider is Anthropic and none is set)."""
+        kind = self.embeddings_provider or self.provider
+        if kind == "anthropic":
+            return None
+        model = self.embeddings_model or self.model
+        if self.embeddings_provider or self.embeddings_url:  # a provider of its own
+            return (kind, self.embeddings_url or self.fake_provider_url,
+                    self.embeddings_api_key.get_secret_value(),
+                    model, dict(self.embeddings_extra_headers), self.embeddings_api_version)
+        return (kind, self.effective_provider_url, self.provider_api_key.get_secret_value(),
+                model, dict(self.provider_extra_headers), self.provider_api_version)
 
     @property
     def effective_migrate_database_url(self) -> str:

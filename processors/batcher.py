@@ -328,8 +328,11 @@ class ReplyBook:
         assert result.reply is not None
         reply = result.reply
         prices, kind, model = self.settings.prices, self.client.kind, self.client.model
-        cost = batch_cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens)
-        online = cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens)
+        cached = reply.cached_input_tokens
+        cost = batch_cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens,
+                              cached_input_tokens=cached)
+        online = cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens,
+                          cached_input_tokens=cached)
         self.costs[job_id] = (reply.input_tokens, reply.output_tokens, cost, online)
         clock = current_clock()
         if clock is not None:

@@ -17,13 +17,19 @@ event.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
+from prometheus_client import Counter
+
 from calmq import events, topics
-from calmq.data import Finish, Job, outbox
+from calmq.data import Finish, Job, Store, outbox
+from calmq.data.providers import ProviderLedger
 from calmq.errors import StepFailure
+from calmq.failure_codes import ProviderBlocked, spec
 from calmq.jobs import EventType, Status
 from calmq.processors import metrics
 from calmq.processors.forwarder import DUE_AT, ORIGIN
@@ -31,7 +37,33 @@ from calmq.processors.policy import decide
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow
 
-__all__ = ["FailureStage"]
+__all__ = ["FailureStage", "hand_back_blocked"]
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _handbacks() -> Counter:
+    return Counter("calmq_provider_handbacks_total", "Attempts handed back uncounted because "
+                   "their provider and model were blocked fleet-wide", ["code"])
+
+
+async def hand_back_blocked(store: Store, job: Job, worker_id: str,
+                            blocked: ProviderBlocked) -> bool:
+    """An attempt that met a blocked provider (calmq.providers) is not the job's attempt:
+    the job goes back to ``queued`` at its previous attempt, its attempt row removed (none
+    is counted), waiting with ``waiting_reason`` ``provider_blocked`` until the block lifts
+    and the release re-publishes it. Nothing is dead-lettered. False when the attempt no
+    longer held the job (another attempt has it now)."""
+    moved = await ProviderLedger(store).hand_back(
+        job.id, job.lease_version, worker_id,
+        {"code": blocked.code, "provider": blocked.provider.split(":", 1)[0],
+         "model": blocked.model})
+    if moved:
+        _handbacks().labels(blocked.code).inc()
+    else:
+        log.info("the hand-back of %s found it held by another attempt", job.id)
+    return moved
 
 
 class FailureStage:
@@ -48,6 +80,10 @@ class FailureStage:
         attempt's message came from (a retry goes back there)."""
         error = {"code": failure.code, "class": failure.failure_class.value,
                  "message": failure.message[:1000]}
+        # Retried or not as the failure-code registry says (calmq.failure_codes).
+        if spec(failure.code, failure.failure_class).retried != failure.retryable:
+            log.error("failure code %s: class %s disagrees with the registry", failure.code,
+                      failure.failure_class.value)
         budget, backoff = self._budget(job, failure)
         decision = decide(failure, job.attempt, budget, self.tiers, backoff)
         if decision.retry:

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 from calmq.errors import StepFailure
+from calmq.failure_codes import spec
 from calmq.retrying import Backoff  # the kernel's one backoff; re-exported for the policy's users
 
 __all__ = ["Backoff", "RetryDecision", "decide"]
@@ -34,7 +35,8 @@ def decide(
     *,
     rng: random.Random | None = None,
 ) -> RetryDecision:
-    if not failure.retryable or attempt >= max_attempts:
+    # Retried or not as the failure-code registry declares it (calmq.failure_codes).
+    if not spec(failure.code, failure.failure_class).retried or attempt >= max_attempts:
         return RetryDecision(retry=False)
     longest = tiers[-1][1]
     # ``not >= 0`` also catches NaN; ``min`` bounds inf and huge values alike.

@@ -38,12 +38,13 @@ from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
+from calmq.failure_codes import ProviderBlocked
 from calmq.gateway import ModelClock, Provider, enter_scope, model_clock
 from calmq.jobs import Status
 from calmq.kafka import header
 from calmq.objects import ObjectStore, read_bounded
 from calmq.processors import metrics
-from calmq.processors.failures import FailureStage
+from calmq.processors.failures import FailureStage, hand_back_blocked
 from calmq.processors.offsets import OffsetTracker, Position, headers_of, position_of
 from calmq.processors.poison import Poison, PoisonSink
 from calmq.processors.slots import CallSlots
@@ -501,6 +502,11 @@ class StepRunner:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self._attempt(job, topic)
+        except ProviderBlocked as blocked:
+            # The provider and model are blocked fleet-wide (bad key, permission, model,
+            # billing): the job waits queued, no attempt counted (processors/failures.py).
+            await self._hand_back_blocked(job, position, blocked)
+            return
         except LeaseLost as exc:
             # The database refused a write of this attempt (a side-effect record): another
             # attempt holds the job now, with its own message. No outcome; acknowledge.
@@ -551,6 +557,15 @@ class StepRunner:
         self._observe(job, finish, time.monotonic() - started, clock.seconds)
         self._cost(job, finish, clock.cost_usd)
         self.committer.add(finish, position)
+
+    async def _hand_back_blocked(self, job: Job, position: Position,
+                                 blocked: ProviderBlocked) -> None:
+        """Issue 26: the provider-blocked hand-back; the offset is done once the job row
+        says it waits (its release writes a fresh job.requested)."""
+        await retry_forever("handing back a job whose provider is blocked failed",
+                            lambda: hand_back_blocked(self.store, job, self.config.worker_id,
+                                                      blocked))
+        self.tracker.done(*position)
 
     async def _record_usage(self, job: Job, clock: ModelClock) -> None:
         if not clock.calls or self.usage is None:
@@ -654,6 +669,8 @@ class StepRunner:
                     self.slots.release()
                 output = StepOutput(step.check_output(output.artifact), output.confidence,
                                     output.input_tokens, output.output_tokens)
+        except ProviderBlocked:
+            raise  # not the job's attempt: handed back by _run (hand_back_blocked)
         except StepFailure as failure:
             return self.failures.outcome(job, topic, failure)
         except ContractError as exc:

@@ -21,6 +21,7 @@ from calmq.cli import (
     dev,
     jobs,
     operations,
+    providers,
     services,
     tenants,
 )
@@ -31,7 +32,7 @@ from calmq.errors import CalmqError, UsageError
 __all__ = ["main", "parser"]
 
 _GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion,
-           batches)
+           batches, providers)
 
 
 def _version() -> str:

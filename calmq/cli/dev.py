@@ -76,6 +76,8 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "requests_per_minute": args.requests_per_minute,
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
         "batch_completion_seconds": args.batch_completion_seconds,
+        "retry_after_seconds": args.retry_after_seconds, "api_key": args.require_key,
+        "check_requests": args.check_requests,
     }
     try:
         settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
@@ -151,6 +153,12 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--slow-seconds", type=float, help="how long mode `slow` sleeps")
     option(p, "--batch-completion-seconds", type=float,
            help="how long a batch runs before it ends (the batch APIs)")
+    option(p, "--retry-after-seconds", type=float,
+           help="the wait a 429 asks for (retry-after-ms and retry-after; default 1)")
+    option(p, "--require-key", help="refuse calls without this key (401, as a real provider)")
+    option(p, "--check-requests", action=argparse.BooleanOptionalAction, default=None,
+           help="check every request against the official SDKs' types and the providers' "
+                "rules (default on)")
 
     p = command("bench", cmd_bench, "run a benchmark scenario")
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",

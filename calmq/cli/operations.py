@@ -255,12 +255,15 @@ def cmd_budget(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     window = parse_duration(args.window or "60s")
 
-    async def read() -> tuple[list[Any], list[Any]]:
+    async def read() -> tuple[list[Any], list[Any], list[Any]]:
+        from calmq.data.providers import ProviderLedger
+
         async with open_store(settings, max_size=1) as store:
             ops = Operations(store)
-            return await ops.buckets(), await ops.usage(window)
+            return (await ops.buckets(), await ops.usage(window),
+                    await ProviderLedger(store).states())
 
-    buckets, usage = asyncio.run(read())
+    buckets, usage, providers = asyncio.run(read())
     by_priority: dict[str, dict[str, int]] = {
         p: {"tokens": 0, "model_calls": 0, "attempts": 0} for p in _PRIORITIES}
     tenants = []
@@ -284,6 +287,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
         "use_by_tenant": tenants,
         "in_debt": any(v["debt_tokens"] > 0 or v["debt_requests"] > 0
                        for b in buckets for v in _bucket_view(b)["priorities"].values()),
+        # Blocks, rate-limit pauses and the limits the providers state (calmq.providers).
+        "providers": [asdict(p) for p in providers],
     }
     fmt = output_format(args)
     if fmt != "table":
@@ -296,6 +301,13 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if not buckets:
         print("no shared budget in this database (no worker started with "
               "CALMQ_BUDGET_TOKENS_PER_MINUTE or CALMQ_BUDGET_REQUESTS_PER_MINUTE)")
+    for p in providers:
+        state = (f"BLOCKED ({p.blocked_reason}): {(p.blocked_message or '')[:120]}"
+                 if p.blocked_reason else
+                 f"paused {p.paused_seconds:.1f} s more" if p.paused_seconds > 0 else "ok")
+        print(f"{p.provider}/{p.model}: {state}; the provider states "
+              f"{p.observed_tokens_per_minute or '?'} tokens/min, "
+              f"{p.observed_requests_per_minute or '?'} requests/min")
     for b in report["buckets"]:
         paused = f", PAUSED until {b['paused_until']:%H:%M:%S}" if b["paused_until"] else ""
         print(f"\n{b['provider']}/{b['model']}: {b['tokens_per_minute']} tokens/min, "
@@ -420,7 +432,30 @@ def _checks(settings: Settings) -> list[tuple[str, str, str, Callable[[], str] |
         ("fake-provider", "fake_provider_url", _url_address(s.fake_provider_url),
          (lambda: _http_ok(s.fake_provider_url.rstrip("/") + "/healthz"))
          if s.fake_provider_url else None),
+        ("providers", "database_url", "provider_states",
+         (lambda: _check_providers(s)) if s.database_url else None),
     ]
+
+
+def _check_providers(settings: Settings) -> str:
+    """The model providers as the fleet sees them: down while one is blocked (a bad key, a
+    permission, a model, billing), with the reason (calmq.providers)."""
+    from calmq.data.providers import ProviderLedger
+
+    async def read() -> list[Any]:
+        async with open_store(settings, max_size=1) as store:
+            return await ProviderLedger(store).states()
+
+    states = asyncio.run(read())
+    blocked = [p for p in states if p.blocked_reason]
+    if blocked:
+        raise CalmqError("; ".join(
+            f"{p.provider.split(':', 1)[0]} {p.model} BLOCKED ({p.blocked_reason}) since "
+            f"{p.blocked_at:%H:%M:%S}: {(p.blocked_message or '')[:120]}" for p in blocked),
+            code="provider_blocked")
+    paused = [f"{p.model} paused {p.paused_seconds:.1f} s" for p in states
+              if p.paused_seconds > 0]
+    return ", ".join(paused) or f"{len(states)} provider/model(s), none blocked"
 
 
 # Every deployment has these; the others are optional (no registry: single-object Avro).

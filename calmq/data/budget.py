@@ -11,14 +11,32 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from calmq.data.database import Database
 
-if TYPE_CHECKING:
-    from calmq.budget import BucketLimits
+__all__ = ["BucketLimits", "BucketState", "BudgetLedger", "Grant", "TenantTokenLedger",
+           "Usage", "UsageLedger"]
 
-__all__ = ["BucketState", "BudgetLedger", "Grant", "TenantTokenLedger", "Usage", "UsageLedger"]
+
+class BucketLimits(Protocol):
+    """What a bucket row is configured from (calmq.budget.BucketLimits is one): the data
+    layer reads these numbers and imports nothing above it."""
+
+    @property
+    def tokens_per_minute(self) -> int: ...
+    @property
+    def requests_per_minute(self) -> int: ...
+    @property
+    def token_rate(self) -> float: ...
+    @property
+    def request_rate(self) -> float: ...
+    @property
+    def token_cap(self) -> float: ...
+    @property
+    def request_cap(self) -> float: ...
+    @property
+    def interactive_share(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

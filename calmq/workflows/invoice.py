@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from functools import cache
 from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calmq.errors import FailureClass, StepFailure
+from calmq.output_schemas import read_answer
 from calmq.workflows import (
     ByReference,
     RetryPolicy,
@@ -31,6 +33,7 @@ from calmq.workflows.effects import once
 __all__ = [
     "INVOICE_BY_REFERENCE",
     "INVOICE_SYSTEM_PROMPT",
+    "InvoiceAnswer",
     "InvoiceFields",
     "InvoiceInput",
     "extract_fields",
@@ -76,6 +79,20 @@ class InvoiceFields(BaseModel):
     invoice_number: str = Field(min_length=1)
     total: float
     currency: str = Field(min_length=3, max_length=3)
+
+
+class InvoiceAnswer(InvoiceFields):
+    """What the model is asked for: the fields and its confidence in them. Under strict
+    structured outputs a property the schema lacks cannot be sent, so the confidence the
+    review threshold reads must be part of the schema."""
+
+    confidence: float = Field(default=1.0, ge=0, le=1)
+
+
+@cache
+def _answer_schema() -> dict[str, Any]:
+    # Built once: the gateway derives each provider's dialect once per schema object.
+    return InvoiceAnswer.model_json_schema()
 
 
 class LedgerPosted(BaseModel):
@@ -129,21 +146,20 @@ async def extract_fields(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
         ],
         job_id=ctx.job_id,
         max_tokens=256,
-        response_schema=InvoiceFields.model_json_schema(),
+        response_schema=_answer_schema(),
     )
     if reply.refusal:
         raise StepFailure(f"the model refused: {reply.refusal[:200]}", code="model_refusal",
                           failure_class=FailureClass.POLICY)
     try:
-        raw = json.loads(reply.content or "")
-        fields = InvoiceFields.model_validate(raw)
-        confidence = float(raw.get("confidence", 1.0))
-    except (ValueError, ValidationError, AttributeError) as exc:
+        answer = read_answer(InvoiceAnswer, reply.content or "")
+    except (ValueError, ValidationError) as exc:
         raise StepFailure(
             f"model output is not the invoice schema: {(reply.content or '')[:120]!r}",
             code="malformed_output", failure_class=FailureClass.VERIFIER,
         ) from exc
-    return StepOutput(artifact=fields.model_dump(mode="json"), confidence=confidence,
+    fields = InvoiceFields.model_validate(answer.model_dump(exclude={"confidence"}))
+    return StepOutput(artifact=fields.model_dump(mode="json"), confidence=answer.confidence,
                       input_tokens=reply.input_tokens, output_tokens=reply.output_tokens)
 
 

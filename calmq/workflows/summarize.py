@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calmq.errors import FailureClass, StepFailure
+from calmq.output_schemas import read_answer
 from calmq.workflows import ByReference, Step, StepContext, StepOutput, Workflow
 
 __all__ = ["SUMMARIZE", "SummarizeInput", "SummaryOutput", "summarize"]
@@ -60,8 +61,8 @@ async def summarize(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
         raise StepFailure(f"the model refused: {reply.refusal[:200]}", code="model_refusal",
                           failure_class=FailureClass.POLICY)
     try:
-        output = SummaryOutput.model_validate_json(reply.content or "")
-    except ValidationError as exc:
+        output = read_answer(SummaryOutput, reply.content or "")
+    except (ValidationError, ValueError) as exc:
         raise StepFailure(
             f"model output is not the summary schema: {(reply.content or '')[:120]!r}",
             code="malformed_output", failure_class=FailureClass.VERIFIER,

@@ -42,7 +42,10 @@ def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def served(env: Env) -> tuple[str, int]:
     """A pool with one worker; returns the pool and the worker's metrics port."""
     pool = env.pool("eng")
-    _proc, port = env.procs.worker(pool, **BASE)
+    # A model of its own: a 401 blocks (provider, model) fleet-wide, and must not block the
+    # session's other workers, which call the same fake provider for fake-small.
+    _proc, port = env.procs.worker(pool, **BASE, model="fake-engine",
+                                   provider_probe_seconds="1")
     return pool, port
 
 
@@ -59,10 +62,10 @@ def _types(events: list[dict[str, Any]]) -> list[str]:
         ({"mode": "low_confidence"}, "awaiting_review", 1, [], None),
         ({"mode": "refusal"}, "dead_letter", 1, ["model_refusal"], "policy"),
         ({"mode": "bad_request"}, "dead_letter", 1, ["provider_bad_request"], "input"),
-        ({"mode": "unauthorized"}, "dead_letter", 1, ["provider_permission"], "permission"),
+        ({"mode": "context_length"}, "dead_letter", 1, ["context_length_exceeded"], "input"),
     ],
     ids=["flaky", "delay_ms", "rate_limited", "low_confidence", "refusal", "bad_request",
-         "unauthorized"],
+         "context_length"],
 )
 def test_fake_provider_mode_through_the_worker(
     env: Env, served: tuple[str, int], data: dict[str, Any], status: str, attempts: int,
@@ -84,6 +87,22 @@ def test_fake_provider_mode_through_the_worker(
                   if e["type"] == "retry_scheduled"]
         assert len(delays) == 2
         assert min(delays) >= 1.0
+
+
+def test_a_401_is_the_fleets_problem_not_the_jobs(env: Env, served: tuple[str, int]) -> None:
+    """A 401 (mode unauthorized) blocks the provider and model instead of failing the job:
+    the job waits queued (provider_blocked), with no attempt counted and no error, and the
+    worker's metric names invalid_api_key."""
+    (job_id,) = env.submit(served[0], {"text": "bad key", "mode": "unauthorized"})
+    row = wait_for(lambda: (r := job_rows(env.db, [job_id])[job_id])["status"] == "queued"
+                   and "waiting" in _types(history(env.db, job_id)) and r, timeout=60,
+                   what="the job to wait for the blocked provider")
+    assert (row["attempt"], row["errors"] or []) == (0, [])
+    waiting = [e for e in history(env.db, job_id) if e["type"] == "waiting"][-1]
+    assert waiting["detail"]["reason"] == "provider_blocked"
+    assert waiting["detail"]["code"] == "provider_auth"
+    # Its input keeps asking for a 401 while the probe succeeds: cancel it, as a person would.
+    assert env.api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] in (200, 202)
 
 
 def test_cancel_skips_queued_job_and_aborts_running_one(env: Env) -> None:

@@ -94,11 +94,13 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.budget
     import calmq.cli.services
     import calmq.processors.batcher
+    import calmq.processors.failures
     import calmq.processors.metrics
     import calmq.producers.api
     import calmq.producers.backlog
     import calmq.producers.intake
     import calmq.producers.routes.jobs
+    import calmq.providers
     import calmq.relay.cdc
     import calmq.relay.publisher
     import calmq.retrying
@@ -109,6 +111,9 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     # The factories below are the modules' own lazy constructors (cached: calling one
     # again returns the same metrics), which is how the processes create them.
     calmq.budget._metrics()
+    calmq.providers._blocked_gauge()
+    calmq.providers._paused_gauge()
+    calmq.processors.failures._handbacks()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()
     calmq.relay.publisher._rejected_total()

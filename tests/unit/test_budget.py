@@ -299,3 +299,131 @@ async def test_in_flight_limit_follows_the_budget_rate() -> None:
         await provider.close()
     assert BudgetedProvider(ScriptedProvider(), provider="openai", model="m").in_flight_limit(
         10) is None
+
+
+class ObservingProvider(ScriptedProvider):
+    """A scripted provider that tells its observer the limits each answer states (as the
+    gateway does from the rate-limit headers)."""
+
+    def __init__(self, limits: Any, *answers: ModelReply | StepFailure) -> None:
+        super().__init__(*answers)
+        self.limits = limits
+        self.observer: Any = None
+
+    async def complete(self, **kw: Any) -> ModelReply:
+        if self.observer is not None:
+            self.observer(200, self.limits)
+        return await super().complete(**kw)
+
+
+async def test_a_budget_above_the_stated_limit_is_brought_down_to_it() -> None:
+    """Configured at twice what the provider's headers state: lowered to it (never raised),
+    and both figures are shown as metrics."""
+    from prometheus_client import REGISTRY
+
+    from calmq.gateway import RateLimits
+
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    budget = TokenBudget(ledger, "openai:x", "m2", BucketLimits(120_000, 1200),
+                         slice_seconds=0.25)
+    await budget.start()
+    stated = RateLimits(requests_per_minute=600, tokens_per_minute=60_000,
+                        names=("x-ratelimit-limit-tokens",))
+    inner = ObservingProvider(stated, ModelReply("{}", None, 5, 5), ModelReply("{}", None, 5, 5))
+    provider = BudgetedProvider(inner, provider="openai", model="m2", budget=budget)
+    try:
+        await provider.complete(messages=[{"role": "user", "content": "hi"}], job_id="j",
+                                max_tokens=10)
+        await _until(lambda: budget.limits.tokens_per_minute == 60_000)
+        assert (budget.limits.tokens_per_minute, budget.limits.requests_per_minute) == (
+            60_000, 600)
+        assert await budget.lower_to(90_000, 900) is False  # never raised
+        observed = REGISTRY.get_sample_value("calmq_provider_limit_per_minute", {
+            "provider": "openai", "model": "m2", "limit": "tokens_per_minute",
+            "source": "observed"})
+        configured = REGISTRY.get_sample_value("calmq_provider_limit_per_minute", {
+            "provider": "openai", "model": "m2", "limit": "tokens_per_minute",
+            "source": "configured"})
+        assert (observed, configured) == (60_000, 60_000)
+    finally:
+        await provider.close()
+
+
+async def test_with_no_budget_set_one_starts_from_the_stated_limits() -> None:
+    """No budget configured: the first stated limits make one (learn_limits)."""
+    from calmq.gateway import RateLimits
+
+    ledger = MemoryLedger(tokens=10_000, requests=100)
+    made: list[TokenBudget] = []
+
+    async def learn(stated: RateLimits) -> TokenBudget | None:
+        budget = TokenBudget(ledger, "openai:x", "m3",
+                             BucketLimits(stated.tokens_per_minute or 0,
+                                          stated.requests_per_minute or 0))
+        await budget.start()
+        made.append(budget)
+        return budget
+
+    stated = RateLimits(requests_per_minute=600, tokens_per_minute=60_000,
+                        names=("x-ratelimit-limit-tokens",))
+    inner = ObservingProvider(stated, ModelReply("{}", None, 5, 5), ModelReply("{}", None, 5, 5))
+    provider = BudgetedProvider(inner, provider="openai", model="m3", learn_limits=learn)
+    try:
+        await provider.complete(messages=[{"role": "user", "content": "hi"}], job_id="j",
+                                max_tokens=10)
+        await _until(lambda: provider.budget is not None)
+        assert provider.budget is made[0]
+        assert provider.budget.limits.tokens_per_minute == 60_000
+        await provider.complete(messages=[{"role": "user", "content": "hi"}], job_id="j",
+                                max_tokens=10)
+        assert ledger.takes >= 1  # the second call went through the learned budget
+    finally:
+        await provider.close()
+
+
+async def test_a_bad_key_blocks_the_provider_and_later_calls_do_not_reach_it() -> None:
+    """A 401 becomes ProviderBlocked (no retry, no dead letter), later calls are refused
+    without a call, and a successful probe lifts the block."""
+    from calmq.failure_codes import ProviderBlocked, failure
+    from calmq.providers import ProviderGate
+
+    inner = ScriptedProvider(failure("provider_auth", "401 bad key"),
+                             ModelReply("{}", None, 1, 1))
+    lifted: list[bool] = []
+
+    async def probe() -> object:
+        return await inner.complete(messages=[], job_id="probe", max_tokens=1)
+
+    async def released() -> None:
+        lifted.append(True)
+
+    gate = ProviderGate("openai:x", "m4", probe=probe, on_unblocked=released)
+    provider = BudgetedProvider(inner, provider="openai", model="m4", gate=gate)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        with pytest.raises(ProviderBlocked) as first:
+            await provider.complete(messages=messages, job_id="j", max_tokens=10)
+        assert first.value.code == "provider_auth"
+        with pytest.raises(ProviderBlocked):
+            await provider.complete(messages=messages, job_id="j", max_tokens=10)
+        assert inner.calls == 1  # the second call never reached the provider
+        assert await gate.probe_once() is True
+        assert (gate.blocked, lifted) == (None, [True])
+    finally:
+        await provider.close()
+
+
+async def test_a_rate_limit_pauses_calls_for_the_retry_after_without_a_budget() -> None:
+    """No budget: a 429 with retry-after-ms pauses the gate exactly that long."""
+    from calmq.failure_codes import failure
+    from calmq.providers import ProviderGate
+
+    clock = Clock()
+    gate = ProviderGate("openai:x", "m5", clock=clock)
+    inner = ScriptedProvider(failure("rate_limited", "429", retry_after=1.2))
+    provider = BudgetedProvider(inner, provider="openai", model="m5", gate=gate)
+    with pytest.raises(StepFailure):
+        await provider.complete(messages=[{"role": "user", "content": "x"}], job_id="j",
+                                max_tokens=5)
+    assert gate.paused_until == pytest.approx(clock.now + 1.2)
+    await provider.close()

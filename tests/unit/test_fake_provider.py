@@ -16,6 +16,9 @@ from pydantic import ValidationError
 
 from calmq.tooling.fake_provider import MODES, FakeProviderSettings, build_app, serve
 
+# Anthropic refuses a call without its version header (as the fake does).
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
 
@@ -107,7 +110,8 @@ async def test_usage_counts_all_messages_and_content(make_client: MakeClient) ->
     content = body["choices"][0]["message"]["content"]
     prompt = (len("Summarise the text.") + len(step)) // 4
     completion = len(content) // 4
-    assert body["usage"] == {
+    assert {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens",
+                                           "total_tokens")} == {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -362,6 +366,8 @@ async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) 
         "status_counts": {},
         "by_job": {},
         "mode_override": None,
+        "refused": 0,
+        "refusals": [],
     }
     assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
 
@@ -415,7 +421,8 @@ async def test_anthropic_success_shape(make_client: MakeClient) -> None:
     """/v1/messages answers in the Anthropic shape with input/output token usage."""
     client = await make_client()
     body = anthropic_body({"text": TEXT})
-    resp = await client.post("/v1/messages", json=body)
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=body)
     assert resp.status == 200
     data = await resp.json()
     assert data["type"] == "message"
@@ -424,26 +431,33 @@ async def test_anthropic_success_shape(make_client: MakeClient) -> None:
     assert data["content"][0]["type"] == "text"
     assert json.loads(text) == {"summary": FIRST_12, "confidence": 0.97}
     prompt_chars = len("Summarise the text.") + len(body["messages"][0]["content"])
-    assert data["usage"] == {"input_tokens": prompt_chars // 4, "output_tokens": len(text) // 4}
+    assert (data["usage"]["input_tokens"], data["usage"]["output_tokens"]) == (
+        prompt_chars // 4, len(text) // 4)
     assert (await stats(client))["by_job"]["job-1"] == {"calls": 1, "completed": 1}
 
 
 async def test_anthropic_errors_and_flaky_per_job(make_client: MakeClient) -> None:
     """/v1/messages uses the Anthropic error shape and counts flaky per metadata.user_id."""
     client = await make_client()
-    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "always_fail"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "always_fail"}))
     assert resp.status == 503
-    assert await resp.json() == {
+    data = await resp.json()
+    assert {k: data[k] for k in ("type", "error")} == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "upstream_unavailable"},
     }
     step = {"text": TEXT, "mode": "flaky", "fail_times": 1}
-    first = await client.post("/v1/messages", json=anthropic_body(step, job="x"))
-    second = await client.post("/v1/messages", json=anthropic_body(step, job="x"))
+    first = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
+    second = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body(step, job="x"))
     assert (first.status, second.status) == (503, 200)
-    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "refusal"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "refusal"}))
     assert (await resp.json())["stop_reason"] == "refusal"
-    resp = await client.post("/v1/messages", json=anthropic_body({"mode": "unauthorized"}))
+    resp = await client.post(
+        "/v1/messages", headers=ANTHROPIC, json=anthropic_body({"mode": "unauthorized"}))
     assert resp.status == 401
     assert (await resp.json())["error"]["type"] == "authentication_error"
 
@@ -462,8 +476,16 @@ async def test_every_mode_has_a_defined_answer(make_client: MakeClient) -> None:
         "refusal": 200,
         "bad_request": 400,
         "unauthorized": 401,
+        "quota_exceeded": 429,
+        "context_length": 400,
+        "forbidden": 403,
+        "model_not_found": 404,
+        "too_large": 413,
+        "server_error": 500,
+        "overloaded": 503,  # 529 in the Anthropic shape
     }
-    assert set(expected) == MODES
+    # timeout never answers and truncated cuts its body off: tested on their own
+    assert set(expected) | {"timeout", "truncated"} == MODES
     for mode, status in expected.items():
         assert (await chat(client, {"text": TEXT, "mode": mode}, job=mode))[0] == status
 

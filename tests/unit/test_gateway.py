@@ -58,19 +58,46 @@ async def test_reply_carries_content_and_usage(open_provider: OpenProvider, kind
     ("rate_limited", "rate_limited", FailureClass.TRANSIENT),
     ("always_fail", "upstream_unavailable", FailureClass.TRANSIENT),
     ("bad_request", "provider_bad_request", FailureClass.INPUT),
-    ("unauthorized", "provider_permission", FailureClass.PERMISSION),
+    ("unauthorized", "provider_auth", FailureClass.PERMISSION),
+    ("forbidden", "provider_permission", FailureClass.PERMISSION),
+    ("model_not_found", "model_not_found", FailureClass.PERMISSION),
+    ("quota_exceeded", "insufficient_quota", FailureClass.PERMISSION),
+    ("context_length", "context_length_exceeded", FailureClass.INPUT),
+    ("too_large", "request_too_large", FailureClass.INPUT),
+    ("server_error", "upstream_unavailable", FailureClass.TRANSIENT),
+    ("truncated", "upstream_garbled", FailureClass.TRANSIENT),
 ])
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 async def test_error_answers_get_their_failure_class(
     open_provider: OpenProvider, kind: str, mode: str, code: str, failure_class: FailureClass,
 ) -> None:
-    """429 and 5xx are transient, 400 input, 401 permission, for either API shape."""
+    """Each real failure gets its registered code and class, for either API shape: 429 and
+    5xx transient, a cut-off body transient, 400 input (context length too), 401/403/404 and
+    exhausted billing permission (which pause the provider, calmq.budget)."""
     provider = await open_provider(kind, retry_after_seconds=3)
     with pytest.raises(StepFailure) as caught:
         await provider.complete(messages=_messages(mode=mode), job_id="j1", max_tokens=64)
+    if kind == "anthropic" and mode == "always_fail":
+        code = "provider_overloaded"  # Anthropic's 5xx body names overloaded_error
     assert (caught.value.code, caught.value.failure_class) == (code, failure_class)
     if mode == "rate_limited":
         assert caught.value.retry_after == 3
+
+
+async def test_overloaded_is_its_own_transient_code(open_provider: OpenProvider) -> None:
+    """Anthropic's 529 overloaded_error is transient, coded provider_overloaded."""
+    provider = await open_provider("anthropic")
+    with pytest.raises(StepFailure) as caught:
+        await provider.complete(messages=_messages(mode="overloaded"), job_id="j", max_tokens=9)
+    assert (caught.value.code, caught.value.failure_class) == ("provider_overloaded",
+                                                               FailureClass.TRANSIENT)
+
+
+def test_retry_after_ms_is_read_before_retry_after() -> None:
+    """OpenAI's retry-after-ms is the precise wait; retry-after (seconds) is the fallback."""
+    assert classify_status(429, "", {"retry-after-ms": "1200", "Retry-After": "2"}
+                           ).retry_after == 1.2
+    assert classify_status(429, "", {"Retry-After": "2"}).retry_after == 2
 
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])

@@ -1,0 +1,107 @@
+-- Named queries of the fleet's provider states (calmq/providers.py, calmq/data/providers.py).
+
+-- name: provider_block
+-- Block a provider and model fleet-wide; the first reason is kept while it stays blocked.
+INSERT INTO provider_states (provider, model, blocked_reason, blocked_code, blocked_message,
+                             blocked_at)
+VALUES (%(provider)s, %(model)s, %(reason)s, %(code)s, %(message)s, now())
+ON CONFLICT (provider, model) DO UPDATE SET
+    blocked_reason = coalesce(provider_states.blocked_reason, excluded.blocked_reason),
+    blocked_code = coalesce(provider_states.blocked_code, excluded.blocked_code),
+    blocked_message = coalesce(provider_states.blocked_message, excluded.blocked_message),
+    blocked_at = coalesce(provider_states.blocked_at, excluded.blocked_at),
+    updated_at = now();
+
+-- name: provider_unblock
+-- Lift a block (a probe call succeeded, or `calmq provider unblock`); NULL provider or
+-- model: every one. Returns what was lifted.
+UPDATE provider_states SET blocked_reason = NULL, blocked_code = NULL,
+                           blocked_message = NULL, blocked_at = NULL, updated_at = now()
+WHERE blocked_reason IS NOT NULL
+  AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
+  AND (%(model)s::text IS NULL OR model = %(model)s::text)
+RETURNING provider, model;
+
+-- name: provider_pause
+-- A rate limit: no call to this provider and model until the provider's retry-after.
+INSERT INTO provider_states (provider, model, paused_until)
+VALUES (%(provider)s, %(model)s, clock_timestamp() + make_interval(secs => %(seconds)s))
+ON CONFLICT (provider, model) DO UPDATE SET
+    paused_until = greatest(provider_states.paused_until, excluded.paused_until),
+    updated_at = now()
+RETURNING extract(epoch FROM paused_until - clock_timestamp())::float8 AS seconds_left;
+
+-- name: provider_observe
+-- The limits the provider's rate-limit headers stated.
+INSERT INTO provider_states (provider, model, observed_tokens_per_minute,
+                             observed_requests_per_minute, observed_at)
+VALUES (%(provider)s, %(model)s, %(tokens_per_minute)s, %(requests_per_minute)s, now())
+ON CONFLICT (provider, model) DO UPDATE SET
+    observed_tokens_per_minute = coalesce(excluded.observed_tokens_per_minute,
+                                          provider_states.observed_tokens_per_minute),
+    observed_requests_per_minute = coalesce(excluded.observed_requests_per_minute,
+                                            provider_states.observed_requests_per_minute),
+    observed_at = now(), updated_at = now();
+
+-- name: provider_states
+-- Every provider and model's state; paused_seconds: how long the pause still runs (0: none).
+SELECT provider, model, blocked_reason, blocked_code, blocked_message, blocked_at,
+       greatest(0, extract(epoch FROM paused_until - clock_timestamp()))::float8
+           AS paused_seconds,
+       observed_tokens_per_minute, observed_requests_per_minute, observed_at
+FROM provider_states ORDER BY provider, model;
+
+-- name: provider_notify
+-- Tell every worker at once (LISTEN calmq_providers): a block, a lift or a pause.
+SELECT pg_notify('calmq_providers', %(payload)s);
+
+-- name: provider_hand_back
+-- An attempt that met a blocked provider is not the job's attempt: the job goes back to
+-- queued at the attempt before (its attempt row removed: none is counted), its lease
+-- dropped, waiting with reason provider_blocked (the release writes a fresh job.requested).
+-- Only while the attempt still holds the job (its lease version and owner).
+WITH held AS (
+    SELECT id, step, attempt FROM jobs
+    WHERE id = %(id)s AND lease_version = %(lease_version)s AND lease_owner = %(worker)s
+      AND status = 'running'
+    FOR UPDATE
+), back AS (
+    UPDATE jobs j SET status = 'queued', attempt = j.attempt - 1,
+                      lease_owner = NULL, lease_expires_at = NULL,
+                      waiting_reason = 'provider_blocked', updated_at = now()
+    FROM held WHERE j.id = held.id
+    RETURNING j.id, held.step, held.attempt
+), uncounted AS (
+    DELETE FROM job_attempts a USING back
+    WHERE a.job_id = back.id AND a.step = back.step AND a.attempt = back.attempt
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt - 1, %(detail)s::jsonb FROM back
+)
+SELECT id FROM back;
+
+-- name: provider_release_jobs
+-- Jobs that waited for a blocked provider, once a block lifted (oldest first, interactive
+-- first): the reason is cleared and the caller writes a fresh job.requested in this
+-- transaction. A job whose provider is still blocked meets the block again at once.
+WITH released AS (
+    SELECT j.id FROM jobs j
+    WHERE j.waiting_reason = 'provider_blocked' AND j.status IN ('queued', 'retrying')
+    ORDER BY j.priority = 'interactive' DESC, j.created_at
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM released r WHERE j.id = r.id
+    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
+              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
+              j.trace_parent, j.created_at, j.status AS old_status, j.lease_version, j.lane
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "provider_unblocked"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
+
+-- name: provider_waiting_jobs
+SELECT count(*) AS n FROM jobs
+WHERE waiting_reason = 'provider_blocked' AND status IN ('queued', 'retrying');

@@ -1,0 +1,506 @@
+"""The online endpoints: Chat Completions, Messages and embeddings, the per-job modes, the
+failure set, the rate limits, and the admin and stats endpoints.
+
+Every request is first checked as the real API would (``conformance``): what it refuses is
+answered with its error body and counted in ``/stats`` as ``refused``, so a test can assert
+that calmq sent nothing a real provider would have refused. Then the job's mode (or an
+outage, or the rate limit) picks the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+from aiohttp import web
+
+from calmq.tooling.fake_provider import conformance
+from calmq.tooling.fake_provider.calls import (
+    MALFORMED_TEXT,
+    REFUSAL_TEXT,
+    SUCCESS_CONFIDENCE,
+    BadRequest,
+    Call,
+    format_seconds,
+    parse_call,
+    result_json,
+    vector,
+)
+from calmq.tooling.fake_provider.failures import (
+    FAILURES,
+    OUTAGE_KINDS,
+    Failure,
+    anthropic_body,
+    openai_body,
+)
+from calmq.tooling.fake_provider.limits import SlidingWindow, limit_headers
+from calmq.tooling.fake_provider.settings import MODES, FakeProviderSettings
+from calmq.tooling.latency import parse_latency
+
+__all__ = ["BATCH_HEADER", "Online"]
+
+BATCH_HEADER: Final = "X-Calmq-Fake-Batch"
+_JSON: Final = "application/json"
+# Modes whose 200 answer carries a result that satisfies the summary schema.
+_VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confidence"})
+_KEPT_CALLS: Final = 20_000  # /admin/calls: the latest calls' arrival times
+_KEPT_REFUSALS: Final = 50
+
+
+class Online:
+    """All mutable state of the online endpoints; handlers are its bound methods."""
+
+    def __init__(self, settings: FakeProviderSettings, clock: Callable[[], float]) -> None:
+        self._settings = settings
+        dist = parse_latency(settings.latency_dist or f"fixed:{settings.latency_ms}")
+        self._latency_dist, self._latency_rng = dist, dist.sampler()
+        self.mode_override = settings.mode_override
+        self._limiter = (
+            SlidingWindow(settings.requests_per_minute, settings.tokens_per_minute, clock)
+            if settings.requests_per_minute or settings.tokens_per_minute
+            else None
+        )
+        self._ids = itertools.count(1)
+        self.calls = 0
+        self._status_counts: dict[int, int] = {}
+        self._by_job: dict[str, list[int]] = {}  # job id -> [calls, completed]
+        self._flaky_attempts: dict[str, int] = {}
+        # POST /admin/outage: until this monotonic time every model call fails with the
+        # failures in turn (a provider-wide incident, whatever each job's mode says).
+        self._outage_until = 0.0
+        self._outage: tuple[str, ...] = ()
+        self._outage_calls = itertools.count()
+        self.refused = 0
+        self._refusals: deque[str] = deque(maxlen=_KEPT_REFUSALS)
+        # (wall time, path, job, model, auth scheme, extra header names) per call.
+        self._arrivals: deque[tuple[float, str, str, str, str, list[str]]] = deque(
+            maxlen=_KEPT_CALLS)
+
+    @property
+    def _latency(self) -> float:
+        """This call's latency in seconds: one draw from the distribution per answer."""
+        return self._latency_dist.draw(self._latency_rng)
+
+    # --- responses -------------------------------------------------------------------
+
+    def _respond(
+        self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> web.Response:
+        self._status_counts[status] = self._status_counts.get(status, 0) + 1
+        return web.Response(
+            status=status,
+            body=json.dumps(payload, separators=(",", ":")).encode(),
+            content_type=_JSON,
+            headers=headers,
+        )
+
+    def _fail(self, anthropic: bool, failure: Failure, *, model: str = "",
+              headers: dict[str, str] | None = None, **fields: str) -> web.Response:
+        if anthropic:
+            status, payload = anthropic_body(failure, f"req_fake_{next(self._ids)}",
+                                             model=model, **fields)
+        else:
+            status, payload = openai_body(failure, model=model, **fields)
+        return self._respond(status, payload, headers)
+
+    def record_refusal(self, message: str) -> None:
+        self.refused += 1
+        self._refusals.append(message)
+
+    def _refuse(self, anthropic: bool, refusal: conformance.Refusal) -> web.Response:
+        """A request the real API refuses, answered with its error body."""
+        self.record_refusal(refusal.message)
+        if anthropic:
+            payload: dict[str, Any] = {
+                "type": "error", "error": {"type": refusal.kind, "message": refusal.message},
+                "request_id": f"req_fake_{next(self._ids)}"}
+        else:
+            payload = {"error": {"message": refusal.message, "type": refusal.kind,
+                                 "param": refusal.param, "code": refusal.code}}
+        return self._respond(refusal.status, payload)
+
+    def _error(self, anthropic: bool, status: int, *, kind: str, code: str, message: str,
+               headers: dict[str, str] | None = None) -> web.Response:
+        if anthropic:
+            payload: dict[str, Any] = {
+                "type": "error", "error": {"type": _anthropic_type(status), "message": message}}
+        else:
+            payload = {"error": {"message": message, "type": kind, "code": code, "param": None}}
+        return self._respond(status, payload, headers)
+
+    def _answer(self, call: Call, content: str, *, refusal: bool,
+                headers: dict[str, str] | None) -> web.Response:
+        completion_tokens = max(1, len(content) // 4)
+        number = next(self._ids)
+        if call.anthropic:
+            payload: dict[str, Any] = {
+                "id": f"msg_fake_{number}", "type": "message", "role": "assistant",
+                "model": call.model, "content": [{"type": "text", "text": content}],
+                "stop_reason": "refusal" if refusal else "end_turn", "stop_sequence": None,
+                "usage": {"input_tokens": call.prompt_tokens,
+                          "output_tokens": completion_tokens,
+                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                          "service_tier": "standard"},
+            }
+        else:
+            message: dict[str, Any] = (
+                {"role": "assistant", "content": None, "refusal": content}
+                if refusal
+                else {"role": "assistant", "content": content, "refusal": None}
+            )
+            payload = {
+                "id": f"chatcmpl-fake-{number}", "object": "chat.completion",
+                "created": int(time.time()), "model": call.model, "service_tier": "default",
+                "choices": [
+                    {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
+                ],
+                "usage": {
+                    "prompt_tokens": call.prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": call.prompt_tokens + completion_tokens,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                    "completion_tokens_details": {"reasoning_tokens": 0},
+                },
+            }
+        return self._respond(200, payload, headers)
+
+    def _limit_headers(self, anthropic: bool) -> dict[str, str]:
+        assert self._limiter is not None
+        requests_left, tokens_left = self._limiter.remaining()
+        return limit_headers(anthropic=anthropic, rpm=self._settings.requests_per_minute,
+                             tpm=self._settings.tokens_per_minute,
+                             requests_left=requests_left, tokens_left=tokens_left)
+
+    # --- checks as the real API makes them ----------------------------------------------
+
+    def _credentials(self, request: web.Request, anthropic: bool) -> tuple[str, str | None]:
+        """The auth scheme the call used, and the refusal when the fake has a key set and
+        the call did not carry it (OpenAI: Bearer; Azure: api-key; Anthropic: x-api-key)."""
+        bearer = request.headers.get("Authorization", "")
+        if request.headers.get("api-key"):
+            scheme, key = "api-key", request.headers["api-key"]
+        elif request.headers.get("x-api-key"):
+            scheme, key = "x-api-key", request.headers["x-api-key"]
+        elif bearer.startswith("Bearer "):
+            scheme, key = "bearer", bearer.removeprefix("Bearer ")
+        else:
+            scheme, key = "none", ""
+        wanted = self._settings.api_key
+        if wanted and key != wanted:
+            return scheme, "unauthorized"
+        if anthropic and wanted and scheme != "x-api-key":
+            return scheme, "unauthorized"
+        return scheme, None
+
+    def _arrive(self, request: web.Request, body: Any, scheme: str) -> None:
+        extra = sorted(h for h in request.headers if h.lower().startswith("x-")
+                       and h.lower() not in ("x-api-key", BATCH_HEADER.lower()))
+        model: Any = ""
+        job: Any = ""
+        if isinstance(body, dict):
+            model = body.get("model") or ""
+            meta = body.get("metadata")
+            job = body.get("user") or (meta.get("user_id") if isinstance(meta, dict) else "")
+        self._arrivals.append((time.time(), request.path, str(job or ""), str(model), scheme,
+                               extra))
+
+    # --- model endpoints -------------------------------------------------------------
+
+    async def handle_openai(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, anthropic=False)
+
+    async def handle_anthropic(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, anthropic=True)
+
+    async def _handle(self, request: web.Request, *, anthropic: bool) -> web.StreamResponse:
+        self.calls += 1
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            await self._sleep(self._latency)
+            return self._error(anthropic, 400, kind="invalid_request_error",
+                               code="invalid_request", message="invalid JSON")
+        scheme, denied = self._credentials(request, anthropic)
+        self._arrive(request, body, scheme)
+        if denied:
+            return self._fail(anthropic, FAILURES[denied])
+        if self._settings.check_requests:
+            await conformance.ready()
+            refusal = self._check(request, body, anthropic)
+            if refusal is not None:
+                return self._refuse(anthropic, refusal)
+        try:
+            call = parse_call(body, request, anthropic=anthropic)
+        except BadRequest as bad:
+            await self._sleep(self._latency)
+            return self._error(anthropic, 400, kind="invalid_request_error", code=bad.code,
+                               message=bad.message)
+
+        job_stats: list[int] | None = None
+        if call.job_id:
+            job_stats = self._by_job.get(call.job_id)
+            if job_stats is None:
+                job_stats = self._by_job[call.job_id] = [0, 0]
+            job_stats[0] += 1
+
+        if self._outage and time.monotonic() < self._outage_until:
+            return await self._outage_answer(call)
+        mode = self.mode_override or call.mode
+        if mode not in MODES:
+            await self._sleep(self._latency)
+            return self._error(
+                anthropic, 400, kind="invalid_request_error", code="unknown_mode",
+                message=f"unknown mode {mode!r}; expected one of {', '.join(sorted(MODES))}")
+
+        settings = self._settings
+        content: str | None = None
+        if mode in ("success", "slow", "flaky", "timeout", "truncated"):
+            content = result_json(call, SUCCESS_CONFIDENCE)
+        elif mode == "low_confidence":
+            content = result_json(call, settings.low_confidence)
+        elif mode == "malformed":
+            content = MALFORMED_TEXT
+        elif mode == "refusal":
+            content = REFUSAL_TEXT
+
+        headers: dict[str, str] | None = None
+        # A batch's requests do not count against the online limits (as at OpenAI).
+        if self._limiter is not None and BATCH_HEADER not in request.headers:
+            completion = call.max_tokens or (max(1, len(content) // 4) if content else 1)
+            verdict = self._limiter.admit(call.prompt_tokens + completion)
+            headers = self._limit_headers(anthropic)
+            if not verdict.admitted:
+                retry_after = max(1, math.ceil(verdict.retry_after))
+                headers["Retry-After"] = str(retry_after)
+                if not anthropic:
+                    headers["retry-after-ms"] = str(max(1, math.ceil(verdict.retry_after
+                                                                     * 1000)))
+                if verdict.too_large:
+                    message = (
+                        f"Request too large: limit {settings.tokens_per_minute} tokens per"
+                        f" minute, requested {call.prompt_tokens + completion}"
+                    )
+                else:
+                    message = f"Rate limit reached for {verdict.limited_by} per minute"
+                await self._sleep(self._latency)
+                return self._error(anthropic, 429, kind=verdict.limited_by,
+                                   code="rate_limit_exceeded", message=message,
+                                   headers=headers)
+
+        failing = False
+        if mode == "flaky":
+            # Counted on arrival, so concurrent attempts of one job fail in arrival order.
+            attempts = self._flaky_attempts.get(call.job_id, 0)
+            self._flaky_attempts[call.job_id] = attempts + 1
+            failing = attempts < call.fail_times
+
+        delay = self._latency + call.delay_seconds
+        if mode == "slow":
+            delay += settings.slow_seconds
+        elif mode == "timeout":
+            delay += 24 * 3600.0  # never answers: the caller's timeout ends the call
+        await self._sleep(delay)
+
+        if mode == "always_fail" or failing:
+            return self._fail(anthropic, FAILURES["always_fail"], headers=headers)
+        if mode == "rate_limited":
+            limited = dict(headers) if headers else {}
+            seconds = settings.retry_after_seconds
+            limited["Retry-After"] = format_seconds(seconds)
+            if not anthropic:
+                limited["retry-after-ms"] = str(round(seconds * 1000))
+            return self._fail(anthropic, FAILURES["rate_limited"], headers=limited,
+                              seconds=format_seconds(seconds))
+        if mode in FAILURES:
+            return self._fail(anthropic, FAILURES[mode], model=call.model, headers=headers)
+        assert content is not None
+        if job_stats is not None and mode in _VALID_RESULT_MODES:
+            job_stats[1] += 1
+        if mode == "truncated":
+            return await self._truncated(request, call, content)
+        return self._answer(call, content, refusal=mode == "refusal", headers=headers)
+
+    def _check(self, request: web.Request, body: Any,
+               anthropic: bool) -> conformance.Refusal | None:
+        if anthropic:
+            if not request.headers.get("anthropic-version"):
+                return conformance.Refusal(400, "anthropic-version: header is required")
+            return conformance.anthropic_messages(body)
+        return conformance.openai_chat(body)
+
+    async def _truncated(self, request: web.Request, call: Call,
+                         content: str) -> web.StreamResponse:
+        """A 200 whose body stops half way: the connection closes before Content-Length."""
+        full = self._answer(call, content, refusal=False, headers=None)
+        data = bytes(full.body) if isinstance(full.body, bytes | bytearray) else b"{}"
+        resp = web.StreamResponse(status=200, headers={"Content-Type": _JSON})
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        await resp.write(data[: len(data) // 2])
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        return resp
+
+    async def handle_embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI-shaped embeddings: a deterministic unit vector per input, from its hash."""
+        self.calls += 1
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        scheme, denied = self._credentials(request, False)
+        self._arrive(request, body, scheme)
+        if denied:
+            return self._fail(False, FAILURES[denied])
+        if self._settings.check_requests:
+            await conformance.ready()
+            refusal = conformance.openai_embeddings(body)
+            if refusal is not None:
+                return self._refuse(False, refusal)
+        try:
+            raw = body["input"]
+            inputs = [raw] if isinstance(raw, str) else list(raw)
+        except (KeyError, TypeError):
+            inputs = []
+        if not inputs or not all(isinstance(i, str) for i in inputs):
+            return self._error(False, 400, kind="invalid_request_error", code="invalid_input",
+                               message="'input' must be a string or a non-empty array of strings")
+        assert isinstance(body, dict)
+        job_id = body.get("user") if isinstance(body.get("user"), str) else ""
+        if job_id:
+            stats = self._by_job.setdefault(job_id, [0, 0])
+            stats[0] += 1
+            stats[1] += 1
+        if self._outage and time.monotonic() < self._outage_until:
+            kind = self._outage[next(self._outage_calls) % len(self._outage)]
+            return self._outage_failure(False, kind, str(body.get("model", "")))
+        await self._sleep(self._latency)
+        tokens = sum(max(1, len(i) // 4) for i in inputs)
+        headers = self._limit_headers(False) if self._limiter is not None else None
+        return self._respond(200, {
+            "object": "list",
+            "model": body.get("model", ""),
+            "data": [{"object": "embedding", "index": n, "embedding": vector(text)}
+                     for n, text in enumerate(inputs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }, headers)
+
+    async def _outage_answer(self, call: Call) -> web.Response:
+        await self._sleep(self._latency)
+        kind = self._outage[next(self._outage_calls) % len(self._outage)]
+        return self._outage_failure(call.anthropic, kind, call.model)
+
+    def _outage_failure(self, anthropic: bool, kind: str, model: str) -> web.Response:
+        if kind == "rate_limited":
+            seconds = self._settings.retry_after_seconds
+            headers = {"Retry-After": format_seconds(seconds)}
+            if not anthropic:
+                headers["retry-after-ms"] = str(round(seconds * 1000))
+            return self._error(anthropic, 429, kind="requests", code="rate_limit_exceeded",
+                               message="Rate limit reached (simulated outage)", headers=headers)
+        if kind == "server_error":
+            return self._error(anthropic, 500, kind="server_error", code="outage",
+                               message="The server had an error (simulated outage)")
+        if kind == "always_fail":
+            return self._error(anthropic, 503, kind="server_error", code="outage",
+                               message="The server had an error (simulated outage)")
+        return self._fail(anthropic, FAILURES[kind], model=model)
+
+    @staticmethod
+    async def _sleep(seconds: float) -> None:
+        # Skipping the zero sleep keeps the common benchmark path free of a loop round-trip.
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    # --- observability and admin -----------------------------------------------------
+
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "calls": self.calls,
+                "status_counts": {str(k): v for k, v in self._status_counts.items()},
+                "by_job": {
+                    job: {"calls": stats[0], "completed": stats[1]}
+                    for job, stats in self._by_job.items()
+                },
+                "mode_override": self.mode_override,
+                "refused": self.refused,
+                "refusals": list(self._refusals),
+            }
+        )
+
+    async def handle_calls(self, request: web.Request) -> web.Response:
+        """GET /admin/calls: each recent model call's arrival (wall time), path, job, model,
+        auth scheme and the names of its extra ``X-`` headers."""
+        return web.json_response({"calls": [
+            {"at": at, "path": path, "job": job, "model": model, "auth": scheme,
+             "headers": extra}
+            for at, path, job, model, scheme, extra in self._arrivals]})
+
+    async def handle_reset(self, request: web.Request) -> web.Response:
+        self.calls = 0
+        self._status_counts.clear()
+        self._by_job.clear()
+        self._flaky_attempts.clear()
+        self.refused = 0
+        self._refusals.clear()
+        self._arrivals.clear()
+        if self._limiter is not None:
+            self._limiter.reset()
+        return web.json_response({"ok": True})
+
+    async def handle_mode(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or "mode" not in body:
+            return web.json_response(
+                {"error": 'body must be {"mode": "<mode>" | null}'}, status=400
+            )
+        mode = body["mode"]
+        if mode is not None and mode not in MODES:
+            return web.json_response(
+                {"error": f"unknown mode {mode!r}; expected one of {sorted(MODES)} or null"},
+                status=400,
+            )
+        self.mode_override = mode
+        return web.json_response({"mode_override": mode})
+
+    async def handle_outage(self, request: web.Request) -> web.Response:
+        """``{"seconds": 20, "statuses": [500, 429]}``: every call fails for that long, with
+        each status in turn (429 Retry-After, 500, 503, 529 overloaded, 401 bad key, 403,
+        404 model, or "insufficient_quota" / "context_length_exceeded")."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        seconds = body.get("seconds") if isinstance(body, dict) else None
+        statuses = body.get("statuses", [500, 429]) if isinstance(body, dict) else None
+        known = sorted(OUTAGE_KINDS, key=str)
+        if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0
+                or not isinstance(statuses, list) or not statuses
+                or not all(not isinstance(s, bool) and s in OUTAGE_KINDS for s in statuses)):
+            return web.json_response(
+                {"error": f'body must be {{"seconds": >= 0, "statuses": [one of {known}]}}'},
+                status=400)
+        self._outage = tuple(OUTAGE_KINDS[s] for s in statuses)
+        self._outage_until = time.monotonic() + float(seconds)
+        return web.json_response({"seconds": seconds, "statuses": statuses})
+
+    async def handle_healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+
+def _anthropic_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error",
+            403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+            429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+            529: "overloaded_error"}.get(status, "api_error")

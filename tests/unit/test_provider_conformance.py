@@ -1,0 +1,319 @@
+"""Conformance with the real providers: every request calmq can make is built from
+``calmq.workflows`` as registered and checked with the official ``openai`` and ``anthropic``
+SDKs' request types and the documented structured-output rules; every answer is read
+through the SDKs' response types. The fake provider runs in-process with the same checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from anthropic.types import Message
+from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
+from openai.types import Batch, CreateEmbeddingResponse, FileObject
+from openai.types.chat import ChatCompletion
+
+from calmq.batches import custom_id, open_batch_client
+from calmq.errors import StepFailure
+from calmq.gateway import EmbeddingReply, ModelReply, open_provider
+from calmq.objects import open_object_store
+from calmq.settings import Settings
+from calmq.tooling.fake_provider import FakeProviderSettings, build_app
+from calmq.tooling.fake_provider import conformance as rules
+from calmq.workflows import StepContext, load_workflows
+
+INVOICE = "Vendor: ACME GmbH\nInvoice: 2024-17\nTotal: EUR 120.50\n"
+
+
+class Recorder:
+    """A provider that records each call a step makes and answers like a model would."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.embeds: list[list[str]] = []
+
+    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+                       response_schema: dict[str, Any] | None = None) -> ModelReply:
+        self.calls.append({"messages": messages, "job_id": job_id, "max_tokens": max_tokens,
+                           "response_schema": response_schema})
+        props = set((response_schema or {}).get("properties") or {})
+        answer: dict[str, Any] = {"summary": "short", "confidence": None}
+        if "vendor" in props:
+            answer = {"vendor": "ACME", "invoice_number": "17", "total": 1.0,
+                      "currency": "EUR", "confidence": 0.5}
+        return ModelReply(json.dumps(answer), None, 10, 10)
+
+    async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply:
+        self.embeds.append(inputs)
+        return EmbeddingReply([[0.1, 0.2] for _ in inputs], 5)
+
+    async def close(self) -> None:
+        return None
+
+
+async def _record(tmp_path: Path) -> Recorder:
+    """Every built-in workflow run step by step (each step's output the next one's input)
+    with a recording provider: the calls calmq's own steps make."""
+    recorder = Recorder()
+    objects = open_object_store(f"file://{tmp_path}")
+    inputs = {"summarize": {"text": "A long text about queues. " * 20},
+              "invoice": {"text": INVOICE},
+              "embed_document": {"text": "Paragraph one.\n\nParagraph two. " * 50,
+                                 "chunk_chars": 200}}
+    workflows = load_workflows(Settings())
+    assert set(inputs) <= set(workflows)  # the built-ins, as registered
+    for name, data in inputs.items():
+        workflow = workflows[name]
+        current: dict[str, Any] = workflow.validate_input(data)
+        for step in workflow.steps:
+            ctx = StepContext(f"00000000-0000-0000-0000-00000000000{len(recorder.calls)}",
+                              "11111111-1111-1111-1111-111111111111", step.name, 1, recorder,
+                              objects, workflow=name)
+            try:
+                out = await step.run(ctx, current)
+            except StepFailure:
+                break  # the invoice's ledger step (no ledger here): no model call after it
+            current = step.check_output(out.artifact)
+    return recorder
+
+
+@pytest.fixture
+async def recorded(tmp_path: Path) -> Recorder:
+    recorder = await _record(tmp_path)
+    assert len(recorder.calls) >= 2
+    assert recorder.embeds
+    return recorder
+
+
+@pytest.mark.parametrize("kind", ["openai", "azure"])
+async def test_every_chat_request_fits_the_openai_sdk_and_strict_mode(
+        recorded: Recorder, kind: str) -> None:
+    """Each workflow's model call, as the OpenAI (and Azure) adapter sends it, is a
+    CompletionCreateParams the SDK allows, with a strict schema OpenAI accepts."""
+    provider = open_provider(kind, "http://unused", "k", "gpt-4o-mini")
+    for call in recorded.calls:
+        body = provider.request_body(**call)
+        assert rules.openai_chat(body) is None, rules.openai_chat(body)
+        spec = body["response_format"]["json_schema"]
+        assert spec["strict"] is True
+        assert rules.openai_strict_problems(spec["schema"]) == []
+
+
+async def test_every_message_request_fits_the_anthropic_sdk(recorded: Recorder) -> None:
+    """Each workflow's model call, as the Anthropic adapter sends it, is a
+    MessageCreateParams the SDK allows, with the schema in output_config.format."""
+    provider = open_provider("anthropic", "http://unused", "k", "claude-sonnet-4-5")
+    for call in recorded.calls:
+        body = provider.request_body(**call)
+        assert rules.anthropic_messages(body) is None, rules.anthropic_messages(body)
+        assert body["output_config"]["format"]["type"] == "json_schema"
+    old = open_provider("anthropic", "http://unused", "k", "claude-3-5-haiku-latest")
+    assert all("output_config" not in old.request_body(**c) for c in recorded.calls)
+
+
+async def test_embedding_requests_fit_the_openai_sdk(recorded: Recorder) -> None:
+    """embed_document's embedding calls are EmbeddingCreateParams the SDK allows."""
+    provider = open_provider("openai", "http://unused", "k", "text-embedding-3-small")
+    for inputs in recorded.embeds:
+        assert rules.openai_embeddings(provider.embeddings_body(inputs, "job")) is None
+
+
+async def test_batch_lines_fit_both_batch_apis(recorded: Recorder) -> None:
+    """A batch's lines: OpenAI's input-file lines carry a valid chat body; Anthropic's
+    requests are a BatchCreateParams the SDK allows."""
+    openai = open_batch_client("openai", "http://unused", "k", "gpt-4o-mini")
+    anthropic = open_batch_client("anthropic", "http://unused", "k", "claude-sonnet-4-5")
+    for n, call in enumerate(recorded.calls):
+        cid = custom_id(f"00000000-0000-0000-0000-00000000000{n}", 1)
+        line = json.loads(openai.line(cid, openai.request_body(**call)))
+        assert rules.openai_batch_line(line, "/v1/chat/completions") is None
+        item = json.loads(anthropic.line(cid, anthropic.request_body(**call)))
+        assert rules.anthropic_batch({"requests": [item]}) is None
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[str]:
+    app = build_app(FakeProviderSettings(batch_completion_seconds=0.05))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _get(url: str, path: str, headers: dict[str, str] | None = None) -> Any:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as resp:
+        return await resp.json(content_type=None)
+
+
+@pytest.mark.parametrize("kind", ["openai", "azure", "anthropic"])
+async def test_calls_and_answers_against_the_strict_fake(
+        recorded: Recorder, fake: str, kind: str) -> None:
+    """Online and batch, the fake (which checks like the real API) refuses nothing calmq
+    sends, and its answers read through the SDKs' response types."""
+    import aiohttp
+
+    model = "claude-sonnet-4-5" if kind == "anthropic" else "fake-small"
+    base = fake + "/openai/v1" if kind == "azure" else fake
+    provider = open_provider(kind, base, "k", model)
+    client = open_batch_client(kind, base, "k", model)
+    try:
+        for call in recorded.calls:
+            reply = await provider.complete(**call)
+            assert reply.content
+        if kind != "anthropic":
+            assert (await provider.embed(inputs=["a", "b"], job_id="j")).vectors
+        lines = [client.line(custom_id(f"job-{n}", 1), client.request_body(**call))
+                 for n, call in enumerate(recorded.calls)]
+        view = await client.create(lines, "conformance")
+        for _ in range(200):
+            view = await client.view(view.provider_id)
+            if view.ended:
+                break
+            await asyncio.sleep(0.02)  # poll: the fake's batch runs for 50 ms
+        results = [r async for r in client.results(view)]
+        assert len(results) == len(lines)
+        assert all(r.reply for r in results)
+        stats = await _get(fake, "/stats")
+        assert (stats["refused"], stats["refusals"]) == (0, [])
+        # The answers in the SDKs' own response types.
+        async with aiohttp.ClientSession() as s:
+            if kind == "anthropic":
+                body = provider.request_body(**recorded.calls[0])
+                async with s.post(fake + "/v1/messages", json=body,
+                                  headers=provider.endpoint_config.headers()) as resp:
+                    Message.model_validate(await resp.json())
+                MessageBatch.model_validate(await _get(
+                    fake, f"/v1/messages/batches/{view.provider_id}"))
+                async with s.get(view.results[0]) as resp:
+                    for line in (await resp.read()).splitlines():
+                        MessageBatchIndividualResponse.model_validate_json(line)
+            else:
+                headers = provider.endpoint_config.headers()
+                body = provider.request_body(**recorded.calls[0])
+                async with s.post(f"{base}/chat/completions" if kind == "azure" else
+                                  f"{fake}/v1/chat/completions", json=body,
+                                  headers=headers) as resp:
+                    ChatCompletion.model_validate(await resp.json())
+                async with s.post(f"{fake}/v1/embeddings", json=provider.embeddings_body(
+                        ["x"], "j"), headers=headers) as resp:
+                    CreateEmbeddingResponse.model_validate(await resp.json())
+                Batch.model_validate(await _get(fake, f"/v1/batches/{view.provider_id}"))
+                async with s.get(f"{fake}/v1/files/{view.results[0]}/content") as resp:
+                    for line in (await resp.read()).splitlines():
+                        ChatCompletion.model_validate(json.loads(line)["response"]["body"])
+                form = aiohttp.FormData()
+                form.add_field("purpose", "batch")
+                form.add_field("file", b"{}", filename="x.jsonl")
+                async with s.post(f"{fake}/v1/files", data=form) as resp:
+                    FileObject.model_validate(await resp.json())
+    finally:
+        await provider.close()
+        await client.close()
+
+
+async def test_the_fake_refuses_the_schema_calmq_used_to_send(fake: str) -> None:
+    """The pydantic schema as it comes (no additionalProperties, confidence not required)
+    is refused with OpenAI's 400 body, and counted as refused."""
+    import aiohttp
+
+    from calmq.workflows.summarize import SummaryOutput
+
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": SummaryOutput.model_json_schema(), "strict": True}}}
+    async with aiohttp.ClientSession() as s, s.post(fake + "/v1/chat/completions",
+                                                    json=body) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "additionalProperties" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (await _get(fake, "/stats"))["refused"] == 1
+
+
+async def test_azure_deployment_urls_and_the_api_key_header(fake: str) -> None:
+    """Azure OpenAI: a deployment URL with api-version, the v1 API, and the key in the
+    api-key header (never Authorization); without api-version the deployment URL is 404."""
+    deployment = open_provider("azure", f"{fake}/openai/deployments/my-gpt", "az-key",
+                               "gpt-4o-mini", api_version="2024-10-21")
+    v1 = open_provider("azure", f"{fake}/openai/v1", "az-key", "gpt-4o-mini")
+    missing = open_provider("azure", f"{fake}/openai/deployments/my-gpt", "az-key",
+                            "gpt-4o-mini")
+    messages = [{"role": "user", "content": json.dumps({"text": "a b c"})}]
+    try:
+        for provider in (deployment, v1):
+            reply = await provider.complete(messages=messages, job_id="j", max_tokens=16)
+            assert reply.content
+            assert (await provider.embed(inputs=["x"], job_id="j")).vectors
+        with pytest.raises(StepFailure) as missed:
+            await missing.complete(messages=messages, job_id="j", max_tokens=16)
+        assert missed.value.code == "model_not_found"  # a 404: the fleet's configuration
+    finally:
+        for provider in (deployment, v1, missing):
+            await provider.close()
+    calls = (await _get(fake, "/admin/calls"))["calls"]
+    assert {c["auth"] for c in calls} == {"api-key"}
+    assert {c["path"] for c in calls} >= {"/openai/deployments/my-gpt/chat/completions",
+                                         "/openai/v1/chat/completions",
+                                         "/openai/v1/embeddings"}
+    assert (await _get(fake, "/stats"))["refused"] == 0
+
+
+async def test_openai_compatible_servers_get_the_extra_headers(fake: str) -> None:
+    """An OpenAI-compatible server (vLLM, Ollama, a LiteLLM proxy): the OpenAI paths, a
+    Bearer key when one is set, and CALMQ_PROVIDER_EXTRA_HEADERS on every call, batches
+    included."""
+    provider = open_provider("openai", f"{fake}/v1", "sk-litellm", "llama-3.1-8b",
+                             extra_headers={"X-Team": "search"})
+    client = open_batch_client("openai", f"{fake}/v1", "sk-litellm", "llama-3.1-8b",
+                               extra_headers={"X-Team": "search"})
+    try:
+        messages = [{"role": "user", "content": json.dumps({"text": "a b c"})}]
+        assert (await provider.complete(messages=messages, job_id="j", max_tokens=8)).content
+        await client.create([client.line("job-1_1", client.request_body(
+            messages=messages, job_id="job-1", max_tokens=8))], "k")
+    finally:
+        await provider.close()
+        await client.close()
+    calls = (await _get(fake, "/admin/calls"))["calls"]
+    assert calls
+    assert all(c["auth"] == "bearer" and "X-Team" in c["headers"] for c in calls
+               if c["job"] != "job-1")
+
+
+async def test_a_key_the_fake_requires_is_checked_in_each_shape() -> None:
+    """--require-key: a wrong key is the provider's 401 (calmq: provider_auth, a pause)."""
+    app = build_app(FakeProviderSettings(api_key="right"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        for kind in ("openai", "azure", "anthropic"):
+            base = f"{url}/openai/v1" if kind == "azure" else url
+            wrong = open_provider(kind, base, "wrong", "claude-sonnet-4-5")
+            right = open_provider(kind, base, "right", "claude-sonnet-4-5")
+            try:
+                with pytest.raises(StepFailure) as refused:
+                    await wrong.complete(messages=messages, job_id="j", max_tokens=8)
+                assert refused.value.code == "provider_auth"
+                assert (await right.complete(messages=messages, job_id="j", max_tokens=8))
+            finally:
+                await wrong.close()
+                await right.close()
+    finally:
+        await runner.cleanup()
