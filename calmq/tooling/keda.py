@@ -161,11 +161,11 @@ def pool_scaling(settings: Settings) -> dict[str, Any]:
 KEDA_SASL = {"PLAIN": "plaintext", "SCRAM-SHA-256": "scram_sha256",
              "SCRAM-SHA-512": "scram_sha512", "OAUTHBEARER": "oauthbearer"}
 _NEEDS = "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs "
-_SECRET = " (secretSettings.{0}: the secretName and key of the Secret that holds it)"
+_HELD_IN = " (secretSettings.{0}: the secretName and key of the Secret that holds it)"
 _SASL_PARAMS = (
     ("username", "kafka_sasl_username", _NEEDS + "config.kafka_sasl_username"),
     ("password", "kafka_sasl_password",
-     _NEEDS + "kafka_sasl_password" + _SECRET.format("kafka_sasl_password")),
+     _NEEDS + "kafka_sasl_password" + _HELD_IN.format("kafka_sasl_password")),
 )
 # OAUTHBEARER with a token endpoint: KEDA's username and password are the OAuth client's
 # id and secret (client credentials), as librdkafka's oidc method uses them.
@@ -174,7 +174,7 @@ _OIDC_PARAMS = (
      _NEEDS + "config.kafka_sasl_oauthbearer_client_id"),
     ("password", "kafka_sasl_oauthbearer_client_secret",
      _NEEDS + "kafka_sasl_oauthbearer_client_secret"
-     + _SECRET.format("kafka_sasl_oauthbearer_client_secret")),
+     + _HELD_IN.format("kafka_sasl_oauthbearer_client_secret")),
     ("oauthTokenEndpointUri", "kafka_sasl_oauthbearer_token_endpoint_url",
      _NEEDS + "config.kafka_sasl_oauthbearer_token_endpoint_url"),
     ("scopes", "kafka_sasl_oauthbearer_scope", ""),
@@ -275,9 +275,11 @@ JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
 {{- $_ := set $meta "sasl" $sasl -}}
 {{- if ne $mechanism "OAUTHBEARER" -}}
 {{- $params = @SASL_PARAMS@ -}}
-{{- else if eq (include "calmq.text" (get $config "kafka_sasl_oauthbearer_method")) "aws_msk_iam" -}}
+{{- else if eq (include "calmq.text" (get $config "kafka_sasl_oauthbearer_method")) \
+"aws_msk_iam" -}}
 {{- $_ := set $meta "saslTokenProvider" "aws_msk_iam" -}}
-{{- $_ := set $meta "awsRegion" (required @MSK_REGION@ (get $config "kafka_sasl_oauthbearer_aws_region")) -}}
+{{- $_ := set $meta "awsRegion" \
+(required @MSK_REGION@ (get $config "kafka_sasl_oauthbearer_aws_region")) -}}
 {{- $_ := set $spec "podIdentity" (dict "provider" "aws" "identityOwner" "workload") -}}
 {{- else -}}
 {{- $params = @OIDC_PARAMS@ -}}
@@ -290,9 +292,11 @@ JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
 {{- $file := hasSuffix "_location" (index . 1) -}}
 {{- $ref := get (ternary $files $secrets $file) (index . 1) -}}
 {{- if and (kindIs "map" $ref) (dig "secretName" "" $ref) -}}
-{{- $refs = append $refs (dict "parameter" (index . 0) "name" $ref.secretName "key" (dig "key" nil $ref)) -}}
+{{- $refs = append $refs \
+(dict "parameter" (index . 0) "name" $ref.secretName "key" (dig "key" nil $ref)) -}}
 {{- else if and (not $file) (include "calmq.text" (get $config (index . 1))) -}}
-{{- $env = append $env (dict "parameter" (index . 0) "name" (printf "CALMQ_%s" (upper (index . 1))) "containerName" @CONTAINER@) -}}
+{{- $env = append $env (dict "parameter" (index . 0) \
+"name" (printf "CALMQ_%s" (upper (index . 1))) "containerName" @CONTAINER@) -}}
 {{- else if index . 2 -}}
 {{- fail (index . 2) -}}
 {{- end -}}

@@ -155,7 +155,7 @@ SECRET_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "schema_registry_key_location": ("registry-client.key", REGISTRY_PARTS),
 }
 # Where a part mounts the file of a secretFiles entry: <root>/<setting, dashed>/<key>.
-SECRET_FILES_ROOT = "/etc/calmq/secrets"
+SECRET_FILES_ROOT = "/etc/calmq/secrets"  # noqa: S105 - a folder, not a password
 
 
 @dataclass(frozen=True)
@@ -1047,7 +1047,7 @@ def secret_template(values: Mapping[str, Any], namespace: str) -> dict[str, Any]
 
     files = keys("secretFiles")
     data = {k: SECRET_PLACEHOLDERS.get(k, "CHANGE-ME") for k in keys("secretSettings")}
-    data.update({k: "CHANGE-ME (PEM)" for k in files})
+    data.update(dict.fromkeys(files, "CHANGE-ME (PEM)"))
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": CONFIG_NAME, "namespace": namespace,
                          "labels": {"app.kubernetes.io/name": "calmq",
