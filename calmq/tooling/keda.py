@@ -233,9 +233,14 @@ def kafka_auth(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     refs: list[dict[str, Any]] = []
     env: list[dict[str, Any]] = []
     for parameter, setting, missing in params:
+        # A file setting's file is a Secret's key (secretFiles); any other setting is read
+        # from a Secret's key as a variable (secretSettings) or as a file (secretFiles, its
+        # _FILE variable), else from the ConfigMap.
         is_file = setting.endswith("_location")
-        ref = (files if is_file else secrets).get(setting)
-        if isinstance(ref, Mapping) and ref.get("secretName"):
+        ref: Any = files.get(setting)
+        if not is_file and _names_a_secret(secrets.get(setting)):
+            ref = secrets[setting]
+        if _names_a_secret(ref):
             refs.append({"parameter": parameter, "name": ref["secretName"],
                          "key": ref.get("key")})
         elif not is_file and text(setting):
@@ -248,6 +253,10 @@ def kafka_auth(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if env:
         spec["env"] = env
     return {"metadata": meta, "spec": spec}
+
+
+def _names_a_secret(entry: Any) -> bool:
+    return isinstance(entry, Mapping) and bool(entry.get("secretName"))
 
 
 def _go_params(params: tuple[tuple[str, str, str], ...]) -> str:
@@ -290,7 +299,11 @@ JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
 {{- $env := list -}}
 {{- range $params -}}
 {{- $file := hasSuffix "_location" (index . 1) -}}
-{{- $ref := get (ternary $files $secrets $file) (index . 1) -}}
+{{- $ref := get $files (index . 1) -}}
+{{- if not $file -}}
+{{- $secret := get $secrets (index . 1) -}}
+{{- if and (kindIs "map" $secret) (dig "secretName" "" $secret) -}}{{- $ref = $secret -}}{{- end -}}
+{{- end -}}
 {{- if and (kindIs "map" $ref) (dig "secretName" "" $ref) -}}
 {{- $refs = append $refs \
 (dict "parameter" (index . 0) "name" $ref.secretName "key" (dig "key" nil $ref)) -}}

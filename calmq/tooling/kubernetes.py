@@ -55,6 +55,7 @@ from calmq.tooling.manifests import (
     Doc,
     Each,
     Entries,
+    Expr,
     FileText,
     Has,
     Image,
@@ -521,12 +522,33 @@ def _file_dir() -> Printf:
     return Printf(f"{SECRET_FILES_ROOT}/%s", Dashed(Key("file")))
 
 
+@dataclass(frozen=True)
+class _FileVariable(Expr):
+    """The variable a ``secretFiles`` entry sets to its file's path: ``CALMQ_<NAME>`` for a
+    setting that names a file (``*_location``), ``CALMQ_<NAME>_FILE`` for any other (calmq
+    reads the setting from the file, so its value never enters the environment)."""
+
+    of: Key
+
+    def evaluate(self, ctx: Context) -> Any:
+        name = str(self.of.evaluate(ctx))
+        return f"CALMQ_{name.upper()}" + ("" if name.endswith(_FILE_SETTING) else "_FILE")
+
+    def go(self) -> str:
+        of = self.of.go()
+        return (f'(printf "CALMQ_%s%s" (upper {of}) '
+                f'(ternary "" "_FILE" (hasSuffix "{_FILE_SETTING}" {of})))')
+
+
+_FILE_SETTING = "_location"
+
+
 def _file_env(part: str) -> Each:
-    """The file settings whose file is a Secret's key (``secretFiles``): the setting is the
-    file's path where the part mounts it (``_file_mount``)."""
+    """The settings whose file is a Secret's key (``secretFiles``): the file's path where
+    the part mounts it (``_file_mount``), as the setting or as its ``_FILE`` variable."""
     return Each(
         _root("secretFiles"), "file",
-        {"name": Printf("CALMQ_%s", Upper(Key("file"))),
+        {"name": _FileVariable(Key("file")),
          "value": Printf("%s/%s", _file_dir(), Val(("key",), "file"))},
         where=_for_part("file", part))
 
@@ -1045,9 +1067,11 @@ def secret_template(values: Mapping[str, Any], namespace: str) -> dict[str, Any]
         return {str(ref["key"]) for ref in (values.get(group) or {}).values()
                 if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key")}
 
-    files = keys("secretFiles")
     data = {k: SECRET_PLACEHOLDERS.get(k, "CHANGE-ME") for k in keys("secretSettings")}
-    data.update(dict.fromkeys(files, "CHANGE-ME (PEM)"))
+    for name, ref in (values.get("secretFiles") or {}).items():
+        if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key"):
+            data[str(ref["key"])] = ("CHANGE-ME (PEM)" if name.endswith(_FILE_SETTING)
+                                     else "CHANGE-ME")
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": CONFIG_NAME, "namespace": namespace,
                          "labels": {"app.kubernetes.io/name": "calmq",

@@ -139,6 +139,11 @@ _KEDA_CASES = {
         "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
                    "kafka_sasl_oauthbearer_method": "aws_msk_iam",
                    "kafka_sasl_oauthbearer_aws_region": "eu-west-1"}},
+    "password-as-a-file": {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-256",
+                   "kafka_sasl_username": "calmq"},
+        "secretSettings": {"kafka_sasl_password": {"secretName": ""}},
+        "secretFiles": {"kafka_sasl_password": {"secretName": "calmq-kafka", "key": "password"}}},
     "username-from-a-secret": {
         "config": {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "PLAIN"},
         "secretSettings": {"kafka_sasl_username": {"secretName": "cc", "key": "api-key"},
@@ -148,8 +153,9 @@ _KEDA_CASES = {
 
 @pytest.mark.parametrize("case", sorted(_KEDA_CASES))
 def test_helm_gives_keda_the_credentials_the_renderer_gives(case: str, tmp_path: Path) -> None:
-    """For OAUTHBEARER (OIDC and MSK IAM) and a username kept in a Secret, `helm template`
-    and `calmq k8s render` give the same objects, and KEDA's scaler takes them."""
+    """For OAUTHBEARER (OIDC and MSK IAM), a username kept in a Secret and a password
+    mounted as a file, `helm template` and `calmq k8s render` give the same objects, and
+    KEDA's scaler takes them."""
     values = tmp_path / f"{case}.yaml"
     body = _KEDA_CASES[case]
     values.write_text(yaml.safe_dump({

@@ -267,7 +267,8 @@ def check_keda_auth(docs: list[dict[str, Any]]) -> int:
             assert ta["metadata"]["namespace"] == so["metadata"]["namespace"]
             spec = ta["spec"]
         for item in spec.get("secretTargetRef", []):
-            wanted = {sources.get(v) for v in _SAME_AS[item["parameter"]]}
+            names = _SAME_AS[item["parameter"]]
+            wanted = {sources.get(v) for v in (*names, *(n + "_FILE" for n in names))}
             assert {("secret", (item["name"], item["key"])),
                     ("file", (item["name"], item["key"]))} & wanted, (ref, item)
         env = {k: v[1] for k, v in sources.items() if v[0] == "value"}
@@ -500,6 +501,39 @@ def test_credentials_reach_their_parts_from_the_secret_never_the_configmap(
         for volume in pod["volumes"]:
             if "secret" in volume:
                 assert volume["secret"]["defaultMode"] == 0o440  # the pod's group, no one else
+
+
+def test_a_secret_setting_can_come_as_a_file_instead(tmp_path: Path) -> None:
+    """A secret setting in secretFiles (here the SASL password, from Strimzi's KafkaUser
+    Secret) is mounted and named by its CALMQ_<NAME>_FILE variable, so its value never
+    enters the environment: calmq reads it from the file, and KEDA from the same key."""
+    values = merge_values(default_values(Settings.load(environ={})), PROVIDER, {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512",
+                   "kafka_sasl_username": "calmq"},
+        "secretFiles": {"kafka_sasl_password": {"secretName": "calmq-kafka", "key": "password",
+                                                "parts": ["worker"]}}})
+    manifests = render(values)
+    pod = manifests["60-worker-default-deployment.yaml"]["spec"]["template"]["spec"]
+    [worker] = pod["containers"]
+    data = manifests["10-configmap.yaml"]["data"]
+    sources = pod_sources(pod, worker, data)
+    assert sources["CALMQ_KAFKA_SASL_PASSWORD_FILE"] == ("file", ("calmq-kafka", "password"))
+    assert "CALMQ_KAFKA_SASL_PASSWORD" not in sources
+    path = next(e["value"] for e in worker["env"]
+                if e["name"] == "CALMQ_KAFKA_SASL_PASSWORD_FILE")
+    local = tmp_path / "password"
+    local.write_text("from-the-file\n")  # a key written with echo: one newline
+    env = container_env(worker, data, {("calmq", "CALMQ_DATABASE_URL"): "postgresql://x/y",
+                                       ("calmq", "CALMQ_PROVIDER_API_KEY"): "k"})
+    env["CALMQ_KAFKA_SASL_PASSWORD_FILE"] = str(local)  # the mount, here
+    loaded = Settings.load(environ=env)
+    assert loaded.kafka_sasl_password.get_secret_value() == "from-the-file"
+    assert path == "/etc/calmq/secrets/kafka-sasl-password/password"
+    [ref] = manifests["60-worker-default-triggerauthentication.yaml"]["spec"]["secretTargetRef"]
+    assert ref == {"parameter": "password", "name": "calmq-kafka", "key": "password"}
+    assert check_keda_auth(list(manifests.values())) == 1
+    relay = manifests["40-relay-deployment.yaml"]["spec"]["template"]["spec"]
+    assert [v["name"] for v in relay["volumes"]] == ["tmp"]  # parts: the worker alone
 
 
 def test_every_secret_and_file_setting_has_its_place() -> None:

@@ -56,7 +56,11 @@ JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
 {{- $env := list -}}
 {{- range $params -}}
 {{- $file := hasSuffix "_location" (index . 1) -}}
-{{- $ref := get (ternary $files $secrets $file) (index . 1) -}}
+{{- $ref := get $files (index . 1) -}}
+{{- if not $file -}}
+{{- $secret := get $secrets (index . 1) -}}
+{{- if and (kindIs "map" $secret) (dig "secretName" "" $secret) -}}{{- $ref = $secret -}}{{- end -}}
+{{- end -}}
 {{- if and (kindIs "map" $ref) (dig "secretName" "" $ref) -}}
 {{- $refs = append $refs (dict "parameter" (index . 0) "name" $ref.secretName "key" (dig "key" nil $ref)) -}}
 {{- else if and (not $file) (include "calmq.text" (get $config (index . 1))) -}}
