@@ -544,7 +544,7 @@ class SecuredSet:
     manifests: list[dict[str, Any]]
     secret: dict[str, str]  # the Secret calmq, key -> value, as the operator created it
     bootstrap: str  # the broker's address (the ConfigMap's in-cluster name maps to it)
-    text: str  # the rendered objects, as `helm template` printed them
+    text: str  # the values `calmq k8s values` wrote, and the objects `helm template` made
 
 
 @pytest.fixture(scope="module")
@@ -597,7 +597,7 @@ def secured_set(secured_stack: StackState) -> Iterator[SecuredSet]:
         api_pod = next(p for p in kubelet.started if p.owner == "calmq-api")
         yield SecuredSet(kubelet, Api(f"http://127.0.0.1:{api_pod.ports['http']}", key),
                          manifests, secret, env["CALMQ_KAFKA_BOOTSTRAP"],
-                         yaml.safe_dump_all(manifests))
+                         (tmp / "values.yaml").read_text() + yaml.safe_dump_all(manifests))
     finally:
         if kubelet is not None:
             kubelet.stop_all()
