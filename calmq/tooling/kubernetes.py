@@ -17,11 +17,14 @@ Two steps, each in one place:
 What is rendered (docs/how-to/deploy-kubernetes.md says how to apply it): the ConfigMap
 ``calmq`` (every container takes it with ``envFrom``, so no part can miss a setting the
 others have), the settings read from Secrets (``secretSettings``: ``secretKeyRef`` by
-setting, so a database operator's Secret is used as it is), the migration and Kafka setup
-Jobs as pre-install/pre-upgrade hooks (Helm and Argo CD; they carry their settings inline,
-so they run before anything else exists), the API (Deployment, Service, PDB), the relay
-(one replica, ``Recreate``), the retry forwarder, the reaper, per pool the workers with
-their KEDA ScaledObject and the batcher, and, each behind a value, PodMonitors, the
+setting, so a database operator's Secret is used as it is; ``secretFiles``: a CA, a client
+certificate or key, or any secret kept out of the environment, mounted from a Secret's
+key), the migration and Kafka setup Jobs as pre-install/pre-upgrade hooks (Helm and Argo
+CD; they carry their settings inline, so they run before anything else exists), the API
+(Deployment, Service, PDB), the relay (one replica, ``Recreate``), the retry forwarder, the
+reaper, per pool the workers with their KEDA ScaledObject (and, for a Kafka that wants TLS
+or SASL, its TriggerAuthentication from the same Secret keys: calmq/tooling/keda.py) and
+the batcher, and, each behind a value, PodMonitors, the
 PrometheusRule, the Grafana dashboard, NetworkPolicies, the Namespace (PodSecurity
 ``restricted``) and the ServiceAccount.
 

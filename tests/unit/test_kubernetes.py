@@ -757,6 +757,37 @@ def test_only_workers_writes_workers_and_their_scaled_objects(
         "Deployment", "ScaledObject"}
 
 
+def test_k8s_render_with_credentials_writes_references_and_the_trigger_authentication(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`calmq k8s render` from settings that use credentials (and were given none): the
+    pods' Secret references, the Secret's template with their keys, each pool's
+    TriggerAuthentication in the folder, the Kustomize base and the workers' subset."""
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(yaml.safe_dump({
+        "provider_url": "https://api.openai.com", "kafka_security_protocol": "SASL_SSL",
+        "kafka_sasl_mechanism": "SCRAM-SHA-512", "kafka_sasl_username": "calmq",
+        "kafka_ssl_ca_location": "ca.pem", "schema_registry_username": "calmq"}))
+    out = tmp_path / "out"
+    assert _cli(["k8s", "render", "--settings", str(settings), "-o", str(out)], monkeypatch,
+                tmp_path) == 0
+    secret = yaml.safe_load((out / "secret-template" / "calmq-secret.yaml").read_text())
+    assert set(secret["stringData"]) == {
+        "CALMQ_DATABASE_URL", "CALMQ_PROVIDER_API_KEY", "CALMQ_KAFKA_SASL_PASSWORD",
+        "CALMQ_SCHEMA_REGISTRY_PASSWORD", "kafka-ca.pem"}
+    auth = yaml.safe_load((out / "60-worker-default-triggerauthentication.yaml").read_text())
+    assert auth["kind"] == "TriggerAuthentication"
+    base = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert "60-worker-default-triggerauthentication.yaml" in base["resources"]
+    docs = [yaml.safe_load(p.read_text()) for p in sorted(out.rglob("*.yaml"))
+            if p.name != "kustomization.yaml" and "secret-template" not in str(p)]
+    assert check_keda_auth(docs) == 1
+    workers = tmp_path / "workers"
+    assert _cli(["k8s", "render", "--only", "workers", "--settings", str(settings),
+                 "-o", str(workers)], monkeypatch, tmp_path) == 0
+    assert (workers / "60-worker-default-triggerauthentication.yaml").is_file()
+
+
 def test_a_settings_file_is_not_taken_for_values(tmp_path: Path) -> None:
     """A values file that names settings at its top is refused with the way out."""
     wrong = tmp_path / "values.yaml"
