@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from calmq import __version__
+from calmq.tooling import keda
 from calmq.tooling.kubernetes import DOCS, chart_files
 from calmq.tooling.manifests import HELPERS, helm_template
 
@@ -42,11 +43,20 @@ COMMENTS: dict[str, str] = {
                       "the pods then roll with the new one.",
     "secretSettings": "Settings read from Secrets (secretKeyRef), by setting name: "
                       "secretName and key of each (a database operator's Secret as it "
-                      "is: CloudNativePG <cluster>-app key uri, say); parts: only those "
-                      "parts get it (api, relay, forwarder, reaper, worker, batcher, "
-                      "migrate, kafka-setup); an empty secretName leaves the setting "
-                      "unset (migrate_database_url and relay_database_url then fall back "
-                      "to database_url).",
+                      "is: CloudNativePG <cluster>-app key uri, Strimzi's KafkaUser Secret "
+                      "key password, say); parts: only those parts get it (api, relay, "
+                      "forwarder, reaper, worker, batcher, migrate, kafka-setup); an empty "
+                      "secretName leaves the setting unset (migrate_database_url and "
+                      "relay_database_url then fall back to database_url). Any other "
+                      "setting can be added the same way. KEDA's TriggerAuthentication "
+                      "reads the Kafka ones from the same Secret keys.",
+    "secretFiles": "Settings that name a file (CAs, client certificates and keys): the file "
+                   "is the key of a Secret, mounted read-only at "
+                   "/etc/calmq/secrets/<setting, dashed>/<key>, and the setting is that "
+                   "path. secretName empty: not mounted (a path in config, or none). The "
+                   "Kafka CA, certificate and key also reach KEDA's TriggerAuthentication "
+                   "(Strimzi: <cluster>-cluster-ca-cert key ca.crt, the KafkaUser's "
+                   "Secret keys user.crt and user.key).",
     "extraEnv": "Environment every container gets (AWS_REGION, say); each part has its own "
                 "extraEnv too.",
     "serviceAccount": "The ServiceAccount of the long-running parts; its annotations carry "
@@ -72,7 +82,11 @@ COMMENTS: dict[str, str] = {
                                  "min(partitions of the pool's topics, replicas the token "
                                  "budget keeps busy), computed by `calmq k8s values` from "
                                  "the settings; minReplicaCount 1 for a pool that takes "
-                                 "interactive work. enabled false: replicas instead.",
+                                 "interactive work. enabled false: replicas instead. With "
+                                 "Kafka security in config, each pool gets a "
+                                 "TriggerAuthentication with the pods' credentials, unless "
+                                 "authenticationRef names one of your own (which then "
+                                 "carries sasl and tls too).",
     "workers.poolDefaults.batcher": "The pool's batch lane (calmq batcher).",
     "monitoring": "Prometheus Operator and Grafana, each off until enabled: a PodMonitor "
                   "per part, the PrometheusRule (runbookBaseUrl: where your copy of the "
@@ -131,7 +145,8 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
         "values.yaml": values_text(values, HEADER + "\nEvery value the templates read, with "
                                    "the defaults calmq computes for its default settings."),
         ".helmignore": "# " + HEADER + "\n*.orig\n*.swp\n",
-        "templates/_helpers.tpl": "{{- /* " + HEADER + " */}}\n" + HELPERS,
+        "templates/_helpers.tpl": "{{- /* " + HEADER + " */}}\n" + HELPERS + "\n"
+                                  + keda.HELPER,
         "templates/NOTES.txt": (
             "calmq {{ .Chart.AppVersion }} in {{ .Release.Namespace }}.\n"
             "The migrate and Kafka setup Jobs ran as hooks before the parts started.\n"

@@ -17,11 +17,14 @@ Two steps, each in one place:
 What is rendered (docs/how-to/deploy-kubernetes.md says how to apply it): the ConfigMap
 ``calmq`` (every container takes it with ``envFrom``, so no part can miss a setting the
 others have), the settings read from Secrets (``secretSettings``: ``secretKeyRef`` by
-setting, so a database operator's Secret is used as it is), the migration and Kafka setup
-Jobs as pre-install/pre-upgrade hooks (Helm and Argo CD; they carry their settings inline,
-so they run before anything else exists), the API (Deployment, Service, PDB), the relay
-(one replica, ``Recreate``), the retry forwarder, the reaper, per pool the workers with
-their KEDA ScaledObject and the batcher, and, each behind a value, PodMonitors, the
+setting, so a database operator's Secret is used as it is; ``secretFiles``: a CA, a client
+certificate or key, or any secret kept out of the environment, mounted from a Secret's
+key), the migration and Kafka setup Jobs as pre-install/pre-upgrade hooks (Helm and Argo
+CD; they carry their settings inline, so they run before anything else exists), the API
+(Deployment, Service, PDB), the relay (one replica, ``Recreate``), the retry forwarder, the
+reaper, per pool the workers with their KEDA ScaledObject (and, for a Kafka that wants TLS
+or SASL, its TriggerAuthentication from the same Secret keys: calmq/tooling/keda.py) and
+the batcher, and, each behind a value, PodMonitors, the
 PrometheusRule, the Grafana dashboard, NetworkPolicies, the Namespace (PodSecurity
 ``restricted``) and the ServiceAccount.
 
@@ -55,6 +58,7 @@ from calmq.tooling.manifests import (
     Doc,
     Each,
     Entries,
+    Expr,
     FileText,
     Has,
     Image,
@@ -106,9 +110,7 @@ PARTS = ("api", "relay", "forwarder", "reaper", "worker", "batcher", "migrate",
 _PER_PART = frozenset({"pool", "priorities", "concurrency", "worker_id", "api_host",
                        "api_port", "api_metrics_port", "api_console", "api_console_port",
                        "grace_seconds"})
-_NOT_IN_CLUSTER = frozenset({"api_url", "fake_provider_url", "database_url",
-                             "migrate_database_url", "relay_database_url",
-                             "provider_api_key"})
+_NOT_IN_CLUSTER = frozenset({"api_url", "fake_provider_url"})
 _RENDER_ONLY = frozenset({"image", "image_pull_policy", "image_pull_secrets"})
 _RENDER_ONLY_PREFIX = "keda_"
 
@@ -123,6 +125,41 @@ SECRET_PLACEHOLDERS = {
     "CALMQ_DATABASE_URL": "postgresql://calmq:CHANGE-ME@postgres:5432/calmq",
     "CALMQ_PROVIDER_API_KEY": "CHANGE-ME",
 }
+
+# Who talks to Kafka and to the schema registry: their credentials reach those parts only
+# (the migrate Job and the reaper use PostgreSQL alone; the API reads consumer lag for the
+# console; only the parts that encode or decode events ask the registry).
+KAFKA_PARTS = ("api", "relay", "forwarder", "worker", "batcher", "kafka-setup")
+REGISTRY_PARTS = ("relay", "forwarder", "worker", "batcher", "kafka-setup")
+# The settings that hold a secret, and the parts that get each (None: every part). Never
+# the ConfigMap's: each is read from a Secret's key (``secretSettings``, ``secretKeyRef``),
+# by default the Secret ``calmq``'s key ``CALMQ_<NAME>``; an entry without a secretName
+# leaves the setting unset.
+SECRET_SETTINGS: dict[str, tuple[str, ...] | None] = {
+    "database_url": None,
+    "provider_api_key": ("worker", "batcher"),
+    "migrate_database_url": ("migrate",),
+    "relay_database_url": ("relay",),
+    "direct_database_url": ("api",),  # LISTEN behind a pooler: the API alone
+    "kafka_sasl_password": KAFKA_PARTS,
+    "kafka_sasl_oauthbearer_client_secret": KAFKA_PARTS,
+    "kafka_ssl_key_password": KAFKA_PARTS,
+    "schema_registry_password": REGISTRY_PARTS,
+    "schema_registry_bearer_token": REGISTRY_PARTS,
+}
+# The settings that name a file (a CA, a client certificate or key): the file is a Secret's
+# key mounted as a volume (``secretFiles``), the setting its path there; by default the
+# Secret ``calmq``'s key named here.
+SECRET_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kafka_ssl_ca_location": ("kafka-ca.pem", KAFKA_PARTS),
+    "kafka_ssl_certificate_location": ("kafka-client.pem", KAFKA_PARTS),
+    "kafka_ssl_key_location": ("kafka-client.key", KAFKA_PARTS),
+    "schema_registry_ca_location": ("registry-ca.pem", REGISTRY_PARTS),
+    "schema_registry_certificate_location": ("registry-client.pem", REGISTRY_PARTS),
+    "schema_registry_key_location": ("registry-client.key", REGISTRY_PARTS),
+}
+# Where a part mounts the file of a secretFiles entry: <root>/<setting, dashed>/<key>.
+SECRET_FILES_ROOT = "/etc/calmq/secrets"  # noqa: S105 - a folder, not a password
 
 
 @dataclass(frozen=True)
@@ -221,6 +258,7 @@ def config_values(settings: Settings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in sorted(settings.model_fields_set):
         if (name in _PER_PART or name in _NOT_IN_CLUSTER or name in _RENDER_ONLY
+                or name in SECRET_SETTINGS or name in SECRET_FILES
                 or name.startswith(_RENDER_ONLY_PREFIX)):
             continue
         value = getattr(settings, name)
@@ -231,6 +269,49 @@ def config_values(settings: Settings) -> dict[str, Any]:
         if not out.get(name):
             out[name] = placeholder
     return dict(sorted(out.items()))
+
+
+def _is_set(settings: Settings, name: str) -> bool:
+    value = getattr(settings, name)
+    text = value.get_secret_value() if isinstance(value, SecretStr) else value
+    return name in settings.model_fields_set and bool(text)
+
+
+def referenced_secrets(settings: Settings) -> set[str]:
+    """The secret settings the pods read from the Secret: those that were set, and those
+    the other settings need (a SASL mechanism its password, a registry user its password),
+    so that the manifests reference a secret the renderer was never given. The value itself
+    never reaches a rendered file."""
+    out = {name for name in SECRET_SETTINGS if _is_set(settings, name)}
+    if settings.kafka_security_protocol.startswith("SASL_"):
+        mechanism = settings.kafka_sasl_mechanism
+        if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            out.add("kafka_sasl_password")
+        elif mechanism == "OAUTHBEARER" and settings.kafka_sasl_oauthbearer_method == "oidc":
+            out.add("kafka_sasl_oauthbearer_client_secret")
+    if settings.schema_registry_username:
+        out.add("schema_registry_password")
+    return out
+
+
+def secret_values(settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chart's ``secretSettings`` and ``secretFiles``: an entry per secret setting and
+    per file setting, each named after its setting. The database URL and the provider key
+    come from the Secret ``calmq`` always; every other entry does when the settings use it
+    (``referenced_secrets``; a file setting that was given a path), and is off otherwise
+    (an empty secretName), ready to be pointed at a Secret by a values file."""
+    used = referenced_secrets(settings) | {"database_url", "provider_api_key"}
+    secrets: dict[str, Any] = {}
+    for name, parts in SECRET_SETTINGS.items():
+        entry: dict[str, Any] = {"secretName": CONFIG_NAME if name in used else "",
+                                 "key": f"CALMQ_{name.upper()}"}
+        if parts is not None:
+            entry["parts"] = list(parts)
+        secrets[name] = entry
+    files = {name: {"secretName": CONFIG_NAME if getattr(settings, name) else "",
+                    "key": key, "parts": list(parts)}
+             for name, (key, parts) in SECRET_FILES.items()}
+    return secrets, files
 
 
 def longest_step(settings: Settings, workflows: Mapping[str, Workflow], pool: str) -> float:
@@ -310,6 +391,7 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
     registry = dict(workflows) if workflows is not None else load_workflows(settings)
     names = keda.pools(settings, registry)
     defaults = _pool_values(settings, 60.0)
+    secrets, files = secret_values(settings)
     pools = {name: _difference(_pool_values(settings, longest_step(settings, registry, name)),
                                defaults) for name in names}
     return {
@@ -321,13 +403,8 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
         "strictSettings": False,
         "config": config_values(settings),
         "secretsVersion": "",
-        "secretSettings": {
-            "database_url": {"secretName": CONFIG_NAME, "key": "CALMQ_DATABASE_URL"},
-            "provider_api_key": {"secretName": CONFIG_NAME, "key": "CALMQ_PROVIDER_API_KEY",
-                                 "parts": ["worker", "batcher"]},
-            "migrate_database_url": {"secretName": "", "key": "", "parts": ["migrate"]},
-            "relay_database_url": {"secretName": "", "key": "", "parts": ["relay"]},
-        },
+        "secretSettings": secrets,
+        "secretFiles": files,
         "extraEnv": [],
         "serviceAccount": {"create": True, "name": "calmq", "annotations": {}},
         "scrapeAnnotations": True,
@@ -422,6 +499,15 @@ def _when_set(value: Val, *, block: bool = False) -> When:
     return When(value, Val(value.path, value.scope, block))
 
 
+def _for_part(scope: str, part: str) -> And:
+    """An entry of ``secretSettings`` or ``secretFiles`` (bound to ``scope``) this part
+    gets: it names a Secret, and names this part among its ``parts`` (or none: all)."""
+    def ref(*path: str) -> Val:
+        return Val(path, scope)
+
+    return And((ref("secretName"), Or((Not(ref("parts")), Has(ref("parts"), part)))))
+
+
 def _secret_env(part: str) -> Each:
     """The settings read from Secrets: every ``secretSettings`` entry with a Secret that
     names this part (or no part: all of them)."""
@@ -432,7 +518,60 @@ def _secret_env(part: str) -> Each:
         _root("secretSettings"), "secret",
         {"name": Printf("CALMQ_%s", Upper(Key("secret"))),
          "valueFrom": {"secretKeyRef": {"name": ref("secretName"), "key": ref("key")}}},
-        where=And((ref("secretName"), Or((Not(ref("parts")), Has(ref("parts"), part))))))
+        where=_for_part("secret", part))
+
+
+def _file_dir() -> Printf:
+    return Printf(f"{SECRET_FILES_ROOT}/%s", Dashed(Key("file")))
+
+
+@dataclass(frozen=True)
+class _FileVariable(Expr):
+    """The variable a ``secretFiles`` entry sets to its file's path: ``CALMQ_<NAME>`` for a
+    setting that names a file (``*_location``), ``CALMQ_<NAME>_FILE`` for any other (calmq
+    reads the setting from the file, so its value never enters the environment)."""
+
+    of: Key
+
+    def evaluate(self, ctx: Context) -> Any:
+        name = str(self.of.evaluate(ctx))
+        return f"CALMQ_{name.upper()}" + ("" if name.endswith(_FILE_SETTING) else "_FILE")
+
+    def go(self) -> str:
+        of = self.of.go()
+        return (f'(printf "CALMQ_%s%s" (upper {of}) '
+                f'(ternary "" "_FILE" (hasSuffix "{_FILE_SETTING}" {of})))')
+
+
+_FILE_SETTING = "_location"
+
+
+def _file_env(part: str) -> Each:
+    """The settings whose file is a Secret's key (``secretFiles``): the file's path where
+    the part mounts it (``_file_mount``), as the setting or as its ``_FILE`` variable."""
+    return Each(
+        _root("secretFiles"), "file",
+        {"name": _FileVariable(Key("file")),
+         "value": Printf("%s/%s", _file_dir(), Val(("key",), "file"))},
+        where=_for_part("file", part))
+
+
+def _file_mount(part: str) -> Each:
+    return Each(_root("secretFiles"), "file",
+                {"name": Dashed(Key("file")), "mountPath": _file_dir(), "readOnly": True},
+                where=_for_part("file", part))
+
+
+def _file_volume(part: str) -> Each:
+    """The Secret volume of a ``secretFiles`` entry: its one key, readable by the pod's
+    group (fsGroup, the image's user) and no one else."""
+    key = Val(("key",), "file")
+    return Each(_root("secretFiles"), "file",
+                {"name": Dashed(Key("file")),
+                 "secret": {"secretName": Val(("secretName",), "file"),
+                            "items": [{"key": key, "path": key}],
+                            "defaultMode": 0o440}},
+                where=_for_part("file", part))
 
 
 def _config_env() -> Each:
@@ -472,6 +611,7 @@ def _container(name: Any, args: list[Any], part: _Part, *,
         *([_config_env()] if inline_config else []),
         *env,
         _secret_env(part.name),
+        _file_env(part.name),
         Spread(_root("extraEnv")),
         Spread(part("extraEnv")),
     ]
@@ -490,12 +630,13 @@ def _container(name: Any, args: list[Any], part: _Part, *,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
-    container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]  # noqa: S108
+    container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"},  # noqa: S108
+                                 _file_mount(part.name)]
     return container
 
 
 def _pod(part: _Part, containers: list[Any], *, grace: Any, restart: str = "Always",
-         service_account: Any = None) -> dict[str, Any]:
+         service_account: Any = None, component: str | None = None) -> dict[str, Any]:
     account = service_account if service_account is not None else Default(
         part("serviceAccountName"),
         And((_root("serviceAccount", "create"), _root("serviceAccount", "name"))))
@@ -518,7 +659,8 @@ def _pod(part: _Part, containers: list[Any], *, grace: Any, restart: str = "Alwa
         "affinity": _when_set(part("affinity"), block=True),
         "topologySpreadConstraints": _when_set(part("topologySpreadConstraints"), block=True),
         "containers": containers,
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": part("tmpSizeLimit")}}],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": part("tmpSizeLimit")}},
+                    _file_volume(component or part.name)],
     }
 
 
@@ -588,7 +730,8 @@ def _job(name: str, component: str, containers: list[Any], weight: int) -> dict[
                              "annotations": _when_set(_JOBS("podAnnotations"), block=True)},
                 # No ServiceAccount of the release: a hook runs before it exists.
                 "spec": _pod(_JOBS, containers, grace=30, restart="OnFailure",
-                             service_account=_JOBS("serviceAccountName"))},
+                             service_account=_JOBS("serviceAccountName"),
+                             component=component)},
         },
     }
 
@@ -709,6 +852,8 @@ def _workers() -> list[Doc]:
         replicas=When(Not(keda_on), worker("replicas")), pool=pool)
     scaled = keda.scaled_object(_meta(Printf("calmq-worker-%s", Dashed(pool)), "worker",
                                       pool=pool))
+    auth = keda.trigger_authentication(_meta(Printf("calmq-worker-%s", Dashed(pool)),
+                                             "worker", pool=pool))
     batch = _container("batcher", ["batcher", "--metrics-port", str(METRICS_PORT)], batcher,
                        env=[{"name": "CALMQ_POOL", "value": pool}],
                        ports=[{"name": "metrics", "containerPort": METRICS_PORT}],
@@ -728,6 +873,8 @@ def _workers() -> list[Doc]:
             each=_pool_each()),
         Doc(named("60-worker-%s-scaledobject.yaml"), "workers.yaml", scaled,
             each=_pool_each(keda_on)),
+        Doc(named("60-worker-%s-triggerauthentication.yaml"), "workers.yaml", auth,
+            each=_pool_each(And((keda_on, keda.needs_trigger_authentication())))),
         Doc(named("61-batcher-%s-deployment.yaml"), "workers.yaml", batcher_deployment,
             each=_pool_each(Val(("batcher", "enabled"), "pool"))),
     ]
@@ -917,14 +1064,22 @@ def values_for(settings: Settings, *files: Path) -> dict[str, Any]:
 
 def secret_template(values: Mapping[str, Any], namespace: str) -> dict[str, Any]:
     """The Secret ``calmq``'s shape with placeholders: the keys the ``secretSettings`` read
-    from it. Create the real one with kubectl, or your secret manager (docs)."""
-    keys = sorted({str(ref["key"]) for ref in (values.get("secretSettings") or {}).values()
-                   if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key")})
+    from it and the files the ``secretFiles`` mount from it. Create the real one with
+    kubectl, or your secret manager (docs)."""
+    def keys(group: str) -> set[str]:
+        return {str(ref["key"]) for ref in (values.get(group) or {}).values()
+                if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key")}
+
+    data = {k: SECRET_PLACEHOLDERS.get(k, "CHANGE-ME") for k in keys("secretSettings")}
+    for name, ref in (values.get("secretFiles") or {}).items():
+        if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key"):
+            data[str(ref["key"])] = ("CHANGE-ME (PEM)" if name.endswith(_FILE_SETTING)
+                                     else "CHANGE-ME")
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": CONFIG_NAME, "namespace": namespace,
                          "labels": {"app.kubernetes.io/name": "calmq",
                                     "app.kubernetes.io/component": "config"}},
-            "stringData": {k: SECRET_PLACEHOLDERS.get(k, "CHANGE-ME") for k in keys}}
+            "stringData": dict(sorted(data.items()))}
 
 
 def kustomization(manifests: Mapping[str, dict[str, Any]], values: Mapping[str, Any],

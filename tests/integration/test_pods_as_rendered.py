@@ -21,6 +21,16 @@ cluster's network provides is mapped:
 The set runs against its own database on the stack's PostgreSQL server, its own pools
 (tests/support/k8s_workflows.py, loaded through the ConfigMap), retry tiers and replication
 slot, so it never shares work with the stack's own services.
+
+A second set is rendered with credentials, from the settings of the secured stack
+(tests/integration/conftest.py, shared with test_secured_stack.py): a broker with only a
+SASL_SSL listener and a registry behind HTTPS and basic auth. The Secret ``calmq`` is made
+with exactly the keys its rendered template lists; the kubelet's part grows by the Secret
+volumes: each mounted key is written as a file (with the volume's mode) in a folder that
+stands in for the mount path, and a setting naming a file under that path names the file
+there. KEDA's part is played too: the pool's TriggerAuthentication is resolved as KEDA's
+operator resolves it and handed to a model of its Kafka scaler (tests/support/keda_auth.py),
+which must read the pool's lag from the secured broker.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import pytest
 import yaml
 
 from calmq.tooling.devstack import StackState, processes
+from calmq.tooling.kubernetes import secret_template
 from tests.support.api import Api
 from tests.support.k8s_tools import tool
 from tests.support.k8s_workflows import POOL_A, POOL_B, WORKFLOW_A, WORKFLOW_B
@@ -117,6 +128,7 @@ class Kubelet:
         [config] = [m for m in self.manifests if m["kind"] == "ConfigMap"]
         self.config: dict[str, str] = config["data"]
         self.started: list[Pod] = []
+        self.mounted: dict[str, str] = {}  # a Secret volume's files: local path -> text
 
     def _map(self, value: str) -> str:
         for cluster, local in self.mapping.items():
@@ -130,11 +142,36 @@ class Kubelet:
         objects.sort(key=lambda m: int((m["metadata"].get("annotations") or {}).get(
             "helm.sh/hook-weight", "0")))
         for m in objects:
-            for c in m["spec"]["template"]["spec"]["containers"]:
-                out.append(self.pod(m["metadata"]["name"], c))
+            spec = m["spec"]["template"]["spec"]
+            for c in spec["containers"]:
+                out.append(self.pod(m["metadata"]["name"], c, spec))
         return out
 
-    def pod(self, owner: str, container: dict[str, Any]) -> Pod:
+    def _mount(self, owner: str, container: dict[str, Any], spec: dict[str, Any]
+               ) -> dict[str, str]:
+        """Each Secret volume the container mounts, written as the kubelet writes it: the
+        listed keys of the Secret as files (with the volume's mode) in a folder standing in
+        for the mount path. Returns mount path -> that folder. A key the Secret lacks fails
+        the pod, as it would keep a real one from starting."""
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        folders: dict[str, str] = {}
+        for mount in container.get("volumeMounts", []):
+            secret = volumes[mount["name"]].get("secret")
+            if secret is None:
+                continue  # the emptyDir at /tmp: the process's own /tmp stands in for it
+            folder = self.logs.parent / "volumes" / owner / container["name"] / mount["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            for item in secret["items"]:
+                text = self.secrets[(secret["secretName"], item["key"])]
+                path = folder / item["path"]
+                path.write_text(text)
+                path.chmod(secret.get("defaultMode", 0o644))
+                self.mounted[str(path)] = text
+            folders[mount["mountPath"]] = str(folder)
+        return folders
+
+    def pod(self, owner: str, container: dict[str, Any], spec: dict[str, Any]) -> Pod:
+        folders = self._mount(owner, container, spec)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
         for ref in container.get("envFrom", []):
             assert ref == {"configMapRef": {"name": "calmq"}}, ref
@@ -146,6 +183,10 @@ class Kubelet:
             else:
                 env[item["name"]] = item["value"]
         env = {k: self._map(v) if k.startswith("CALMQ_") else v for k, v in env.items()}
+        for key, value in env.items():  # a path into a mounted volume: its local folder
+            for mount_path, folder in folders.items():
+                if key.startswith("CALMQ_") and value.startswith(mount_path + "/"):
+                    env[key] = folder + value[len(mount_path):]
         env["PYTHONUNBUFFERED"] = "1"
         ports = {p["name"]: processes.free_port() for p in container.get("ports", [])}
         declared = {str(p["containerPort"]): str(ports[p["name"]])
@@ -480,3 +521,158 @@ def test_dev_stack_keeps_metrics_on_loopback(stack: StackState) -> None:
         assert f"127.0.0.1:{port}" in listening, part.name
         assert f"0.0.0.0:{port}" not in listening, part.name
         assert f"*:{port}" not in listening, part.name
+
+
+# -- the same pods against a SASL_SSL-only broker and a registry behind HTTPS and basic auth --
+
+SECURED_JOBS = 3
+SECURED_TIERS = "2s,7s"  # none of the secured stack's own (1s,5s): its forwarder stays apart
+
+
+def _security_settings(env: dict[str, str]) -> dict[str, str]:
+    """How the secured stack is reached, as an operator's shell holds it: the protocol, SASL
+    mechanism and user, the passwords as files (CALMQ_*_PASSWORD_FILE), the CAs as paths."""
+    return {k: v for k, v in env.items()
+            if k.startswith(("CALMQ_KAFKA_S", "CALMQ_SCHEMA_REGISTRY_"))
+            and k != "CALMQ_SCHEMA_REGISTRY_URL"}
+
+
+@dataclass
+class SecuredSet:
+    kubelet: Kubelet
+    api: Api
+    manifests: list[dict[str, Any]]
+    secret: dict[str, str]  # the Secret calmq, key -> value, as the operator created it
+    bootstrap: str  # the broker's address (the ConfigMap's in-cluster name maps to it)
+    text: str  # the values `calmq k8s values` wrote, and the objects `helm template` made
+
+
+@pytest.fixture(scope="module")
+def secured_set(secured_stack: StackState) -> Iterator[SecuredSet]:
+    """`calmq k8s values` from the secured stack's Kafka and registry settings, `helm
+    template`, the Secret ``calmq`` made with exactly the keys its template lists (from the
+    password files and the CA), then the Jobs to their end and every Deployment, each
+    against the secured stack alone."""
+    env = secured_stack.env
+    tmp = Path(tempfile.mkdtemp(prefix="calmq-pods-secured-"))
+    suffix = uuid.uuid4().hex[:8]
+    name = f"calmq_k8s_sec_{suffix}"
+    db = _database(env["CALMQ_DATABASE_URL"], name)
+    kubelet: Kubelet | None = None
+    try:
+        manifests = _render(tmp, {
+            **_security_settings(env),
+            "CALMQ_WORKFLOW_MODULES": "tests.support.k8s_workflows", "CALMQ_KEDA_POOLS": POOL_A,
+            "CALMQ_RETRY_TIERS": SECURED_TIERS, "CALMQ_RELAY_SLOT": name,
+            "CALMQ_TOPIC_REPLICATION": "1", "CALMQ_TOPIC_PARTITIONS": "2",
+            "CALMQ_BUDGET_TOKENS_PER_MINUTE": "0"})
+        values = yaml.safe_load((tmp / "values.yaml").read_text())
+        template = secret_template(values, "calmq")
+        # What `kubectl create secret generic calmq --from-literal=... --from-file=...` holds.
+        secret = {
+            "CALMQ_DATABASE_URL": db, "CALMQ_PROVIDER_API_KEY": "test-key",
+            "CALMQ_KAFKA_SASL_PASSWORD": Path(env["CALMQ_KAFKA_SASL_PASSWORD_FILE"]).read_text(),
+            "CALMQ_SCHEMA_REGISTRY_PASSWORD":
+                Path(env["CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE"]).read_text(),
+            "kafka-ca.pem": Path(env["CALMQ_KAFKA_SSL_CA_LOCATION"]).read_text(),
+            "registry-ca.pem": Path(env["CALMQ_SCHEMA_REGISTRY_CA_LOCATION"]).read_text()}
+        assert sorted(template["stringData"]) == sorted(secret)
+        objects = tmp / "objects"
+        objects.mkdir()
+        [config] = [m["data"] for m in manifests if m["kind"] == "ConfigMap"]
+        mapping = {
+            config["CALMQ_KAFKA_BOOTSTRAP"]: env["CALMQ_KAFKA_BOOTSTRAP"],
+            config["CALMQ_SCHEMA_REGISTRY_URL"]: env["CALMQ_SCHEMA_REGISTRY_URL"],
+            config["CALMQ_OBJECT_STORE_URL"]: objects.as_uri(),
+            config["CALMQ_PROVIDER_URL"]: env["CALMQ_FAKE_PROVIDER_URL"],
+        }
+        kubelet = Kubelet(manifests, mapping, {("calmq", k): v for k, v in secret.items()},
+                          tmp / "logs")
+        _run_jobs(kubelet)
+        for pod in kubelet.pods("Deployment"):
+            kubelet.start(pod)
+        for pod in kubelet.started:
+            _wait_probes(pod)
+        _tenant, key = create_tenant_id(db, f"k8s-sec-{suffix}")
+        api_pod = next(p for p in kubelet.started if p.owner == "calmq-api")
+        yield SecuredSet(kubelet, Api(f"http://127.0.0.1:{api_pod.ports['http']}", key),
+                         manifests, secret, env["CALMQ_KAFKA_BOOTSTRAP"],
+                         (tmp / "values.yaml").read_text() + yaml.safe_dump_all(manifests))
+    finally:
+        if kubelet is not None:
+            kubelet.stop_all()
+        _drop_database(env["CALMQ_DATABASE_URL"], name, name)
+
+
+def test_rendered_pods_run_jobs_through_a_sasl_ssl_broker_and_an_authenticated_registry(
+        secured_set: SecuredSet) -> None:
+    """With the credentials in the Secret alone (never in a rendered object), the hook Jobs
+    made the topics and registered the schemas over SASL_SSL and HTTPS, every Deployment
+    serves its probes, the CAs are the mounted Secret files, and jobs complete."""
+    kubelet = secured_set.kubelet
+    assert {p.owner for p in kubelet.started} == {
+        "calmq-api", "calmq-relay", "calmq-forwarder", "calmq-reaper",
+        f"calmq-worker-{POOL_A}", f"calmq-batcher-{POOL_A}"}
+    for key in ("CALMQ_KAFKA_SASL_PASSWORD", "CALMQ_SCHEMA_REGISTRY_PASSWORD"):
+        assert secured_set.secret[key] not in secured_set.text
+    worker = next(p for p in kubelet.started if p.owner == f"calmq-worker-{POOL_A}")
+    assert worker.env["CALMQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+    for setting, key in (("CALMQ_KAFKA_SSL_CA_LOCATION", "kafka-ca.pem"),
+                         ("CALMQ_SCHEMA_REGISTRY_CA_LOCATION", "registry-ca.pem")):
+        assert kubelet.mounted[worker.env[setting]] == secured_set.secret[key]
+    api = secured_set.api
+    ids = [api.submit({"text": f"{i} secured pods"}, workflow=WORKFLOW_A)
+           for i in range(SECURED_JOBS)]
+    wait_for(lambda: all(_job_status(api, j) in TERMINAL for j in ids), timeout=90,
+             what="the jobs of the secured set to finish")
+    assert {j: _job_status(api, j) for j in ids} == dict.fromkeys(ids, "completed")
+
+
+def test_keda_reads_the_pools_lag_with_its_trigger_authentication(
+        secured_set: SecuredSet) -> None:
+    """KEDA's Kafka scaler, given what the pool's ScaledObject and TriggerAuthentication
+    resolve to (the Secret's keys, the worker's variables), reaches the SASL_SSL broker and
+    reads the pool's lag: offsets committed, and none left once a job has completed."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from tests.support.keda_auth import (
+        librdkafka_config,
+        parse_kafka_auth,
+        resolve_auth_params,
+    )
+
+    api = secured_set.api
+    job = api.submit({"text": "counted by KEDA"}, workflow=WORKFLOW_A)
+    wait_for(lambda: _job_status(api, job) in TERMINAL, timeout=60, what="the job")
+    by_kind = {(m["kind"], m["metadata"]["name"]): m for m in secured_set.manifests}
+    name = f"calmq-worker-{POOL_A}"
+    [trigger] = by_kind[("ScaledObject", name)]["spec"]["triggers"]
+    assert trigger["authenticationRef"] == {"name": name}
+    spec = by_kind[("TriggerAuthentication", name)]["spec"]
+    worker = next(p for p in secured_set.kubelet.started if p.owner == name)
+    params = resolve_auth_params(spec, {("calmq", k): v for k, v in secured_set.secret.items()},
+                                 {"worker": worker.env})
+    auth = parse_kafka_auth(trigger["metadata"], params, spec.get("podIdentity"))
+    assert (auth.sasl, auth.tls) == ("scram_sha512", True)
+    config = librdkafka_config(trigger["metadata"]["bootstrapServers"].replace(
+        "kafka:9092", secured_set.bootstrap), auth)
+    consumer = Consumer({**config, "group.id": trigger["metadata"]["consumerGroup"],
+                         "enable.auto.commit": False})
+    try:
+        topics = [f"calmq.{POOL_A}.interactive", f"calmq.{POOL_A}.bulk"]
+        meta = consumer.list_topics(timeout=10)
+        partitions = [TopicPartition(t, p) for t in topics for p in meta.topics[t].partitions]
+
+        def lag() -> int | None:
+            committed = consumer.committed(partitions, timeout=10)
+            if all(tp.offset < 0 for tp in committed):
+                return None  # nothing committed yet
+            total = 0
+            for tp in committed:  # offsetResetPolicy earliest: no commit lags by the end
+                _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+                total += high - max(tp.offset, 0)
+            return total
+
+        wait_for(lambda: lag() == 0, timeout=30, what="the pool's lag, read as KEDA reads it")
+    finally:
+        consumer.close()

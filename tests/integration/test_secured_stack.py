@@ -1,10 +1,11 @@
 """Every calmq part against a broker with only a SASL_SSL listener and a registry behind
 HTTPS with basic auth: `calmq dev up --secure`, as clusters in production run them.
 
-One secured stack is shared by this module (its start costs ~30 s): the broker speaks
-SASL_SSL with SCRAM-SHA-512 and a CA made at start, on every listener; the registry
-(Apicurio, HTTPS only) sits behind an authenticating proxy; the services read their
-passwords from files (``CALMQ_*_PASSWORD_FILE``).
+One secured stack (tests/integration/conftest.py: ``secured_stack``, its start costs ~30 s)
+is shared by this module and the pods-as-rendered test: the broker speaks SASL_SSL with
+SCRAM-SHA-512 and a CA made at start, on every listener; the registry (Apicurio, HTTPS only)
+sits behind an authenticating proxy; the services read their passwords from files
+(``CALMQ_*_PASSWORD_FILE``), with short retry tiers and a quick batch lane.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -26,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 from calmq.codec import make_codec, registry_config
 from calmq.kafka import connection_config
 from calmq.settings import Settings
-from calmq.tooling.devstack import Stack, StackState
+from calmq.tooling.devstack import StackState
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for
 
@@ -38,26 +37,9 @@ _SECURITY_KEYS = ("CALMQ_KAFKA_SECURITY_PROTOCOL", "CALMQ_KAFKA_SASL_MECHANISM",
 
 
 @pytest.fixture(scope="module")
-def secured() -> Iterator[StackState]:
+def secured(secured_stack: StackState) -> StackState:
     """The secured stack with every service, short retry tiers and a quick batch lane."""
-    home = Path(tempfile.mkdtemp(prefix="calmq-secured-"))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
-    environ.update({"CALMQ_RETRY_TIERS": "1s,5s", "CALMQ_RETRY_INITIAL_SECONDS": "0.2",
-                    "CALMQ_BATCH_MAX_AGE_SECONDS": "0.5",
-                    "CALMQ_BATCH_POLL_INTERVAL_SECONDS": "0.3",
-                    "CALMQ_BATCH_COMPLETION_WINDOW_SECONDS": "20",
-                    "CALMQ_BATCH_DEADLINE_MARGIN_SECONDS": "0"})
-    stack = Stack(home, environ, secure=True)
-    try:
-        state = stack.up(log=lambda _m: None)
-    except Exception as exc:  # noqa: BLE001 - any start failure is reported the same way
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"the secured stack could not start in CI: {exc}", pytrace=False)
-        pytest.skip(f"the secured stack could not start here: {exc}")
-    try:
-        yield state
-    finally:
-        stack.down(log=lambda _m: None)
+    return secured_stack
 
 
 def _calmq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -1,11 +1,12 @@
 """The Helm chart (deploy/helm/calmq) and the Kustomize base (deploy/kubernetes), run by the
-real tools: ``helm template`` for three value sets gives objects that pass strict
+real tools: ``helm template`` for four value sets gives objects that pass strict
 validation and equal what `calmq k8s render` gives for the same values, and ``kustomize
 build`` of the base passes the same validation.
 
 Helm and kustomize are built from their Go modules (`make helm kustomize`,
 tests/support/k8s_tools.py). The value sets are tests/unit/chart_values/*.yaml: the least a
-team sets, a production install with every option on, and a cluster without KEDA.
+team sets, a production install with every option on (Strimzi mTLS among them), a cluster
+without KEDA, and a SASL_SSL Kafka with a registry behind basic auth (secured).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from tests.support.k8s_tools import tool
-from tests.unit.test_kubernetes import check_scaled_object
+from tests.unit.test_kubernetes import check_keda_auth, check_scaled_object
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "calmq"
@@ -31,8 +32,9 @@ VALUE_SETS = sorted((Path(__file__).parent / "chart_values").glob("*.yaml"))
 KUBERNETES_VERSION = kubernetes_validate.latest_version()
 NAMESPACE = "calmq"
 # Custom resources the OpenAPI schema does not cover (test_kubernetes checks ScaledObjects
-# against KEDA's spec, and the PodMonitor and PrometheusRule shapes).
-CUSTOM = {"ScaledObject", "PodMonitor", "PrometheusRule"}
+# and TriggerAuthentications against KEDA's spec, and the PodMonitor and PrometheusRule
+# shapes).
+CUSTOM = {"ScaledObject", "TriggerAuthentication", "PodMonitor", "PrometheusRule"}
 
 
 def _clean_env() -> dict[str, str]:
@@ -73,6 +75,8 @@ def _validate(docs: list[dict[str, Any]]) -> None:
             check_scaled_object(doc, deployments)
         elif doc["kind"] not in CUSTOM:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    used = check_keda_auth(docs)
+    assert used == sum(d["kind"] == "TriggerAuthentication" for d in docs)
 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
@@ -97,10 +101,13 @@ def test_the_value_sets_turn_on_what_they_say() -> None:
     objects, so the comparisons above cover every template."""
     production = {d["kind"] for d in helm_template(_set("production"))}
     assert {"Namespace", "ServiceAccount", "PodMonitor", "PrometheusRule", "NetworkPolicy",
-            "ScaledObject", "PodDisruptionBudget"} <= production
+            "ScaledObject", "TriggerAuthentication", "PodDisruptionBudget"} <= production
+    secured = helm_template(_set("secured"))
+    assert sorted(d["metadata"]["name"] for d in secured
+                  if d["kind"] == "TriggerAuthentication") == ["calmq-worker-default"]
     without = helm_template(_set("without-keda"))
-    assert not {"ScaledObject", "ServiceAccount", "PodDisruptionBudget"} & {
-        d["kind"] for d in without}
+    assert not {"ScaledObject", "TriggerAuthentication", "ServiceAccount",
+                "PodDisruptionBudget"} & {d["kind"] for d in without}
     workers = [d for d in without if d["metadata"]["name"].startswith("calmq-worker-")]
     assert sorted(d["spec"]["replicas"] for d in workers) == [1, 3]
 
@@ -116,6 +123,59 @@ def test_helm_refuses_values_without_a_provider(tmp_path: Path) -> None:
     done = _run([tool("helm"), "template", "calmq", str(CHART)])
     assert done.returncode != 0
     assert "config.provider_url is required" in done.stderr
+
+
+# The chart's KEDA helper (calmq.kedaKafkaAuth) against the renderer's kafka_auth, for the
+# mechanisms the value sets above do not use.
+_KEDA_CASES = {
+    "oauthbearer-oidc": {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
+                   "kafka_sasl_oauthbearer_client_id": "calmq",
+                   "kafka_sasl_oauthbearer_token_endpoint_url": "https://idp.example/token",
+                   "kafka_sasl_oauthbearer_extensions": "logicalCluster=lkc-1"},
+        "secretSettings": {"kafka_sasl_oauthbearer_client_secret": {
+            "secretName": "oidc", "key": "client-secret"}}},
+    "msk-iam": {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
+                   "kafka_sasl_oauthbearer_method": "aws_msk_iam",
+                   "kafka_sasl_oauthbearer_aws_region": "eu-west-1"}},
+    "password-as-a-file": {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-256",
+                   "kafka_sasl_username": "calmq"},
+        "secretSettings": {"kafka_sasl_password": {"secretName": ""}},
+        "secretFiles": {"kafka_sasl_password": {"secretName": "calmq-kafka", "key": "password"}}},
+    "username-from-a-secret": {
+        "config": {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "PLAIN"},
+        "secretSettings": {"kafka_sasl_username": {"secretName": "cc", "key": "api-key"},
+                           "kafka_sasl_password": {"secretName": "cc", "key": "api-secret"}}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_KEDA_CASES))
+def test_helm_gives_keda_the_credentials_the_renderer_gives(case: str, tmp_path: Path) -> None:
+    """For OAUTHBEARER (OIDC and MSK IAM), a username kept in a Secret and a password
+    mounted as a file, `helm template` and `calmq k8s render` give the same objects, and
+    KEDA's scaler takes them."""
+    values = tmp_path / f"{case}.yaml"
+    body = _KEDA_CASES[case]
+    values.write_text(yaml.safe_dump({
+        **body, "config": {"provider_url": "https://api.openai.com", **body["config"]}}))
+    helm, calmq = _by_name(helm_template(values)), _by_name(calmq_render(values))
+    assert helm == calmq
+    assert ("TriggerAuthentication", "calmq-worker-default") in helm
+    _validate(list(helm.values()))
+
+
+def test_helm_refuses_kafka_credentials_keda_cannot_read(tmp_path: Path) -> None:
+    """A SASL mechanism whose password has no Secret: `helm template` fails naming the value
+    to set, as the renderer does."""
+    values = tmp_path / "no-password.yaml"
+    values.write_text(yaml.safe_dump({"config": {
+        "provider_url": "https://api.openai.com", "kafka_security_protocol": "SASL_SSL",
+        "kafka_sasl_mechanism": "SCRAM-SHA-512", "kafka_sasl_username": "calmq"}}))
+    done = _run([tool("helm"), "template", "calmq", str(CHART), "-f", str(values)])
+    assert done.returncode != 0
+    assert "secretSettings.kafka_sasl_password" in done.stderr
 
 
 def test_helm_lint_passes() -> None:

@@ -15,12 +15,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from calmq.errors import ConfigError
 from calmq.settings import Settings, claimed_window
 from calmq.tooling.keda import budget_cap, min_replicas, pool_scaling
 from calmq.tooling.kubernetes import default_values, load_settings, render
 from calmq.tooling.manifests import merge_values
+from tests.unit.test_kubernetes import check_keda_auth
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA = ROOT / "deploy" / "keda"
@@ -191,3 +194,123 @@ def test_worker_window_is_the_one_keda_counts() -> None:
     from calmq.processors.worker import _claimed_bound
 
     assert [_claimed_bound(c) for c in (1, 8, 256)] == [claimed_window(c) for c in (1, 8, 256)]
+
+
+# Kafka security settings -> what KEDA's Kafka scaler gets: its trigger metadata, and the
+# TriggerAuthentication's parameters by source (a Secret key or the worker's variable).
+_MECHANISMS = {
+    "scram over tls, private ca": (
+        {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512",
+         "kafka_sasl_username": "calmq", "kafka_ssl_ca_location": "/x/ca.pem"},
+        {"tls": "enable", "sasl": "scram_sha512"},
+        {"password": ("calmq", "CALMQ_KAFKA_SASL_PASSWORD"), "ca": ("calmq", "kafka-ca.pem")},
+        {"username": "CALMQ_KAFKA_SASL_USERNAME"}, None),
+    "plain (confluent cloud), system ca": (
+        {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "PLAIN",
+         "kafka_sasl_username": "ABCDEFKEY"},
+        {"tls": "enable", "sasl": "plaintext"},
+        {"password": ("calmq", "CALMQ_KAFKA_SASL_PASSWORD")},
+        {"username": "CALMQ_KAFKA_SASL_USERNAME"}, None),
+    "scram without tls": (
+        {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "SCRAM-SHA-256",
+         "kafka_sasl_username": "calmq"},
+        {"sasl": "scram_sha256"},
+        {"password": ("calmq", "CALMQ_KAFKA_SASL_PASSWORD")},
+        {"username": "CALMQ_KAFKA_SASL_USERNAME"}, None),
+    "oauthbearer oidc": (
+        {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
+         "kafka_sasl_oauthbearer_token_endpoint_url": "https://idp.example/oauth2/token",
+         "kafka_sasl_oauthbearer_client_id": "calmq", "kafka_sasl_oauthbearer_scope": "kafka",
+         "kafka_sasl_oauthbearer_extensions": "logicalCluster=lkc-1,identityPoolId=pool-2"},
+        {"tls": "enable", "sasl": "oauthbearer"},
+        {"password": ("calmq", "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET")},
+        {"username": "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+         "oauthTokenEndpointUri": "CALMQ_KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+         "scopes": "CALMQ_KAFKA_SASL_OAUTHBEARER_SCOPE",
+         "oauthExtensions": "CALMQ_KAFKA_SASL_OAUTHBEARER_EXTENSIONS"}, None),
+    "msk iam": (
+        {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
+         "kafka_sasl_oauthbearer_method": "aws_msk_iam",
+         "kafka_sasl_oauthbearer_aws_region": "eu-west-1"},
+        {"tls": "enable", "sasl": "oauthbearer", "saslTokenProvider": "aws_msk_iam",
+         "awsRegion": "eu-west-1"},
+        {}, {}, {"provider": "aws", "identityOwner": "workload"}),
+    "mtls (strimzi)": (
+        {"kafka_security_protocol": "SSL", "kafka_ssl_ca_location": "/x/ca.crt",
+         "kafka_ssl_certificate_location": "/x/user.crt", "kafka_ssl_key_location": "/x/user.key"},
+        {"tls": "enable"},
+        {"ca": ("calmq", "kafka-ca.pem"), "cert": ("calmq", "kafka-client.pem"),
+         "key": ("calmq", "kafka-client.key")}, {}, None),
+}
+
+
+def _secured(settings: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The full render (the ScaledObject's Secret keys are checked against the pods')."""
+    loaded = Settings.load(environ={"CALMQ_" + k.upper(): v for k, v in settings.items()})
+    return render(merge_values(default_values(loaded), PROVIDER))
+
+
+@pytest.mark.parametrize("case", sorted(_MECHANISMS))
+def test_keda_reads_the_lag_with_the_pods_credentials(case: str) -> None:
+    """For each way into a secured Kafka, the trigger says tls and the sasl mode, and the
+    pool's TriggerAuthentication gives KEDA's Kafka scaler every parameter it needs from the
+    Secret keys and variables the workers use, which the scaler accepts."""
+    settings, metadata, secrets, env, identity = _MECHANISMS[case]
+    manifests = _secured(settings)
+    [trigger] = manifests["60-worker-default-scaledobject.yaml"]["spec"]["triggers"]
+    assert {k: v for k, v in trigger["metadata"].items()
+            if k in ("tls", "sasl", "saslTokenProvider", "awsRegion")} == metadata
+    assert trigger["authenticationRef"] == {"name": "calmq-worker-default"}
+    spec = manifests["60-worker-default-triggerauthentication.yaml"]["spec"]
+    assert {r["parameter"]: (r["name"], r["key"]) for r in spec.get("secretTargetRef", [])} \
+        == secrets
+    assert {r["parameter"]: r["name"] for r in spec.get("env", [])} == env
+    assert spec.get("podIdentity") == identity
+    assert check_keda_auth(list(manifests.values())) == 1
+
+
+def test_tls_with_the_system_trust_store_needs_no_trigger_authentication() -> None:
+    """A TLS listener signed by a public CA and no client authentication: the trigger says
+    tls: enable, and no TriggerAuthentication is rendered or referenced."""
+    manifests = _secured({"kafka_security_protocol": "SSL"})
+    [trigger] = manifests["60-worker-default-scaledobject.yaml"]["spec"]["triggers"]
+    assert trigger["metadata"]["tls"] == "enable"
+    assert "authenticationRef" not in trigger
+    assert "60-worker-default-triggerauthentication.yaml" not in manifests
+    assert check_keda_auth(list(manifests.values())) == 0
+
+
+def test_a_pools_own_trigger_authentication_replaces_calmqs() -> None:
+    """A pool naming its own TriggerAuthentication gets no rendered one, and its trigger
+    leaves tls and sasl to it (KEDA refuses them in both places); the other pools keep
+    calmq's."""
+    settings = Settings.load(environ={
+        "CALMQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "CALMQ_KAFKA_SASL_MECHANISM": "PLAIN",
+        "CALMQ_KAFKA_SASL_USERNAME": "u", "CALMQ_KEDA_POOLS": "default,gpu"})
+    manifests = render(merge_values(default_values(settings), PROVIDER, {
+        "workers": {"pools": {"gpu": {"keda": {"authenticationRef": "team-kafka"}}}}}))
+    [own] = manifests["60-worker-gpu-scaledobject.yaml"]["spec"]["triggers"]
+    assert own["authenticationRef"] == {"name": "team-kafka"}
+    assert not {"tls", "sasl"} & set(own["metadata"])
+    assert "60-worker-gpu-triggerauthentication.yaml" not in manifests
+    assert "60-worker-default-triggerauthentication.yaml" in manifests
+    assert check_keda_auth(list(manifests.values())) == 1
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512",
+      "kafka_sasl_username": "calmq"}, "needs kafka_sasl_password"),
+    ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512"},
+     "needs config.kafka_sasl_username"),
+    ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER",
+      "kafka_sasl_oauthbearer_method": "aws_msk_iam"}, "kafka_sasl_oauthbearer_aws_region"),
+])
+def test_credentials_keda_cannot_read_are_a_clear_error(settings: dict[str, str],
+                                                         message: str) -> None:
+    """Values whose Kafka needs a credential KEDA would not find render nothing and say
+    which value to set (a Secret for the password: a values file turned it off here)."""
+    loaded = Settings.load(environ={"CALMQ_" + k.upper(): v for k, v in settings.items()})
+    values = merge_values(default_values(loaded), PROVIDER,
+                          {"secretSettings": {"kafka_sasl_password": {"secretName": ""}}})
+    with pytest.raises(ConfigError, match=message):
+        render(values)

@@ -22,6 +22,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pydantic import SecretStr
 
 from calmq.cli import main
 from calmq.errors import ConfigError
@@ -29,16 +30,25 @@ from calmq.settings import Settings, claimed_window
 from calmq.tooling.chart import chart
 from calmq.tooling.kubernetes import (
     DRAIN_SECONDS,
+    SECRET_FILES,
+    SECRET_SETTINGS,
     default_values,
+    dump,
     load_settings,
     longest_step,
     monitoring_file,
     render,
+    secret_template,
     values_for,
     write,
 )
 from calmq.tooling.manifests import merge_values
 from calmq.workflows import load_workflows
+from tests.support.keda_auth import (
+    check_trigger_authentication,
+    parse_kafka_auth,
+    resolve_auth_params,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -183,6 +193,99 @@ def check_scaled_object(so: dict[str, Any], deployments: dict[str, dict[str, Any
     assert all(meta[k] in ("true", "false") for k in _KAFKA_BOOLS & set(meta))
 
 
+# The worker's variable each KEDA parameter must agree with (either, for password: the SASL
+# password or, for OAUTHBEARER, the OAuth client's secret).
+_SAME_AS = {"username": ("CALMQ_KAFKA_SASL_USERNAME", "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_ID"),
+            "password": ("CALMQ_KAFKA_SASL_PASSWORD",
+                         "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET"),
+            "keyPassword": ("CALMQ_KAFKA_SSL_KEY_PASSWORD",),
+            "ca": ("CALMQ_KAFKA_SSL_CA_LOCATION",),
+            "cert": ("CALMQ_KAFKA_SSL_CERTIFICATE_LOCATION",),
+            "key": ("CALMQ_KAFKA_SSL_KEY_LOCATION",),
+            "oauthTokenEndpointUri": ("CALMQ_KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",),
+            "scopes": ("CALMQ_KAFKA_SASL_OAUTHBEARER_SCOPE",),
+            "oauthExtensions": ("CALMQ_KAFKA_SASL_OAUTHBEARER_EXTENSIONS",)}
+
+
+def pod_sources(pod: dict[str, Any], container: dict[str, Any], config: dict[str, str]
+                ) -> dict[str, tuple[str, Any]]:
+    """Where each of the container's variables comes from, as the kubelet gives it:
+    ("value", text) from the ConfigMap or the env, ("secret", (Secret, key)) from a
+    secretKeyRef, ("file", (Secret, key)) for a value that is the path of a file a Secret
+    volume mounts."""
+    files: dict[str, tuple[str, str]] = {}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        for item in secret["items"]:
+            files[f"{mount['mountPath']}/{item['path']}"] = (secret["secretName"], item["key"])
+    out: dict[str, tuple[str, Any]] = {}
+    if container.get("envFrom"):
+        out.update({k: ("value", v) for k, v in config.items()})
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            ref = item["valueFrom"]["secretKeyRef"]
+            out[item["name"]] = ("secret", (ref["name"], ref["key"]))
+        elif item["value"] in files:
+            out[item["name"]] = ("file", files[item["value"]])
+        else:
+            out[item["name"]] = ("value", item["value"])
+    return out
+
+
+def check_keda_auth(docs: list[dict[str, Any]]) -> int:
+    """Every ScaledObject whose Kafka needs credentials gets them as KEDA's Kafka scaler
+    accepts them, from the same Secret keys and variables as its workers: each
+    ``secretTargetRef`` is the (Secret, key) the worker reads the setting from (the
+    variable, or the file it mounts), each ``env`` a variable the worker has. Returns how
+    many ScaledObjects use a TriggerAuthentication calmq rendered."""
+    auths = {d["metadata"]["name"]: d for d in docs if d["kind"] == "TriggerAuthentication"}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    config = next((d["data"] for d in docs if d["kind"] == "ConfigMap"
+                   and d["metadata"]["name"].startswith("calmq")
+                   and "CALMQ_PROVIDER_URL" in d.get("data", {})), {})
+    used = 0
+    for so in (d for d in docs if d["kind"] == "ScaledObject"):
+        [trigger] = so["spec"]["triggers"]
+        ref = (trigger.get("authenticationRef") or {}).get("name")
+        deployment = deployments[so["spec"]["scaleTargetRef"]["name"]]
+        pod = deployment["spec"]["template"]["spec"]
+        [worker] = [c for c in pod["containers"] if c["name"] == "worker"]
+        sources = pod_sources(pod, worker, config)
+        protocol = dict(sources).get("CALMQ_KAFKA_SECURITY_PROTOCOL", ("value", "PLAINTEXT"))[1]
+        if ref is not None and ref not in auths:
+            # A TriggerAuthentication of the team's own: it says tls and sasl itself.
+            assert not {"tls", "sasl"} & set(trigger["metadata"]), so["metadata"]["name"]
+            continue
+        spec: dict[str, Any] = {}
+        if ref is not None:
+            used += 1
+            ta = auths[ref]
+            check_trigger_authentication(ta)
+            assert ta["metadata"]["namespace"] == so["metadata"]["namespace"]
+            spec = ta["spec"]
+        for item in spec.get("secretTargetRef", []):
+            names = _SAME_AS[item["parameter"]]
+            wanted = {sources.get(v) for v in (*names, *(n + "_FILE" for n in names))}
+            assert {("secret", (item["name"], item["key"])),
+                    ("file", (item["name"], item["key"]))} & wanted, (ref, item)
+        env = {k: v[1] for k, v in sources.items() if v[0] == "value"}
+        for item in spec.get("env", []):
+            assert item.get("containerName") == "worker", item
+            assert item["name"] in _SAME_AS[item["parameter"]], item
+            assert env.get(item["name"]), (ref, item)  # KEDA resolves it from the worker
+        # What KEDA's operator then hands its Kafka scaler, which takes it.
+        secrets = {(i["name"], i["key"]): f"{i['name']}/{i['key']}"
+                   for i in spec.get("secretTargetRef", [])}
+        params = resolve_auth_params(spec, secrets, {"worker": env})
+        parsed = parse_kafka_auth(trigger["metadata"], params, spec.get("podIdentity"))
+        assert parsed.tls is (protocol in ("SSL", "SASL_SSL")), ref
+        assert (parsed.sasl != "none") is protocol.startswith("SASL_"), ref
+    return used
+
+
 def test_scaled_objects_follow_kedas_spec() -> None:
     """Known spec keys, one Kafka trigger without a topic, fallback, string metadata, and a
     target Deployment without replicas."""
@@ -325,6 +428,125 @@ def test_role_urls_come_from_their_own_secrets_to_their_own_parts() -> None:
     loaded = Settings.load(environ={"CALMQ_DATABASE_URL": "postgresql://app@db/calmq"})
     assert loaded.effective_migrate_database_url == "postgresql://app@db/calmq"
     assert loaded.effective_relay_database_url == "postgresql://app@db/calmq"
+
+
+def _secured_render(tmp_path: Path, **extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(values, manifests) of `calmq k8s render` with the secured stack's settings: a
+    SASL_SSL broker (SCRAM-SHA-512, a private CA) and a registry with basic auth over HTTPS,
+    the passwords in files as a shell holding them would give them."""
+    (tmp_path / "kafka-password").write_text("s3cret-kafka-pw")
+    (tmp_path / "registry-password").write_text("s3cret-registry-pw")
+    environ = {
+        "CALMQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "CALMQ_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "CALMQ_KAFKA_SASL_USERNAME": "calmq",
+        "CALMQ_KAFKA_SASL_PASSWORD_FILE": str(tmp_path / "kafka-password"),
+        "CALMQ_KAFKA_SSL_CA_LOCATION": str(tmp_path / "ca.pem"),
+        "CALMQ_SCHEMA_REGISTRY_URL": "https://registry.example.internal/apis/ccompat/v7",
+        "CALMQ_SCHEMA_REGISTRY_USERNAME": "calmq",
+        "CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE": str(tmp_path / "registry-password"),
+        "CALMQ_SCHEMA_REGISTRY_CA_LOCATION": str(tmp_path / "ca.pem"), **extra}
+    values = merge_values(default_values(load_settings(SETTINGS, environ)), PROVIDER)
+    return values, render(values)
+
+
+def _containers(manifests: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(pod spec, container) of every Deployment and Job."""
+    return [(m["spec"]["template"]["spec"], c) for m in manifests.values()
+            if m["kind"] in ("Deployment", "Job")
+            for c in m["spec"]["template"]["spec"]["containers"]]
+
+
+def test_credentials_reach_their_parts_from_the_secret_never_the_configmap(
+        tmp_path: Path) -> None:
+    """With Kafka and registry credentials set, the ConfigMap holds no secret and no local
+    path; the passwords are secretKeyRefs and the CA a file mounted from the Secret, each
+    in the parts that use it (the Kafka ones not in migrate or the reaper, the registry's
+    not in the API); the Secret's template lists exactly those keys; no value set at render
+    time reaches a rendered file; every container's environment loads."""
+    values, manifests = _secured_render(tmp_path)
+    data = manifests["10-configmap.yaml"]["data"]
+    assert data["CALMQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+    assert data["CALMQ_KAFKA_SASL_USERNAME"] == "calmq"
+    assert not {k for k in data if "PASSWORD" in k or k.endswith("_LOCATION")}
+    text = "".join(dump(m, "t") for m in manifests.values())
+    assert "s3cret" not in text
+    assert str(tmp_path) not in text
+    template = secret_template(values, "calmq")
+    assert set(template["stringData"]) == {
+        "CALMQ_DATABASE_URL", "CALMQ_PROVIDER_API_KEY", "CALMQ_KAFKA_SASL_PASSWORD",
+        "CALMQ_SCHEMA_REGISTRY_PASSWORD", "kafka-ca.pem", "registry-ca.pem"}
+    read: set[tuple[str, str]] = set()
+    for pod, container in _containers(manifests):
+        sources = pod_sources(pod, container, data)
+        read |= {v[1] for v in sources.values() if v[0] in ("secret", "file")}
+        part = container["name"].split("-")[0]
+        kafka = part in ("api", "relay", "forwarder", "worker", "batcher", "topics", "schemas")
+        registry = part in ("relay", "forwarder", "worker", "batcher", "topics", "schemas")
+        assert (sources.get("CALMQ_KAFKA_SASL_PASSWORD") ==
+                ("secret", ("calmq", "CALMQ_KAFKA_SASL_PASSWORD"))) is kafka, part
+        assert (sources.get("CALMQ_KAFKA_SSL_CA_LOCATION") ==
+                ("file", ("calmq", "kafka-ca.pem"))) is kafka, part
+        assert (sources.get("CALMQ_SCHEMA_REGISTRY_PASSWORD") ==
+                ("secret", ("calmq", "CALMQ_SCHEMA_REGISTRY_PASSWORD"))) is registry, part
+        assert (sources.get("CALMQ_SCHEMA_REGISTRY_CA_LOCATION") ==
+                ("file", ("calmq", "registry-ca.pem"))) is registry, part
+        for mount in container["volumeMounts"]:
+            if mount["name"] != "tmp":
+                assert mount["readOnly"] is True
+        env = container_env(container, data, dict.fromkeys(
+            (("calmq", n) for n in template["stringData"]), "x"))
+        Settings.load(environ={**env, "CALMQ_STRICT_SETTINGS": "true"})
+    assert read == {("calmq", k) for k in template["stringData"]}
+    for pod, _container in _containers(manifests):
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                assert volume["secret"]["defaultMode"] == 0o440  # the pod's group, no one else
+
+
+def test_a_secret_setting_can_come_as_a_file_instead(tmp_path: Path) -> None:
+    """A secret setting in secretFiles (here the SASL password, from Strimzi's KafkaUser
+    Secret) is mounted and named by its CALMQ_<NAME>_FILE variable, so its value never
+    enters the environment: calmq reads it from the file, and KEDA from the same key."""
+    values = merge_values(default_values(Settings.load(environ={})), PROVIDER, {
+        "config": {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512",
+                   "kafka_sasl_username": "calmq"},
+        "secretFiles": {"kafka_sasl_password": {"secretName": "calmq-kafka", "key": "password",
+                                                "parts": ["worker"]}}})
+    manifests = render(values)
+    pod = manifests["60-worker-default-deployment.yaml"]["spec"]["template"]["spec"]
+    [worker] = pod["containers"]
+    data = manifests["10-configmap.yaml"]["data"]
+    sources = pod_sources(pod, worker, data)
+    assert sources["CALMQ_KAFKA_SASL_PASSWORD_FILE"] == ("file", ("calmq-kafka", "password"))
+    assert "CALMQ_KAFKA_SASL_PASSWORD" not in sources
+    path = next(e["value"] for e in worker["env"]
+                if e["name"] == "CALMQ_KAFKA_SASL_PASSWORD_FILE")
+    local = tmp_path / "password"
+    local.write_text("from-the-file\n")  # a key written with echo: one newline
+    env = container_env(worker, data, {("calmq", "CALMQ_DATABASE_URL"): "postgresql://x/y",
+                                       ("calmq", "CALMQ_PROVIDER_API_KEY"): "k"})
+    env["CALMQ_KAFKA_SASL_PASSWORD_FILE"] = str(local)  # the mount, here
+    loaded = Settings.load(environ=env)
+    assert loaded.kafka_sasl_password.get_secret_value() == "from-the-file"
+    assert path == "/etc/calmq/secrets/kafka-sasl-password/password"
+    [ref] = manifests["60-worker-default-triggerauthentication.yaml"]["spec"]["secretTargetRef"]
+    assert ref == {"parameter": "password", "name": "calmq-kafka", "key": "password"}
+    assert check_keda_auth(list(manifests.values())) == 1
+    relay = manifests["40-relay-deployment.yaml"]["spec"]["template"]["spec"]
+    assert [v["name"] for v in relay["volumes"]] == ["tmp"]  # parts: the worker alone
+
+
+def test_every_secret_and_file_setting_has_its_place() -> None:
+    """Each setting that holds a secret (a SecretStr, a database URL) is a secretSettings
+    entry and each that names a file (``*_location``) a secretFiles entry, so none can
+    reach the ConfigMap when set."""
+    fields = Settings.model_fields
+    secrets = {n for n, f in fields.items()
+               if f.annotation is SecretStr or n.endswith("database_url")}
+    assert secrets == set(SECRET_SETTINGS)
+    assert {n for n in fields if n.endswith("_location")} == set(SECRET_FILES)
+    keys = [key for key, _parts in SECRET_FILES.values()]
+    assert len(set(keys)) == len(keys)  # one Secret holds them all by default
 
 
 def test_pods_are_hardened_and_take_no_service_links() -> None:
@@ -533,6 +755,37 @@ def test_only_workers_writes_workers_and_their_scaled_objects(
     assert _cli(["keda", "render", "--output-dir", str(old)], monkeypatch, tmp_path) == 0
     assert {yaml.safe_load(p.read_text())["kind"] for p in old.glob("*.yaml")} == {
         "Deployment", "ScaledObject"}
+
+
+def test_k8s_render_with_credentials_writes_references_and_the_trigger_authentication(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`calmq k8s render` from settings that use credentials (and were given none): the
+    pods' Secret references, the Secret's template with their keys, each pool's
+    TriggerAuthentication in the folder, the Kustomize base and the workers' subset."""
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(yaml.safe_dump({
+        "provider_url": "https://api.openai.com", "kafka_security_protocol": "SASL_SSL",
+        "kafka_sasl_mechanism": "SCRAM-SHA-512", "kafka_sasl_username": "calmq",
+        "kafka_ssl_ca_location": "ca.pem", "schema_registry_username": "calmq"}))
+    out = tmp_path / "out"
+    assert _cli(["k8s", "render", "--settings", str(settings), "-o", str(out)], monkeypatch,
+                tmp_path) == 0
+    secret = yaml.safe_load((out / "secret-template" / "calmq-secret.yaml").read_text())
+    assert set(secret["stringData"]) == {
+        "CALMQ_DATABASE_URL", "CALMQ_PROVIDER_API_KEY", "CALMQ_KAFKA_SASL_PASSWORD",
+        "CALMQ_SCHEMA_REGISTRY_PASSWORD", "kafka-ca.pem"}
+    auth = yaml.safe_load((out / "60-worker-default-triggerauthentication.yaml").read_text())
+    assert auth["kind"] == "TriggerAuthentication"
+    base = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert "60-worker-default-triggerauthentication.yaml" in base["resources"]
+    docs = [yaml.safe_load(p.read_text()) for p in sorted(out.rglob("*.yaml"))
+            if p.name != "kustomization.yaml" and "secret-template" not in str(p)]
+    assert check_keda_auth(docs) == 1
+    workers = tmp_path / "workers"
+    assert _cli(["k8s", "render", "--only", "workers", "--settings", str(settings),
+                 "-o", str(workers)], monkeypatch, tmp_path) == 0
+    assert (workers / "60-worker-default-triggerauthentication.yaml").is_file()
 
 
 def test_a_settings_file_is_not_taken_for_values(tmp_path: Path) -> None:

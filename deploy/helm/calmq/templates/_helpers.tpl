@@ -24,3 +24,52 @@ setting_text): YAML numbers arrive as float64, so a whole number drops its fract
 {{- end }}
 {{- printf "secretsVersion=%s\n" (toString (default "" .Values.secretsVersion)) }}
 {{- end -}}
+
+{{/* KEDA's view of the Kafka security settings (calmq/tooling/keda.py: kafka_auth):
+JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
+{{- define "calmq.kedaKafkaAuth" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $secrets := .Values.secretSettings | default dict -}}
+{{- $files := .Values.secretFiles | default dict -}}
+{{- $protocol := include "calmq.text" (get $config "kafka_security_protocol") -}}
+{{- $mechanism := include "calmq.text" (get $config "kafka_sasl_mechanism") -}}
+{{- $meta := dict -}}
+{{- $spec := dict -}}
+{{- $params := list -}}
+{{- $tls := has $protocol (list "SSL" "SASL_SSL") -}}
+{{- if $tls -}}{{- $_ := set $meta "tls" "enable" -}}{{- end -}}
+{{- $sasl := get (dict "PLAIN" "plaintext" "SCRAM-SHA-256" "scram_sha256" "SCRAM-SHA-512" "scram_sha512" "OAUTHBEARER" "oauthbearer") $mechanism -}}
+{{- if and (hasPrefix "SASL_" $protocol) $sasl -}}
+{{- $_ := set $meta "sasl" $sasl -}}
+{{- if ne $mechanism "OAUTHBEARER" -}}
+{{- $params = (list (list "username" "kafka_sasl_username" "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs config.kafka_sasl_username") (list "password" "kafka_sasl_password" "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs kafka_sasl_password (secretSettings.kafka_sasl_password: the secretName and key of the Secret that holds it)")) -}}
+{{- else if eq (include "calmq.text" (get $config "kafka_sasl_oauthbearer_method")) "aws_msk_iam" -}}
+{{- $_ := set $meta "saslTokenProvider" "aws_msk_iam" -}}
+{{- $_ := set $meta "awsRegion" (required "config.kafka_sasl_oauthbearer_method is aws_msk_iam: KEDA's Kafka scaler needs config.kafka_sasl_oauthbearer_aws_region (its ScaledObject's awsRegion)" (get $config "kafka_sasl_oauthbearer_aws_region")) -}}
+{{- $_ := set $spec "podIdentity" (dict "provider" "aws" "identityOwner" "workload") -}}
+{{- else -}}
+{{- $params = (list (list "username" "kafka_sasl_oauthbearer_client_id" "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs config.kafka_sasl_oauthbearer_client_id") (list "password" "kafka_sasl_oauthbearer_client_secret" "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs kafka_sasl_oauthbearer_client_secret (secretSettings.kafka_sasl_oauthbearer_client_secret: the secretName and key of the Secret that holds it)") (list "oauthTokenEndpointUri" "kafka_sasl_oauthbearer_token_endpoint_url" "config.kafka_sasl_mechanism is set: KEDA's Kafka scaler needs config.kafka_sasl_oauthbearer_token_endpoint_url") (list "scopes" "kafka_sasl_oauthbearer_scope" "") (list "oauthExtensions" "kafka_sasl_oauthbearer_extensions" "")) -}}
+{{- end -}}
+{{- end -}}
+{{- if $tls -}}{{- $params = concat $params (list (list "ca" "kafka_ssl_ca_location" "") (list "cert" "kafka_ssl_certificate_location" "") (list "key" "kafka_ssl_key_location" "") (list "keyPassword" "kafka_ssl_key_password" "")) -}}{{- end -}}
+{{- $refs := list -}}
+{{- $env := list -}}
+{{- range $params -}}
+{{- $file := hasSuffix "_location" (index . 1) -}}
+{{- $ref := get $files (index . 1) -}}
+{{- if not $file -}}
+{{- $secret := get $secrets (index . 1) -}}
+{{- if and (kindIs "map" $secret) (dig "secretName" "" $secret) -}}{{- $ref = $secret -}}{{- end -}}
+{{- end -}}
+{{- if and (kindIs "map" $ref) (dig "secretName" "" $ref) -}}
+{{- $refs = append $refs (dict "parameter" (index . 0) "name" $ref.secretName "key" (dig "key" nil $ref)) -}}
+{{- else if and (not $file) (include "calmq.text" (get $config (index . 1))) -}}
+{{- $env = append $env (dict "parameter" (index . 0) "name" (printf "CALMQ_%s" (upper (index . 1))) "containerName" "worker") -}}
+{{- else if index . 2 -}}
+{{- fail (index . 2) -}}
+{{- end -}}
+{{- end -}}
+{{- if $refs -}}{{- $_ := set $spec "secretTargetRef" $refs -}}{{- end -}}
+{{- if $env -}}{{- $_ := set $spec "env" $env -}}{{- end -}}
+{{- toJson (dict "metadata" $meta "spec" $spec) -}}
+{{- end -}}
