@@ -91,11 +91,8 @@ WITH caps AS (
     UPDATE jobs j SET review_cap_held_at = NULL, review_cap_released_at = now(),
                       updated_at = now()
     FROM chosen c WHERE j.id = c.id AND j.status = 'queued'
-    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'queued'::text AS old_status, j.lease_version,
-              j.lane
+    -- read as calmq.data.jobs.Job, like claim_jobs' rows
+    RETURNING {{job_row}}, 'queued'::text AS old_status
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, jsonb_build_object('reason', 'review_cap') FROM released
