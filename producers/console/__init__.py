@@ -20,10 +20,10 @@ CONSUMER_LAG = web.AppKey("console_consumer_lag", object)
 
 def add_console(app: web.Application) -> None:
     """Register the console's routes on the API application."""
-    from calmq.producers.console.lag import ConsumerLag
+    from calmq.producers.console.lag import FleetLag
     from calmq.producers.console.pages import HANDLERS
 
-    app[CONSUMER_LAG] = ConsumerLag()
+    app[CONSUMER_LAG] = FleetLag()
 
     for method, path, handler in HANDLERS:
         app.router.add_route(method, path, handler)

@@ -28,7 +28,7 @@ from calmq.producers.auth import key_tenant
 from calmq.producers.console import CONSUMER_LAG
 from calmq.producers.console.charts import bars
 from calmq.producers.console.html import Markup, Page, ago, esc, form, layout, table, when
-from calmq.producers.console.lag import ConsumerLag, TopicLag
+from calmq.producers.console.lag import FleetLag, GroupLag
 from calmq.producers.console.session import (
     COOKIE,
     CSRF_COOKIE,
@@ -250,7 +250,7 @@ async def overview(request: web.Request, caller: Tenant, page: Page) -> web.Stre
                            [(s.slot, "yes" if s.active else "no", f"{s.retained_bytes:,}")
                             for s in slots], empty="no replication slots (polling relay)"))
         reader = request.app[CONSUMER_LAG]
-        assert isinstance(reader, ConsumerLag)
+        assert isinstance(reader, FleetLag)
         parts.append(lag_section(await reader.read(request.app[SETTINGS].kafka_bootstrap)))
         parts.append("</section>")
     parts.append(f'<p class="muted">Read at {when(now)}.</p>')
@@ -362,7 +362,7 @@ async def jobs_page(request: web.Request, caller: Tenant, page: Page) -> web.Str
     return html_response(layout("Jobs", body, page, current="jobs"))
 
 
-def lag_section(lags: list[TopicLag] | None) -> str:
+def lag_section(lags: list[GroupLag] | None) -> str:
     """Consumer lag per topic and group: a table and a bar chart (None: unavailable)."""
     if lags is None:
         return ('<p class="error" data-testid="consumer-lag">Consumer lag unavailable: the '
