@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from calmq.data import Store
@@ -41,8 +41,10 @@ from calmq.processors import metrics
 from calmq.processors.request import Request
 from calmq.retrying import retry_forever
 from calmq.spending import SpendCaps
+from calmq.workflows import Workflow
 
-__all__ = ["Admission", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate", "SpendCapGate"]
+__all__ = ["Admission", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate", "SpendCapGate",
+           "review_workflows"]
 
 T = TypeVar("T")
 
@@ -163,6 +165,11 @@ async def _hold(ledger: SpendLedger, by_reason: dict[str, list[Request]]) -> set
             if r.job_id in held:
                 metrics.HELD.labels(r.priority or "bulk").inc()
     return held
+
+
+def review_workflows(workflows: Mapping[str, Workflow]) -> list[str]:
+    """The workflows whose jobs can end in review (the review cap counts those)."""
+    return sorted(name for name, w in workflows.items() if w.review_threshold is not None)
 
 
 class ReviewCapGate(Gate):

@@ -59,11 +59,11 @@ from calmq.kafka import consumer_config, producer_config
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
-from calmq.processors.admission import ReviewCapGate
+from calmq.processors.admission import ReviewCapGate, review_workflows
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
-from calmq.processors.pipeline import Pipeline, failure_stage, review_workflows
+from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.slots import CallSlots
 from calmq.retrying import retry_forever

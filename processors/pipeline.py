@@ -43,7 +43,7 @@ from calmq.retrying import Backoff
 from calmq.settings import Settings
 from calmq.workflows import Workflow
 
-__all__ = ["Pipeline", "UsageSink", "failure_stage", "review_workflows"]
+__all__ = ["Pipeline", "UsageSink", "failure_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ def failure_stage(settings: Settings, worker_id: str,
                         backoff=Backoff(s.retry_initial_seconds, s.retry_max_seconds,
                                         s.retry_multiplier),
                         workflows=workflows, max_attempts=s.max_attempts)
-
-
-def review_workflows(workflows: Mapping[str, Workflow]) -> list[str]:
-    """The workflows whose jobs can end in review (the review-cap gate looks at those)."""
-    return sorted(name for name, w in workflows.items() if w.review_threshold is not None)
 
 
 class Pipeline:

@@ -24,6 +24,7 @@ from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
 from calmq.objects import open_object_store
 from calmq.processors import metrics
+from calmq.processors.admission import review_workflows
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.spending import SpendCaps, spend_caps_from_settings
@@ -79,11 +80,12 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
     caps = ReviewCaps(store)
+    reviewed = review_workflows(desk.workflows)
 
     async def release_review_cap_holds() -> None:
         # Jobs held for their pool's review cap (calmq.data.review_caps) go back to the
         # work topic as decided reviews make room; one pass at a time per pool (row locks).
-        resumed = await caps.release()
+        resumed = await caps.release(reviewed)
         if resumed:
             metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
             log.info("re-published %d jobs held for their pool's review cap", len(resumed))

@@ -22,11 +22,17 @@ from calmq.kafka import consumer_config, producer_config
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
 from calmq.processors import metrics
-from calmq.processors.admission import Gate, QuotaGate, ReviewCapGate, SpendCapGate
+from calmq.processors.admission import (
+    Gate,
+    QuotaGate,
+    ReviewCapGate,
+    SpendCapGate,
+    review_workflows,
+)
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
-from calmq.processors.pipeline import Pipeline, failure_stage, review_workflows
+from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import (
     schedule_quota_release,

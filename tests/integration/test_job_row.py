@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -55,7 +54,7 @@ def _params(query: str, job_id: uuid.UUID, tenant_id: uuid.UUID, key: uuid.UUID
         "keep_errors": 20, "grace_seconds": 1.0, "longest_tier_seconds": 1.0,
         "held_bulk": [], "held_all": [], "fleet_bulk": False, "fleet_all": False,
         "stale_seconds": 1.0, "tenant_id": tenant_id, "key": key,
-        "owner": f"batch:{key}", "custom_ids": None}
+        "owner": f"batch:{key}", "custom_ids": None, "workflows": ["summarize"]}
     wanted = set(re.findall(r"%\((\w+)\)s", query))
     unknown = wanted - set(values)
     assert not unknown, f"no test value for {sorted(unknown)}"

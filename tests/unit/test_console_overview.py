@@ -7,7 +7,13 @@ import time
 
 from calmq.lag import GroupLag
 from calmq.producers.console.lag import FleetLag
-from calmq.producers.console.pages import held_for_review_cap, lag_section, review_cap_state
+from calmq.producers.console.shaping import held_for_review_cap, lag_view, review_cap_state
+from calmq.producers.console.templates import environment
+
+
+def lag_section(lags: list[GroupLag] | None) -> str:
+    """The overview's lag section as its template renders it."""
+    return environment().get_template("_lag.html").render(lag=lag_view(lags))
 
 
 def test_lag_renders_as_a_table_and_a_bar_per_topic_and_group() -> None:
