@@ -17,7 +17,7 @@ import uuid
 import aiohttp
 from confluent_kafka import Consumer
 
-from bench.skip_locked import _call_model
+from bench.skip_locked import call_model
 from calmq.codec import make_codec
 from calmq.kafka import consumer_config
 
@@ -41,7 +41,7 @@ async def _run(bootstrap: str, topic: str, count: int, provider_url: str) -> dic
                 started = time.time()
                 cpu0 = time.process_time()
             _, event = codec.decode(msg.value() or b"")
-            await _call_model(session, provider_url, done,
+            await call_model(session, provider_url, done,
                               {"text": f"job {event['job_id']}", "mode": "success"})
             consumer.commit(message=msg, asynchronous=False)
             done += 1
