@@ -124,7 +124,9 @@ def test_the_statement_returns_every_job_field_with_the_jobs_values(
     got = Job.from_row({n: row[n] for n in wanted})
     moved = {"attempt", "lease_version"} if name == "claim_jobs" else set()
     for field in wanted:
-        if field in moved or field in ("old_status", "created_at", "deadline_at"):
+        # (a field this test does not set yet is held to being returned, above)
+        if field in moved or field not in job or field in ("old_status", "created_at",
+                                                            "deadline_at"):
             continue
         assert getattr(got, field) == job[field], (name, field)
     assert got.created_at.year == 2000
