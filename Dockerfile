@@ -1,8 +1,15 @@
-# The calmq image: every component (api, relay, worker, forwarder, reaper, fake provider)
-# is `calmq <command>` in it. docker-compose.kafka.yml builds and runs it.
-# The wheel is built in a stage of its own and installed as users install it: no checkout,
-# no editable install, the schemas and SQL as package data.
-FROM python:3.12-slim AS build
+# The calmq image: every component (api, relay, worker, forwarder, reaper, batcher, fake
+# provider) is `calmq <command>` in it. docker-compose.kafka.yml builds and runs it; the
+# release workflow pushes it (docs/how-to/deploy-kubernetes.md, "Release").
+#
+# Pinned: the base image to a patch release of the Python the lock was made with, and the
+# wheel's dependencies to requirements.lock (`make lock`), installed as they are (--no-deps)
+# and checked (pip check). The wheel is built in a stage of its own and installed as users
+# install it: no checkout, no editable install, the schemas and SQL as package data.
+# tests/integration/test_image.py runs these steps without a Docker engine.
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -13,14 +20,18 @@ COPY processors processors
 COPY schemas schemas
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
-FROM python:3.12-slim
+FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements.lock /tmp/requirements.lock
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels \
+RUN pip install --no-deps -r /tmp/requirements.lock \
+    && pip install /wheels/*.whl --no-deps \
+    && pip check \
+    && rm -rf /wheels /tmp/requirements.lock \
     && useradd --uid 10001 --no-create-home calmq
-USER calmq
+USER 10001
 
 EXPOSE 8080 9100
 CMD ["calmq", "api"]

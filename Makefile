@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench clean browser promtool
+.PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
+	manifests image lock
 
 install: $(STAMP)
 
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool
+test: install browser promtool helm kustomize
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -58,3 +59,53 @@ clean:
 # The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
 chaos: install
 	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
+
+# Helm and kustomize for the chart tests (tests/unit/test_chart.py), built once from their Go
+# modules with the machine's Go toolchain and cached per user, like the Kafka jars. Where
+# they cannot be built their tests are skipped with the reason (and fail under CI=true).
+TOOLS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/calmq/tools
+HELM_VERSION := v4.3.2
+KUSTOMIZE_VERSION := v5.8.1
+HELM := $(TOOLS)/helm-$(HELM_VERSION)/helm
+KUSTOMIZE := $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize
+
+helm: $(HELM)
+$(HELM):
+	@command -v go >/dev/null || { echo "make helm: no Go toolchain; the chart tests will be skipped"; exit 0; }; \
+	  GOTOOLCHAIN=local GOBIN=$(dir $@) nice go install helm.sh/helm/v4/cmd/helm@$(HELM_VERSION) \
+	  || echo "make helm: helm $(HELM_VERSION) could not be built; the chart tests will be skipped"
+
+kustomize: $(KUSTOMIZE)
+$(KUSTOMIZE):
+	@command -v go >/dev/null || { echo "make kustomize: no Go toolchain; the Kustomize test will be skipped"; exit 0; }; \
+	  GOTOOLCHAIN=local GOBIN=$(dir $@) nice go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION) \
+	  || echo "make kustomize: kustomize $(KUSTOMIZE_VERSION) could not be built; the Kustomize test will be skipped"
+
+# Everything written from the one renderer (calmq/tooling/kubernetes.py): the packaged copies
+# of the alert rules and the dashboard, the Helm chart, the Kustomize base and the KEDA
+# subset. Run after changing the renderer, deploy/prometheus/alerts.yml or the dashboard;
+# tests/unit/test_kubernetes.py and test_chart.py fail until you do.
+manifests: install
+	cp deploy/prometheus/alerts.yml calmq/tooling/monitoring/alerts.yml
+	cp deploy/grafana/calmq-dashboard.json calmq/tooling/monitoring/calmq-dashboard.json
+	env $$(env | grep -o '^CALMQ_[A-Z0-9_]*' | sed 's/^/-u /') sh -c '\
+	  $(BIN)/calmq k8s chart && \
+	  $(BIN)/calmq k8s render --settings deploy/kubernetes/settings.yaml -f deploy/kubernetes/values.yaml && \
+	  $(BIN)/calmq k8s render --only workers --settings deploy/kubernetes/settings.yaml -o deploy/keda'
+
+# The image (docs/how-to/deploy-kubernetes.md, "Release"): needs a Docker engine.
+VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' calmq/__init__.py)
+IMAGE ?= ghcr.io/calmq/calmq:$(VERSION)
+image:
+	@command -v docker >/dev/null || { echo "make image: no docker here; CI's release workflow builds the image"; exit 1; }
+	docker build --pull -t $(IMAGE) .
+
+# requirements.lock: the wheel's dependencies, pinned, that the Dockerfile installs. Run after
+# changing [project] dependencies in pyproject.toml (tests/unit/test_image.py checks it).
+lock: install
+	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
+	build/lock-venv/bin/pip install --quiet --upgrade pip
+	build/lock-venv/bin/pip install --quiet .
+	{ echo "# The wheel's dependencies, pinned: \`make lock\` installed calmq into a clean venv of"; \
+	  echo "# Python $$(build/lock-venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') (the image's) and froze it. The Dockerfile installs exactly these."; \
+	  build/lock-venv/bin/pip freeze --exclude calmq; } > requirements.lock

@@ -12,6 +12,15 @@ group size follows the load. ``write`` returns None (every item written) or one 
 None) per item, so that one bad row fails only its own request. With ``retry`` set, a group
 whose write raised is written again (jittered backoff) until it succeeds: for work that must
 not be dropped while the database is away; without it the error settles every item.
+
+A group can also fail because of one of its items: text PostgreSQL refuses (a NUL, a lone
+surrogate), a value out of range. Written again, it fails again, forever, and with it every
+other item of the group (the committer's groups hold up to 250 outcomes of any tenants).
+With ``refused`` (a predicate on the error: calmq.storable.refused) such a group is split
+in halves and each half written on its own, down to the one item that fails alone; that
+item is settled with its error (its caller's future, or the ``rejected`` hook for an item
+that was added, not submitted) and the rest are written. A group is never retried forever
+because of one item.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
+
+from prometheus_client import Counter
 
 from calmq.retrying import Backoff, retry_forever
 
@@ -33,18 +44,39 @@ _Item = TypeVar("_Item")
 # Writes one group; returns None if all of it is written, else one error (or None) per item.
 GroupWrite = Callable[[list[_Item]], Awaitable[Sequence[BaseException | None] | None]]
 
+# Items a group write settled with an error of their own (the database refused that item
+# alone), by batcher: each is an outcome, accept or usage row that was not written.
+REFUSED = Counter("calmq_group_write_refused_total",
+                  "Items of a group write that the database refused on their own, by batcher",
+                  ["batcher"])
+
+
+class _Refusal:
+    """A write that failed because of its items (``Batcher.refused``): split, not retried."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
 
 class Batcher(Generic[_Item]):
     """Collects items and writes them in groups with ``write`` (see the module docstring);
     ``name`` names its task, and its retries in the log and the metrics."""
 
     def __init__(self, name: str, write: GroupWrite[_Item], *, window: float = 0.0,
-                 max_batch: int = 256, writers: int = 1, retry: Backoff | None = None) -> None:
+                 max_batch: int = 256, writers: int = 1, retry: Backoff | None = None,
+                 refused: Callable[[BaseException], bool] | None = None,
+                 rejected: Callable[[_Item, BaseException], None] | None = None) -> None:
         self.name = name
         self._write = write
         self.window = window
         self.max_batch = max_batch
         self.retry = retry
+        # Whether an error is the group's data's fault (split the group), and what to do
+        # with an added item refused alone (see the module docstring).
+        self.refused = refused
+        self.rejected = rejected
         # Queued items, and beside each the future of its caller (None: added, nobody
         # waits). Two lists, not a list of pairs: ``add`` is on the worker's hot path.
         self._pending: list[_Item] = []
@@ -121,11 +153,11 @@ class Batcher(Generic[_Item]):
     async def _write_group(self, group: list[_Item],
                            futures: list[asyncio.Future[None] | None]) -> None:
         try:
-            if self.retry is not None:
-                errors = await retry_forever(f"{self.name}: writing a group failed",
-                                             lambda: self._write(group), backoff=self.retry)
-            else:
-                errors = await self._write(group)
+            errors = await self.write_group(group)
+            if self.rejected is not None and errors is not None:
+                for item, future, error in zip(group, futures, errors, strict=True):
+                    if error is not None and future is None:
+                        self.rejected(item, error)
         except BaseException as exc:
             _settle(futures, [exc] * len(group))
             if not isinstance(exc, Exception):
@@ -138,6 +170,42 @@ class Batcher(Generic[_Item]):
             self._slots.release()
             if not self._pending and not self._writing:
                 self._idle.set()
+
+
+    async def write_group(self, group: list[_Item]) -> Sequence[BaseException | None] | None:
+        """Write ``group`` now, outside the queue (again while the database is away, with
+        ``retry``); a group the database refuses because of its data is split until each
+        refusal is one item's. Returns None (all written) or one error (or None) per item."""
+        refused = self.refused
+
+        async def once() -> Sequence[BaseException | None] | _Refusal | None:
+            try:
+                return await self._write(group)
+            except Exception as exc:
+                if refused is not None and refused(exc):
+                    return _Refusal(exc)
+                raise
+
+        if self.retry is not None:
+            result = await retry_forever(f"{self.name}: writing a group failed", once,
+                                         backoff=self.retry)
+        else:
+            result = await once()
+        if not isinstance(result, _Refusal):
+            return result
+        if len(group) == 1:
+            REFUSED.labels(self.name).inc()
+            log.error("%s: the database refused an item on its own, settled without being "
+                      "written: %s", self.name, result.error)
+            return [result.error]
+        log.warning("%s: the database refused a group of %d (%s); writing it in halves to "
+                    "find the item at fault", self.name, len(group), type(result.error).__name__)
+        half = len(group) // 2
+        first = await self.write_group(group[:half])
+        second = await self.write_group(group[half:])
+        if first is None and second is None:
+            return None
+        return [*(first or [None] * half), *(second or [None] * (len(group) - half))]
 
 
 def _settle(futures: list[asyncio.Future[None] | None],

@@ -76,9 +76,14 @@ def consumer_config(bootstrap: str, group: str, **extra: Any) -> dict[str, Any]:
 
 
 def create_topics(
-    bootstrap: str, names: Iterable[str], *, partitions: int, replication: int = 1
+    bootstrap: str, names: Iterable[str], *, partitions: int, replication: int = 1,
+    max_message_bytes: int | None = None,
 ) -> list[str]:
-    """Create the topics that do not exist yet; returns the ones created now."""
+    """Create the topics that do not exist yet; returns the ones created now.
+
+    ``max_message_bytes``: the topics' ``max.message.bytes``, the same number as the relay
+    producer's ``message.max.bytes`` (setting kafka_max_message_bytes), so a record the
+    relay may send is one every topic takes (None: the broker's default)."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
     try:
         existing = set(admin.list_topics(timeout=15).topics)
@@ -87,8 +92,11 @@ def create_topics(
     wanted = [n for n in dict.fromkeys(names) if n not in existing]
     if not wanted:
         return []
+    config = ({} if max_message_bytes is None
+              else {"max.message.bytes": str(max_message_bytes)})
     futures = admin.create_topics(
-        [NewTopic(n, num_partitions=partitions, replication_factor=replication) for n in wanted],
+        [NewTopic(n, num_partitions=partitions, replication_factor=replication,
+                  config=config) for n in wanted],
         operation_timeout=30,
     )
     created = []

@@ -22,12 +22,15 @@ from urllib.parse import quote, unquote, urlparse
 
 from calmq.errors import ConfigError, ContractError, NotFound
 
-__all__ = ["CHUNK_BYTES", "FileObjectStore", "ObjectInfo", "ObjectRef", "ObjectStore",
+__all__ = ["CHUNK_BYTES", "PART_BYTES", "FileObjectStore", "ObjectInfo", "ObjectRef", "ObjectStore",
            "S3ObjectStore", "iter_chunks", "media_type", "open_object_store", "read_bounded",
            "stat_object", "too_large"]
 
 # What a streaming read holds at a time.
 CHUNK_BYTES = 64 * 1024
+# One part of an S3 multipart upload: S3's smallest part (but the last), so that a stream of
+# any length holds at most this much in memory and nothing on disk.
+PART_BYTES = 5 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,67 @@ class S3ObjectStore:
         return ObjectRef(
             f"s3://{self.bucket}/{full}", hashlib.sha256(data).hexdigest(), content_type, len(data)
         )
+
+    async def put_stream(self, key: str, chunks: AsyncIterator[bytes], content_type: str
+                         ) -> ObjectRef:
+        """Store the bytes ``chunks`` yields under ``key`` without holding them whole: one
+        ``PART_BYTES`` part at a time as an S3 multipart upload (a stream shorter than one
+        part is a single put). Nothing is visible under ``key`` unless the stream ends
+        normally: on any error (one ``chunks`` raises, say, past a size limit) the upload
+        is aborted and S3 drops its parts."""
+        full = self._key(key)
+        digest = hashlib.sha256()
+        size = 0
+        pending: list[bytes] = []
+        held = 0
+        upload_id: str | None = None
+        parts: list[dict[str, Any]] = []
+        client: Any = self._client
+        try:
+            async for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                pending.append(chunk)
+                held += len(chunk)
+                if held < PART_BYTES:
+                    continue
+                if upload_id is None:
+                    started = await asyncio.to_thread(
+                        client.create_multipart_upload, Bucket=self.bucket, Key=full,
+                        ContentType=content_type)
+                    upload_id = str(started["UploadId"])
+                body = b"".join(pending)
+                pending, held = [], 0
+                parts.append(await self._part(full, upload_id, len(parts) + 1, body))
+                del body
+            if upload_id is None:  # shorter than a part: one put
+                body = b"".join(pending)
+                await asyncio.to_thread(client.put_object, Bucket=self.bucket, Key=full,
+                                        Body=body, ContentType=content_type)
+            else:
+                if pending:
+                    parts.append(await self._part(full, upload_id, len(parts) + 1,
+                                                  b"".join(pending)))
+                await asyncio.to_thread(
+                    client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                    UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            if upload_id is not None:
+                # Best effort: S3's lifecycle rule for incomplete uploads is the backstop
+                # (docs/how-to/production-checklist.md).
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.to_thread(
+                        client.abort_multipart_upload, Bucket=self.bucket, Key=full,
+                        UploadId=upload_id))
+            raise
+        return ObjectRef(f"s3://{self.bucket}/{full}", digest.hexdigest(), content_type, size)
+
+    async def _part(self, full: str, upload_id: str, number: int, body: bytes
+                    ) -> dict[str, Any]:
+        done = await asyncio.to_thread(
+            self._client.upload_part, Bucket=self.bucket, Key=full, UploadId=upload_id,
+            PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": done["ETag"]}
 
     async def get(self, uri: str) -> bytes:
         parsed = urlparse(uri)

@@ -23,6 +23,7 @@ from prometheus_client import Histogram
 
 from calmq import events, topics
 from calmq.data import Database
+from calmq.data.jobs import requested
 from calmq.data.outbox import entry
 from calmq.data.reviews import PendingReview, ReviewDecision, ReviewJob, Reviews
 from calmq.errors import ContractError, NotFound, StepFailure
@@ -145,9 +146,8 @@ class ReviewDesk:
         if following is not None:
             pool = workflow.pool_of(following)
             moved = await tx.resume(job, following.name, pool, following.attempts)
-            await tx.emit([entry(topics.work_route(pool, job.priority), "job.requested",
-                                 events.requested(moved), key=job.id,
-                                 trace_parent=job.trace_parent)])
+            # Through the one job.requested builder: an approved job keeps its lane.
+            await tx.emit([requested(moved)])
             await tx.add_event(job, EventType.QUEUED, {"step": following.name, "pool": pool})
             return Status.QUEUED
         ref = await self.objects.put(artifact_key(job.tenant_id, job.id, job.step),

@@ -16,15 +16,26 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from calmq import __version__
 from calmq.errors import ConfigError
+from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
-__all__ = ["ENV_PREFIX", "Settings", "claimed_window", "parse_duration", "service_links"]
+__all__ = ["ENV_PREFIX", "IMAGE_REPOSITORY", "STRICT_ENV", "Settings", "claimed_window",
+           "parse_duration", "service_links"]
 
 ENV_PREFIX = "CALMQ_"
 
-# Variables with the prefix that are not settings but are still ours to read.
-_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK"})
+# Variables with the prefix that are not settings but are still ours to read: the test
+# session's, the strictness switch below, and the names the results-consumer examples
+# (examples/consumers/) read, so that a shell set up for them still runs the CLI.
+STRICT_ENV = "CALMQ_STRICT_SETTINGS"
+_NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK", STRICT_ENV, "CALMQ_CONSUMER_GROUP",
+                              "CALMQ_TENANT_ID", "CALMQ_MAX_MESSAGES", "CALMQ_IDLE_TIMEOUT"})
+# Old names kept for one release: variable -> the setting it now sets (a warning says so).
+_ALIASES = {"CALMQ_KEDA_IMAGE": "image"}
+# Where the release workflow pushes the image (docs/how-to/deploy-kubernetes.md).
+IMAGE_REPOSITORY = "ghcr.io/calmq/calmq"
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +92,14 @@ class Settings(BaseSettings):
 
     # Where the real parts are. Empty means "the running local stack" (calmq dev env).
     database_url: str = ""
+    migrate_database_url: str = Field(
+        default="",
+        description="the database URL `calmq migrate` uses (a role that may run DDL); "
+                    "empty: database_url")
+    relay_database_url: str = Field(
+        default="",
+        description="the database URL the relay uses (a role with REPLICATION); empty: "
+                    "database_url")
     kafka_bootstrap: str = ""
     schema_registry_url: str = Field(
         default="",
@@ -97,8 +116,40 @@ class Settings(BaseSettings):
     # Intake API.
     api_host: str = Field(default="127.0.0.1", description="address the API listens on")
     api_port: int = Field(default=8080, ge=0, le=65535, description="port the API listens on")
+    api_metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the API's /metrics on this port (on api_host) instead of the API "
+                    "port, which then answers 404 there; unset: on the API port")
+    api_console: bool = Field(
+        default=True, description="serve the web console (/console); false: its routes "
+                                  "answer 404")
+    api_console_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve the console on this port (on api_host) instead of the API port; "
+                    "unset: on the API port")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
+    auth_cache_max_misses: int = Field(
+        default=1000, ge=0, le=1_000_000,
+        description="unknown API keys the API remembers at most (the oldest is forgotten "
+                    "first); misses never push a known key out of its cache")
+    # Fair use of one API process (calmq.producers.throttle; per process, not fleet-wide).
+    api_rate_per_second: float = Field(
+        default=0.0, ge=0,
+        description="requests a second each API key may send (token bucket); past it 429 "
+                    "rate_limited with Retry-After; 0: no limit")
+    api_rate_burst: int = Field(
+        default=200, ge=1,
+        description="the token bucket's size: requests a key may send at once after a pause")
+    api_streams_per_tenant: int = Field(
+        default=100, ge=0,
+        description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
+                    "API process; more answer 429 too_many_streams; 0: no cap")
+    api_reads_per_tenant: int = Field(
+        default=8, ge=0,
+        description="expensive reads (job, review and dead-letter lists, artifact "
+                    "downloads) one tenant may run at once in one API process; more answer "
+                    "429 too_many_reads; 0: no cap")
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     max_multipart_parts: int = Field(
         default=16, ge=1, le=10_000,
@@ -108,6 +159,22 @@ class Settings(BaseSettings):
         default=1024 * 1024, ge=1024,
         description="largest total size of a multipart submit's non-file fields; more "
                     "answers 413 fields_too_large and stores nothing")
+    # Size limits on what a tenant sends that reaches an event or a row, measured as it
+    # will encode (docs/explanation/security.md lists every limit and what happens at it).
+    max_metadata_bytes: int = Field(
+        default=MAX_METADATA_BYTES, ge=2, le=512 * 1024,
+        description="largest submit metadata, as the compact ASCII JSON the job.result and "
+                    "job.dead_lettered events carry (non-ASCII text counts 6 bytes a "
+                    "character); more answers 413 metadata_too_large")
+    max_note_bytes: int = Field(
+        default=MAX_NOTE_BYTES, ge=16, le=64 * 1024,
+        description="largest free-text note (a review's reason and reviewer, a redrive's "
+                    "reason and by, a cancel's reason), as UTF-8 JSON text; more answers "
+                    "413 note_too_large")
+    max_job_errors: int = Field(
+        default=KEEP_ERRORS, ge=1, le=1000,
+        description="a job keeps the errors of its last this many failed attempts (older "
+                    "ones drop off); job.dead_lettered carries them")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     accept_batch_max: int = Field(default=256, ge=1)
@@ -159,6 +226,12 @@ class Settings(BaseSettings):
         description="batch compression of every record calmq produces; none and gzip are read"
                     " by every mainstream client without a codec plugin (see"
                     " docs/reference/topics.md)")
+    kafka_max_message_bytes: int = Field(
+        default=1_000_000, ge=64 * 1024, le=100 * 1024 * 1024,
+        description="the largest record calmq produces: the relay producer's "
+                    "message.max.bytes, and max.message.bytes of the topics `calmq topics "
+                    "create` makes (set together; a larger outbox row goes to calmq.dlq as "
+                    "record_too_large)")
     topic_partitions: int = Field(default=8, ge=1)
     topic_replication: int = Field(default=1, ge=1)
 
@@ -251,18 +324,29 @@ class Settings(BaseSettings):
         description="the provider's batch queue limit in tokens per model (estimated, prompt "
                     "+ max_tokens); the batcher waits while open batches hold that many; 0: none")
 
-    # KEDA manifests (`calmq keda render`, docs/how-to/autoscaling.md). The replica cap
+    # Kubernetes manifests and KEDA (`calmq k8s render`, docs/how-to/autoscaling.md). The cap
     # reads budget_tokens_per_minute (0: no budget, partitions alone bound the fleet) and
     # these two estimates, which a running fleet's metrics refine.
     keda_pools: str = Field(
         default="", description="comma list of pools (default: every pool the workflows use)")
-    keda_namespace: str = "calmq"
-    keda_image: str = "calmq:latest"
+    keda_namespace: str = Field(
+        default="calmq", description="the namespace `calmq k8s render` renders into")
+    image: str = Field(
+        default=f"{IMAGE_REPOSITORY}:{__version__}",
+        description="the calmq image every rendered container runs (CALMQ_KEDA_IMAGE, its "
+                    "old name, is read for one more release)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="imagePullPolicy of every rendered container")
+    image_pull_secrets: str = Field(
+        default="", description="comma list of Secrets the rendered pods pull the image with")
     keda_lag_threshold: int | None = Field(
         default=None, ge=1,
         description="KEDA lagThreshold, messages of lag per replica (default: the worker's"
                     " in-flight window, concurrency + an eighth)")
-    keda_min_replicas: int = Field(default=0, ge=0)
+    keda_min_replicas: int | None = Field(
+        default=None, ge=0,
+        description="KEDA minReplicaCount of every pool (default: 1 for a pool that takes "
+                    "interactive work, 0 for a bulk-only pool)")
     keda_tokens_per_job: int = Field(default=8_000, ge=1)  # estimate: prompt + completion
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
@@ -323,6 +407,14 @@ class Settings(BaseSettings):
     def effective_provider_url(self) -> str:
         return self.provider_url or self.fake_provider_url
 
+    @property
+    def effective_migrate_database_url(self) -> str:
+        return self.migrate_database_url or self.database_url
+
+    @property
+    def effective_relay_database_url(self) -> str:
+        return self.relay_database_url or self.database_url
+
     @classmethod
     def load(
         cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
@@ -343,6 +435,9 @@ class Settings(BaseSettings):
             environ = env
             shadowed = {name: field.default for name, field in cls.model_fields.items()
                         if ENV_PREFIX + name.upper() in links}
+        env = _renamed(env)
+        if environ is not None or env is not os.environ:
+            environ = env
         known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
         unknown = sorted(
             k
@@ -350,11 +445,8 @@ class Settings(BaseSettings):
             if k.startswith(ENV_PREFIX) and k not in known and k not in _NON_SETTING_ENV
         )
         if unknown:
-            raise ConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
-                "for the names calmq reads",
-                code="unknown_setting",
-            )
+            env = _unknown(env, unknown)
+            environ = env
         clean = {k: v for k, v in (overrides or {}).items() if v is not None}
         try:
             if environ is None:
@@ -372,6 +464,32 @@ class Settings(BaseSettings):
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _renamed(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with each old variable name read as its setting's new one (the new name
+    wins when both are set), and a warning naming the change."""
+    old = [k for k in _ALIASES if k in env]
+    if not old:
+        return env
+    out = {k: v for k, v in env.items() if k not in old}
+    for name in old:
+        new = ENV_PREFIX + _ALIASES[name].upper()
+        out.setdefault(new, env[name])
+        log.warning("%s is the old name of %s; it is read for one more release", name, new)
+    return out
+
+
+def _unknown(env: Mapping[str, str], unknown: list[str]) -> Mapping[str, str]:
+    """Unknown ``CALMQ_`` variables are an error; with CALMQ_STRICT_SETTINGS=false (what
+    the rendered pods set: their ConfigMap may hold a setting an older or newer release
+    does not know, during an upgrade or a rollback) a warning, and they are dropped."""
+    message = (f"unknown setting(s) {', '.join(unknown)}; see docs/reference/settings.md "
+               "for the names calmq reads")
+    if env.get(STRICT_ENV, "true").strip().lower() not in ("false", "0", "no"):
+        raise ConfigError(message, code="unknown_setting")
+    log.warning("%s (ignored: %s=false)", message, STRICT_ENV)
+    return {k: v for k, v in env.items() if k not in unknown}
 
 
 def _warn_links(links: list[str]) -> None:

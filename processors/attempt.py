@@ -38,6 +38,7 @@ from calmq.objects import ObjectStore, read_bounded
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
 from calmq.processors.slots import CallSlots
+from calmq.storable import UNSTORABLE_OUTPUT, clean, unstorable_outcome
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import Progress
 
@@ -62,8 +63,29 @@ class Attempt:
         self.progress = Progress(store, objects, review_deadline_seconds)
 
     async def run(self, job: Job, topic: str) -> Finish:
-        """The outcome of ``job``'s attempt; ``topic``: where its message came from (a
-        retry goes back there). Raises only ``LeaseLost`` and cancellation."""
+        """The outcome of ``job``'s attempt, as it will be committed (by the committer or
+        the batch poller), held to what PostgreSQL can store first; ``topic``: where its
+        message came from (a retry goes back there). Raises only ``LeaseLost`` and
+        cancellation."""
+        return self._storable(job, topic, await self._outcome(job, topic))
+
+    def _storable(self, job: Job, topic: str, finish: Finish) -> Finish:
+        """``finish``, or, if it holds text PostgreSQL refuses (a NUL or a lone surrogate in
+        the step's output, its error or an event: calmq.storable), the step's failure as
+        ``input`` / ``unstorable_output`` with a message that holds none of that text. The
+        group commit would otherwise fail on it, with every outcome beside it."""
+        found = unstorable_outcome(finish)
+        if found is None:
+            return finish
+        metrics.UNSTORABLE.inc()
+        message = f"the step's result holds text that cannot be stored: {found}"
+        if finish.error is not None:
+            message += f" (its error was: {clean(str(finish.error.get('message', '')))})"
+        log.warning("step %s of job %s: %s", job.step, job.id, message)
+        return self.failures.outcome(job, topic, StepFailure(
+            message, code=UNSTORABLE_OUTPUT, failure_class=FailureClass.INPUT))
+
+    async def _outcome(self, job: Job, topic: str) -> Finish:
         started = time.monotonic()
         workflow = self.workflows.get(job.workflow)
         try:

@@ -50,6 +50,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
 from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
+from calmq.batching import Batcher
 from calmq.codec import make_codec
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
@@ -66,8 +67,9 @@ from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.slots import CallSlots
-from calmq.retrying import retry_forever
+from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
+from calmq.storable import refused
 from calmq.supervision import Lifecycle
 from calmq.workflows import Workflow, load_workflows
 
@@ -355,6 +357,11 @@ class Poller:
         self.settings = settings
         self.worker_id = worker_id
         self._gate = asyncio.Semaphore(4)
+        self._outcomes: Batcher[Finish] = Batcher("batch-settle", self._finish,
+                                                  retry=RECONNECT, refused=refused)
+
+    async def _finish(self, finishes: list[Finish]) -> None:
+        await self.store.attempts.finish(finishes)
 
     async def pass_once(self) -> int:
         """Look at the batches due; returns how many were taken."""
@@ -470,8 +477,12 @@ class Poller:
         finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
                                           for job, topic in work))
         await self.store.batches.fall_back_online(online)
-        await retry_forever("writing batch outcomes failed",
-                            lambda: self.store.attempts.finish(finishes))
+        # Written like the worker's committer: again while the database is away, and split
+        # (never retried forever) when one outcome's data is refused.
+        refusals = await self._outcomes.write_group(finishes) or []
+        for finish, error in zip(finishes, refusals, strict=False):
+            if error is not None:
+                log.error("batch outcome of %s dropped: %s", finish.job_id, error)
         rows = []
         for (job, _), finish in zip(work, finishes, strict=True):
             tokens_in, tokens_out, cost, online_cost = self.book.costs.pop(
@@ -549,7 +560,7 @@ class BatchLane:
     async def start(self, life: Lifecycle) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        store = self._store = Store(s.database_url, max_size=8)
+        store = self._store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors)
         await store.open()
         codec = make_codec(s.schema_registry_url)
         objects = open_object_store(s.object_store_url)

@@ -9,8 +9,9 @@ Up to ``writers`` groups are written at once on separate connections: with hundr
 calls ending together, one serial writer became the ceiling of a worker's throughput (a
 group's transaction costs a few ms per outcome), while groups never touch the same job row,
 so they do not contend. A group is written again until the database takes it: dropping it
-would leave its offsets pending for good. An outcome the database refused (its attempt lost
-the lease) is done too: its job belongs to another attempt, with its own message.
+would leave its offsets pending for good. An outcome the database did not move (its attempt
+lost the lease) is done too: its job belongs to another attempt, with its own message; one
+whose data the database refuses is split out of its group and dropped (calmq.storable).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker
 from calmq.processors.request import Position
 from calmq.retrying import RECONNECT
+from calmq.storable import refused
 
 __all__ = ["Committer"]
 
@@ -37,9 +39,11 @@ class Committer:
     ) -> None:
         self.store = store
         self.tracker = tracker
+        # A group the database refuses because of one outcome's data is split until that
+        # outcome is alone (calmq.batching); it is then dropped, its offset marked done.
         self._batcher: Batcher[tuple[Finish, Position]] = Batcher(
             "committer", self._write, window=window, max_batch=max_batch, writers=writers,
-            retry=RECONNECT)
+            retry=RECONNECT, refused=refused, rejected=self._refused)
 
     def start(self) -> None:
         self._batcher.start()
@@ -65,6 +69,15 @@ class Committer:
                 metrics.FENCED.labels("stale_outcome").inc()
         metrics.GROUP_WRITE_SECONDS.observe(time.monotonic() - started)
         metrics.GROUP_SIZE.observe(len(group))
+
+    def _refused(self, item: tuple[Finish, Position], error: BaseException) -> None:
+        """An outcome the database refused on its own (what the attempt's storable check
+        did not catch): never written again. Its offset is done, so its partition commits
+        on; the job's lease runs out and the reaper requeues it."""
+        finish, (tp, offset) = item
+        log.error("the outcome of attempt %d of %s could not be stored and was dropped: %s",
+                  finish.attempt, finish.job_id, error)
+        self.tracker.done(tp, offset)
 
     async def drain(self) -> None:
         await self._batcher.drain()

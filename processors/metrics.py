@@ -32,6 +32,7 @@ __all__ = [
     "SATURATION",
     "SKIPPED",
     "STEP_SECONDS",
+    "UNSTORABLE",
     "finished",
 ]
 
@@ -47,6 +48,9 @@ REVIEW_CAP_HELD = Counter("calmq_review_cap_held_total",
 REVIEW_CAP_RESUMED = Counter("calmq_review_cap_resumed_total",
                              "Jobs held for a review cap re-published as room freed")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
+UNSTORABLE = Counter("calmq_unstorable_outputs_total",
+                     "Attempts failed as unstorable_output: their result held text PostgreSQL "
+                     "refuses (a NUL, a lone surrogate)")
 ABORTED = Counter("calmq_attempts_aborted_total", "In-flight attempts aborted: lease lost")
 # ``reason``: heartbeat_failed (the worker stopped the attempt itself: its heartbeats failed
 # for most of a lease), stale_outcome (the database refused the outcome: a newer claim, a

@@ -109,7 +109,7 @@ class Worker:
         s = self.settings
         loop = asyncio.get_running_loop()
         # 4 group-commit writers, claims, leases
-        store = self._store = Store(s.database_url, max_size=12)
+        store = self._store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors)
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = self._provider = await open_metered_provider(s, store)

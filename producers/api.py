@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import psycopg
@@ -24,10 +25,13 @@ from calmq.producers.backlog import QueueAge, SlotWatch, slot_gauges
 from calmq.producers.console import add_console
 from calmq.producers.context import (
     AUTH_CACHE,
+    AUTH_MISSES,
+    GATES,
     GROUP_COMMIT,
     HUB,
     OBJECTS,
     OPENAPI,
+    RATE,
     SETTINGS,
     STORE,
     WORKFLOWS,
@@ -39,6 +43,7 @@ from calmq.producers.parsing import storable
 from calmq.producers.problems import problem
 from calmq.producers.retention import Sweeper
 from calmq.producers.routes import ROUTES
+from calmq.producers.throttle import RateLimiter, TenantGates, Throttled
 from calmq.producers.views import job_view
 from calmq.producers.webhooks import Dispatcher
 from calmq.settings import Settings
@@ -62,6 +67,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
                 raise ContractError("a query parameter holds a NUL character or a byte that "
                                     "is not UTF-8", code="invalid_query")
         return await handler(request)  # type: ignore[no-any-return]
+    except Throttled as exc:
+        REJECTED.labels(exc.code).inc()
+        response = problem(exc.status, exc.code, exc.message)
+        response.headers["Retry-After"] = exc.retry_after_header
+        return response
     except ContractError as exc:
         REJECTED.labels(exc.code).inc()
         return problem(exc.status, exc.code, exc.message)
@@ -111,15 +121,50 @@ def build_app(
     app[WORKFLOWS] = registry
     app[OBJECTS] = objects or open_object_store(settings.object_store_url)
     app[AUTH_CACHE] = {}
+    app[AUTH_MISSES] = OrderedDict()
+    app[RATE] = RateLimiter(settings.api_rate_per_second, settings.api_rate_burst)
+    app[GATES] = TenantGates(streams=settings.api_streams_per_tenant,
+                             reads=settings.api_reads_per_tenant)
     app[GROUP_COMMIT] = GroupCommit(store.pool, max_batch=settings.accept_batch_max)
     app[HUB] = Hub(settings.database_url)
     app[OPENAPI] = document(ROUTES, registry)
+    # /metrics and the console may each have a port of their own, so that a NetworkPolicy
+    # (or an Ingress) can open the API to clients without opening them too.
+    own_ports: list[tuple[web.Application, int]] = []
     for route in ROUTES:
+        if route.path == "/metrics" and settings.api_metrics_port is not None:
+            metrics = web.Application(middlewares=[_errors])
+            metrics.router.add_route(route.method, route.path, route.handler)
+            own_ports.append((metrics, settings.api_metrics_port))
+            continue
         app.router.add_route(route.method, route.path, route.handler)
-    add_console(app)  # the web console's pages (not in ROUTES: not in /openapi.json)
+    if settings.api_console and settings.api_console_port is not None:
+        console = web.Application(middlewares=[_errors], client_max_size=settings.max_body_bytes)
+        # The same objects: one store, one cache, one hub.
+        console[STORE], console[SETTINGS], console[WORKFLOWS] = store, settings, registry
+        console[OBJECTS], console[AUTH_CACHE] = app[OBJECTS], app[AUTH_CACHE]
+        console[GROUP_COMMIT], console[HUB], console[OPENAPI] = (
+            app[GROUP_COMMIT], app[HUB], app[OPENAPI])
+        add_console(console)
+        own_ports.append((console, settings.api_console_port))
+    elif settings.api_console:
+        add_console(app)  # the web console's pages (not in ROUTES: not in /openapi.json)
+    runners: list[web.AppRunner] = []
+
+    async def start_own_ports(_app: web.Application) -> None:
+        for sub, port in own_ports:
+            runner = web.AppRunner(sub, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, settings.api_host, port).start()
+            runners.append(runner)
+
+    async def stop_own_ports(_app: web.Application) -> None:
+        for runner in runners:
+            await runner.cleanup()
 
     hub = app[HUB]
     hub.on(KEYS, app[AUTH_CACHE].clear)  # a revoked key stops working at once
+    hub.on(KEYS, app[AUTH_MISSES].clear)  # and a new one at once
     dispatcher = Dispatcher(settings, store, job_view)
     sweeper = Sweeper(settings, store, app[OBJECTS])
     pools = {wf.pool_of(step) for wf in registry.values() for step in wf.steps}
@@ -155,7 +200,9 @@ def build_app(
     async def close_streams(_app: web.Application) -> None:
         hub.close_streams()  # open SSE streams must not hold the shutdown for a minute
 
+    app.on_startup.append(start_own_ports)
     app.on_startup.append(start_background)
     app.on_shutdown.append(close_streams)
+    app.on_cleanup.append(stop_own_ports)
     app.on_cleanup.append(stop_background)
     return app

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from calmq.data import Tenant
 from calmq.errors import ContractError
-from calmq.producers.context import AUTH_CACHE, SETTINGS, STORE
+from calmq.producers.context import AUTH_CACHE, AUTH_MISSES, RATE, SETTINGS, STORE
 
 __all__ = ["COOKIE", "key_tenant", "tenant"]
 
@@ -41,6 +41,8 @@ async def tenant(request: web.Request, *roles: str) -> Tenant:
     if found is None:
         raise ContractError("the API key is unknown or revoked", code="invalid_api_key",
                             status=401)
+    # After the lookup: a bucket per real key (random keys would each get a fresh one).
+    request.app[RATE].check(found.identity)
     if roles and not any(found.can(r) for r in roles):
         raise ContractError(f"this API key has the role(s) {', '.join(found.roles)}; this "
                             f"needs {' or '.join(roles)} (calmq tenants add-key --roles)",
@@ -50,14 +52,27 @@ async def tenant(request: web.Request, *roles: str) -> Tenant:
 
 async def key_tenant(request: web.Request, key: str) -> Tenant | None:
     """The tenant of ``key`` through the cache, or None (unknown or revoked)."""
-    cache = request.app[AUTH_CACHE]
+    cache, misses = request.app[AUTH_CACHE], request.app[AUTH_MISSES]
     now = time.monotonic()
     hit = cache.get(key)
     if hit is not None and hit[0] > now:
-        found = hit[1]
-    else:
-        found = await request.app[STORE].tenants.for_key(key)
-        if len(cache) > _CACHE_MAX:
-            cache.clear()
-        cache[key] = (now + request.app[SETTINGS].auth_cache_seconds, found)
+        return hit[1]
+    missed = misses.get(key)
+    if missed is not None and missed > now:
+        return None
+    found = await request.app[STORE].tenants.for_key(key)
+    settings = request.app[SETTINGS]
+    expires = now + settings.auth_cache_seconds
+    if found is None:
+        # Unknown keys apart, the oldest forgotten first: random keys cannot evict the
+        # known ones (they used to fill the one cache until it was cleared whole).
+        misses.pop(key, None)
+        if settings.auth_cache_max_misses:
+            misses[key] = expires
+            while len(misses) > settings.auth_cache_max_misses:
+                misses.popitem(last=False)
+        return None
+    if len(cache) > _CACHE_MAX:
+        cache.clear()  # only known keys are here: this many means keys were rotated a lot
+    cache[key] = (expires, found)
     return found

@@ -32,6 +32,7 @@ import psycopg
 from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
 from calmq.lanes import choose_lane
+from calmq.limits import MAX_METADATA_BYTES, check_metadata
 from calmq.producers.intake import prepare
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
@@ -52,12 +53,15 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
     workflows: Mapping[str, Workflow] | None, lane: str | None = None,
+    max_metadata_bytes: int = MAX_METADATA_BYTES,
 ) -> NewJob:
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
                             status=422)
     if priority not in ("interactive", "bulk"):
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
+    # The API's limit on metadata holds for a job written directly too: its events carry it.
+    check_metadata(metadata, max_metadata_bytes)
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
     chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None
@@ -84,15 +88,18 @@ def enqueue(
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
     lane: str | None = None,
+    max_metadata_bytes: int = MAX_METADATA_BYTES,
 ) -> uuid.UUID:
     """Insert a job in the caller's transaction on ``conn``; returns its id. Does not commit.
 
-    The input is validated exactly as the API validates it (ContractError on bad input).
+    The input is validated exactly as the API validates it (ContractError on bad input),
+    and ``metadata`` is held to ``max_metadata_bytes`` as the job's events carry it (the
+    API's setting max_metadata_bytes; ContractError ``metadata_too_large``).
     ``callback_url`` is not checked for private addresses here: the caller is inside the
     trust boundary; the webhook dispatcher still refuses them unless allowed.
     """
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows, lane)
+                    callback_url, metadata, workflows, lane, max_metadata_bytes)
     insert_job_sync(conn, job)
     return job.id
 
@@ -110,10 +117,11 @@ async def enqueue_async(
     metadata: Mapping[str, Any] | None = None,
     workflows: Mapping[str, Workflow] | None = None,
     lane: str | None = None,
+    max_metadata_bytes: int = MAX_METADATA_BYTES,
 ) -> uuid.UUID:
     """``enqueue`` for an async psycopg connection."""
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows, lane)
+                    callback_url, metadata, workflows, lane, max_metadata_bytes)
     await insert_job(conn, job)
     return job.id
 

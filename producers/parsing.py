@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from calmq.errors import ContractError, NotFound
+from calmq.storable import storable
 
 __all__ = ["LIST_MAX", "check_storable", "job_id", "limit", "read_body", "storable", "validate"]
 
@@ -31,17 +32,6 @@ M = TypeVar("M", bound=BaseModel)
 
 def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def storable(text: str) -> bool:
-    """Whether PostgreSQL can store ``text``: no NUL, and valid UTF-8 (no lone surrogate)."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def check_storable(value: Any, where: str = "the body") -> None:

@@ -12,7 +12,8 @@ __all__ = ["problem"]
 _TITLES = {
     400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
     405: "Method Not Allowed", 409: "Conflict", 413: "Content Too Large",
-    415: "Unsupported Media Type", 422: "Unprocessable Content", 500: "Internal Server Error",
+    415: "Unsupported Media Type", 422: "Unprocessable Content", 429: "Too Many Requests",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 

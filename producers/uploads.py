@@ -1,9 +1,10 @@
 """Objects the API moves by stream: multipart uploads in, artifacts out, and purges.
 
 The kernel's ObjectStore puts and gets whole byte strings, which suits artifacts a worker
-writes; an upload of up to ``max_upload_bytes`` must never be held whole in memory, so the
-API streams it here: to a temp file next to its final place (file://) or to a local spool
-file that boto3 uploads in parts (s3://). Nothing is visible under the final key until the
+writes; an upload of up to ``max_upload_bytes`` must never be held whole in memory, nor
+spooled whole to the pod's small disk, so the API streams it here: to a temp file next to
+its final place (file://), or straight into an S3 multipart upload, one part in memory at a
+time (s3://, ``S3ObjectStore.put_stream``). Nothing is visible under the final key until the
 whole body arrived within the limit.
 """
 
@@ -67,6 +68,8 @@ async def store_stream(
 
     On any failure nothing is left under ``key`` (and no temp file is left behind).
     """
+    if isinstance(objects, S3ObjectStore):
+        return await objects.put_stream(key, _bounded(source, limit), content_type)
     if isinstance(objects, FileObjectStore):
         final = objects.root / key
         # A directory create and an empty temp file: metadata calls, cheap next to the upload.
@@ -82,13 +85,6 @@ async def store_stream(
         if isinstance(objects, FileObjectStore):
             await asyncio.to_thread(tmp.replace, final)
             return ObjectRef(final.as_uri(), ref.sha256, content_type, size)
-        if isinstance(objects, S3ObjectStore):
-            full = objects._key(key)
-            await asyncio.to_thread(
-                objects._client.upload_file,
-                str(tmp), objects.bucket, full, ExtraArgs={"ContentType": content_type},
-            )
-            return ObjectRef(f"s3://{objects.bucket}/{full}", ref.sha256, content_type, size)
         # Another ObjectStore implementation: only whole puts are possible.
         data = await asyncio.to_thread(tmp.read_bytes)
         return await objects.put(key, data, content_type)
@@ -97,14 +93,28 @@ async def store_stream(
             tmp.unlink()  # noqa: ASYNC240 - one metadata call, on the failure path mostly
 
 
+async def _bounded(source: ChunkSource, limit: int) -> AsyncIterator[bytes]:
+    """``source``'s chunks, and ContractError 413 as soon as they pass ``limit`` bytes."""
+    size = 0
+    while chunk := await source.read_chunk(_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        yield chunk
+
+
+def _too_large(limit: int) -> ContractError:
+    return ContractError(f"the file is over the {limit} byte upload limit",
+                         code="file_too_large", status=413)
+
+
 async def _copy(source: ChunkSource, fh: IO[bytes], limit: int) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = 0
     while chunk := await source.read_chunk(_CHUNK):
         size += len(chunk)
         if size > limit:
-            raise ContractError(f"the file is over the {limit} byte upload limit",
-                                code="file_too_large", status=413)
+            raise _too_large(limit)
         digest.update(chunk)
         fh.write(chunk)
     return digest.hexdigest(), size

@@ -24,11 +24,12 @@ __all__ = ["CdcRelay", "OutboxRow", "PendingTransactions", "PollingRelay", "Publ
 def make_relay(settings: Settings, publisher: Publisher) -> CdcRelay | PollingRelay:
     """The relay the settings ask for (``relay_mode``), publishing through ``publisher``."""
     if settings.relay_mode == "polling":
-        return PollingRelay(settings.database_url, publisher, batch=settings.relay_batch,
+        return PollingRelay(settings.effective_relay_database_url, publisher,
+                            batch=settings.relay_batch,
                             idle_seconds=settings.relay_idle_ms / 1000,
                             retention_seconds=settings.outbox_retention_seconds)
     return CdcRelay(
-        settings.database_url, publisher,
+        settings.effective_relay_database_url, publisher,
         slot=settings.relay_slot, publication=settings.relay_publication,
         retention_seconds=settings.outbox_retention_seconds,
         housekeeping_seconds=settings.relay_housekeeping_seconds,

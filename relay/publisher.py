@@ -7,6 +7,14 @@ retry bookkeeping). A payload that does not fit its schema, or a row routed to a
 does not exist, goes to ``calmq.dlq`` with the reason instead of stopping the relay: the
 relay publishes every pool's rows in one commit order, so one row it cannot place would
 otherwise hold back all the others (and a relay that crashes on it crashes again on restart).
+
+A record too large for Kafka (librdkafka's ``message.max.bytes``, refused at ``produce``, or
+the topic's ``max.message.bytes``, refused by the broker in the delivery report) is the
+row's fault in the same way: retrying it would resume from the same slot position forever
+and publish nothing for any tenant again. Such a row goes to ``calmq.dlq`` as a
+``job.dead_lettered`` naming the job, with the first ``_EXCERPT_BYTES`` of its payload and
+the error code ``record_too_large``; ``calmq_relay_rejected_total{code}`` counts every
+rejection and the ``CalmqRelayRejectedRecords`` alert fires on it.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from prometheus_client import Counter
 
 from calmq import topics
 from calmq.codec import EventCodec
@@ -40,6 +50,21 @@ log = logging.getLogger(__name__)
 _MISSING_TOPIC_TTL = 10.0
 _METADATA_TIMEOUT = 5.0
 _NO_TOPIC = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+# A record (or the batch holding only it) larger than the producer's message.max.bytes or
+# the topic's max.message.bytes: librdkafka's MSG_SIZE_TOO_LARGE, the broker's
+# MESSAGE_TOO_LARGE / RECORD_TOO_LARGE (the same code, 10) and RECORD_LIST_TOO_LARGE.
+_TOO_LARGE = (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE)
+# How much of a rejected row's payload its DLQ record carries (raw_value): enough to see
+# whose job it was and what it held, far below any record limit.
+_EXCERPT_BYTES = 8 * 1024
+
+
+@cache
+def _rejected_total() -> Counter:
+    # Created on first use, not at import; the label is a stable error code (bounded).
+    return Counter("calmq_relay_rejected_total",
+                   "Outbox rows published to calmq.dlq instead of their topic, by reason",
+                   ["code"])
 
 
 class Publisher:
@@ -53,6 +78,9 @@ class Publisher:
         # Debezium's route.topic.replacement: ${routedByValue} is the row's aggregatetype.
         self.topic_replacement = topic_replacement
         self._failed: list[KafkaError] = []
+        # Rows Kafka refused as too large in a delivery report, to reject once reports are
+        # served (producing from inside librdkafka's callback could block on a full queue).
+        self._oversized: list[tuple[OutboxRow, Callable[[], None] | None, KafkaError]] = []
         self.rejected = 0  # rows routed to the DLQ because their payload or topic did not fit
         self._topics: set[str] = set()  # seen in the broker's metadata
         self._missing: dict[str, float] = {}  # topic -> when it was found missing
@@ -84,13 +112,36 @@ class Publisher:
             topic = self.topic_for(row.aggregatetype)
             self._require_topic(topic)
         except ContractError as exc:
-            self.rejected += 1
-            log.warning("outbox row %s rejected: %s", row.id, exc.message)
-            value = self.codec.encode(
-                "job.dead_lettered", _rejection(row, exc, self.topic_for(row.aggregatetype)))
-            topic = topics.DLQ
-            headers.append(("calmq-error-code", exc.code.encode()))
-        self._produce(topic, row.aggregateid.encode(), value, headers, on_ack)
+            self._reject(row, exc, on_ack, headers)
+            return
+        try:
+            self._produce(topic, row.aggregateid.encode(), value, headers,
+                          self._reported(row, on_ack))
+        except KafkaException as exc:
+            error = exc.args[0]
+            if error.code() not in _TOO_LARGE:
+                raise self._infrastructure(topic, exc) from exc
+            self._reject(row, _too_large(row, len(value), error), on_ack)
+
+    def _reject(self, row: OutboxRow, exc: ContractError, on_ack: Callable[[], None] | None,
+                headers: list[tuple[str, str | bytes | None]] | None = None) -> None:
+        """Publish ``row``'s rejection to calmq.dlq; ``on_ack`` runs once that is acked."""
+        self.rejected += 1
+        _rejected_total().labels(exc.code).inc()
+        log.warning("outbox row %s (job %s) rejected: %s", row.id, row.aggregateid,
+                    exc.message)
+        value = self.codec.encode(
+            "job.dead_lettered", _rejection(row, exc, self.topic_for(row.aggregatetype)))
+        # A too-large row's own headers stay behind (they may be what made it too large).
+        kept: list[tuple[str, str | bytes | None]] = [
+            *(headers if headers is not None else
+              [("id", row.id.encode()), ("eventType", row.type.encode())]),
+            ("calmq-error-code", exc.code.encode())]
+        try:
+            self._produce(topics.DLQ, row.aggregateid.encode(), value, kept,
+                          self._reported(None, on_ack))
+        except KafkaException as err:
+            raise self._infrastructure(topics.DLQ, err) from err
 
     def _require_topic(self, topic: str) -> None:
         """Raise ``unknown_topic`` unless the broker has ``topic`` (asked once, then cached)."""
@@ -118,14 +169,22 @@ class Publisher:
         """The topic of a route (aggregatetype), by the replacement rule."""
         return self.topic_replacement.replace(ROUTED_BY_VALUE, route)
 
-    def _delivered(
-        self, on_ack: Callable[[], None]
+    def _reported(
+        self, row: OutboxRow | None, on_ack: Callable[[], None] | None
     ) -> Callable[[KafkaError | None, Message], None]:
+        """The delivery report of one record: ``on_ack`` once acked; a refusal as too large
+        of ``row`` (None: a rejection, never refused so) is rejected, any other fails."""
+        if row is None and on_ack is None:
+            return self._on_delivery
+
         def report(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                self._failed.append(err)
+            if err is None:
+                if on_ack is not None:
+                    on_ack()
+            elif row is not None and err.code() in _TOO_LARGE:
+                self._oversized.append((row, on_ack, err))
             else:
-                on_ack()
+                self._failed.append(err)
 
         return report
 
@@ -135,9 +194,8 @@ class Publisher:
         key: bytes,
         value: bytes,
         headers: list[tuple[str, str | bytes | None]],
-        on_ack: Callable[[], None] | None = None,
+        callback: Callable[[KafkaError | None, Message], None],
     ) -> None:
-        callback = self._on_delivery if on_ack is None else self._delivered(on_ack)
         try:
             produce(self.producer, topic, key, value, headers=headers, on_delivery=callback)
         except KafkaException as exc:
@@ -145,11 +203,22 @@ class Publisher:
             # _require_topic saw it): forget it, so the next row asks the broker again.
             if exc.args[0].code() in _NO_TOPIC:
                 self._topics.discard(topic)
-            raise InfrastructureError(f"Kafka refused a record for {topic}: {exc}") from exc
+            raise
+
+    @staticmethod
+    def _infrastructure(topic: str, exc: KafkaException) -> InfrastructureError:
+        return InfrastructureError(f"Kafka refused a record for {topic}: {exc}")
+
+    def _reject_oversized(self) -> None:
+        """Reject the rows the broker refused as too large (reported since the last call)."""
+        while self._oversized:
+            row, on_ack, err = self._oversized.pop(0)
+            self._reject(row, _too_large(row, None, err), on_ack)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""
         self.producer.poll(timeout)
+        self._reject_oversized()
         self._raise_failed()
 
     def _raise_failed(self) -> None:
@@ -159,9 +228,14 @@ class Publisher:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until Kafka acknowledged every record sent; raise if any was not."""
-        remaining = self.producer.flush(timeout)
-        if remaining:
-            raise InfrastructureError(f"{remaining} records not acknowledged by Kafka in time")
+        while True:
+            remaining = self.producer.flush(timeout)
+            if remaining:
+                raise InfrastructureError(
+                    f"{remaining} records not acknowledged by Kafka in time")
+            if not self._oversized:
+                break
+            self._reject_oversized()  # their rejections are flushed on the next turn
         self._raise_failed()
 
 
@@ -177,9 +251,23 @@ def _rejection(row: OutboxRow, exc: ContractError, source_topic: str) -> dict[st
         "errors": [{"attempt": 0, "code": exc.code, "class": "input", "message": exc.message}],
         "last_event": row.type,
         "source_topic": source_topic,
-        "raw_value": json.dumps(row.payload, default=str).encode(),
+        "raw_value": _excerpt(row.payload),
         "at": int(time.time() * 1000),
     }
+
+
+def _excerpt(payload: Any) -> bytes:
+    """The payload as JSON, cut to ``_EXCERPT_BYTES``: a rejection must itself fit."""
+    return json.dumps(payload, default=str).encode()[:_EXCERPT_BYTES]
+
+
+def _too_large(row: OutboxRow, size: int | None, err: KafkaError) -> ContractError:
+    encoded = f" ({size} bytes encoded)" if size is not None else ""
+    return ContractError(
+        f"the {row.type} event of job {row.aggregateid}{encoded} is larger than Kafka takes "
+        f"({err.name()}: message.max.bytes of the relay's producer, or max.message.bytes "
+        f"of its topic; setting kafka_max_message_bytes); raw_value holds its first "
+        f"{_EXCERPT_BYTES} bytes", code="record_too_large")
 
 
 def _str_or_none(value: Any) -> str | None:

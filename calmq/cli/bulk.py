@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 
 from calmq.cli.output import Exit, Format, jsonable
-from calmq.errors import ConfigError, UsageError
+from calmq.errors import CalmqError, ConfigError, UsageError
 
 if TYPE_CHECKING:
     from calmq.data import Store
@@ -101,6 +101,49 @@ class Bulk:
     params: dict[str, Any]
     describe: str  # the frozen filter in words, for the count line
     make: Callable[[Store, dict[str, Any]], Action]
+    # What a resumed run's checkpoint must hold to be used (``FrozenFilter.check``): the
+    # file is read back from disk, so it is checked like the flags it stands for.
+    resumable: FrozenFilter | None = None
+
+
+@dataclass(frozen=True)
+class FrozenFilter:
+    """The shape of a command's frozen filter, to check a checkpoint against on ``--resume``.
+
+    A checkpoint is a file: edited by hand, planted by another user, or written by another
+    version, it could widen the filter (drop ``--tenant``, move the frozen bound past the
+    run's start, leave no filter at all) and the resumed run would act on jobs the operator
+    never chose. ``check`` holds it to the rules the flags are held to.
+    """
+
+    keys: frozenset[str]  # every key the params may have (filters, reason, by, ...)
+    filters: frozenset[str]  # of those, the ones that narrow the match
+    pinned: str  # the upper time bound frozen at the start (until, created_before)
+    parse: Callable[[dict[str, Any]], object]  # the command's own filter check (raises)
+
+    def check(self, path: Path, params: dict[str, Any], started_at: str) -> None:
+        def refuse(why: str) -> ConfigError:
+            return ConfigError(f"{path} cannot be resumed: {why}; start a new run with "
+                               "the filter you mean", code="invalid_checkpoint")
+
+        unknown = sorted(set(params) - self.keys)
+        if unknown:
+            raise refuse(f"it holds keys this command does not write ({', '.join(unknown)})")
+        try:
+            started = datetime.fromisoformat(started_at)
+            bound = datetime.fromisoformat(str(params.get(self.pinned)))
+        except ValueError:
+            raise refuse(f"its {self.pinned} or start time is not a time") from None
+        if bound.tzinfo is None or started.tzinfo is None or bound > started:
+            raise refuse(f"its {self.pinned} ({bound.isoformat()}) is not frozen at or "
+                         f"before the run's start ({started_at})")
+        narrowing = [k for k in self.filters if k != self.pinned and params.get(k)]
+        if not narrowing and bound >= started:
+            raise refuse("it holds no filter, so it would match every job")
+        try:
+            self.parse(params)
+        except CalmqError as exc:
+            raise refuse(f"its filter is not valid ({exc.message})") from None
 
 
 @dataclass
@@ -143,6 +186,11 @@ class Checkpoint:
                               code="invalid_checkpoint") from None
         if not isinstance(body, dict) or body.get("version") != CHECKPOINT_VERSION:
             raise ConfigError(f"{path} is not a checkpoint this calmq wrote",
+                              code="invalid_checkpoint")
+        owner = path.stat().st_uid if hasattr(os, "getuid") else None
+        if owner is not None and owner not in (os.getuid(), 0):
+            raise ConfigError(f"{path} belongs to another user (uid {owner}): a checkpoint "
+                              "decides which jobs a run acts on, so only your own is resumed",
                               code="invalid_checkpoint")
         if body.get("command") != command:
             raise ConfigError(f"{path} is a checkpoint of `calmq {body.get('command')}`, "
@@ -249,6 +297,8 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
         raise UsageError("--rate is a positive number of jobs per second", code="invalid_rate")
     if resume is not None:
         state = Checkpoint.load(resume, bulk.command)
+        if bulk.resumable is not None:
+            bulk.resumable.check(resume, state.params, state.started_at)
         bulk = dataclasses.replace(bulk, params=state.params)
     else:
         state = Checkpoint(path=checkpoint or default_checkpoint(bulk.command),

@@ -26,7 +26,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from calmq.data import migrations
 
     settings = settings_for(args)
-    url = settings.database_url
+    url = settings.effective_migrate_database_url  # DDL rights: its own role, if set
     fmt = output_format(args)
     address = database_address(url)
 

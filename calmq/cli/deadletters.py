@@ -139,7 +139,10 @@ def _redrive(args: argparse.Namespace, settings: Settings) -> int:
 
     job = bulk.Bulk(command="dlq redrive", noun="dead letters", verb="redrive",
                     done_word="redriven", params=params, describe=_describe(params),
-                    make=make)
+                    make=make, resumable=bulk.FrozenFilter(
+                        keys=frozenset({*_FILTERS, "reason", "by"}),
+                        filters=frozenset(_FILTERS), pinned="until",
+                        parse=lambda p: _filter(p, 1)))
     if args.resume:
         state = bulk.Checkpoint.load(Path(args.resume), job.command)
         job = dataclasses.replace(job, describe=_describe(state.params))

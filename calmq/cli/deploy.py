@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from calmq.cli.flags import Command, Flags, settings_environ, settings_for
 from calmq.cli.output import add_output, emit_rows, output_format
 from calmq.cli.probes import check_registry, open_admin
 from calmq.errors import ConfigError
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings as SettingsType
 
 __all__ = ["register"]
 
@@ -22,7 +27,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     created = create_topics(settings.kafka_bootstrap, names,
                             partitions=settings.topic_partitions,
-                            replication=settings.topic_replication)
+                            replication=settings.topic_replication,
+                            max_message_bytes=settings.kafka_max_message_bytes)
     rows = [{"topic": name, "created": name in created} for name in names]
     if output_format(args) != "table":
         emit_rows(rows, output_format(args), [])
@@ -59,28 +65,62 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keda(args: argparse.Namespace) -> int:
-    from calmq.settings import Settings
-    from calmq.tooling.keda import write
+def _render_settings(args: argparse.Namespace) -> SettingsType:
+    """The settings a render computes its defaults from: a settings file, then CALMQ_
+    variables, then flags. Not settings_for(): a running local stack's 127.0.0.1
+    addresses must not leak into manifests for a cluster."""
+    from calmq.tooling.kubernetes import load_settings
 
-    # Not _settings(): a running local stack's 127.0.0.1 addresses must not leak into
-    # manifests for a cluster. Empty addresses render as the in-cluster service names.
-    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
-    settings = Settings.load(flags, environ=settings_environ(args))
-    for path in write(settings, Path(args.output_dir or "deploy/keda")):
-        print(f"wrote {path}")
-    return 0
+    path = getattr(args, "settings", None)
+    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools,
+             "keda_namespace": args.keda_namespace}
+    return load_settings(Path(path) if path else None, settings_environ(args), flags)
+
+
+def cmd_keda(args: argparse.Namespace) -> int:
+    # Replaced by `calmq k8s render --only workers`, which it runs: the worker Deployments
+    # and their ScaledObjects, and never a ConfigMap of its own (one without the provider
+    # settings, applied after the full render, turned every model call into a failure).
+    print("calmq keda render is replaced by `calmq k8s render --only workers`; running that",
+          file=sys.stderr)
+    args.only = "workers"
+    args.values = ""
+    args.output_dir = args.output_dir or "deploy/keda"
+    return cmd_k8s(args)
 
 
 def cmd_k8s(args: argparse.Namespace) -> int:
-    from calmq.tooling.kubernetes import load_values, write
+    from calmq.tooling.kubernetes import default_values, dump_all, render, values_for, write
 
-    # As `keda render`: no local stack's addresses. The values file is the one source of
-    # the settings; CALMQ_ variables and flags win over it.
-    values = Path(args.values) if args.values else None
-    flags = {"concurrency": args.concurrency, "keda_pools": args.keda_pools}
-    settings = load_values(values, settings_environ(args), flags)
-    for path in write(settings, Path(args.output_dir or "deploy/kubernetes")):
+    settings = _render_settings(args)
+    namespace = settings.keda_namespace
+    if args.action == "values":
+        from calmq.settings import Settings
+        from calmq.tooling.chart import values_text
+        from calmq.tooling.keda import pools
+
+        values = default_values(settings)
+        # helm -f merges over the chart's values: a pool of the chart's (the default
+        # settings', read from no environment) that these settings lack is removed by name.
+        for name in pools(Settings.model_construct()):
+            values["workers"]["pools"].setdefault(name, None)
+        print(values_text(values, "calmq chart values, computed by `calmq k8s values` from "
+                          "the settings (for helm -f)"), end="")
+        return 0
+    files = [f.strip() for f in (args.values or "").split(",") if f.strip()]
+    values = values_for(settings, *(Path(f) for f in files))
+    if args.action == "chart":
+        from calmq.tooling.chart import write_chart
+
+        for path in write_chart(values, Path(args.output_dir or "deploy/helm/calmq")):
+            print(f"wrote {path}")
+        return 0
+    if args.output_dir == "-":
+        sys.stdout.write(dump_all(render(values, namespace, only=args.only),
+                                  "calmq k8s render"))
+        return 0
+    for path in write(values, Path(args.output_dir or "deploy/kubernetes"), namespace,
+                      only=args.only):
         print(f"wrote {path}")
     return 0
 
@@ -95,14 +135,25 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("action", choices=["register", "check"],
                    help="register with the registry, or check each version reads the last")
     add_output(p)
-    p = command("keda", cmd_keda, "render KEDA manifests")
-    p.add_argument("action", choices=["render"], help="write the manifests")
+    p = command("keda", cmd_keda, "replaced by `calmq k8s render --only workers`")
+    p.add_argument("action", choices=["render"], help="run `calmq k8s render --only workers`")
     option(p, "--output-dir", help="where to write (default deploy/keda)")
     setting(p, "concurrency")
     setting(p, "keda_pools")
-    p = command("k8s", cmd_k8s, "render Kubernetes manifests for every part")
-    p.add_argument("action", choices=["render"], help="write the manifests")
-    option(p, "--values", help="YAML file of settings (setting: value) to render from")
-    option(p, "--output-dir", help="where to write (default deploy/kubernetes)")
+    setting(p, "keda_namespace", "--namespace")
+    p = command("k8s", cmd_k8s, "render Kubernetes manifests, the chart's values, or the chart")
+    p.add_argument("action", choices=["render", "values", "chart"],
+                   help="render: the manifests and the Kustomize base; values: the chart "
+                        "values these settings give; chart: write the Helm chart")
+    option(p, "--values", "-f", help="chart values file(s), as `helm -f` takes them (a comma "
+                                   "list: later ones win)")
+    option(p, "--settings", help="YAML file of settings (setting: value) the defaults are "
+                                 "computed from, before CALMQ_ variables and flags")
+    option(p, "--output-dir", "-o", help="where to write (default deploy/kubernetes; "
+                                         "chart: deploy/helm/calmq); - : one YAML stream "
+                                         "to stdout")
+    option(p, "--only", choices=["workers"],
+           help="workers: only the worker Deployments and their ScaledObjects")
     setting(p, "concurrency")
     setting(p, "keda_pools")
+    setting(p, "keda_namespace", "--namespace")

@@ -133,9 +133,11 @@ def _search(values: dict[str, Any], limit: int, *, cancellable: bool = False) ->
                      created_before=_when(values.get("created_before")))
 
 
+_CANCEL_FILTERS = ("status", "workflow", "tenant", "created_after", "created_before")
+
+
 def _flag_filters(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("status", "workflow", "tenant", "created_after", "created_before")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None)}
+    return {k: getattr(args, k) for k in _CANCEL_FILTERS if getattr(args, k, None)}
 
 
 def _row(job: TenantJob) -> dict[str, Any]:
@@ -398,7 +400,11 @@ def _cancel(args: argparse.Namespace, settings: Any) -> int:
     if args.resume:
         filters = bulk.Checkpoint.load(Path(args.resume), "jobs cancel").params
     job = bulk.Bulk(command="jobs cancel", noun="jobs", verb="cancel", done_word="cancelled",
-                    params=filters, describe=describe(filters), make=make)
+                    params=filters, describe=describe(filters), make=make,
+                    resumable=bulk.FrozenFilter(
+                        keys=frozenset(_CANCEL_FILTERS), filters=frozenset(_CANCEL_FILTERS),
+                        pinned="created_before",
+                        parse=lambda p: _search(p, 1, cancellable=True)))
     return bulk.run_bulk(job, settings, fmt=fmt, yes=bool(args.yes), dry_run=bool(args.dry_run),
                          rate=args.rate, page_size=int(args.limit or _PAGE),
                          resume=Path(args.resume) if args.resume else None,

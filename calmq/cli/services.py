@@ -11,9 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from calmq.cli.flags import Command, Flags, configure_logging, settings_for
+from calmq.errors import ConfigError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
+
+    from calmq.settings import Settings
 
 __all__ = ["register"]
 
@@ -32,7 +35,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     _long_running()
 
     async def make() -> web.Application:
-        store = Store(settings.database_url, max_size=16)
+        store = Store(settings.database_url, max_size=16,
+                      keep_errors=settings.max_job_errors)
         await store.open()
         return build_app(settings, store)
 
@@ -116,7 +120,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         from calmq.cli.probes import check_database
 
         check_database(settings)  # one error line with the address, not a traceback
-        dropped = drop_slot(settings.database_url, settings.relay_slot)
+        dropped = drop_slot(settings.effective_relay_database_url, settings.relay_slot)
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")
         return 0
@@ -129,7 +133,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # record (under load, what accumulates while requests are in flight still batches).
     publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
                                                   compression=settings.kafka_compression,
-                                                  **{"linger.ms": 0})),
+                                                  **{"linger.ms": 0,
+                                                     "message.max.bytes":
+                                                         settings.kafka_max_message_bytes})),
                           make_codec(settings.schema_registry_url),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
@@ -137,10 +143,21 @@ def cmd_relay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _needs_provider(settings: Settings, command: str) -> None:
+    """A worker or batcher without a provider URL would fail every call it makes (outside
+    the local stack, whose fake provider fills it): refuse to start instead."""
+    if not settings.effective_provider_url:
+        raise ConfigError(
+            f"calmq {command} has no model provider: set CALMQ_PROVIDER_URL (and "
+            "CALMQ_PROVIDER, CALMQ_PROVIDER_API_KEY), or start the local stack (calmq dev up)",
+            code="no_provider")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from calmq.processors.worker import Worker
 
     settings = settings_for(args)
+    _needs_provider(settings, "worker")
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
@@ -156,6 +173,7 @@ def cmd_batcher(args: argparse.Namespace) -> int:
         raise UsageError("--pack-only and --poll-only exclude each other (neither: both "
                          "roles)", code="conflicting_flags")
     settings = settings_for(args)
+    _needs_provider(settings, "batcher")
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()

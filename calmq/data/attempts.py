@@ -98,15 +98,18 @@ class Attempts:
         finishes = sorted(finishes, key=lambda f: f.job_id)
         records = [f.record_params() for f in finishes if f.record is not None]
         rows = Jsonb([f.row(n) for n, f in enumerate(finishes)])
+        keep = self._db.keep_errors
         async with self._db.pool.connection() as conn:
             if not records:
                 # One statement is its own transaction on this autocommit connection: no
                 # BEGIN and COMMIT round trips, each of which held the rows locked while it
                 # waited for a busy event loop (pg_stat_activity: "idle in transaction").
-                cur = await conn.execute(self._q["finish_attempts"], {"rows": rows})
+                cur = await conn.execute(self._q["finish_attempts"],
+                                         {"rows": rows, "keep_errors": keep})
                 return {r["id"] for r in await cur.fetchall()}
             async with conn.transaction(), conn.cursor() as cur:
                 # Before finish_attempts: its lease guard is still true then.
                 await cur.executemany(self._q["wf_record_step_output"], records)
-                await cur.execute(self._q["finish_attempts"], {"rows": rows})
+                await cur.execute(self._q["finish_attempts"],
+                                  {"rows": rows, "keep_errors": keep})
                 return {r["id"] for r in await cur.fetchall()}

@@ -75,10 +75,16 @@ class BatchSummary:
     cancel_requested: bool
     cost_usd: float
     online_cost_usd: float
+    # Requests of other tenants in the batch, when read for one tenant (0 unscoped): the
+    # counts and costs above are then that tenant's share; this is not shown, only used to
+    # refuse a tenant's cancel of a shared batch.
+    others: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in self.__slots__:
+            if name == "others":
+                continue
             value = getattr(self, name)
             out[name] = (value.isoformat() if isinstance(value, datetime)
                          else str(value) if isinstance(value, uuid.UUID) else value)

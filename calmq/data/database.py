@@ -14,8 +14,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from calmq import sql
 from calmq.errors import InfrastructureError
+from calmq.limits import KEEP_ERRORS
 
-__all__ = ["Connection", "Database"]
+__all__ = ["KEEP_ERRORS", "Connection", "Database"]
 
 Connection = psycopg.AsyncConnection[DictRow]
 
@@ -23,8 +24,12 @@ Connection = psycopg.AsyncConnection[DictRow]
 class Database:
     """An async pool of autocommit connections whose rows are dicts, and the named queries."""
 
-    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8) -> None:
+    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
+                 keep_errors: int = KEEP_ERRORS) -> None:
         self.url = database_url
+        # How many of a job's errors its row keeps (setting max_job_errors): the statements
+        # that append one drop the oldest past it (calmq_append_error, migration 0021).
+        self.keep_errors = keep_errors
         self.q: Mapping[str, str] = sql.queries()
         self.pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
             database_url,

@@ -17,9 +17,9 @@ from typing import Any
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from calmq import events, topics
 from calmq.data import outbox
 from calmq.data.database import Database
+from calmq.data.jobs import requested
 
 __all__ = ["DeadJob", "DeadLetter", "DeadLetterGroup", "DeadLetterRecords", "Redriven"]
 
@@ -143,9 +143,8 @@ class DeadLetterRecords:
             row = await cur.fetchone()
             if row is None:
                 return None
-            await outbox.insert(conn, [outbox.entry(
-                topics.work_route(row["pool"], row["priority"]), "job.requested",
-                events.requested(row), key=row["id"], trace_parent=row["trace_parent"])])
+            # Through the one job.requested builder: a redriven job keeps its lane.
+            await outbox.insert(conn, [requested(row)])
         return Redriven(row["id"], row["step"], row["round"])
 
 

@@ -235,13 +235,21 @@ def _insert_params(job: NewJob) -> dict[str, Any]:
     return params
 
 
-def requested(job: NewJob | Job) -> OutboxEntry:
-    """The job.requested that sends a job (new, reaped, swept or released) to its topic:
-    its pool's priority topic, or the batch lane's. Every re-publish goes through here, so
-    none can drop the lane (a released batch-lane job once went to the online topic)."""
+def requested(job: NewJob | Job | Mapping[str, Any]) -> OutboxEntry:
+    """The job.requested that sends a job (new, reaped, swept, released, redriven, or moved
+    on by a review) to its topic: its pool's priority topic, or the batch lane's. ``job``:
+    a record, or a jobs row as a statement returned it. Every re-publish goes through here,
+    so none can drop the lane (a released batch-lane job once went to the online topic, and
+    a redriven or approved one did until issue 27)."""
+    if isinstance(job, Mapping):
+        pool, priority, lane = job["pool"], job["priority"], job.get("lane") or "online"
+        job_id, trace_parent = job["id"], job.get("trace_parent")
+    else:
+        pool, priority, lane = job.pool, job.priority, job.lane
+        job_id, trace_parent = job.id, job.trace_parent
     # created_at: for a new job the database's commit-side clock replaces it (insert_job).
-    return entry(topics.work_route(job.pool, job.priority, job.lane), "job.requested",
-                 events.requested(job), key=job.id, trace_parent=job.trace_parent)
+    return entry(topics.work_route(pool, priority, lane), "job.requested",
+                 events.requested(job), key=job_id, trace_parent=trace_parent)
 
 
 async def republish(conn: Any, insert_outbox: str, jobs: Sequence[Job]) -> None:
@@ -467,7 +475,8 @@ class Jobs:
         ``job.result`` and ``job.dead_lettered`` go out in the same transaction."""
         async with self._db.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(self._q["poison_expired_leases"],
-                                     {"limit": limit, "error": Jsonb(error)})
+                                     {"limit": limit, "error": Jsonb(error),
+                                      "keep_errors": self._db.keep_errors})
             rows = await cur.fetchall()
             if rows:
                 async with conn.cursor() as out:

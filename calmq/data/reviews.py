@@ -74,6 +74,7 @@ class ReviewDecision:
 
     def __init__(self, db: Database, conn: Connection) -> None:
         self._q = db.q
+        self._keep_errors = db.keep_errors
         self.conn = conn
 
     async def lock(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> ReviewJob | None:
@@ -118,7 +119,8 @@ class ReviewDecision:
 
     async def dead_letter(self, job: ReviewJob, error: dict[str, Any]) -> None:
         await self.conn.execute(self._q["wf_review_dead_letter"],
-                                {"id": job.id, "error": Jsonb(error)})
+                                {"id": job.id, "error": Jsonb(error),
+                                 "keep_errors": self._keep_errors})
 
     async def add_event(self, job: ReviewJob, type_: str, detail: dict[str, Any]) -> None:
         """A history event of the job at its current attempt."""

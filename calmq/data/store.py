@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from calmq.data.attempts import Attempts
 from calmq.data.batches import Batches
-from calmq.data.database import Database
+from calmq.data.database import KEEP_ERRORS, Database
 from calmq.data.jobs import Jobs
 from calmq.data.tenants import Tenants
 
@@ -24,8 +24,10 @@ __all__ = ["Store"]
 class Store(Database):
     """One pool, and the queries of each noun on it."""
 
-    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8) -> None:
-        super().__init__(database_url, min_size=min_size, max_size=max_size)
+    def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
+                 keep_errors: int = KEEP_ERRORS) -> None:
+        super().__init__(database_url, min_size=min_size, max_size=max_size,
+                         keep_errors=keep_errors)
         self.jobs = Jobs(self)
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)

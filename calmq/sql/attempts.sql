@@ -27,8 +27,9 @@ WITH input AS (
                       artifact = COALESCE(i.artifact, j.artifact),
                       error = i.error,
                       errors = CASE WHEN i.error IS NULL THEN j.errors
-                                    ELSE j.errors || jsonb_build_array(i.error
-                                         || jsonb_build_object('attempt', j.attempt)) END,
+                                    ELSE calmq_append_error(j.errors, i.error
+                                         || jsonb_build_object('attempt', j.attempt),
+                                         %(keep_errors)s) END,
                       lease_owner = NULL, lease_expires_at = NULL,
                       attempt = CASE WHEN i.reset_attempt THEN 0 ELSE j.attempt END,
                       step = COALESCE(i.next_step, j.step),

@@ -140,32 +140,65 @@ SELECT COALESCE(sum(enqueued_tokens), 0)::bigint AS tokens FROM provider_batches
 WHERE provider = %(provider)s AND model = %(model)s AND state IN ('creating', 'submitted');
 
 -- name: batch_list
+-- Batches newest first; for a tenant (tenant_id set) only those holding its jobs, and every
+-- count and cost of a batch is the tenant's own share of it (a batch packs many tenants'
+-- requests: its request_count, provider counts and cost are nobody else's business), with
+-- ``others``, how many of its requests are other tenants' (0 unscoped).
 SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
-       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
-       b.cancel_requested,
-       COALESCE(sum(bj.cost_usd), 0)::float8 AS cost_usd,
-       COALESCE(sum(bj.online_cost_usd), 0)::float8 AS online_cost_usd
-FROM provider_batches b LEFT JOIN batch_jobs bj ON bj.batch_key = b.key
+       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.request_count ELSE mine.n END
+           AS request_count,
+       b.created_at, b.submitted_at, b.ended_at, b.collected_at,
+       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.counts ELSE mine.counts END AS counts,
+       b.cancel_requested, mine.cost_usd, mine.online_cost_usd, mine.others
+FROM provider_batches b
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE x.mine)::int AS n,
+           COALESCE(sum(x.cost_usd) FILTER (WHERE x.mine), 0)::float8 AS cost_usd,
+           COALESCE(sum(x.online_cost_usd) FILTER (WHERE x.mine), 0)::float8 AS online_cost_usd,
+           COALESCE((SELECT jsonb_object_agg(s.state, s.c) FROM (
+                SELECT y.state, count(*) AS c
+                FROM batch_jobs y JOIN jobs yj ON yj.id = y.job_id
+                WHERE y.batch_key = b.key
+                  AND (%(tenant_id)s::uuid IS NULL OR yj.tenant_id = %(tenant_id)s::uuid)
+                GROUP BY y.state) s), '{}'::jsonb) AS counts,
+           count(*) FILTER (WHERE NOT x.mine)::int AS others
+    FROM (SELECT bj.cost_usd, bj.online_cost_usd,
+                 (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid) AS mine
+          FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
+          WHERE bj.batch_key = b.key) x
+) mine
 WHERE (%(state)s::text IS NULL OR b.state = %(state)s)
-  AND (%(tenant_id)s::uuid IS NULL OR EXISTS (
-        SELECT 1 FROM batch_jobs t JOIN jobs j ON j.id = t.job_id
-        WHERE t.batch_key = b.key AND j.tenant_id = %(tenant_id)s))
-GROUP BY b.key
+  AND (%(tenant_id)s::uuid IS NULL OR mine.n > 0)
 ORDER BY b.created_at DESC
 LIMIT %(limit)s;
 
 -- name: batch_find
+-- One batch by calmq's key or the provider's id, scoped as batch_list.
 SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
-       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
-       b.cancel_requested,
-       COALESCE(sum(bj.cost_usd), 0)::float8 AS cost_usd,
-       COALESCE(sum(bj.online_cost_usd), 0)::float8 AS online_cost_usd
-FROM provider_batches b LEFT JOIN batch_jobs bj ON bj.batch_key = b.key
+       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.request_count ELSE mine.n END
+           AS request_count,
+       b.created_at, b.submitted_at, b.ended_at, b.collected_at,
+       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.counts ELSE mine.counts END AS counts,
+       b.cancel_requested, mine.cost_usd, mine.online_cost_usd, mine.others
+FROM provider_batches b
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE x.mine)::int AS n,
+           COALESCE(sum(x.cost_usd) FILTER (WHERE x.mine), 0)::float8 AS cost_usd,
+           COALESCE(sum(x.online_cost_usd) FILTER (WHERE x.mine), 0)::float8 AS online_cost_usd,
+           COALESCE((SELECT jsonb_object_agg(s.state, s.c) FROM (
+                SELECT y.state, count(*) AS c
+                FROM batch_jobs y JOIN jobs yj ON yj.id = y.job_id
+                WHERE y.batch_key = b.key
+                  AND (%(tenant_id)s::uuid IS NULL OR yj.tenant_id = %(tenant_id)s::uuid)
+                GROUP BY y.state) s), '{}'::jsonb) AS counts,
+           count(*) FILTER (WHERE NOT x.mine)::int AS others
+    FROM (SELECT bj.cost_usd, bj.online_cost_usd,
+                 (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid) AS mine
+          FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
+          WHERE bj.batch_key = b.key) x
+) mine
 WHERE (b.key::text = %(ref)s OR b.provider_id = %(ref)s)
-  AND (%(tenant_id)s::uuid IS NULL OR EXISTS (
-        SELECT 1 FROM batch_jobs t JOIN jobs j ON j.id = t.job_id
-        WHERE t.batch_key = b.key AND j.tenant_id = %(tenant_id)s))
-GROUP BY b.key;
+  AND (%(tenant_id)s::uuid IS NULL OR mine.n > 0);
 
 -- name: batch_members
 SELECT bj.job_id, bj.attempt, bj.custom_id, bj.state, bj.input_tokens, bj.output_tokens,

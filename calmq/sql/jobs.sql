@@ -251,8 +251,9 @@ WITH poisoned AS (
 ), dead AS (
     UPDATE jobs j SET status = 'dead_letter', lease_owner = NULL, lease_expires_at = NULL,
                       error = %(error)s::jsonb,
-                      errors = j.errors || jsonb_build_array(
-                          %(error)s::jsonb || jsonb_build_object('attempt', j.attempt)),
+                      errors = calmq_append_error(j.errors,
+                          %(error)s::jsonb || jsonb_build_object('attempt', j.attempt),
+                          %(keep_errors)s),
                       updated_at = now()
     FROM poisoned p WHERE j.id = p.id
     RETURNING {{job_row}}, 'running'::text AS old_status, j.errors, j.input_tokens,

@@ -58,7 +58,8 @@ WHERE id = %(id)s AND status = 'awaiting_review';
 
 -- name: wf_review_dead_letter
 UPDATE jobs SET status = 'dead_letter', error = %(error)s,
-                errors = errors || jsonb_build_array(%(error)s || jsonb_build_object('attempt', attempt)),
+                errors = calmq_append_error(errors,
+                    %(error)s || jsonb_build_object('attempt', attempt), %(keep_errors)s),
                 review_deadline_at = NULL, updated_at = now()
 WHERE id = %(id)s AND status = 'awaiting_review'
 RETURNING errors;

@@ -1,7 +1,10 @@
-"""KEDA manifests: per pool, the workers' Deployment and the ScaledObject that scales it.
+"""KEDA: per pool, the ScaledObject that scales the pool's workers on its consumer lag.
 
-KEDA's Kafka scaler adds replicas while the pool's consumer group lags. Two things bound
-how many replicas help (docs/how-to/autoscaling.md):
+KEDA's Kafka scaler adds replicas while the pool's consumer group lags. As KEDA's
+maintainers advise for a group that reads several topics, there is one trigger per pool,
+without ``topic``: the scaler then sums the lag over every topic and partition the group
+has committed offsets on (a trigger per topic would have the HPA take the largest of them,
+not their sum). Two things bound how many replicas help (docs/how-to/autoscaling.md):
 
 - partitions: a consumer without a partition is idle, so never more replicas than the
   partitions of the pool's topics (and ``allowIdleConsumers: false`` tells KEDA the same);
@@ -12,7 +15,8 @@ how many replicas help (docs/how-to/autoscaling.md):
 ``maxReplicaCount = min(partition count, token-budget cap)``. The budget is
 ``budget_tokens_per_minute`` (the one the gateway enforces; 0 means none, and then the
 partitions alone bound the fleet); tokens per job and seconds per call are the
-``keda_*`` estimates.
+``keda_*`` estimates. These are computed once, into the chart's values
+(calmq/tooling/kubernetes.py: ``default_values``), where a reader sees the numbers.
 
 ``lagThreshold`` is the worker's in-flight window (concurrency + an eighth, the jobs it
 holds claimed and uncommitted), so a replica counts busy when that window is full, not when
@@ -23,24 +27,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from calmq import topics
 from calmq.errors import ConfigError
 from calmq.settings import Settings, claimed_window
+from calmq.tooling.manifests import Dashed, Key, Printf, Text, Val, When
 from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["PLACEHOLDERS", "BudgetCap", "budget_cap", "labels", "lag_threshold", "pools",
-           "render", "scaled_object", "worker_name", "write"]
-
-PLACEHOLDERS = {
-    # Where the in-cluster services are when the settings leave them empty (the names of
-    # docker-compose.kafka.yml's services, which a cluster usually mirrors).
-    "kafka_bootstrap": "kafka:9092",
-    "schema_registry_url": "http://schema-registry:8080/apis/ccompat/v7",
-    "object_store_url": "s3://calmq/objects",
-}
+__all__ = ["BudgetCap", "budget_cap", "lag_threshold", "min_replicas", "pool_scaling",
+           "pools", "scaled_object", "worker_name"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +70,6 @@ def pools(settings: Settings, workflows: dict[str, Workflow] | None = None) -> l
     return sorted(found)
 
 
-def labels(pool: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "calmq", "app.kubernetes.io/component": "worker",
-            "calmq.dev/pool": pool}
-
-
 def worker_name(pool: str) -> str:
     return f"calmq-worker-{pool}".replace("_", "-")
 
@@ -95,93 +85,83 @@ def lag_threshold(settings: Settings) -> int:
     return settings.keda_lag_threshold or claimed_window(settings.concurrency)
 
 
-def scaled_object(settings: Settings, pool: str) -> dict[str, Any]:
-    name = worker_name(pool)
-    pool_topics = [topics.topic_for_route(topics.work_route(pool, p))
-                   for p in settings.priority_list]
-    partitions = len(pool_topics) * settings.topic_partitions
+def min_replicas(settings: Settings) -> int:
+    """``keda_min_replicas``, or 1 for a pool that takes interactive work (a person waits
+    for it: never a cold start from zero) and 0 for a bulk-only pool."""
+    if settings.keda_min_replicas is not None:
+        return settings.keda_min_replicas
+    return 1 if "interactive" in settings.priority_list else 0
+
+
+def pool_scaling(settings: Settings) -> dict[str, Any]:
+    """A pool's ``keda`` values, computed from the settings."""
+    partitions = len(settings.priority_list) * settings.topic_partitions
     budget = settings.budget_tokens_per_minute
     cap = (budget_cap(budget, settings.keda_tokens_per_job, settings.keda_seconds_per_call,
                       settings.concurrency) if budget else None)
-    bootstrap = settings.kafka_bootstrap or PLACEHOLDERS["kafka_bootstrap"]
+    most = min(partitions, cap.replicas) if cap else partitions
+    least = min(min_replicas(settings), most)
     return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": {
-            "name": name,
-            "namespace": settings.keda_namespace,
-            "labels": labels(pool),
-            # The inputs of maxReplicaCount, so a reader (and the test) can recompute it.
-            "annotations": {
-                "calmq.dev/partitions": str(partitions),
-                "calmq.dev/concurrency": str(settings.concurrency),
-                "calmq.dev/in-flight-window": str(claimed_window(settings.concurrency)),
-                "calmq.dev/tokens-per-minute": str(budget),  # 0: no budget
-                "calmq.dev/tokens-per-job": str(settings.keda_tokens_per_job),
-                "calmq.dev/seconds-per-call": f"{settings.keda_seconds_per_call:g}",
-                "calmq.dev/budget-busy-slots": f"{cap.busy_slots:.2f}" if cap else "none",
-                "calmq.dev/budget-replica-cap": str(cap.replicas) if cap else "none",
-            },
-        },
-        "spec": {
-            "scaleTargetRef": {"name": name},
-            "minReplicaCount": settings.keda_min_replicas,
-            "maxReplicaCount": min(partitions, cap.replicas) if cap else partitions,
-            "pollingInterval": 15,
-            # KEDA reads cooldownPeriod only for the last step, 1 -> 0 replicas: how long
-            # the pool must have had no lag before its last worker stops.
-            "cooldownPeriod": 300,
-            # Every other scale-down is the HPA's, paced here: a replica stopping waits for
-            # its slowest step (terminationGracePeriodSeconds), so shed one at a time and
-            # only after the lag has stayed low for five minutes.
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
-                "scaleDown": {"stabilizationWindowSeconds": 300,
-                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
-                "scaleUp": {"stabilizationWindowSeconds": 0,
-                            "policies": [{"type": "Pods", "value": 4, "periodSeconds": 15}]},
-            }}},
-            "triggers": [
-                {
-                    "type": "kafka",
-                    "metadata": {
-                        "bootstrapServers": bootstrap,
-                        "consumerGroup": f"calmq.{pool}",  # the group processors/worker.py joins
-                        "topic": topic,
-                        "lagThreshold": str(lag_threshold(settings)),
-                        "offsetResetPolicy": "earliest",
-                        "allowIdleConsumers": "false",
-                    },
-                }
-                for topic in pool_topics
-            ],
+        "enabled": True,
+        "minReplicaCount": least,
+        "maxReplicaCount": most,
+        "lagThreshold": lag_threshold(settings),
+        "pollingInterval": 15,
+        # KEDA reads cooldownPeriod only for the last step, 1 -> 0 replicas: how long
+        # the pool must have had no lag before its last worker stops.
+        "cooldownPeriod": 300,
+        # When KEDA cannot read the lag (Kafka away, bad credentials) this many times in a
+        # row, it holds the pool at fallbackReplicas instead of guessing from nothing.
+        "fallback": {"failureThreshold": 3, "replicas": max(least, min(2, most))},
+        # A TriggerAuthentication's name, for a Kafka that needs SASL or TLS.
+        "authenticationRef": "",
+        # Every other scale-down is the HPA's, paced here: a replica stopping waits for
+        # its slowest step (terminationGracePeriodSeconds), so shed one at a time and only
+        # after the lag has stayed low for five minutes.
+        "behavior": {
+            "scaleDown": {"stabilizationWindowSeconds": 300,
+                          "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]},
+            "scaleUp": {"stabilizationWindowSeconds": 0,
+                        "policies": [{"type": "Pods", "value": 4, "periodSeconds": 15}]},
         },
     }
 
 
-def render(
-    settings: Settings, workflows: dict[str, Workflow] | None = None
-) -> dict[str, dict[str, Any]]:
-    """``{file name: manifest}``: the worker Deployment and ScaledObject of every pool, and
-    the ConfigMap they read, exactly as `calmq k8s render` writes them."""
-    from calmq.tooling import kubernetes
+def scaled_object(meta: Any) -> dict[str, Any]:
+    """The ScaledObject of the pool bound to the scope ``pool`` (``meta`` makes its
+    metadata); every number is the pool's ``keda`` value."""
 
-    registry = workflows if workflows is not None else load_workflows(settings)
-    out: dict[str, dict[str, Any]] = {"configmap.yaml": kubernetes.configmap(settings)}
-    for pool in pools(settings, registry):
-        out[f"worker-{pool}-deployment.yaml"] = kubernetes.worker_deployment(
-            settings, pool, registry)
-        out[f"worker-{pool}-scaledobject.yaml"] = scaled_object(settings, pool)
-    return out
+    def pool(*path: str, block: bool = False) -> Val:
+        return Val(("keda", *path), "pool", block=block)
 
-
-def write(settings: Settings, folder: Path) -> list[Path]:
-    """Render into ``folder`` (created if missing); returns the files written."""
-    from calmq.tooling.kubernetes import dump
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for file_name, manifest in render(settings).items():
-        path = folder / file_name
-        path.write_text(dump(manifest, "calmq keda render"), encoding="utf-8")
-        written.append(path)
-    return written
+    name = Printf("calmq-worker-%s", Dashed(Key("pool")))
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"name": name},
+            "minReplicaCount": pool("minReplicaCount"),
+            "maxReplicaCount": pool("maxReplicaCount"),
+            "pollingInterval": pool("pollingInterval"),
+            "cooldownPeriod": pool("cooldownPeriod"),
+            "fallback": {"failureThreshold": pool("fallback", "failureThreshold"),
+                         "replicas": pool("fallback", "replicas")},
+            "advanced": {"horizontalPodAutoscalerConfig": {
+                "behavior": pool("behavior", block=True)}},
+            "triggers": [{
+                "type": "kafka",
+                "metadata": {
+                    "bootstrapServers": Text(Val(("config", "kafka_bootstrap"))),
+                    # The group processors/worker.py joins; no topic: the lag of every
+                    # topic the group reads (calmq.<pool>.interactive and .bulk), summed.
+                    "consumerGroup": Printf("calmq.%s", Key("pool")),
+                    "lagThreshold": Text(pool("lagThreshold")),
+                    "offsetResetPolicy": "earliest",
+                    "allowIdleConsumers": "false",
+                },
+                "authenticationRef": When(pool("authenticationRef"),
+                                          {"name": pool("authenticationRef")}),
+            }],
+        },
+    }

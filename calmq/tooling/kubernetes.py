@@ -1,15 +1,29 @@
-"""Kubernetes manifests for every part of calmq, from one settings source (`calmq k8s render`).
+"""Kubernetes manifests for every part of calmq: the one renderer behind `calmq k8s render`,
+the Kustomize base in deploy/kubernetes/ and the Helm chart in deploy/helm/calmq.
 
-What is rendered (docs/how-to/deploy-kubernetes.md says how to apply it):
+Two steps, each in one place:
 
-- one ConfigMap holding every setting the parts read, and one Secret (a template, kept out
-  of the applied folder) for the database URL and the provider key; every container takes
-  both with ``envFrom``, so no part can miss a setting the others have (the token budget,
-  the workflow modules, the retry tiers and the price table reach every worker);
-- the migration Job (``calmq migrate``) and the Kafka setup Job (topics, schemas);
-- the API (Deployment + Service + PodDisruptionBudget), the relay (one replica,
-  ``Recreate``), the retry forwarder, the reaper, and per worker pool a Deployment with
-  its KEDA ScaledObject (calmq/tooling/keda.py; `calmq keda render` writes that subset).
+1. **Values** (``default_values``): the chart's values, computed from the settings and the
+   registered workflows — the pools, each pool's grace period (its longest step), KEDA's
+   lag threshold (the worker's in-flight window) and replica cap (partitions and the token
+   budget), the resources measured per part, and ``config``: the settings that were set,
+   which the ConfigMap holds (only those: an upgrade's new defaults then arrive).
+   ``deploy/helm/calmq/values.yaml`` is this for the default settings.
+2. **Manifests** (``DOCS``): every object, described once (calmq/tooling/manifests.py)
+   and read two ways: rendered here from the values, and written out as the chart's
+   templates (calmq/tooling/chart.py). ``helm template`` and `calmq k8s render` with the
+   same values give the same objects (tests/unit/test_chart.py).
+
+What is rendered (docs/how-to/deploy-kubernetes.md says how to apply it): the ConfigMap
+``calmq`` (every container takes it with ``envFrom``, so no part can miss a setting the
+others have), the settings read from Secrets (``secretSettings``: ``secretKeyRef`` by
+setting, so a database operator's Secret is used as it is), the migration and Kafka setup
+Jobs as pre-install/pre-upgrade hooks (Helm and Argo CD; they carry their settings inline,
+so they run before anything else exists), the API (Deployment, Service, PDB), the relay
+(one replica, ``Recreate``), the retry forwarder, the reaper, per pool the workers with
+their KEDA ScaledObject and the batcher, and, each behind a value, PodMonitors, the
+PrometheusRule, the Grafana dashboard, NetworkPolicies, the Namespace (PodSecurity
+``restricted``) and the ServiceAccount.
 
 Every pod sets ``enableServiceLinks: false``: a Service named ``calmq-*`` would otherwise
 inject ``CALMQ_*_PORT=tcp://...`` variables that look like settings.
@@ -17,10 +31,12 @@ inject ``CALMQ_*_PORT=tcp://...`` variables that look like settings.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,40 +45,84 @@ from pydantic import SecretStr
 from calmq.errors import ConfigError
 from calmq.settings import Settings
 from calmq.tooling import keda
+from calmq.tooling.manifests import (
+    And,
+    Check,
+    Checksum,
+    Context,
+    Dashed,
+    Default,
+    Doc,
+    Each,
+    Entries,
+    FileText,
+    Has,
+    Image,
+    Key,
+    Namespace,
+    Not,
+    Or,
+    Printf,
+    Required,
+    Spread,
+    Text,
+    Upper,
+    Val,
+    When,
+    documents,
+    merge_values,
+)
 from calmq.workflows import Workflow, load_workflows
 
 __all__ = [
     "CONFIG_NAME",
-    "SECRET_KEYS",
-    "Resources",
-    "config_values",
+    "DOCS",
+    "DRAIN_SECONDS",
+    "METRICS_PORT",
+    "chart_files",
+    "default_values",
     "dump",
+    "dump_all",
+    "kustomization",
+    "load_settings",
     "load_values",
+    "longest_step",
     "render",
     "secret_template",
     "write",
 ]
 
-CONFIG_NAME = "calmq"  # the ConfigMap and the Secret
-# The Secret's keys are the settings' own variable names, so envFrom needs no mapping.
-SECRET_KEYS = ("CALMQ_DATABASE_URL", "CALMQ_PROVIDER_API_KEY")
-SECRET_PLACEHOLDERS = {
-    "CALMQ_DATABASE_URL": "postgresql://calmq:CHANGE-ME@postgres:5432/calmq",
-    "CALMQ_PROVIDER_API_KEY": "CHANGE-ME",
-}
+CONFIG_NAME = "calmq"  # the ConfigMap, and the Secret the default secretSettings read
 API_PORT = 8080
 METRICS_PORT = 9100
 # After the grace period a worker still commits its offsets, leaves the group and closes
 # its pools; measured well under 5 s, so 15 s is ample before the kubelet's SIGKILL.
 DRAIN_SECONDS = 15
+PARTS = ("api", "relay", "forwarder", "reaper", "worker", "batcher", "migrate",
+         "kafka-setup")
 
-# Settings that are not the ConfigMap's: secrets, each Deployment's own, the local stack's,
-# and the renderer's inputs.
+# Settings that are not the ConfigMap's: secrets and URLs of the local stack, each part's
+# own (set in its container), and the renderer's inputs.
 _PER_PART = frozenset({"pool", "priorities", "concurrency", "worker_id", "api_host",
-                       "api_port"})
+                       "api_port", "api_metrics_port", "api_console", "api_console_port",
+                       "grace_seconds"})
 _NOT_IN_CLUSTER = frozenset({"api_url", "fake_provider_url", "database_url",
+                             "migrate_database_url", "relay_database_url",
                              "provider_api_key"})
+_RENDER_ONLY = frozenset({"image", "image_pull_policy", "image_pull_secrets"})
 _RENDER_ONLY_PREFIX = "keda_"
+
+# Where the in-cluster services are when the settings leave them empty (the names of
+# docker-compose.kafka.yml's services, which a cluster usually mirrors).
+PLACEHOLDERS = {
+    "kafka_bootstrap": "kafka:9092",
+    "schema_registry_url": "http://schema-registry:8080/apis/ccompat/v7",
+    "object_store_url": "s3://calmq/objects",
+}
+SECRET_PLACEHOLDERS = {
+    "CALMQ_DATABASE_URL": "postgresql://calmq:CHANGE-ME@postgres:5432/calmq",
+    "CALMQ_PROVIDER_API_KEY": "CHANGE-ME",
+}
 
 
 @dataclass(frozen=True)
@@ -74,19 +134,25 @@ class Resources:
     memory_request: str
     cpu_limit: str
     memory_limit: str
+    storage_request: str = "16Mi"
+    storage_limit: str = "64Mi"
 
     def manifest(self) -> dict[str, dict[str, str]]:
-        return {"requests": {"cpu": self.cpu_request, "memory": self.memory_request},
-                "limits": {"cpu": self.cpu_limit, "memory": self.memory_limit}}
+        return {"requests": {"cpu": self.cpu_request, "memory": self.memory_request,
+                             "ephemeral-storage": self.storage_request},
+                "limits": {"cpu": self.cpu_limit, "memory": self.memory_limit,
+                           "ephemeral-storage": self.storage_limit}}
 
 
 # Measured (docs/how-to/deploy-kubernetes.md): peak RSS api 68 MiB, relay 82-89, worker
 # 99-122 (concurrency 256, 1,170 jobs/s), forwarder 71, reaper 61; CPU at 1,170 jobs/s api
 # 0.23 core, relay 0.14, worker 0.5. Memory requests sit above the measured peak, limits at
 # about twice it (larger payloads, a busier heap); CPU requests near the steady state at
-# moderate load, limits at one core or less.
+# moderate load, limits at one core or less. The API's limit also holds ten 100 MiB uploads
+# streaming to S3 at once, one multipart part (8 MiB) each in memory and nothing on disk
+# (measured: docs/how-to/deploy-kubernetes.md).
 RESOURCES: dict[str, Resources] = {
-    "api": Resources("100m", "96Mi", "1", "256Mi"),
+    "api": Resources("100m", "128Mi", "1", "384Mi"),
     "relay": Resources("50m", "128Mi", "1", "256Mi"),
     "worker": Resources("200m", "160Mi", "1", "384Mi"),
     "forwarder": Resources("20m", "96Mi", "500m", "192Mi"),
@@ -94,13 +160,16 @@ RESOURCES: dict[str, Resources] = {
     # Not measured yet: a pack holds its requests' bytes (up to CALMQ_BATCH_MAX_BYTES) and
     # one waiting attempt per job; collecting streams results in 64 KiB reads.
     "batcher": Resources("50m", "256Mi", "1", "768Mi"),
-    "job": Resources("50m", "96Mi", "500m", "256Mi"),
+    "jobs": Resources("50m", "96Mi", "500m", "256Mi"),
 }
 
 
-def load_values(path: Path | None, environ: Mapping[str, str],
-                flags: Mapping[str, Any] | None = None) -> Settings:
-    """Settings from a values file (YAML ``setting: value``), then ``CALMQ_*`` variables,
+# -- settings and values -------------------------------------------------------------------
+
+
+def load_settings(path: Path | None, environ: Mapping[str, str],
+                  flags: Mapping[str, Any] | None = None) -> Settings:
+    """Settings from a settings file (YAML ``setting: value``), then ``CALMQ_*`` variables,
     then flags: each one wins over the one before. Unknown names are an error everywhere."""
     import yaml
 
@@ -117,153 +186,51 @@ def load_values(path: Path | None, environ: Mapping[str, str],
     return Settings.load(flags, environ=values)
 
 
-def _text(value: Any) -> str | None:
-    """A setting's value as its CALMQ_ variable would spell it; None: leave it unset."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else repr(value)
+def load_values(path: Path) -> dict[str, Any]:
+    """A chart values file (what ``helm -f`` takes), checked to be one."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of chart values", code="invalid_values")
+    # `image` is a value too (a map), and a setting (a reference): only the map is a value.
+    settings = sorted(set(raw) & set(Settings.model_fields) - {"image"})
+    if isinstance(raw.get("image"), str):
+        settings.append("image")
+    if settings:
+        raise ConfigError(
+            f"{path} names settings at its top ({', '.join(settings)}): a values file holds "
+            "them under config: (or pass a settings file with --settings)",
+            code="invalid_values")
+    return raw
+
+
+def _plain(value: Any) -> Any:
+    """A setting's value as the chart's ``config`` holds it (YAML's own types)."""
     if isinstance(value, dict):
-        return json.dumps({k: v.model_dump() if hasattr(v, "model_dump") else v
-                           for k, v in sorted(value.items())}, separators=(",", ":"))
-    if isinstance(value, SecretStr):
-        return None
-    return str(value)
+        return {k: v.model_dump(exclude_none=True) if hasattr(v, "model_dump") else v
+                for k, v in sorted(value.items())}
+    return value
 
 
-def config_values(settings: Settings) -> dict[str, str]:
-    """The ConfigMap: every setting a part reads, with in-cluster names for empty locations.
-
-    All of them, not only those that differ from the defaults, so that a reader of the
-    ConfigMap sees what every pod runs with and a changed default cannot split the fleet.
-    """
-    out: dict[str, str] = {}
-    for name in Settings.model_fields:
-        if name in _PER_PART or name in _NOT_IN_CLUSTER or name.startswith(_RENDER_ONLY_PREFIX):
+def config_values(settings: Settings) -> dict[str, Any]:
+    """The chart's ``config``: the settings that were set (a file, a variable, a flag), and
+    the in-cluster addresses of Kafka, the registry and the object store when unset. Not
+    every default: a default frozen in a ConfigMap would outlive the release that chose
+    it, and a setting a release renames would stop the pods of the next one."""
+    out: dict[str, Any] = {}
+    for name in sorted(settings.model_fields_set):
+        if (name in _PER_PART or name in _NOT_IN_CLUSTER or name in _RENDER_ONLY
+                or name.startswith(_RENDER_ONLY_PREFIX)):
             continue
         value = getattr(settings, name)
-        if name in keda.PLACEHOLDERS and not value:
-            value = keda.PLACEHOLDERS[name]
-        text = _text(value)
-        if text is not None:
-            out["CALMQ_" + name.upper()] = text
+        if value is None or isinstance(value, SecretStr):
+            continue
+        out[name] = _plain(value)
+    for name, placeholder in PLACEHOLDERS.items():
+        if not out.get(name):
+            out[name] = placeholder
     return dict(sorted(out.items()))
-
-
-def _labels(component: str, **extra: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "calmq", "app.kubernetes.io/component": component,
-            **extra}
-
-
-def _meta(settings: Settings, name: str, labels: dict[str, str],
-          annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": settings.keda_namespace,
-                            "labels": labels}
-    if annotations:
-        meta["annotations"] = annotations
-    return meta
-
-
-def _probe(path: str, port: str, *, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
-            "timeoutSeconds": 2, "failureThreshold": failures}
-
-
-def _container(settings: Settings, name: str, args: list[str], *, resources: Resources,
-               env: Mapping[str, str] | None = None, port: tuple[str, int] | None = None,
-               probes: tuple[str, str] | None = None) -> dict[str, Any]:
-    """One calmq container: ``calmq <args>``, every setting from the ConfigMap and Secret.
-
-    ``probes`` is (liveness path, readiness path) on ``port``; the parts without an HTTP
-    API are probed on their metrics port, which answers while the process runs.
-    """
-    container: dict[str, Any] = {
-        "name": name,
-        "image": settings.keda_image,
-        "command": ["calmq"],
-        "args": args,
-        "envFrom": [{"configMapRef": {"name": CONFIG_NAME}},
-                    {"secretRef": {"name": CONFIG_NAME}}],
-    }
-    if env:
-        # env wins over envFrom: a Deployment's own settings (its pool) over the shared ones.
-        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    if port is not None:
-        container["ports"] = [{"name": port[0], "containerPort": port[1]}]
-    if probes is not None and port is not None:
-        live, ready = probes
-        container["startupProbe"] = _probe(ready, port[0], period=2, failures=30)
-        container["livenessProbe"] = _probe(live, port[0], period=10, failures=3)
-        container["readinessProbe"] = _probe(ready, port[0], period=5, failures=2)
-    container["resources"] = resources.manifest()
-    container["securityContext"] = {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
-    container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]  # noqa: S108
-    return container
-
-
-def _pod(containers: list[dict[str, Any]], *, grace: int, restart: str = "Always"
-         ) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        # Service links would inject CALMQ_<SERVICE>_PORT=tcp://... for a Service named
-        # calmq-*; calmq tolerates them, but they are noise and shadow real settings.
-        "enableServiceLinks": False,
-        "automountServiceAccountToken": False,  # calmq never calls the Kubernetes API
-        "restartPolicy": restart,
-        "terminationGracePeriodSeconds": grace,
-        # The image's user (Dockerfile: uid 10001); the root filesystem is read-only and
-        # the only writable place is /tmp (uploads spool there before the object store).
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": containers,
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
-    }
-    return spec
-
-
-def _scrape(port: int) -> dict[str, str]:
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-            "prometheus.io/path": "/metrics"}
-
-
-def _deployment(settings: Settings, name: str, labels: dict[str, str], pod: dict[str, Any],
-                *, replicas: int, port: int, strategy: str = "RollingUpdate") -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "replicas": replicas,
-        "selector": {"matchLabels": labels},
-        "strategy": {"type": strategy},
-        "template": {"metadata": {"labels": labels, "annotations": _scrape(port)},
-                     "spec": pod},
-    }
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _meta(settings, name, labels), "spec": spec}
-
-
-def _job(settings: Settings, name: str, containers: list[dict[str, Any]]) -> dict[str, Any]:
-    labels = _labels(name.removeprefix("calmq-"))
-    return {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": _meta(settings, name, labels),
-        "spec": {
-            "backoffLimit": 4,
-            # Kept a day for its logs; delete it before the next release applies it again
-            # (a Job's pod template cannot change in place).
-            "ttlSecondsAfterFinished": 86400,
-            "template": {"metadata": {"labels": labels},
-                         "spec": _pod(containers, grace=30, restart="OnFailure")},
-        },
-    }
-
-
-def _metrics_part(settings: Settings, component: str, args: list[str]) -> dict[str, Any]:
-    return _container(settings, component, [*args, "--metrics-port", str(METRICS_PORT)],
-                      resources=RESOURCES[component], port=("metrics", METRICS_PORT),
-                      probes=("/metrics", "/metrics"))
 
 
 def longest_step(settings: Settings, workflows: Mapping[str, Workflow], pool: str) -> float:
@@ -275,114 +242,723 @@ def longest_step(settings: Settings, workflows: Mapping[str, Workflow], pool: st
     return max(timeouts, default=60.0)  # a pool no registered workflow names: Step's default
 
 
-def worker_deployment(settings: Settings, pool: str, workflows: Mapping[str, Workflow]
-                      ) -> dict[str, Any]:
-    """A pool's workers. Their grace period covers the pool's longest step, so a scale-down
-    lets every model call finish instead of cutting it and redoing the job elsewhere."""
-    grace = max(settings.grace_seconds, longest_step(settings, workflows, pool))
-    env = {"CALMQ_POOL": pool, "CALMQ_PRIORITIES": settings.priorities,
-           "CALMQ_CONCURRENCY": str(settings.concurrency),
-           "CALMQ_GRACE_SECONDS": _text(float(grace)) or "0"}
-    container = _container(settings, "worker", ["worker", "--metrics-port", str(METRICS_PORT)],
-                           resources=RESOURCES["worker"], env=env,
-                           port=("metrics", METRICS_PORT), probes=("/metrics", "/metrics"))
-    labels = keda.labels(pool)
-    return _deployment(settings, keda.worker_name(pool), labels,
-                       _pod([container], grace=math.ceil(grace) + DRAIN_SECONDS),
-                       # KEDA owns the count; this is only the count before KEDA first acts.
-                       replicas=max(1, settings.keda_min_replicas), port=METRICS_PORT)
-
-
-def configmap(settings: Settings) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(settings, CONFIG_NAME, _labels("config")),
-            "data": config_values(settings)}
-
-
-def secret_template(settings: Settings) -> dict[str, Any]:
-    """The Secret's shape with placeholders; create the real one with kubectl (docs)."""
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(settings, CONFIG_NAME, _labels("config")),
-            "stringData": dict(SECRET_PLACEHOLDERS)}
-
-
-def render(settings: Settings, workflows: dict[str, Workflow] | None = None
-           ) -> dict[str, dict[str, Any]]:
-    """``{file name: manifest}``; the numbers in the names are the order to apply them in."""
-    registry = workflows if workflows is not None else load_workflows(settings)
-    pools = keda.pools(settings, registry)
-    ns = settings.keda_namespace
-    out: dict[str, dict[str, Any]] = {
-        "00-namespace.yaml": {"apiVersion": "v1", "kind": "Namespace",
-                              "metadata": {"name": ns, "labels": _labels("namespace")}},
-        "10-configmap.yaml": configmap(settings),
+def _part(resources: Resources, **extra: Any) -> dict[str, Any]:
+    """The values every part has: resources and scheduling, service account, extra
+    labels, annotations and environment."""
+    return {
+        **extra,
+        "resources": resources.manifest(),
+        "nodeSelector": {},
+        "tolerations": [],
+        "affinity": {},
+        "topologySpreadConstraints": [],
+        "priorityClassName": "",
+        "serviceAccountName": "",  # empty: serviceAccount.name (Jobs: the namespace's)
+        "labels": {},
+        "annotations": {},
+        "podLabels": {},
+        "podAnnotations": {},
+        "extraEnv": [],
+        "tmpSizeLimit": "64Mi",  # the emptyDir at /tmp, the one writable place
     }
-    job_resources = RESOURCES["job"]
-    out["20-migrate-job.yaml"] = _job(settings, "calmq-migrate", [
-        _container(settings, "migrate", ["migrate"], resources=job_resources)])
-    # Topics of every pool and the schemas, before any producer or consumer starts. Each
-    # is idempotent, so the Job may run again with every release.
-    out["21-kafka-setup-job.yaml"] = _job(settings, "calmq-kafka-setup", [
-        *(_container(settings, f"topics-{pool}".replace("_", "-"),
-                     ["topics", "create", "--pool", pool], resources=job_resources)
-          for pool in pools),
-        _container(settings, "schemas", ["schemas", "register"], resources=job_resources),
-    ])
 
-    api_labels = _labels("api")
-    api = _container(settings, "api", ["api"], resources=RESOURCES["api"],
-                     env={"CALMQ_API_HOST": "0.0.0.0", "CALMQ_API_PORT": str(API_PORT)},
-                     port=("http", API_PORT), probes=("/healthz", "/readyz"))
-    # The API drains open requests and SSE streams within aiohttp's shutdown timeout (60 s).
-    out["30-api-deployment.yaml"] = _deployment(settings, "calmq-api", api_labels,
-                                                _pod([api], grace=75), replicas=2,
-                                                port=API_PORT)
-    out["30-api-service.yaml"] = {
+
+def _number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def _pool_values(settings: Settings, grace_seconds: float) -> dict[str, Any]:
+    grace = max(settings.grace_seconds, grace_seconds)
+    return {
+        "priorities": settings.priorities,
+        "concurrency": settings.concurrency,
+        # The worker's own grace covers the pool's longest step; the pod's adds the drain.
+        "graceSeconds": _number(grace),
+        "terminationGracePeriodSeconds": math.ceil(grace) + DRAIN_SECONDS,
+        "replicas": 1,  # only without KEDA: with it, KEDA owns the count
+        "keda": keda.pool_scaling(settings),
+        "batcher": {"enabled": True, "replicas": 1,
+                    "terminationGracePeriodSeconds": max(30, math.ceil(settings.grace_seconds)),
+                    **_part(RESOURCES["batcher"])},
+        **_part(RESOURCES["worker"]),
+    }
+
+
+def _difference(value: Any, base: Any) -> Any:
+    """What ``value`` sets that ``base`` does not (maps key by key)."""
+    if isinstance(value, dict) and isinstance(base, dict):
+        out = {k: _difference(v, base.get(k)) for k, v in value.items()
+               if k not in base or v != base[k]}
+        return {k: v for k, v in out.items() if v != {}}
+    return value
+
+
+def _image(reference: str) -> dict[str, str]:
+    name, _, digest = reference.partition("@")
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    if colon > slash:
+        name, tag = name[:colon], name[colon + 1:]
+    else:
+        tag = "latest"
+    return {"repository": name, "tag": tag, "digest": digest}
+
+
+def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None = None
+                   ) -> dict[str, Any]:
+    """The chart's values for these settings (module docstring, step 1)."""
+    registry = dict(workflows) if workflows is not None else load_workflows(settings)
+    names = keda.pools(settings, registry)
+    defaults = _pool_values(settings, 60.0)
+    pools = {name: _difference(_pool_values(settings, longest_step(settings, registry, name)),
+                               defaults) for name in names}
+    return {
+        "image": {**_image(settings.image), "pullPolicy": settings.image_pull_policy},
+        "imagePullSecrets": [{"name": n.strip()} for n in settings.image_pull_secrets.split(",")
+                             if n.strip()],
+        "namespace": {"create": False, "podSecurity": "restricted", "labels": {}},
+        "commonLabels": {},
+        "strictSettings": False,
+        "config": config_values(settings),
+        "secretsVersion": "",
+        "secretSettings": {
+            "database_url": {"secretName": CONFIG_NAME, "key": "CALMQ_DATABASE_URL"},
+            "provider_api_key": {"secretName": CONFIG_NAME, "key": "CALMQ_PROVIDER_API_KEY",
+                                 "parts": ["worker", "batcher"]},
+            "migrate_database_url": {"secretName": "", "key": "", "parts": ["migrate"]},
+            "relay_database_url": {"secretName": "", "key": "", "parts": ["relay"]},
+        },
+        "extraEnv": [],
+        "serviceAccount": {"create": True, "name": "calmq", "annotations": {}},
+        "scrapeAnnotations": True,
+        "api": {
+            "replicas": 2,
+            "port": API_PORT,
+            "metricsPort": settings.api_metrics_port or METRICS_PORT,
+            "console": {"enabled": settings.api_console,
+                        "port": settings.api_console_port or 0},
+            # The API drains open requests and SSE streams within aiohttp's shutdown
+            # timeout (60 s), after the preStop pause that lets the Service's endpoints
+            # drop the pod before it stops accepting.
+            "terminationGracePeriodSeconds": 75,
+            "preStopSeconds": 5,
+            "service": {"type": "ClusterIP", "port": API_PORT, "annotations": {}},
+            "pdb": {"enabled": True, "minAvailable": 1},
+            **_part(RESOURCES["api"]),
+        },
+        "relay": {"terminationGracePeriodSeconds": 30, **_part(RESOURCES["relay"])},
+        "forwarder": {"replicas": 1, "terminationGracePeriodSeconds": 30,
+                      **_part(RESOURCES["forwarder"])},
+        "reaper": {"replicas": 1, "terminationGracePeriodSeconds": 15,
+                   **_part(RESOURCES["reaper"])},
+        "jobs": {"backoffLimit": 4, "ttlSecondsAfterFinished": 86400,
+                 **_part(RESOURCES["jobs"])},
+        "workers": {"poolDefaults": defaults, "pools": pools},
+        "monitoring": {
+            "podMonitor": {"enabled": False, "labels": {}, "interval": "30s"},
+            "prometheusRule": {"enabled": False, "labels": {}, "runbookBaseUrl": ""},
+            "dashboard": {"enabled": False, "labels": {"grafana_dashboard": "1"},
+                          "annotations": {}},
+        },
+        "networkPolicy": {"enabled": False, "apiFrom": [], "metricsFrom": [],
+                          "consoleFrom": []},
+    }
+
+
+# -- the objects ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Where a part's values are: under ``root`` of the values, or of the pool entry."""
+
+    name: str  # the component: api, relay, worker, ...
+    root: tuple[str, ...]
+    scope: str = "root"
+
+    def __call__(self, *path: str, block: bool = False) -> Val:
+        return Val((*self.root, *path), self.scope, block)
+
+
+def _root(*path: str, block: bool = False) -> Val:
+    return Val(path, block=block)
+
+
+def _selector(component: str, pool: Any = None) -> dict[str, Any]:
+    labels: dict[str, Any] = {"app.kubernetes.io/name": "calmq",
+                              "app.kubernetes.io/component": component}
+    if pool is not None:
+        labels["calmq.dev/pool"] = pool
+    return labels
+
+
+def _labels(component: str, pool: Any = None) -> dict[Any, Any]:
+    """An object's labels: the selector's, the part-of and the scrape job name that both
+    Prometheus discovery styles read (the PodMonitor's jobLabel; the pod relabelling of
+    docs/how-to/alerting.md)."""
+    labels: dict[Any, Any] = {**_selector(component, pool), "app.kubernetes.io/part-of": "calmq"}
+    if component in PARTS:
+        labels["calmq.dev/job"] = f"calmq-{component}"
+    labels[Spread(_root("commonLabels"))] = None
+    return labels
+
+
+def _meta(name: Any, component: str, part: _Part | None = None, *, pool: Any = None,
+          annotations: dict[str, Any] | None = None) -> dict[str, Any]:
+    labels = _labels(component, pool)
+    meta: dict[str, Any] = {"name": name, "namespace": Namespace(), "labels": labels}
+    if part is not None:
+        labels[Spread(part("labels"))] = None
+        if annotations:
+            meta["annotations"] = {**annotations, Spread(part("annotations")): None}
+        else:
+            meta["annotations"] = When(part("annotations"), part("annotations", block=True))
+    elif annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _when_set(value: Val, *, block: bool = False) -> When:
+    return When(value, Val(value.path, value.scope, block))
+
+
+def _secret_env(part: str) -> Each:
+    """The settings read from Secrets: every ``secretSettings`` entry with a Secret that
+    names this part (or no part: all of them)."""
+    def ref(*path: str) -> Val:
+        return Val(path, "secret")
+
+    return Each(
+        _root("secretSettings"), "secret",
+        {"name": Printf("CALMQ_%s", Upper(Key("secret"))),
+         "valueFrom": {"secretKeyRef": {"name": ref("secretName"), "key": ref("key")}}},
+        where=And((ref("secretName"), Or((Not(ref("parts")), Has(ref("parts"), part))))))
+
+
+def _config_env() -> Each:
+    """The ConfigMap's entries as the container's own env (the Jobs: they run as hooks,
+    before the ConfigMap exists)."""
+    return Each(_root("config"), "cfg",
+                {"name": Printf("CALMQ_%s", Upper(Key("cfg"))), "value": Text(Val((), "cfg"))})
+
+
+def _probe(path: str, port: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "timeoutSeconds": 2, "failureThreshold": failures}
+
+
+def _container(name: Any, args: list[Any], part: _Part, *,
+               env: Sequence[Any] = (), ports: Sequence[Any] = (),
+               probes: tuple[str, str, str] | None = None, inline_config: bool = False,
+               lifecycle: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One calmq container: ``calmq <args>``, every setting from the ConfigMap (Jobs: the
+    same entries inline) and the Secrets. ``probes``: (port, liveness path, readiness
+    path); the parts without an HTTP API are probed on their metrics port, which answers
+    while the process runs."""
+    container: dict[str, Any] = {
+        "name": name,
+        "image": Image(),
+        "imagePullPolicy": _root("image", "pullPolicy"),
+        "command": ["calmq"],
+        "args": args,
+    }
+    if not inline_config:
+        container["envFrom"] = [{"configMapRef": {"name": CONFIG_NAME}}]
+    # env wins over envFrom: a Deployment's own settings (its pool) over the shared ones.
+    container["env"] = [
+        # The ConfigMap may name a setting this image does not know (an upgrade's or a
+        # rollback's skew): a warning in the log, not a crash loop.
+        {"name": "CALMQ_STRICT_SETTINGS", "value": Text(_root("strictSettings"))},
+        *([_config_env()] if inline_config else []),
+        *env,
+        _secret_env(part.name),
+        Spread(_root("extraEnv")),
+        Spread(part("extraEnv")),
+    ]
+    if ports:
+        container["ports"] = list(ports)
+    if probes is not None:
+        port, live, ready = probes
+        container["startupProbe"] = _probe(ready, port, period=2, failures=30)
+        container["livenessProbe"] = _probe(live, port, period=10, failures=3)
+        container["readinessProbe"] = _probe(ready, port, period=5, failures=2)
+    if lifecycle is not None:
+        container["lifecycle"] = lifecycle
+    container["resources"] = part("resources", block=True)
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]  # noqa: S108
+    return container
+
+
+def _pod(part: _Part, containers: list[Any], *, grace: Any, restart: str = "Always",
+         service_account: Any = None) -> dict[str, Any]:
+    account = service_account if service_account is not None else Default(
+        part("serviceAccountName"),
+        And((_root("serviceAccount", "create"), _root("serviceAccount", "name"))))
+    return {
+        # Service links would inject CALMQ_<SERVICE>_PORT=tcp://... for a Service named
+        # calmq-*; calmq tolerates them, but they are noise and shadow real settings.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # calmq never calls the Kubernetes API
+        "serviceAccountName": When(account, account),
+        "restartPolicy": restart,
+        "terminationGracePeriodSeconds": grace,
+        # The image's user (Dockerfile: uid 10001); the root filesystem is read-only and
+        # the only writable place is /tmp. PodSecurity "restricted" admits this pod.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+        "imagePullSecrets": _when_set(_root("imagePullSecrets"), block=True),
+        "priorityClassName": _when_set(part("priorityClassName")),
+        "nodeSelector": _when_set(part("nodeSelector"), block=True),
+        "tolerations": _when_set(part("tolerations"), block=True),
+        "affinity": _when_set(part("affinity"), block=True),
+        "topologySpreadConstraints": _when_set(part("topologySpreadConstraints"), block=True),
+        "containers": containers,
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": part("tmpSizeLimit")}}],
+    }
+
+
+def _template_meta(part: _Part, component: str, pool: Any = None) -> dict[str, Any]:
+    return {
+        "labels": {**_labels(component, pool), Spread(part("podLabels")): None},
+        "annotations": {
+            # The ConfigMap's data and secretsVersion: a change rolls the pods.
+            "checksum/config": Checksum(),
+            "prometheus.io/scrape": When(_root("scrapeAnnotations"), "true"),
+            "prometheus.io/port": When(_root("scrapeAnnotations"), str(METRICS_PORT)),
+            "prometheus.io/path": When(_root("scrapeAnnotations"), "/metrics"),
+            Spread(part("podAnnotations")): None,
+        },
+    }
+
+
+def _deployment(name: Any, component: str, part: _Part, pod: dict[str, Any], *,
+                replicas: Any, strategy: str = "RollingUpdate", pool: Any = None
+                ) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    spec.update({
+        "selector": {"matchLabels": _selector(component, pool)},
+        "strategy": {"type": strategy},
+        "template": {"metadata": _template_meta(part, component, pool), "spec": pod},
+    })
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _meta(name, component, part, pool=pool), "spec": spec}
+
+
+def _metrics_part(component: str, part: _Part, args: list[Any], *, pool: Any = None,
+                  env: Sequence[Any] = ()) -> dict[str, Any]:
+    return _container(component, [*args, "--metrics-port", str(METRICS_PORT)], part, env=env,
+                      ports=[{"name": "metrics", "containerPort": METRICS_PORT}],
+                      probes=("metrics", "/metrics", "/metrics"))
+
+
+def _hooks(weight: int) -> dict[str, str]:
+    """A Job that runs before the release's other objects change, and again with each
+    upgrade: a Helm pre-install/pre-upgrade hook and an Argo CD PreSync hook, deleted
+    before the next one is created (a finished Job's pod template cannot change)."""
+    return {
+        "helm.sh/hook": "pre-install,pre-upgrade",
+        "helm.sh/hook-weight": str(weight),
+        "helm.sh/hook-delete-policy": "before-hook-creation",
+        "argocd.argoproj.io/hook": "PreSync",
+        "argocd.argoproj.io/hook-delete-policy": "BeforeHookCreation",
+        "argocd.argoproj.io/sync-wave": str(weight),
+    }
+
+
+_JOBS = _Part("jobs", ("jobs",))
+
+
+def _job(name: str, component: str, containers: list[Any], weight: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": _meta(name, component, _JOBS, annotations=_hooks(weight)),
+        "spec": {
+            "backoffLimit": _JOBS("backoffLimit"),
+            # Kept a day for its logs; the next release's hook deletes it first anyway.
+            "ttlSecondsAfterFinished": _JOBS("ttlSecondsAfterFinished"),
+            "template": {
+                "metadata": {"labels": {**_labels(component), Spread(_JOBS("podLabels")): None},
+                             "annotations": _when_set(_JOBS("podAnnotations"), block=True)},
+                # No ServiceAccount of the release: a hook runs before it exists.
+                "spec": _pod(_JOBS, containers, grace=30, restart="OnFailure",
+                             service_account=_JOBS("serviceAccountName"))},
+        },
+    }
+
+
+def _jobs() -> list[Doc]:
+    pool = Key("pool")
+    migrate = _container("migrate", ["migrate"], _Part("migrate", ("jobs",)),
+                         inline_config=True)
+    topics = Each(_root("workers", "pools"), "pool", _container(
+        Printf("topics-%s", Dashed(pool)), ["topics", "create", "--pool", pool],
+        _Part("kafka-setup", ("jobs",)), inline_config=True), defaults=_POOL_DEFAULTS)
+    schemas = _container("schemas", ["schemas", "register"], _Part("kafka-setup", ("jobs",)),
+                         inline_config=True)
+    return [
+        Doc(lambda _c: "jobs/20-migrate-job.yaml", "job-migrate.yaml",
+            _job("calmq-migrate", "migrate", [migrate], -10)),
+        # Topics of every pool and the schemas, before any producer or consumer starts.
+        # Each is idempotent, so the Job runs again with every release.
+        Doc(lambda _c: "jobs/21-kafka-setup-job.yaml", "job-kafka-setup.yaml",
+            _job("calmq-kafka-setup", "kafka-setup", [topics, schemas], -5)),
+    ]
+
+
+_API = _Part("api", ("api",))
+
+
+def _api() -> list[Doc]:
+    api = _API
+    console_port = api("console", "port")
+    container = _container(
+        "api", ["api"], api,
+        env=[{"name": "CALMQ_API_HOST", "value": "0.0.0.0"},
+             {"name": "CALMQ_API_PORT", "value": Text(api("port"))},
+             {"name": "CALMQ_API_METRICS_PORT", "value": Text(api("metricsPort"))},
+             {"name": "CALMQ_API_CONSOLE", "value": Text(api("console", "enabled"))},
+             When(console_port, {"name": "CALMQ_API_CONSOLE_PORT", "value": Text(console_port)})],
+        ports=[{"name": "http", "containerPort": api("port")},
+               {"name": "metrics", "containerPort": api("metricsPort")},
+               When(console_port, {"name": "console", "containerPort": console_port})],
+        probes=("http", "/healthz", "/readyz"),
+        # Endpoints are removed from the Service while the pod still serves: a pause before
+        # SIGTERM lets every proxy stop sending to it, so a rollout drops no request.
+        lifecycle={"preStop": {"sleep": {"seconds": api("preStopSeconds")}}})
+    pod = _pod(api, [container], grace=api("terminationGracePeriodSeconds"))
+    deployment = _deployment("calmq-api", "api", api, pod, replicas=api("replicas"))
+    deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = When(
+        _root("scrapeAnnotations"), Text(api("metricsPort")))
+    service = {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(settings, "calmq-api", api_labels),
-        "spec": {"selector": api_labels,
-                 "ports": [{"name": "http", "port": API_PORT, "targetPort": "http"}]},
+        "metadata": {**_meta("calmq-api", "api"),
+                     "annotations": _when_set(api("service", "annotations"), block=True)},
+        "spec": {"type": api("service", "type"), "selector": _selector("api"),
+                 "ports": [{"name": "http", "port": api("service", "port"),
+                            "targetPort": "http"},
+                           When(console_port, {"name": "console", "port": console_port,
+                                               "targetPort": "console"})]},
     }
-    out["30-api-pdb.yaml"] = {
+    pdb = {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta(settings, "calmq-api", api_labels),
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": api_labels}},
+        "metadata": _meta("calmq-api", "api"),
+        "spec": {"minAvailable": api("pdb", "minAvailable"),
+                 "selector": {"matchLabels": _selector("api")}},
     }
-    # One relay: it owns the replication slot. Recreate stops the old pod before the new
-    # one starts, so a rollout never has two relays waiting on the slot.
-    out["40-relay-deployment.yaml"] = _deployment(
-        settings, "calmq-relay", _labels("relay"),
-        _pod([_metrics_part(settings, "relay", ["relay"])], grace=30),
-        replicas=1, port=METRICS_PORT, strategy="Recreate")
-    out["50-forwarder-deployment.yaml"] = _deployment(
-        settings, "calmq-forwarder", _labels("forwarder"),
-        _pod([_metrics_part(settings, "forwarder", ["forwarder"])], grace=30),
-        replicas=1, port=METRICS_PORT)
-    out["50-reaper-deployment.yaml"] = _deployment(
-        settings, "calmq-reaper", _labels("reaper"),
-        _pod([_metrics_part(settings, "reaper", ["reaper"])], grace=15),
-        replicas=1, port=METRICS_PORT)
-    for pool in pools:
-        out[f"60-worker-{pool}-deployment.yaml"] = worker_deployment(settings, pool, registry)
-        out[f"60-worker-{pool}-scaledobject.yaml"] = keda.scaled_object(settings, pool)
-        out[f"61-batcher-{pool}-deployment.yaml"] = batcher_deployment(settings, pool)
+    return [
+        Doc(lambda _c: "30-api-deployment.yaml", "api.yaml", deployment),
+        Doc(lambda _c: "30-api-service.yaml", "api.yaml", service),
+        Doc(lambda _c: "30-api-pdb.yaml", "api.yaml", pdb, when=api("pdb", "enabled")),
+    ]
+
+
+def _singletons() -> list[Doc]:
+    relay, forwarder, reaper = (_Part(n, (n,)) for n in ("relay", "forwarder", "reaper"))
+    return [
+        # One relay: it owns the replication slot. Recreate stops the old pod before the new
+        # one starts, so a rollout never has two relays waiting on the slot.
+        Doc(lambda _c: "40-relay-deployment.yaml", "relay.yaml", _deployment(
+            "calmq-relay", "relay", relay,
+            _pod(relay, [_metrics_part("relay", relay, ["relay"])],
+                 grace=relay("terminationGracePeriodSeconds")),
+            replicas=1, strategy="Recreate")),
+        Doc(lambda _c: "50-forwarder-deployment.yaml", "forwarder.yaml", _deployment(
+            "calmq-forwarder", "forwarder", forwarder,
+            _pod(forwarder, [_metrics_part("forwarder", forwarder, ["forwarder"])],
+                 grace=forwarder("terminationGracePeriodSeconds")),
+            replicas=forwarder("replicas"))),
+        Doc(lambda _c: "50-reaper-deployment.yaml", "reaper.yaml", _deployment(
+            "calmq-reaper", "reaper", reaper,
+            _pod(reaper, [_metrics_part("reaper", reaper, ["reaper"])],
+                 grace=reaper("terminationGracePeriodSeconds")),
+            replicas=reaper("replicas"))),
+    ]
+
+
+_POOL_DEFAULTS = ("workers", "poolDefaults")
+
+
+def _pool_each(where: Any = None) -> Each:
+    return Each(_root("workers", "pools"), "pool", None, where=where, defaults=_POOL_DEFAULTS)
+
+
+def _workers() -> list[Doc]:
+    """Per pool: the workers (their grace period covers the pool's longest step, so a
+    scale-down lets every model call finish instead of cutting it and redoing the job
+    elsewhere), their ScaledObject, and the batch lane's batcher."""
+    pool = Key("pool")
+    worker = _Part("worker", (), "pool")
+    batcher = _Part("batcher", ("batcher",), "pool")
+    keda_on = Val(("keda", "enabled"), "pool")
+    container = _metrics_part("worker", worker, ["worker"], pool=pool, env=[
+        {"name": "CALMQ_POOL", "value": pool},
+        {"name": "CALMQ_PRIORITIES", "value": Text(worker("priorities"))},
+        {"name": "CALMQ_CONCURRENCY", "value": Text(worker("concurrency"))},
+        {"name": "CALMQ_GRACE_SECONDS", "value": Text(worker("graceSeconds"))}])
+    deployment = _deployment(
+        Printf("calmq-worker-%s", Dashed(pool)), "worker", worker,
+        _pod(worker, [container], grace=worker("terminationGracePeriodSeconds")),
+        # With KEDA, no replicas: a sync would reset a busy pool to this count.
+        replicas=When(Not(keda_on), worker("replicas")), pool=pool)
+    scaled = keda.scaled_object(_meta(Printf("calmq-worker-%s", Dashed(pool)), "worker",
+                                      pool=pool))
+    batch = _container("batcher", ["batcher", "--metrics-port", str(METRICS_PORT)], batcher,
+                       env=[{"name": "CALMQ_POOL", "value": pool}],
+                       ports=[{"name": "metrics", "containerPort": METRICS_PORT}],
+                       probes=("metrics", "/metrics", "/metrics"))
+    # A pool's batch lane (`calmq batcher`): one replica packs and polls; pollers share
+    # batches by lease and packers claim jobs like workers, so more replicas are safe.
+    batcher_deployment = _deployment(
+        Printf("calmq-batcher-%s", Dashed(pool)), "batcher", batcher,
+        _pod(batcher, [batch], grace=batcher("terminationGracePeriodSeconds")),
+        replicas=batcher("replicas"), pool=pool)
+
+    def named(fmt: str) -> Any:
+        return lambda c: fmt % c.scopes["pool"].key
+
+    return [
+        Doc(named("60-worker-%s-deployment.yaml"), "workers.yaml", deployment,
+            each=_pool_each()),
+        Doc(named("60-worker-%s-scaledobject.yaml"), "workers.yaml", scaled,
+            each=_pool_each(keda_on)),
+        Doc(named("61-batcher-%s-deployment.yaml"), "workers.yaml", batcher_deployment,
+            each=_pool_each(Val(("batcher", "enabled"), "pool"))),
+    ]
+
+
+def _podmonitor(component: str) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"port": "metrics", "path": "/metrics",
+                                "interval": _root("monitoring", "podMonitor", "interval")}
+    if component in ("worker", "batcher"):
+        # The pool as a target label, as the pod-annotation scrape config sets it.
+        endpoint["relabelings"] = [{"sourceLabels": ["__meta_kubernetes_pod_label_calmq_dev_pool"],
+                                    "targetLabel": "pool"}]
+    meta = _meta(f"calmq-{component}", component)
+    meta["labels"][Spread(_root("monitoring", "podMonitor", "labels"))] = None
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": meta,
+        "spec": {
+            # job="calmq-<part>", the same name the pod-annotation scrape config gives, so
+            # the alert rules hold for either.
+            "jobLabel": "calmq.dev/job",
+            "selector": {"matchLabels": _selector(component)},
+            "podMetricsEndpoints": [endpoint],
+        },
+    }
+
+
+def _runbook(rule: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(rule)
+    notes = out.get("annotations", {})
+    if "runbook_url" in notes:
+        notes["runbook_url"] = Printf(
+            "%s%s", _root("monitoring", "prometheusRule", "runbookBaseUrl"),
+            notes["runbook_url"])
     return out
 
 
-def batcher_deployment(settings: Settings, pool: str) -> dict[str, Any]:
-    """A pool's batch lane (`calmq batcher`): one replica packs and polls; pollers share
-    batches by lease and packers claim jobs like workers, so more replicas are safe."""
-    container = _container(settings, "batcher",
-                           ["batcher", "--metrics-port", str(METRICS_PORT)],
-                           resources=RESOURCES["batcher"], env={"CALMQ_POOL": pool},
-                           port=("metrics", METRICS_PORT), probes=("/metrics", "/metrics"))
-    name = f"calmq-batcher-{pool}".replace("_", "-")
-    return _deployment(settings, name, _labels("batcher", **{"calmq.dev/pool": pool}),
-                       _pod([container], grace=max(30, math.ceil(settings.grace_seconds))),
-                       replicas=1, port=METRICS_PORT)
+def _fixed(name: str) -> Callable[[Context], str]:
+    return lambda _c: name
 
 
-def dump(manifest: dict[str, Any], command: str) -> str:
+def _monitoring() -> list[Doc]:
+    import yaml
+
+    on = _root("monitoring", "podMonitor", "enabled")
+    docs = [Doc(_fixed(f"70-podmonitor-{name}.yaml"), "podmonitors.yaml", _podmonitor(name),
+                when=on)
+            for name in ("api", "relay", "forwarder", "reaper", "worker", "batcher")]
+    alerts = yaml.safe_load(monitoring_file("alerts.yml"))
+    rule_meta = _meta("calmq", "monitoring")
+    rule_meta["labels"][Spread(_root("monitoring", "prometheusRule", "labels"))] = None
+    docs.append(Doc(lambda _c: "71-prometheusrule.yaml", "prometheusrule.yaml", {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+        "metadata": rule_meta,
+        "spec": {"groups": [{**group, "rules": [_runbook(r) for r in group["rules"]]}
+                            for group in alerts["groups"]]},
+    }, when=_root("monitoring", "prometheusRule", "enabled")))
+    dash = _root("monitoring", "dashboard")
+    dash_meta = _meta("calmq-dashboard", "monitoring")
+    dash_meta["labels"][Spread(Val((*dash.path, "labels")))] = None
+    dash_meta["annotations"] = _when_set(Val((*dash.path, "annotations")), block=True)
+    docs.append(Doc(lambda _c: "72-dashboard-configmap.yaml", "dashboard.yaml", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": dash_meta,
+        "data": {"calmq.json": FileText("calmq-dashboard.json")},
+    }, when=Val((*dash.path, "enabled"))))
+    return docs
+
+
+def _network_policies() -> list[Doc]:
+    """Who may reach the pods: the API port from ``apiFrom`` (anyone when empty), the
+    metrics port from ``metricsFrom`` (the monitoring namespace, say) and the console's own
+    port from ``consoleFrom``; the other parts take no traffic but scrapes."""
+    net = ("networkPolicy",)
+
+    def rule(port: str, peers: str) -> dict[str, Any]:
+        return {"ports": [{"port": port, "protocol": "TCP"}],
+                "from": _when_set(Val((*net, peers)), block=True)}
+
+    def policy(name: str, selector: dict[str, Any], rules: list[Any]) -> dict[str, Any]:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": _meta(name, "network-policy"),
+                "spec": {"podSelector": selector, "policyTypes": ["Ingress"],
+                         "ingress": rules}}
+
+    api = policy("calmq-api", {"matchLabels": _selector("api")}, [
+        rule("http", "apiFrom"), rule("metrics", "metricsFrom"),
+        When(_API("console", "port"), rule("console", "consoleFrom"))])
+    parts = policy("calmq-parts", {
+        "matchLabels": {"app.kubernetes.io/name": "calmq"},
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                              "values": ["relay", "forwarder", "reaper", "worker",
+                                         "batcher"]}]}, [rule("metrics", "metricsFrom")])
+    on = Val((*net, "enabled"))
+    return [Doc(lambda _c: "80-networkpolicy-api.yaml", "networkpolicy.yaml", api, when=on),
+            Doc(lambda _c: "80-networkpolicy-parts.yaml", "networkpolicy.yaml", parts,
+                when=on)]
+
+
+def _base() -> list[Doc]:
+    ns_labels = {"app.kubernetes.io/name": "calmq", "app.kubernetes.io/component": "namespace",
+                 # PodSecurity admission: every calmq pod meets the restricted profile.
+                 "pod-security.kubernetes.io/enforce": _root("namespace", "podSecurity"),
+                 "pod-security.kubernetes.io/audit": _root("namespace", "podSecurity"),
+                 "pod-security.kubernetes.io/warn": _root("namespace", "podSecurity"),
+                 Spread(_root("namespace", "labels")): None}
+    account = _meta(_root("serviceAccount", "name"), "service-account")
+    # For IRSA / Workload Identity: the cloud role that may read and write the bucket.
+    account["annotations"] = _when_set(_root("serviceAccount", "annotations"), block=True)
+    config_meta = _meta(CONFIG_NAME, "config")
+    # A ConfigMap without a provider is never rendered: every model call would fail.
+    provider = Required(_root("config", "provider_url"),
+                        "config.provider_url is required: the model provider's URL "
+                        "(https://api.openai.com, https://api.anthropic.com, a vLLM or "
+                        "LiteLLM address)")
+    return [
+        Doc(lambda _c: "00-namespace.yaml", "namespace.yaml",
+            {"apiVersion": "v1", "kind": "Namespace",
+             "metadata": {"name": Namespace(), "labels": ns_labels}},
+            when=_root("namespace", "create")),
+        Doc(lambda _c: "05-serviceaccount.yaml", "serviceaccount.yaml",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": account,
+             "automountServiceAccountToken": False},
+            when=_root("serviceAccount", "create")),
+        Doc(lambda _c: "10-configmap.yaml", "configmap.yaml",
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": config_meta,
+             "data": {Check(provider): None,
+                      Entries(_root("config"), "cfg", Printf("CALMQ_%s", Upper(Key("cfg"))),
+                              Text(Val((), "cfg"))): None}}),
+    ]
+
+
+def _docs() -> list[Doc]:
+    return [*_base(), *_jobs(), *_api(), *_singletons(), *_workers(), *_monitoring(),
+            *_network_policies()]
+
+
+def monitoring_file(name: str) -> str:
+    """The alert rules or the dashboard, as the package ships them (copies of
+    deploy/prometheus/alerts.yml and deploy/grafana/calmq-dashboard.json)."""
+    return resources.files("calmq.tooling").joinpath("monitoring", name).read_text("utf-8")
+
+
+def chart_files() -> dict[str, str]:
+    """The chart's ``files/``: what the templates read with ``.Files.Get``."""
+    return {"calmq-dashboard.json": monitoring_file("calmq-dashboard.json")}
+
+
+class _LazyDocs(Sequence[Doc]):
+    """The documents, built on first use (reading the alert rules is file work)."""
+
+    _docs: list[Doc] | None = None
+
+    def _all(self) -> list[Doc]:
+        if self._docs is None:
+            self._docs = _docs()
+        return self._docs
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+DOCS: Sequence[Doc] = _LazyDocs()
+_WORKER_FILES = ("60-worker-",)
+
+
+def render(values: Mapping[str, Any], namespace: str = "calmq", *, only: str | None = None
+           ) -> dict[str, dict[str, Any]]:
+    """``{file name: manifest}`` of the values; the numbers in the names are the order to
+    apply them in (``jobs/`` first: they are hooks). ``only="workers"``: the worker
+    Deployments and their ScaledObjects alone."""
+    ctx = Context(values, namespace, chart_files())
+    if only is None:
+        return dict(documents(DOCS, ctx))
+    if only != "workers":
+        raise ConfigError(f"--only {only}: the one subset is workers", code="invalid_values")
+    docs = [d for d in DOCS if d.template == "workers.yaml"]
+    return {k: v for k, v in documents(docs, ctx) if k.startswith(_WORKER_FILES)}
+
+
+def values_for(settings: Settings, *files: Path) -> dict[str, Any]:
+    """The settings' default values, with each values file merged over them in order."""
+    return merge_values(default_values(settings), *(load_values(f) for f in files))
+
+
+def secret_template(values: Mapping[str, Any], namespace: str) -> dict[str, Any]:
+    """The Secret ``calmq``'s shape with placeholders: the keys the ``secretSettings`` read
+    from it. Create the real one with kubectl, or your secret manager (docs)."""
+    keys = sorted({str(ref["key"]) for ref in (values.get("secretSettings") or {}).values()
+                   if ref and ref.get("secretName") == CONFIG_NAME and ref.get("key")})
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": CONFIG_NAME, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/name": "calmq",
+                                    "app.kubernetes.io/component": "config"}},
+            "stringData": {k: SECRET_PLACEHOLDERS.get(k, "CHANGE-ME") for k in keys}}
+
+
+def kustomization(manifests: Mapping[str, dict[str, Any]], values: Mapping[str, Any],
+                  namespace: str) -> dict[str, dict[str, Any]]:
+    """The Kustomize base: ``kustomization.yaml`` for the folder (the ConfigMap generated,
+    so its name carries a hash of its data and a change rolls the pods; the image under
+    ``images:``; the namespace) and ``jobs/kustomization.yaml`` for the hook Jobs."""
+    config = manifests["10-configmap.yaml"]
+    image = values["image"]
+    entry: dict[str, Any] = {"name": str(image["repository"]),
+                             "newName": str(image["repository"])}
+    if image.get("digest"):
+        entry["digest"] = str(image["digest"])
+    else:
+        entry["newTag"] = str(image["tag"])
+    top = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": namespace,
+        "resources": [f for f in manifests if "/" not in f and f != "10-configmap.yaml"]
+        + ["jobs"],
+        "configMapGenerator": [{
+            "name": CONFIG_NAME,
+            "options": {"labels": dict(config["metadata"]["labels"])},
+            "literals": [f"{k}={v}" for k, v in config["data"].items()],
+        }],
+        "images": [entry],
+    }
+    jobs = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": sorted(f.removeprefix("jobs/") for f in manifests
+                                if f.startswith("jobs/"))}
+    return {"kustomization.yaml": top, "jobs/kustomization.yaml": jobs}
+
+
+def dump(manifest: Any, command: str) -> str:
     """YAML with the header naming the command, and no anchors: the labels a Deployment
     repeats in its selector and template are written out, as a reader expects them."""
     import yaml
@@ -391,21 +967,43 @@ def dump(manifest: dict[str, Any], command: str) -> str:
         def ignore_aliases(self, data: Any) -> bool:
             return True
 
-    header = f"# Rendered by `{command}`; edit the settings, not this file.\n"
-    return header + yaml.dump(manifest, Dumper=_Plain, sort_keys=False)
+    header = f"# Rendered by `{command}`; edit the values, not this file.\n"
+    return header + yaml.dump(manifest, Dumper=_Plain, sort_keys=False, width=100)
 
 
-def write(settings: Settings, folder: Path) -> list[Path]:
-    """Render into ``folder``, and the Secret's template into ``folder/secret-template``
-    (a subfolder, so `kubectl apply -f folder` never applies its placeholders)."""
-    folder.mkdir(parents=True, exist_ok=True)
+def dump_all(manifests: Mapping[str, dict[str, Any]], command: str) -> str:
+    """Every manifest as one multi-document YAML stream (what `-o -` prints)."""
+    return "".join(("---\n" if i else "") + dump(m, command)
+                   for i, m in enumerate(manifests.values()))
+
+
+def _prune(folder: Path, keep: set[str], command: str) -> None:
+    """Remove files an earlier render of the same command wrote that this one does not (a
+    pool that is gone, a file that moved), never a file of anyone else."""
+    if not folder.is_dir():
+        return
+    mark = f"# Rendered by `{command}`"
+    for path in sorted(folder.rglob("*.yaml")):
+        name = str(path.relative_to(folder))
+        if name not in keep and path.read_text(encoding="utf-8").startswith(mark):
+            path.unlink()
+
+
+def write(values: Mapping[str, Any], folder: Path, namespace: str = "calmq", *,
+          only: str | None = None, command: str = "calmq k8s render") -> list[Path]:
+    """Render into ``folder``: the manifests, the hook Jobs in ``jobs/`` (where `kubectl
+    apply -f folder` does not re-apply them), the Kustomize base, and the Secret's template
+    in ``secret-template/`` (never applied with the folder)."""
+    manifests = render(values, namespace, only=only)
+    files: dict[str, Any] = dict(manifests)
+    if only is None:
+        files.update(kustomization(manifests, values, namespace))
+        files["secret-template/calmq-secret.yaml"] = secret_template(values, namespace)
+    _prune(folder, set(files), command)
     written = []
-    for file_name, manifest in render(settings).items():
-        path = folder / file_name
-        path.write_text(dump(manifest, "calmq k8s render"), encoding="utf-8")
+    for name, manifest in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump(manifest, command), encoding="utf-8")
         written.append(path)
-    secret = folder / "secret-template" / "calmq-secret.yaml"
-    secret.parent.mkdir(exist_ok=True)
-    secret.write_text(dump(secret_template(settings), "calmq k8s render"), encoding="utf-8")
-    written.append(secret)
     return written

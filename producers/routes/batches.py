@@ -53,7 +53,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     store = request.app[STORE]
     mine = await store.batches.members(found.key, tenant_id=tenant_id,
                                        limit=found.request_count + 1)
-    if len(mine) < found.request_count:
+    if found.others:
         raise ContractError("the batch also holds other tenants' jobs: cancel your jobs "
                             "instead (POST /v1/jobs/{id}/cancel)", code="batch_shared",
                             status=409)
@@ -71,17 +71,17 @@ ROUTES = [
         "operationId": "listBatches",
         "parameters": [query("state", {"type": "string", "enum": list(_STATES)}), LIMIT],
         "responses": {"200": answer("provider batches holding the tenant's jobs, newest first",
-                                    BatchList), **problems(400, 401)},
+                                    BatchList), **problems(400, 401, 429)},
     }),
     Route("GET", "/v1/batches/{batch_id}", show_batch, {
         "operationId": "getBatch", "parameters": [BATCH_ID],
         "responses": {"200": answer("the batch and the tenant's jobs in it", BatchDetail),
-                      **problems(401, 404)},
+                      **problems(401, 404, 429)},
     }),
     Route("POST", "/v1/batches/{batch_id}/cancel", cancel_batch, {
         "operationId": "cancelBatch", "parameters": [BATCH_ID],
         "responses": {"202": answer("cancel requested: the poller cancels it at the "
                                     "provider; unfinished jobs go into a new batch",
-                                    BatchDetail), **problems(401, 404, 409)},
+                                    BatchDetail), **problems(401, 404, 409, 429)},
     }),
 ]

@@ -6,8 +6,9 @@ from aiohttp import web
 
 from calmq.deadletters import DeadLetterFilter, DeadLetters
 from calmq.errors import ContractError
+from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, STORE, WORKFLOWS
+from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import DeadLetterList, Redriven, RedriveRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems, query
@@ -27,7 +28,9 @@ async def list_dead_letters(request: web.Request) -> web.Response:
         since=parse_time("since", params.get("since"), zone_required=False, status=422),
         until=parse_time("until", params.get("until"), zone_required=False, status=422),
         limit=limit(params, default=100))
-    rows = await DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS]).find(where)
+    with request.app[GATES].hold("read", caller.id):
+        rows = await DeadLetters(request.app[STORE],
+                                 workflows=request.app[WORKFLOWS]).find(where)
     return web.json_response({"dead_letters": [dead_letter_item(r) for r in rows]})
 
 
@@ -35,6 +38,9 @@ async def redrive_dead_letter(request: web.Request) -> web.Response:
     caller = await tenant(request, "operate")
     ident = job_id(request)
     req, _raw = await read_body(request, RedriveRequest)
+    most = request.app[SETTINGS].max_note_bytes
+    check_note("reason", req.reason, most)
+    check_note("by", req.by, most)
     dead = DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS],
                        objects=request.app[OBJECTS])
     # Who redrove is the key that called, not what the body claims (an audit field).
@@ -59,12 +65,12 @@ ROUTES = [
             *(query(n, {"type": "string", "format": "date-time"}) for n in ("since", "until")),
             LIMIT],
         "responses": {"200": answer("dead-lettered jobs, oldest death first", DeadLetterList),
-                      **problems(401, 403, 422)},
+                      **problems(401, 403, 422, 429)},
     }),
     Route("POST", "/v1/dead-letters/{job_id}/redrive", redrive_dead_letter, {
         "operationId": "redriveDeadLetter", "parameters": [JOB_ID],
         "requestBody": json_body(RedriveRequest),
         "responses": {"200": answer("requeued (or, with dry_run, unchanged)", Redriven),
-                      **problems(400, 401, 403, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422, 429)},
     }),
 ]

@@ -25,9 +25,18 @@ from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.lanes import choose_lane
+from calmq.limits import check_metadata, trace_parent
 from calmq.objects import ObjectRef, presigned_url, stat_object
 from calmq.producers.auth import tenant
-from calmq.producers.context import GROUP_COMMIT, HUB, OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.context import (
+    GATES,
+    GROUP_COMMIT,
+    HUB,
+    OBJECTS,
+    SETTINGS,
+    STORE,
+    WORKFLOWS,
+)
 from calmq.producers.intake import prepare, submit_keyed
 from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
@@ -91,6 +100,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         req = validate(SubmitRequest, fields)
     else:
         req, raw = await read_body(request, SubmitRequest)
+    check_metadata(req.metadata, settings.max_metadata_bytes)
     workflow = find_workflow(req.workflow, workflows)
     if (req.input is None) == (req.input_ref is None):
         raise ContractError("send exactly one of input and input_ref", code="invalid_body",
@@ -117,7 +127,7 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
     job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data,
                                           "lane": lane},
-                  trace_parent=request.headers.get("traceparent"))
+                  trace_parent=trace_parent(request.headers.get("traceparent")))
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)
         new_id, created = job.id, True
@@ -220,7 +230,8 @@ async def list_jobs(request: web.Request) -> web.Response:
         created_before=parse_time("created_before", params.get("created_before")),
         cursor_at=cursor_at, cursor_id=cursor_id, limit=page_size + 1,
     )
-    rows = await request.app[STORE].jobs.page(which)
+    with request.app[GATES].hold("read", caller.id):
+        rows = await request.app[STORE].jobs.page(which)
     page, more = rows[:page_size], len(rows) > page_size
     next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None
     return web.json_response({"jobs": [job_summary(r) for r in page],
@@ -240,10 +251,20 @@ def _last_event_id(request: web.Request) -> int:
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: the job's history, then each new event as it is written."""
+    """Server-sent events: the job's history, then each new event as it is written.
+
+    A tenant holds at most api_streams_per_tenant streams in this process (429
+    too_many_streams past it). The table is read when the job's notification wakes the
+    stream (or the hub reconnected), never for a keep-alive."""
     caller = await tenant(request)
     ident = job_id(request)
     after = _last_event_id(request)
+    with request.app[GATES].hold("stream", caller.id):
+        return await _stream(request, caller, ident, after)
+
+
+async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after: int
+                  ) -> web.StreamResponse:
     store, hub = request.app[STORE], request.app[HUB]
 
     async def read() -> tuple[str | None, list[HistoryEvent]]:
@@ -269,7 +290,12 @@ async def job_events(request: web.Request) -> web.StreamResponse:
             try:
                 await asyncio.wait_for(wake.wait(), timeout=_SSE_KEEPALIVE)
             except TimeoutError:
+                # Nothing happened to the job (a notification would have woken the stream):
+                # a comment keeps proxies from closing it, with no database read.
                 await resp.write(b": keep-alive\n\n")
+                rows = []
+                if not hub.closing:
+                    continue
             wake.clear()
             if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
                 break
@@ -286,6 +312,11 @@ async def job_events(request: web.Request) -> web.StreamResponse:
 
 async def get_artifact(request: web.Request) -> web.StreamResponse:
     caller = await tenant(request)
+    with request.app[GATES].hold("read", caller.id):
+        return await _artifact(request, caller)
+
+
+async def _artifact(request: web.Request, caller: Tenant) -> web.StreamResponse:
     job = await request.app[STORE].jobs.view(caller.id, job_id(request))
     if job is None:
         raise NotFound("no such job")
@@ -341,7 +372,7 @@ ROUTES = [
             JSON: {"schema": ref("SubmitRequest")},
             "multipart/form-data": {"schema": ref("SubmitForm")}}},
         "responses": {"202": answer("accepted", Accepted),
-                      **problems(400, 401, 403, 409, 413, 415, 422, 503)},
+                      **problems(400, 401, 403, 409, 413, 415, 422, 429, 503)},
     }),
     Route("GET", "/v1/jobs", list_jobs, {
         "operationId": "listJobs",
@@ -354,16 +385,16 @@ ROUTES = [
             LIMIT,
             query("cursor", {"type": "string"})],
         "responses": {"200": answer("a page of jobs, newest first", JobPage),
-                      **problems(400, 401)},
+                      **problems(400, 401, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}", get_job, {
         "operationId": "getJob", "parameters": [JOB_ID],
-        "responses": {"200": answer("the job", JobView), **problems(401, 404)},
+        "responses": {"200": answer("the job", JobView), **problems(401, 404, 429)},
     }),
     Route("DELETE", "/v1/jobs/{job_id}", delete_job, {
         "operationId": "deleteJob", "parameters": [JOB_ID],
         "responses": {"204": answer("objects purged, record redacted"),
-                      **problems(401, 403, 404, 409)},
+                      **problems(401, 403, 404, 409, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}/events", job_events, {
         "operationId": "jobEvents", "parameters": [
@@ -372,15 +403,15 @@ ROUTES = [
              "schema": {"type": "string"}}],
         "responses": {"200": {"description": "server-sent events; each data is a JobEvent",
                               "content": {"text/event-stream": {}}},
-                      **problems(400, 401, 404)},
+                      **problems(400, 401, 404, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}/artifact", get_artifact, {
         "operationId": "getArtifact", "parameters": [JOB_ID],
-        "responses": {"200": answer("the artifact's bytes"), **problems(401, 404)},
+        "responses": {"200": answer("the artifact's bytes"), **problems(401, 404, 429)},
     }),
     Route("POST", "/v1/jobs/{job_id}/cancel", cancel_job, {
         "operationId": "cancelJob", "parameters": [JOB_ID],
         "responses": {"200": answer("cancelled", JobView),
-                      **problems(401, 403, 404, 409)},
+                      **problems(401, 403, 404, 409, 429)},
     }),
 ]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from calmq.limits import check_note
 from calmq.producers.auth import tenant
-from calmq.producers.context import OBJECTS, STORE, WORKFLOWS
+from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.models import JobView, ReviewList, ReviewRequest
 from calmq.producers.parsing import job_id, limit, read_body
 from calmq.producers.routing import JOB_ID, LIMIT, Route, answer, json_body, problems
@@ -23,6 +24,9 @@ async def review_job(request: web.Request) -> web.Response:
     caller = await tenant(request, "review")
     ident = job_id(request)
     req, _raw = await read_body(request, ReviewRequest)
+    most = request.app[SETTINGS].max_note_bytes
+    check_note("reason", req.reason, most)
+    check_note("reviewer", req.reviewer, most)
     await _desk(request).decide(caller.id, ident,
                                 Decision(req.decision, caller.identity, req.fields, req.reason,
                                          note=req.reviewer))
@@ -33,7 +37,9 @@ async def review_job(request: web.Request) -> web.Response:
 
 async def list_reviews(request: web.Request) -> web.Response:
     caller = await tenant(request, "review")
-    rows = await _desk(request).pending(caller.id, limit=limit(request.query, default=100))
+    with request.app[GATES].hold("read", caller.id):
+        rows = await _desk(request).pending(caller.id,
+                                            limit=limit(request.query, default=100))
     return web.json_response({"reviews": [review_item(r) for r in rows]})
 
 
@@ -42,11 +48,11 @@ ROUTES = [
         "operationId": "reviewJob", "parameters": [JOB_ID],
         "requestBody": json_body(ReviewRequest),
         "responses": {"200": answer("decided", JobView),
-                      **problems(400, 401, 403, 404, 409, 415, 422)},
+                      **problems(400, 401, 403, 404, 409, 415, 422, 429)},
     }),
     Route("GET", "/v1/reviews", list_reviews, {
         "operationId": "listReviews", "parameters": [LIMIT],
         "responses": {"200": answer("jobs awaiting review, oldest first", ReviewList),
-                      **problems(401, 403, 422)},
+                      **problems(401, 403, 422, 429)},
     }),
 ]

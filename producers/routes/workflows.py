@@ -59,8 +59,9 @@ _NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "str
 ROUTES = [
     Route("GET", "/v1/workflows", list_workflows, {
         "operationId": "listWorkflows",
-        "responses": {"200": answer("the workflows, by name", WorkflowList), **problems(401)}}),
+        "responses": {"200": answer("the workflows, by name", WorkflowList),
+                      **problems(401, 429)}}),
     Route("GET", "/v1/workflows/{name}", get_workflow, {
         "operationId": "getWorkflow", "parameters": [_NAME],
-        "responses": {"200": answer("one workflow", WorkflowInfo), **problems(401, 404)}}),
+        "responses": {"200": answer("one workflow", WorkflowInfo), **problems(401, 404, 429)}}),
 ]

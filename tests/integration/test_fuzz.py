@@ -10,6 +10,7 @@ bodies against every route of the API: never a 5xx.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import urllib.error
@@ -185,3 +186,77 @@ def test_no_request_is_answered_with_a_5xx(
         status = exc.code
     assert status < 500, (route.method, path, qs, status)
     assert time.monotonic() - started < 30
+
+
+# -- sizes and unstorable text (issue 27) ------------------------------------------------------
+
+def _outbox_row(stack: StackState, payload: dict[str, Any], route: str, event_type: str) -> None:
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        conn.execute("INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)"
+                     " VALUES (%s, %s, %s, %s, %s, %s)",
+                     (payload["event_id"], route, payload["job_id"], event_type, Jsonb(payload),
+                      Jsonb({})))
+
+
+def test_fuzzed_event_sizes_stop_no_relay(stack: StackState, api: Api) -> None:
+    """Outbox rows of random sizes around Kafka's limit (metadata of random non-ASCII text,
+    escaped 6x in the event) are each published or rejected to calmq.dlq; the relay stays up
+    and a normal job behind them completes. Metadata over the limit is refused at intake."""
+    rng = random.Random(27)
+    alphabet = "aé😀\u4e2d\u0001"
+    for target in (500, 150_000, 170_000, 400_000, 1_200_000):
+        text = "".join(rng.choice(alphabet) for _ in range(target // 6))
+        job = str(uuid.uuid4())
+        _outbox_row(stack, events.result({
+            "id": job, "tenant_id": str(uuid.uuid4()), "workflow": "summarize",
+            "step": "summarize", "attempt": 1, "metadata": {"t": text}}, "completed"),
+            topics.RESULTS_ROUTE, "job.result")
+        status, _h, body = api.call("POST", "/v1/jobs", {
+            "workflow": "summarize", "input": {"text": "x"}, "metadata": {"t": text[:200_000]}})
+        assert status in (202, 413), body
+        if status == 413:
+            assert body["code"] in ("metadata_too_large", "body_too_large")
+    job_id = api.submit({"text": "behind the oversized events", "mode": "success"})
+    done = wait_for(lambda: (j := api.job(job_id))["status"] in
+                    ("completed", "dead_letter", "cancelled") and j, timeout=90,
+                    what="a normal job behind the oversized events")
+    assert done["status"] == "completed"
+    relay = next(p.address for p in stack.parts if p.name == "relay")
+    with urllib.request.urlopen(relay + "/metrics", timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_fuzzed_unstorable_model_outputs_end_every_job(stack: StackState, api: Api) -> None:
+    """Uploaded inputs holding NULs and odd control text, in every output-bearing mode, all
+    end (completed, or dead_letter as unstorable_output) with nothing stuck; a normal job
+    behind them completes."""
+    rng = random.Random(2027)
+    boundary = "fuzzboundary"
+    jobs = []
+    for _ in range(12):
+        words = [rng.choice(["a", "\u0000", "b\u0000c", "\u0001", "é", "😀", "\\u0000", "x"])
+                 for _ in range(rng.randint(1, 8))]
+        body = json.dumps({"text": " ".join(words) or "x",
+                           "mode": rng.choice(["success", "low_confidence"])}).encode()
+        raw = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"workflow\"\r\n\r\n"
+               f"summarize\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\";"
+               f" filename=\"in.json\"\r\nContent-Type: application/json\r\n\r\n").encode()
+        raw += body + f"\r\n--{boundary}--\r\n".encode()
+        status, _h, answer = api.call(
+            "POST", "/v1/jobs", raw=raw,
+            headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert status == 202, answer
+        jobs.append(str(answer["job_id"]))
+    behind = api.submit({"text": "behind the NULs", "mode": "success"})
+    for job_id in [*jobs, behind]:
+        job = wait_for(lambda j=job_id: (v := api.job(j))["status"] not in
+                       ("queued", "running", "retrying") and v, timeout=90,
+                       what=f"job {job_id} to end or wait for review")
+        if job["status"] == "dead_letter":
+            assert job["error"]["code"] == "unstorable_output", job["error"]
+        else:
+            assert job["status"] in ("completed", "awaiting_review"), job
+    assert api.job(behind)["status"] == "completed"

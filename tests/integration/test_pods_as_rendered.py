@@ -1,13 +1,20 @@
-"""Pods as rendered: every container of `calmq k8s render`'s manifests, run as a local process.
+"""Pods as rendered: every container of the Helm chart's output, run as a local process.
 
-No cluster here, so the kubelet's part is played by this test: for each container it takes
-the exact ``command`` + ``args`` and builds the environment the way Kubernetes does
-(``envFrom`` the ConfigMap, then the Secret, then the container's ``env``). Only what a
+The values come the way a team with its own workflow module makes them: `calmq k8s values`
+with the module and the settings (the pools and their grace periods, KEDA's numbers, the
+ConfigMap's settings), then ``helm template`` of deploy/helm/calmq with that file (and the
+console on a port of its own). tests/unit/test_chart.py holds `calmq k8s render` to the same
+objects.
+
+No cluster here, so the kubelet's part is played by this test: it runs the hook Jobs in
+their weight order, then every Deployment's containers, each with the exact ``command`` +
+``args`` and the environment built the way Kubernetes does (``envFrom`` the ConfigMap, then
+the container's ``env`` in order, a ``secretKeyRef`` read from the Secrets). Only what a
 cluster's network provides is mapped:
 
 - in-cluster names to the session stack's addresses (``kafka:9092`` -> its broker, the
   schema registry, the provider URL -> a fake provider of this test, ``s3://`` -> a
-  ``file://`` store, the stack having no S3), the Secret's values to this test's database;
+  ``file://`` store, the stack having no S3), the Secrets' values to this test's database;
 - each pod's own ports (every pod has its own network namespace; here they share one), so a
   declared ``containerPort`` becomes a free local port in the args/env that name it.
 
@@ -28,7 +35,6 @@ import tempfile
 import time
 import urllib.request
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +46,8 @@ import pytest
 import yaml
 
 from calmq.tooling.devstack import StackState, processes
-from calmq.tooling.kubernetes import SECRET_PLACEHOLDERS
 from tests.support.api import Api
+from tests.support.k8s_tools import tool
 from tests.support.k8s_workflows import POOL_A, POOL_B, WORKFLOW_A, WORKFLOW_B
 from tests.support.waiting import wait_for
 from tests.support.workers import create_tenant_id
@@ -49,7 +55,8 @@ from tests.support.workers import create_tenant_id
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-VALUES = ROOT / "deploy" / "kubernetes" / "values.yaml"
+SETTINGS = ROOT / "deploy" / "kubernetes" / "settings.yaml"
+CHART = ROOT / "deploy" / "helm" / "calmq"
 # Inputs of ~4,000 characters: the fake provider counts a token per 4 characters, so a call
 # costs ~1,000 prompt tokens (+ at most max_tokens 256, which the budget reserves at
 # admission and settles with the real usage). The prompt dominates, so whichever the budget
@@ -58,6 +65,7 @@ TEXT = "a pod as rendered runs the exact command of its container. " * 68
 TOKENS_PER_CALL = len(TEXT) // 4  # the least a call costs
 BUDGET = 60 * (TOKENS_PER_CALL + 256)
 JOBS_A, JOBS_B = 10, 4  # pool B's jobs fail once (503) and come back through the forwarder
+CONSOLE_PORT = 8081
 TIERS = "3s,9s"
 TERMINAL = ("completed", "dead_letter", "cancelled")
 
@@ -100,11 +108,11 @@ class Pod:
 class Kubelet:
     """Builds and runs the pods of one rendered folder against the local stack."""
 
-    def __init__(self, folder: Path, mapping: dict[str, str], secret: dict[str, str],
-                 logs: Path) -> None:
-        self.manifests = [yaml.safe_load(p.read_text()) for p in sorted(folder.glob("*.yaml"))]
+    def __init__(self, manifests: list[dict[str, Any]], mapping: dict[str, str],
+                 secrets: dict[tuple[str, str], str], logs: Path) -> None:
+        self.manifests = manifests
         self.mapping = mapping
-        self.secret = secret
+        self.secrets = secrets
         self.logs = logs
         [config] = [m for m in self.manifests if m["kind"] == "ConfigMap"]
         self.config: dict[str, str] = config["data"]
@@ -116,22 +124,27 @@ class Kubelet:
         return value
 
     def pods(self, kind: str) -> list[Pod]:
+        """Every container of every ``kind`` object; hook Jobs in their weight order."""
         out = []
-        for m in self.manifests:
-            if m["kind"] != kind:
-                continue
+        objects = [m for m in self.manifests if m["kind"] == kind]
+        objects.sort(key=lambda m: int((m["metadata"].get("annotations") or {}).get(
+            "helm.sh/hook-weight", "0")))
+        for m in objects:
             for c in m["spec"]["template"]["spec"]["containers"]:
                 out.append(self.pod(m["metadata"]["name"], c))
         return out
 
     def pod(self, owner: str, container: dict[str, Any]) -> Pod:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
-        for ref in container["envFrom"]:
-            if "configMapRef" in ref:
-                env.update(self.config)
+        for ref in container.get("envFrom", []):
+            assert ref == {"configMapRef": {"name": "calmq"}}, ref
+            env.update(self.config)
+        for item in container.get("env", []):
+            if "valueFrom" in item:
+                ref = item["valueFrom"]["secretKeyRef"]
+                env[item["name"]] = self.secrets[(ref["name"], ref["key"])]
             else:
-                env.update(self.secret)
-        env.update({e["name"]: e["value"] for e in container.get("env", [])})
+                env[item["name"]] = item["value"]
         env = {k: self._map(v) if k.startswith("CALMQ_") else v for k, v in env.items()}
         env["PYTHONUNBUFFERED"] = "1"
         ports = {p["name"]: processes.free_port() for p in container.get("ports", [])}
@@ -166,14 +179,23 @@ class Kubelet:
                 processes.stop(pod.pid, timeout=30)
 
 
-def _render(tmp: Path, overrides: dict[str, str]) -> Path:
-    out = tmp / "rendered"
+def _render(tmp: Path, settings: dict[str, str]) -> list[dict[str, Any]]:
+    """`calmq k8s values` for the settings, then `helm template` with it: the objects."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
-    env.update(overrides)
-    subprocess.run([sys.executable, "-m", "calmq.cli", "k8s", "render", "--values", str(VALUES),
-                    "--output-dir", str(out)], env=env, cwd=ROOT, check=True,
-                   capture_output=True, text=True, timeout=60)
-    return out
+    env.update(settings)
+    values = tmp / "values.yaml"
+    made = subprocess.run([sys.executable, "-m", "calmq.cli", "k8s", "values", "--settings",
+                           str(SETTINGS)], env=env, cwd=ROOT, check=True, capture_output=True,
+                          text=True, timeout=60)
+    values.write_text(made.stdout)
+    own = tmp / "console.yaml"
+    own.write_text(yaml.safe_dump({"api": {"console": {"port": CONSOLE_PORT}}}))
+    done = subprocess.run([tool("helm"), "template", "calmq", str(CHART), "--namespace",
+                           "calmq", "-f", str(values), "-f", str(own)],
+                          env={k: v for k, v in env.items() if not k.startswith("CALMQ_")},
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
 def _database(stack_url: str, name: str) -> str:
@@ -232,7 +254,7 @@ def rendered_set(stack: StackState) -> Iterator[RenderedSet]:
     provider_url = f"http://127.0.0.1:{fake_port}"
     kubelet: Kubelet | None = None
     try:
-        folder = _render(tmp, {
+        manifests = _render(tmp, {
             "CALMQ_WORKFLOW_MODULES": "tests.support.k8s_workflows",
             "CALMQ_KEDA_POOLS": f"{POOL_A},{POOL_B}",
             "CALMQ_BUDGET_TOKENS_PER_MINUTE": str(BUDGET),
@@ -242,18 +264,17 @@ def rendered_set(stack: StackState) -> Iterator[RenderedSet]:
         })
         objects = tmp / "objects"
         objects.mkdir()
-        with open(folder / "10-configmap.yaml") as f:
-            config = yaml.safe_load(f)["data"]
+        [config] = [m["data"] for m in manifests if m["kind"] == "ConfigMap"]
         mapping = {
             config["CALMQ_KAFKA_BOOTSTRAP"]: stack.env["CALMQ_KAFKA_BOOTSTRAP"],
             config["CALMQ_SCHEMA_REGISTRY_URL"]: stack.env["CALMQ_SCHEMA_REGISTRY_URL"],
             config["CALMQ_OBJECT_STORE_URL"]: objects.as_uri(),
             config["CALMQ_PROVIDER_URL"]: provider_url,
         }
-        # The Secret as `kubectl create secret` would hold it: the template's keys, our values.
-        secret = {"CALMQ_DATABASE_URL": db, "CALMQ_PROVIDER_API_KEY": "test-key"}
-        assert set(secret) == set(SECRET_PLACEHOLDERS)
-        kubelet = Kubelet(folder, mapping, secret, tmp / "logs")
+        # The Secret as `kubectl create secret` would hold it (the keys the values read).
+        secrets = {("calmq", "CALMQ_DATABASE_URL"): db,
+                   ("calmq", "CALMQ_PROVIDER_API_KEY"): "test-key"}
+        kubelet = Kubelet(manifests, mapping, secrets, tmp / "logs")
         wait_for(lambda: processes.port_open("127.0.0.1", fake_port), timeout=30,
                  what="the test's fake provider")
         notes = _run_jobs(kubelet)
@@ -275,20 +296,12 @@ def rendered_set(stack: StackState) -> Iterator[RenderedSet]:
 def _run_jobs(kubelet: Kubelet) -> list[str]:
     """Each Job's containers to completion, as the kubelet would before the rest starts."""
     notes = []
-    for pod in kubelet.pods("Job"):
+    jobs = kubelet.pods("Job")
+    assert jobs[0].owner == "calmq-migrate"  # the lowest hook weight: first
+    for pod in jobs:
         result = kubelet.run_to_end(pod)
-        if pod.container["args"] == ["migrate"] and "invalid choice: 'migrate'" in result.stderr:
-            # `calmq migrate` comes from another branch; until it is merged here, apply the
-            # same migrations the command runs, and say so.
-            from calmq.data.migrations import migrate
-
-            migrate(pod.env["CALMQ_DATABASE_URL"])
-            note = ("calmq-migrate Job skipped: `calmq migrate` is not in this branch; "
-                    "migrations applied by the test instead")
-            warnings.warn(note, stacklevel=1)
-            notes.append(note)
-            continue
         assert result.returncode == 0, (pod.owner, pod.argv, result.stdout, result.stderr)
+        notes.append(f"{pod.owner}/{pod.container['name']}: ran")
     return notes
 
 
@@ -325,13 +338,30 @@ def test_every_pod_answers_its_probes_on_a_non_loopback_address(
         assert pod.probes, pod.owner
         for _kind, path, port in pod.probes:
             assert _get(f"http://127.0.0.1:{port}{path}")[0] == 200, (pod.owner, path)
-        port = next(iter(pod.ports.values()))
+        port = pod.ports["metrics"]  # what the scrape annotations and PodMonitors name
         if rendered_set.host_ip:  # what Prometheus does: scrape the pod's IP
             status, text = _get(f"http://{rendered_set.host_ip}:{port}/metrics")
             assert status == 200, pod.owner
             assert "# TYPE" in text, pod.owner
         else:  # no non-loopback address here: the socket is bound to every interface
             assert re.search(rf"(0\.0\.0\.0|\*|\[::\]):{port}\b", listening), pod.owner
+
+
+def test_the_api_serves_metrics_and_the_console_on_their_own_ports(
+    rendered_set: RenderedSet,
+) -> None:
+    """The API pod: /metrics on its metrics port and not on the API's, the console on its
+    own port and not on the API's (what a NetworkPolicy and an Ingress need)."""
+    api = next(p for p in rendered_set.kubelet.started if p.owner == "calmq-api")
+    assert set(api.ports) == {"http", "metrics", "console"}
+    http, metrics, console = api.ports["http"], api.ports["metrics"], api.ports["console"]
+    assert _get(f"http://127.0.0.1:{http}/metrics")[0] == 404
+    status, text = _get(f"http://127.0.0.1:{metrics}/metrics")
+    assert status == 200
+    assert "calmq_" in text
+    assert _get(f"http://127.0.0.1:{http}/console")[0] == 404
+    assert _get(f"http://127.0.0.1:{console}/console")[0] in (200, 302, 303, 401)
+    assert _get(f"http://127.0.0.1:{http}/healthz")[0] == 200
 
 
 def test_jobs_flow_through_the_rendered_set_under_the_fleet_budget(

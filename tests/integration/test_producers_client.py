@@ -31,13 +31,15 @@ def tenant(stack: StackState) -> tuple[uuid.UUID, str]:
 
 
 def _rows(url: str, job_id: uuid.UUID) -> tuple[int, int, int]:
-    """(job rows, 'queued' events, outbox rows): what enqueue writes. A worker of the shared
-    stack may claim the job as soon as it commits, so later history is not counted."""
+    """(job rows, 'queued' events, job.requested outbox rows): what enqueue writes. A worker
+    of the shared stack may claim (and finish) the job as soon as it commits, so later
+    history and events (its job.result) are not counted."""
     with psycopg.connect(url) as conn:
         row = conn.execute(
             "SELECT (SELECT count(*) FROM jobs WHERE id = %(id)s),"
             " (SELECT count(*) FROM job_events WHERE job_id = %(id)s AND type = 'queued'),"
-            " (SELECT count(*) FROM outbox WHERE aggregateid = %(id)s::text)",
+            " (SELECT count(*) FROM outbox WHERE aggregateid = %(id)s::text"
+            "  AND type = 'job.requested')",
             {"id": job_id}).fetchone()
     assert row is not None
     return row
@@ -161,3 +163,19 @@ async def test_group_commit_answers_every_request_when_a_row_has_unstorable_text
         row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s)",
                            ([j.id for j in bad],)).fetchone()
         assert row == (0,)
+
+
+def test_enqueue_refuses_metadata_too_large_for_the_events(
+        stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
+    """enqueue holds metadata to the API's limit as the events carry it: 600 kB of UTF-8
+    raises metadata_too_large and writes nothing."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    with psycopg.connect(url) as conn:
+        with pytest.raises(ContractError) as caught:
+            enqueue(conn, tenant_id=tenant[0], workflow="summarize", input={"text": "x"},
+                    metadata={"note": "é" * 300_000})
+        assert caught.value.code == "metadata_too_large"
+        assert caught.value.status == 413
+        count = conn.execute("SELECT count(*) FROM jobs WHERE tenant_id = %s AND"
+                             " metadata ? 'note'", (tenant[0],)).fetchone()
+    assert count == (0,)

@@ -1,6 +1,7 @@
 """Alert rules and the Grafana dashboard in deploy/ can fire and show data: every query names
 metrics calmq exports, with labels those metrics (or the scrape config's target labels)
-carry, and every part has an alert for being down."""
+carry, every part has an alert for being down, which Prometheus' own rule tester fires on
+series shaped as a PodMonitor scrape gives them, and every rule has a runbook."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ ALERTING_DOC = ROOT / "docs" / "how-to" / "alerting.md"
 # the worker pool the documented scrape config sets on worker targets (a worker process
 # serves one pool, so the pool is a property of the target, not of each sample).
 TARGET_LABELS = {"job", "instance", "pool"}
-PARTS = ("api", "relay", "worker", "forwarder")
+PARTS = ("api", "relay", "worker", "forwarder", "reaper")
+TROUBLESHOOTING = ROOT / "docs" / "how-to" / "troubleshooting.md"
 
 REQUIRED_ALERTS = {  # the concerns of the issues, each covered by at least one rule
     "queue age over SLO": "calmq_queue_age_seconds",
@@ -68,13 +70,21 @@ def _label_values_metric(definition: str) -> str:
     return match.group(1)
 
 
-def _scrape_jobs() -> dict[str, str]:
-    """The job names of the scrape config in docs/how-to/alerting.md -> the part each is."""
+def _scrape_configs() -> list[dict[str, Any]]:
+    """The scrape configs shown in docs/how-to/alerting.md."""
     blocks = re.findall(r"```yaml\n(.*?)```", ALERTING_DOC.read_text(), re.DOTALL)
     configs = [yaml.safe_load(b) for b in blocks if "scrape_configs" in b]
-    assert len(configs) == 1, "the how-to shows one scrape config"
-    jobs = [c["job_name"] for c in configs[0]["scrape_configs"]]
-    return {job: job.removeprefix("calmq-") for job in jobs}
+    return [job for c in configs for job in c["scrape_configs"]]
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        # `make test` installs it (make promtool); in CI a missing checker is a failure.
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("promtool is not installed (Debian package prometheus: make promtool)")
+        pytest.skip("promtool is not installed (Debian package prometheus)")
+    return promtool
 
 
 def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
@@ -90,6 +100,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.producers.intake
     import calmq.producers.routes.jobs
     import calmq.relay.cdc
+    import calmq.relay.publisher
     import calmq.retrying
     import calmq.reviews
     import calmq.spending
@@ -100,6 +111,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.budget._metrics()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()
+    calmq.relay.publisher._rejected_total()
     calmq.retrying._retries()
     calmq.supervision._failures()
     calmq.reviews._review_wait()
@@ -178,16 +190,142 @@ def test_rules_are_well_formed_and_cover_the_concerns() -> None:
 
 
 def test_every_part_has_a_down_and_an_absent_alert_on_its_scrape_job() -> None:
-    """For each scrape job of the documented config (one per part), a rule fires on
-    `up{job=...} == 0` and one on `absent(up{job=...})`: a part that stopped, or that
-    Prometheus lost track of, is an alert, not a dashboard gap."""
-    jobs = _scrape_jobs()
-    assert sorted(jobs.values()) == sorted(PARTS)
+    """For each part's job (calmq-<part>), a rule fires on `up{job=...} == 0` and one on
+    `absent(up{job=...})`: a part that stopped, or that Prometheus lost track of, is an
+    alert, not a dashboard gap."""
     exprs = [" ".join(r["expr"].split()) for r in _rules()]
-    for job in jobs:
-        up = f'up{{job="{job}"}}'
+    for part in PARTS:
+        up = f'up{{job="calmq-{part}"}}'
         assert any(up in e and "== 0" in e for e in exprs), f"no `{up} == 0` rule"
         assert any(f"absent({up})" in e for e in exprs), f"no `absent({up})` rule"
+
+
+def test_every_documented_scrape_gives_the_job_and_pool_labels() -> None:
+    """The static scrape config names its jobs calmq-<part> with the pool on workers; the
+    pod-discovery one takes job and pool from the pods' calmq.dev/job and calmq.dev/pool
+    labels, which is also what the chart's PodMonitors read (test_kubernetes checks the
+    pods carry them)."""
+    configs = _scrape_configs()
+    static = {c["job_name"]: c for c in configs if "static_configs" in c}
+    assert {f"calmq-{part}" for part in PARTS} <= set(static)
+    assert all("pool" in t["labels"] for t in static["calmq-worker"]["static_configs"])
+    [discovery] = [c for c in configs if "kubernetes_sd_configs" in c]
+    targets = {r.get("target_label"): r["source_labels"]
+               for r in discovery["relabel_configs"] if r.get("target_label")}
+    assert targets["job"] == ["__meta_kubernetes_pod_label_calmq_dev_job"]
+    assert targets["pool"] == ["__meta_kubernetes_pod_label_calmq_dev_pool"]
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub (and most Markdown renderers) give a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_rule_has_a_runbook_section_in_the_troubleshooting_guide() -> None:
+    """Each rule's runbook_url is a section of docs/how-to/troubleshooting.md that names
+    the alert in its heading (rules added later must bring theirs)."""
+    headings = {_slug(h): h for h in re.findall(r"^#+ (.+)$", TROUBLESHOOTING.read_text(),
+                                                 re.M)}
+    missing = []
+    for rule in _rules():
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        if path != "docs/how-to/troubleshooting.md" or anchor not in headings \
+                or rule["alert"] not in headings[anchor]:
+            missing.append(f"{rule['alert']}: {url or 'no runbook_url'}")
+    assert missing == []
+
+
+def _scrape(part: str, value: str, pool: str | None = None) -> dict[str, str]:
+    """The `up` series a PodMonitor scrape of one pod of ``part`` gives."""
+    labels = {"job": f"calmq-{part}", "namespace": "calmq", "pod": f"calmq-{part}-5d8f-x2k4p",
+              "container": part, "endpoint": "metrics", "instance": "10.42.0.7:9100"}
+    if pool:
+        labels["pool"] = pool
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"up{{{text}}}", "values": value}
+
+
+def _sample(metric: str, values: str, **labels: str) -> tuple[str, str]:
+    return metric + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", values
+
+
+_API = {"job": "calmq-api", "instance": "10.42.0.7:9100"}
+_WORKER = {"job": "calmq-worker", "pool": "default"}
+_HEALTHY_SAMPLES = [  # what a healthy install reports besides `up`, flat over 40 minutes
+    _sample("calmq_queue_age_seconds", "0x40", pool="default", priority="interactive", **_API),
+    _sample("calmq_queue_age_seconds", "3x40", pool="default", priority="bulk", **_API),
+    _sample("calmq_replication_slot_active", "1x40", slot="calmq_outbox", **_API),
+    _sample("calmq_replication_slot_retained_wal_bytes", "1048576x40", slot="calmq_outbox",
+            **_API),
+    _sample("calmq_relay_slot_lag_seconds", "0.2x40", slot="calmq_outbox", job="calmq-relay"),
+    _sample("calmq_attempts_finished_total", "0+60x40", status="completed", failure_class="",
+            **_WORKER),
+    _sample("calmq_model_calls_total", "0+60x40", provider="openai", model="gpt-4o-mini",
+            outcome="ok", **_WORKER),
+    _sample("calmq_poison_messages_total", "0x40", **_WORKER),
+]
+
+
+def _scenario(name: str, parts: dict[str, str], fires: dict[str, dict[str, str]],
+              waiting: bool = False) -> dict[str, Any]:
+    """A promtool test: ``parts`` maps each scraped part to its `up` values; every rule is
+    checked at 35 minutes, those in ``fires`` with the labels given, the rest silent."""
+    series = [_scrape(part, v, "default" if part in ("worker", "batcher") else None)
+              for part, v in parts.items()]
+    for text, values in _HEALTHY_SAMPLES:
+        # Jobs wait, and nobody takes them: the bulk queue ages.
+        aging = waiting and text.startswith("calmq_queue_age_seconds") and "bulk" in text
+        series.append({"series": text, "values": "0+10x40" if aging else values})
+    tests = []
+    for rule in _rules():
+        labels = fires.get(rule["alert"])
+        expected = [] if labels is None else [
+            {"exp_labels": {"severity": rule["labels"]["severity"], **labels}}]
+        tests.append({"eval_time": "35m", "alertname": rule["alert"], "exp_alerts": expected})
+    return {"name": name, "interval": "1m", "input_series": series,
+            "alert_rule_test": tests}
+
+
+def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Path) -> None:
+    """`promtool test rules` on PodMonitor-shaped series: a healthy install fires nothing;
+    each part without a target fires its absent alert, each part whose pods answer no
+    scrape fires its down alert, and nothing else fires."""
+    promtool = _promtool()
+    healthy = dict.fromkeys((*PARTS, "batcher"), "1x40")
+    scenarios = [_scenario("healthy install", healthy, {})]
+    absent = {"api": "CalmqApiDown", "relay": "CalmqRelayDown",
+              "forwarder": "CalmqForwarderDown", "reaper": "CalmqReaperDown"}
+    for part, alert in absent.items():
+        parts = {p: v for p, v in healthy.items() if p != part}
+        scenarios.append(_scenario(f"no {part} target", parts,
+                                   {alert: {"job": f"calmq-{part}"}}))
+        scenarios.append(_scenario(f"{part} down", {**healthy, part: "1x5 0x35"},
+                                   {alert: {}}))
+    # Workers: down is per pool; no worker target at all is an alert only while jobs wait
+    # (a pool KEDA scaled to zero is not an outage): bulk jobs aging by 10 s a minute pass
+    # a minute (the absent rule) long before 15 (the bulk SLO).
+    scenarios.append(_scenario("worker pool down", {**healthy, "worker": "1x5 0x35"},
+                               {"CalmqWorkerPoolDown": {"pool": "default"}}))
+    no_workers = {p: v for p, v in healthy.items() if p != "worker"}
+    scenarios.append(_scenario("no worker target, nothing waits", no_workers, {}))
+    scenarios.append(_scenario(
+        "no worker target while jobs wait", no_workers,
+        {"CalmqWorkersAbsent": {"job": "calmq-worker"}}, waiting=True))
+    # The rules as written, without their annotations: promtool compares an alert's
+    # annotations too, and those are prose (test_rules_are_well_formed checks them).
+    doc = yaml.safe_load(RULES.read_text())
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": scenarios}))
+    done = subprocess.run([promtool, "test", "rules", "tests.yml"], cwd=tmp_path,
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(scenarios) == 1 + 2 * len(absent) + 3
 
 
 def test_the_documented_table_lists_every_alert() -> None:
@@ -198,12 +336,7 @@ def test_the_documented_table_lists_every_alert() -> None:
 
 def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
     """Prometheus' own checker parses every expression (where promtool is installed)."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        # `make test` installs it (make promtool); in CI a missing checker is a failure.
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("promtool is not installed (Debian package prometheus: make promtool)")
-        pytest.skip("promtool is not installed (Debian package prometheus)")
+    promtool = _promtool()
     done = subprocess.run([promtool, "check", "rules", str(RULES)], check=False,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

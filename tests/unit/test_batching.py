@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import psycopg
 import pytest
 
 from calmq.batching import Batcher
 from calmq.retrying import Backoff
+from calmq.storable import refused
 
 FAST = Backoff(initial=0.001, maximum=0.004)
 
@@ -131,4 +133,52 @@ async def test_a_caller_that_goes_away_does_not_cancel_the_write() -> None:
     async with asyncio.timeout(5):
         await batcher.drain()
     assert table.rows == ["gone"]
+    await batcher.close()
+
+
+class RefusingTable(FakeTable):
+    """A table whose database refuses a whole group's transaction when one row's data is bad
+    (as PostgreSQL refuses a NUL in jsonb): nothing of the group is written."""
+
+    async def write(self, group: list[str]) -> Sequence[BaseException | None] | None:
+        self.groups.append(list(group))
+        if self.bad & set(group):
+            raise psycopg.errors.UntranslatableCharacter("unsupported Unicode escape sequence")
+        self.rows.extend(group)
+        return None
+
+
+async def test_a_group_refused_for_one_item_is_split_and_the_rest_written() -> None:
+    """With ``refused``, a group the database refuses because of one item is split until that
+    item is alone: every other item is written, the bad one settled with its error (the
+    ``rejected`` hook for an added item), and the group is not written again forever."""
+    table = RefusingTable()
+    table.bad = {"job-5"}
+    rejected: list[tuple[str, BaseException]] = []
+    batcher = Batcher("test", table.write, window=0.01, max_batch=100, retry=FAST,
+                      refused=refused, rejected=lambda item, exc: rejected.append((item, exc)))
+    for i in range(16):
+        batcher.add(f"job-{i}")
+    async with asyncio.timeout(5):
+        await batcher.drain()
+    assert sorted(table.rows) == sorted(f"job-{i}" for i in range(16) if i != 5)
+    assert [item for item, _ in rejected] == ["job-5"]
+    assert isinstance(rejected[0][1], psycopg.DataError)
+    # Halving: the bad item's path is 1 + 2 * log2(16) writes, not one per item.
+    assert len(table.groups) <= 1 + 2 * 4
+    await batcher.close()
+
+
+async def test_a_submitted_item_refused_alone_gets_its_error() -> None:
+    """A caller whose own item the database refuses gets that error; its neighbours succeed."""
+    table = RefusingTable()
+    table.bad = {"b"}
+    batcher = Batcher("test", table.write, window=0.01, retry=FAST, refused=refused)
+    async with asyncio.timeout(5):
+        results = await asyncio.gather(*(batcher.submit(x) for x in "abc"),
+                                       return_exceptions=True)
+    assert results[0] is None
+    assert results[2] is None
+    assert isinstance(results[1], psycopg.DataError)
+    assert sorted(table.rows) == ["a", "c"]
     await batcher.close()

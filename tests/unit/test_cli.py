@@ -88,10 +88,11 @@ def test_setting_flag_wins_over_its_variable(
     """`--keda-pools` beats CALMQ_KEDA_POOLS, which beats the default; both reach Settings."""
     monkeypatch.setenv("CALMQ_KEDA_POOLS", "ocr")
     assert _render(tmp_path / "env") == 0
-    assert sorted(p.name for p in (tmp_path / "env").glob("worker-*.yaml")) == [
-        "worker-ocr-deployment.yaml", "worker-ocr-scaledobject.yaml"]
+    assert sorted(p.name for p in (tmp_path / "env").glob("60-worker-*.yaml")) == [
+        "60-worker-ocr-deployment.yaml", "60-worker-ocr-scaledobject.yaml"]
     assert _render(tmp_path / "flag", "--keda-pools", "gpu") == 0
-    assert {p.name.split("-")[1] for p in (tmp_path / "flag").glob("worker-*.yaml")} == {"gpu"}
+    assert {p.name.split("-")[2] for p in (tmp_path / "flag").glob("60-worker-*.yaml")} == {
+        "gpu"}
 
 
 def test_option_variables_are_not_unknown_settings(

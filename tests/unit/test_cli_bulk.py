@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from calmq.cli.bulk import Checkpoint, Progress, pinned, summary_line
+from calmq.cli.bulk import Checkpoint, FrozenFilter, Progress, pinned, summary_line
 from calmq.errors import ConfigError
 
 
@@ -104,3 +104,37 @@ def test_filter_times_are_iso_or_a_duration_ago() -> None:
     with pytest.raises(ConfigError) as bad:
         when("yesterday")
     assert bad.value.code == "invalid_time"
+
+
+def _redrive_filter() -> FrozenFilter:
+    from calmq.cli.deadletters import _FILTERS, _filter
+
+    return FrozenFilter(keys=frozenset({*_FILTERS, "reason", "by"}), filters=frozenset(_FILTERS),
+                        pinned="until", parse=lambda p: _filter(p, 1))
+
+
+@pytest.mark.parametrize(("params", "why"), [
+    ({"until": "2026-01-01T00:00:00+00:00", "tenant": "acme", "reason": "r", "by": "me",
+      "limit_everything": True}, "keys this command does not write"),
+    ({"until": "2027-01-01T00:00:00+00:00", "code": "x", "reason": "r"}, "not frozen"),
+    ({"until": "2026-06-01T00:00:00+00:00", "reason": "r"}, "no filter"),
+    ({"until": "2026-01-01T00:00:00+00:00", "failure_class": "nope", "reason": "r"},
+     "not valid"),
+    ({"code": "x", "reason": "r"}, "not a time"),
+])
+def test_a_resumed_checkpoint_is_held_to_the_commands_filter(
+        tmp_path: Path, params: dict[str, object], why: str) -> None:
+    """--resume refuses a checkpoint whose filter the command would not have written: an
+    unknown key, a bound past the run's start, no filter at all, an invalid value."""
+    started = "2026-06-01T00:00:00+00:00"
+    with pytest.raises(ConfigError) as caught:
+        _redrive_filter().check(tmp_path / "c.json", params, started)
+    assert caught.value.code == "invalid_checkpoint"
+    assert why in caught.value.message
+
+
+def test_a_checkpoint_the_command_wrote_is_resumed() -> None:
+    """The filter of a real run (frozen bound, a narrowing filter) passes the check."""
+    _redrive_filter().check(Path("c.json"), {
+        "until": "2026-06-01T00:00:00+00:00", "since": None, "code": "timeout",
+        "tenant": "acme", "reason": "provider back", "by": "me"}, "2026-06-01T00:00:00+00:00")

@@ -1,4 +1,5 @@
-"""deploy/kubernetes/: valid against Kubernetes' and KEDA's schemas, complete, and fresh.
+"""deploy/kubernetes/ (and deploy/keda/, deploy/helm/calmq): fresh, valid against Kubernetes'
+and KEDA's schemas, complete, and safe to apply the GitOps way.
 
 The Kubernetes objects are checked with kubernetes-validate (PyPI; it bundles the OpenAPI
 schemas of each release, so this runs offline) in strict mode, which also rejects fields
@@ -7,10 +8,13 @@ not cover: it is checked against KEDA's documented spec and Kafka trigger metada
 (https://keda.sh/docs/2.16/reference/scaledobject-spec/ and
 https://keda.sh/docs/2.16/scalers/apache-kafka/), and the HPA behaviour it hands to the
 HorizontalPodAutoscaler KEDA creates is validated as that autoscaling/v2 object.
+tests/unit/test_chart.py holds the Helm chart and Kustomize's build to the same objects.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -19,27 +23,46 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from calmq.cli import main
+from calmq.errors import ConfigError
 from calmq.settings import Settings, claimed_window
+from calmq.tooling.chart import chart
 from calmq.tooling.kubernetes import (
     DRAIN_SECONDS,
-    SECRET_KEYS,
-    load_values,
+    default_values,
+    load_settings,
     longest_step,
+    monitoring_file,
     render,
+    values_for,
     write,
 )
+from calmq.tooling.manifests import merge_values
 from calmq.workflows import load_workflows
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
+KEDA = ROOT / "deploy" / "keda"
+CHART = ROOT / "deploy" / "helm" / "calmq"
+SETTINGS = K8S / "settings.yaml"
 VALUES = K8S / "values.yaml"
 KUBERNETES_VERSION = kubernetes_validate.latest_version()
+PROVIDER = {"config": {"provider_url": "https://api.openai.com"}}
 
 
+def _settings() -> Settings:
+    return load_settings(SETTINGS, environ={})
+
+
+@functools.cache
 def _committed() -> dict[str, dict[str, Any]]:
-    files = sorted(K8S.glob("*.yaml")) + sorted((K8S / "secret-template").glob("*.yaml"))
-    return {str(p.relative_to(K8S)): yaml.safe_load(p.read_text()) for p in files
-            if p.name != "values.yaml"}
+    """Every object of the folder (the hook Jobs in jobs/ too), by file name (read once:
+    the tests do not change them)."""
+    files = sorted(K8S.glob("*.yaml")) + sorted((K8S / "jobs").glob("*.yaml")) \
+        + sorted((K8S / "secret-template").glob("*.yaml"))
+    return {str(p.relative_to(K8S)): yaml.load(p.read_text(), Loader=yaml.CSafeLoader)
+            for p in files
+            if p.name not in ("settings.yaml", "values.yaml", "kustomization.yaml")}
 
 
 def _kind(kind: str) -> list[dict[str, Any]]:
@@ -52,24 +75,39 @@ def _pods() -> list[tuple[str, dict[str, Any]]]:
             for m in _committed().values() if m["kind"] in ("Deployment", "Job")]
 
 
+def _texts(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*")
+            if p.is_file() and p.name not in ("settings.yaml", "values.yaml")}
+
+
 def test_committed_manifests_match_a_fresh_render(tmp_path: Path) -> None:
-    """deploy/kubernetes/ is what `calmq k8s render --values values.yaml` writes today."""
-    write(load_values(VALUES, environ={}), tmp_path)
-    fresh = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*.yaml")}
-    committed = {str(p.relative_to(K8S)): p.read_text() for p in K8S.rglob("*.yaml")
-                 if p.name != "values.yaml"}
-    assert fresh == committed
+    """deploy/kubernetes/ and deploy/keda/ are what `make manifests` renders today."""
+    values = values_for(_settings(), VALUES)
+    write(values, tmp_path / "k8s")
+    assert _texts(tmp_path / "k8s") == _texts(K8S)
+    write(values_for(_settings()), tmp_path / "keda", only="workers")
+    assert _texts(tmp_path / "keda") == _texts(KEDA)
+
+
+def test_committed_chart_matches_a_fresh_one() -> None:
+    """deploy/helm/calmq is what `calmq k8s chart` writes for the default settings, and the
+    package's copies of the rules and the dashboard are deploy/'s files."""
+    fresh = chart(default_values(Settings.load(environ={})))
+    assert fresh == _texts(CHART) | {"values.yaml": (CHART / "values.yaml").read_text()}
+    assert monitoring_file("alerts.yml") == (ROOT / "deploy/prometheus/alerts.yml").read_text()
+    assert monitoring_file("calmq-dashboard.json") == \
+        (ROOT / "deploy/grafana/calmq-dashboard.json").read_text()
 
 
 def test_every_part_is_rendered() -> None:
-    """API (Deployment, Service, PDB), relay, forwarder, reaper, workers, and both Jobs."""
+    """API (Deployment, Service, PDB), relay, forwarder, reaper, workers, both Jobs."""
     names = {(m["kind"], m["metadata"]["name"]) for m in _committed().values()}
     assert {("Deployment", "calmq-api"), ("Service", "calmq-api"),
             ("PodDisruptionBudget", "calmq-api"), ("Deployment", "calmq-relay"),
             ("Deployment", "calmq-forwarder"), ("Deployment", "calmq-reaper"),
             ("Deployment", "calmq-worker-default"), ("ScaledObject", "calmq-worker-default"),
             ("Job", "calmq-migrate"), ("Job", "calmq-kafka-setup"), ("ConfigMap", "calmq"),
-            ("Secret", "calmq"), ("Namespace", "calmq")} <= names
+            ("Secret", "calmq"), ("Namespace", "calmq"), ("ServiceAccount", "calmq")} <= names
     [migrate] = [m for m in _kind("Job") if m["metadata"]["name"] == "calmq-migrate"]
     [container] = migrate["spec"]["template"]["spec"]["containers"]
     assert container["command"] + container["args"] == ["calmq", "migrate"]
@@ -115,32 +153,44 @@ _KAFKA_BOOLS = {"allowIdleConsumers", "excludePersistentLag", "scaleToZeroOnInva
                 "limitToPartitionsWithLag", "ensureEvenDistributionOfPartitions", "unsafeSsl"}
 
 
+def check_scaled_object(so: dict[str, Any], deployments: dict[str, dict[str, Any]]) -> None:
+    """A ScaledObject as KEDA's spec documents it, with one Kafka trigger for its pool."""
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    spec = so["spec"]
+    assert set(spec) <= _SPEC_KEYS
+    assert set(spec["advanced"]) <= _ADVANCED_KEYS
+    target = deployments[spec["scaleTargetRef"]["name"]]
+    # KEDA owns the count: a replicas field would reset a busy pool on every sync.
+    assert "replicas" not in target["spec"]
+    for key in ("pollingInterval", "cooldownPeriod", "minReplicaCount", "maxReplicaCount"):
+        assert isinstance(spec[key], int), key
+        assert spec[key] >= 0, key
+    assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    # fallback: held at these replicas when the lag cannot be read (AverageValue triggers).
+    assert set(spec["fallback"]) == {"failureThreshold", "replicas"}
+    assert spec["minReplicaCount"] <= spec["fallback"]["replicas"] <= spec["maxReplicaCount"]
+    [trigger] = spec["triggers"]  # one per pool: lag summed over the group's topics
+    assert set(trigger) <= _TRIGGER_KEYS
+    assert trigger["type"] == "kafka"
+    meta = trigger["metadata"]
+    assert _KAFKA_REQUIRED <= set(meta) <= _KAFKA_KEYS, set(meta) - _KAFKA_KEYS
+    assert "topic" not in meta
+    # Trigger metadata is map[string]string: a bare number or boolean is rejected.
+    assert all(isinstance(v, str) for v in meta.values()), meta
+    assert meta["lagThreshold"].isdigit()
+    assert int(meta["lagThreshold"]) > 0
+    assert meta["offsetResetPolicy"] in ("earliest", "latest")
+    assert all(meta[k] in ("true", "false") for k in _KAFKA_BOOLS & set(meta))
+
+
 def test_scaled_objects_follow_kedas_spec() -> None:
-    """Known spec keys, a Kafka trigger per topic with documented metadata, all strings."""
+    """Known spec keys, one Kafka trigger without a topic, fallback, string metadata, and a
+    target Deployment without replicas."""
     scaled = _kind("ScaledObject")
     assert scaled
     deployments = {m["metadata"]["name"]: m for m in _kind("Deployment")}
     for so in scaled:
-        assert so["apiVersion"] == "keda.sh/v1alpha1"
-        spec = so["spec"]
-        assert set(spec) <= _SPEC_KEYS
-        assert set(spec["advanced"]) <= _ADVANCED_KEYS
-        assert spec["scaleTargetRef"]["name"] in deployments
-        for key in ("pollingInterval", "cooldownPeriod", "minReplicaCount", "maxReplicaCount"):
-            assert isinstance(spec[key], int), key
-            assert spec[key] >= 0, key
-        assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
-        for trigger in spec["triggers"]:
-            assert set(trigger) <= _TRIGGER_KEYS
-            assert trigger["type"] == "kafka"
-            meta = trigger["metadata"]
-            assert _KAFKA_REQUIRED <= set(meta) <= _KAFKA_KEYS, set(meta) - _KAFKA_KEYS
-            # Trigger metadata is map[string]string: a bare number or boolean is rejected.
-            assert all(isinstance(v, str) for v in meta.values()), meta
-            assert meta["lagThreshold"].isdigit()
-            assert int(meta["lagThreshold"]) > 0
-            assert meta["offsetResetPolicy"] in ("earliest", "latest")
-            assert all(meta[k] in ("true", "false") for k in _KAFKA_BOOLS & set(meta))
+        check_scaled_object(so, deployments)
 
 
 def test_hpa_behaviour_is_a_valid_autoscaling_v2_behavior() -> None:
@@ -157,75 +207,148 @@ def test_hpa_behaviour_is_a_valid_autoscaling_v2_behavior() -> None:
         assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
 
 
-def _container_env(container: dict[str, Any]) -> dict[str, str]:
-    """What the kubelet gives the container: ConfigMap, Secret, then its own env."""
-    [config] = _kind("ConfigMap")
-    [secret] = _kind("Secret")
-    refs = [(k, v["name"]) for r in container["envFrom"] for k, v in r.items()]
-    assert refs == [("configMapRef", config["metadata"]["name"]),
-                    ("secretRef", secret["metadata"]["name"])]
-    env = {**config["data"], **secret["stringData"]}
-    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+def container_env(container: dict[str, Any], config: dict[str, str],
+                  secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """What the kubelet gives the container: envFrom the ConfigMap, then its env in order
+    (a secretKeyRef read from ``secrets`` by (Secret, key))."""
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        assert ref == {"configMapRef": {"name": "calmq"}}, ref
+        env.update(config)
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = secrets[(ref["name"], ref["key"])]
+        else:
+            env[item["name"]] = item["value"]
     return env
 
 
+def _container_env(container: dict[str, Any]) -> dict[str, str]:
+    [config] = [m for m in _kind("ConfigMap") if m["metadata"]["name"] == "calmq"]
+    [secret] = _kind("Secret")
+    secrets = {("calmq", k): v for k, v in secret["stringData"].items()}
+    return container_env(container, config["data"], secrets)
+
+
 def test_every_container_gets_every_setting_and_they_load() -> None:
-    """ConfigMap + Secret via envFrom in each container; the result is valid Settings."""
+    """ConfigMap (Jobs: inline) and secretKeyRefs; the result is valid Settings."""
     for _name, pod in _pods():
         for container in pod["containers"]:
-            Settings.load(environ=_container_env(container))  # unknown/invalid would raise
+            env = _container_env(container)
+            assert env["CALMQ_PROVIDER_URL"] == "https://api.openai.com"
+            Settings.load(environ={**env, "CALMQ_STRICT_SETTINGS": "true"})
 
 
 def test_workers_carry_the_budget_tiers_prices_and_workflows() -> None:
-    """What the issue found missing reaches the workers: budget, tiers, price table."""
-    values = yaml.safe_load(VALUES.read_text())
+    """What the workers need reaches them: budget, tiers, price table, their pool."""
+    settings = yaml.safe_load(SETTINGS.read_text())
     for deployment in _kind("Deployment"):
         if deployment["metadata"]["labels"]["app.kubernetes.io/component"] != "worker":
             continue
         [container] = deployment["spec"]["template"]["spec"]["containers"]
-        env = _container_env(container)
-        settings = Settings.load(environ=env)
-        assert settings.budget_tokens_per_minute == values["budget_tokens_per_minute"]
-        assert settings.retry_tiers == Settings().retry_tiers
-        assert settings.prices["gpt-4o-mini"].output == values["prices"]["gpt-4o-mini"]["output"]
-        assert settings.pool == deployment["metadata"]["labels"]["calmq.dev/pool"]
+        loaded = Settings.load(environ=_container_env(container))
+        assert loaded.budget_tokens_per_minute == settings["budget_tokens_per_minute"]
+        assert loaded.retry_tiers == Settings().retry_tiers
+        assert loaded.prices["gpt-4o-mini"].output == settings["prices"]["gpt-4o-mini"]["output"]
+        assert loaded.pool == deployment["metadata"]["labels"]["calmq.dev/pool"]
+        assert loaded.concurrency == settings["concurrency"]
 
 
-def test_a_workflow_module_reaches_its_pools(tmp_path: Path) -> None:
-    """CALMQ_WORKFLOW_MODULES renders a worker per pool its workflows use, and reaches them."""
-    settings = load_values(VALUES, {"CALMQ_WORKFLOW_MODULES": "tests.support.workflows"})
-    manifests = render(settings)
+def test_a_workflow_module_reaches_its_pools() -> None:
+    """CALMQ_WORKFLOW_MODULES gives a worker per pool its workflows use, and reaches them."""
+    settings = load_settings(SETTINGS, {"CALMQ_WORKFLOW_MODULES": "tests.support.workflows"})
+    manifests = render(merge_values(default_values(settings), PROVIDER))
     assert {"60-worker-wft-deployment.yaml", "60-worker-wft-ledger-deployment.yaml",
             "60-worker-wft-scaledobject.yaml"} <= set(manifests)
     data = manifests["10-configmap.yaml"]["data"]
     assert data["CALMQ_WORKFLOW_MODULES"] == "tests.support.workflows"
 
 
-def test_secrets_never_reach_the_configmap() -> None:
-    """The database URL and provider key are only in the Secret; the Secret has only them."""
-    [config] = _kind("ConfigMap")
+def test_the_configmap_holds_only_what_was_set() -> None:
+    """The settings file's values and the in-cluster addresses; no default is frozen (a
+    default changed by an upgrade arrives, a setting a release renames does not linger)."""
+    [config] = [m for m in _kind("ConfigMap") if m["metadata"]["name"] == "calmq"]
+    written = {"CALMQ_" + k.upper() for k in yaml.safe_load(SETTINGS.read_text())}
+    addresses = {"CALMQ_KAFKA_BOOTSTRAP", "CALMQ_SCHEMA_REGISTRY_URL", "CALMQ_OBJECT_STORE_URL"}
+    # concurrency is each pool's (its container's env), not the ConfigMap's.
+    assert set(config["data"]) == (written - {"CALMQ_CONCURRENCY"}) | addresses
+    assert "CALMQ_RETRY_TIERS" not in config["data"]
+
+
+def test_no_provider_no_configmap() -> None:
+    """Values without config.provider_url render nothing: a ConfigMap without the provider
+    would turn every model call into a failure."""
+    with pytest.raises(ConfigError, match="provider_url is required"):
+        render(default_values(Settings.load(environ={})))
+
+
+def test_secrets_are_read_by_key_and_never_reach_the_configmap() -> None:
+    """The database URL and the provider key come from secretKeyRefs only; the Secret's
+    template holds the keys those read; the provider key only reaches the parts that call
+    the provider; the template is outside the applied folder."""
+    [config] = [m for m in _kind("ConfigMap") if m["metadata"]["name"] == "calmq"]
     [secret] = _kind("Secret")
-    assert set(secret["stringData"]) == set(SECRET_KEYS)
-    assert not set(config["data"]) & set(SECRET_KEYS)
-    # The Secret is a template outside the applied folder: its placeholders are never applied.
+    assert set(secret["stringData"]) == {"CALMQ_DATABASE_URL", "CALMQ_PROVIDER_API_KEY"}
+    assert not set(config["data"]) & set(secret["stringData"])
+    for name, pod in _pods():
+        for container in pod["containers"]:
+            refs = {e["name"] for e in container["env"] if "valueFrom" in e}
+            assert "CALMQ_DATABASE_URL" in refs, name
+            calls = container["name"] in ("worker", "batcher")
+            assert ("CALMQ_PROVIDER_API_KEY" in refs) is calls, name
     assert not list(K8S.glob("*secret*.yaml"))
 
 
+def test_role_urls_come_from_their_own_secrets_to_their_own_parts() -> None:
+    """migrate_database_url reaches the migrate Job alone, relay_database_url the relay
+    alone, each from the Secret and key the values name (an operator's Secret as it is)."""
+    values = merge_values(default_values(Settings.load(environ={})), PROVIDER, {
+        "secretSettings": {
+            "database_url": {"secretName": "pg-app", "key": "uri"},
+            "migrate_database_url": {"secretName": "pg-superuser", "key": "uri"},
+            "relay_database_url": {"secretName": "pg-replication", "key": "uri"}}})
+    seen: dict[str, dict[str, tuple[str, str]]] = {}
+    for manifest in render(values).values():
+        if manifest["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in manifest["spec"]["template"]["spec"]["containers"]:
+            seen[c["name"]] = {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"],
+                                           e["valueFrom"]["secretKeyRef"]["key"])
+                               for e in c["env"] if "valueFrom" in e}
+    assert seen["migrate"]["CALMQ_MIGRATE_DATABASE_URL"] == ("pg-superuser", "uri")
+    assert seen["relay"]["CALMQ_RELAY_DATABASE_URL"] == ("pg-replication", "uri")
+    assert seen["api"]["CALMQ_DATABASE_URL"] == ("pg-app", "uri")
+    for name, refs in seen.items():
+        assert ("CALMQ_MIGRATE_DATABASE_URL" in refs) is (name == "migrate"), name
+        assert ("CALMQ_RELAY_DATABASE_URL" in refs) is (name == "relay"), name
+    loaded = Settings.load(environ={"CALMQ_DATABASE_URL": "postgresql://app@db/calmq"})
+    assert loaded.effective_migrate_database_url == "postgresql://app@db/calmq"
+    assert loaded.effective_relay_database_url == "postgresql://app@db/calmq"
+
+
 def test_pods_are_hardened_and_take_no_service_links() -> None:
-    """enableServiceLinks false, non-root, read-only root, ALL capabilities dropped."""
+    """enableServiceLinks false, non-root, read-only root, ALL capabilities dropped, and
+    the namespace enforces PodSecurity restricted."""
     for name, pod in _pods():
         assert pod["enableServiceLinks"] is False, name
         assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         for container in pod["containers"]:
             sc = container["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True, name
             assert sc["allowPrivilegeEscalation"] is False, name
             assert sc["capabilities"]["drop"] == ["ALL"], name
             assert set(container["resources"]) == {"requests", "limits"}, name
+    [namespace] = _kind("Namespace")
+    labels = namespace["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
 
 
-def test_probes_and_scrape_annotations_name_declared_ports() -> None:
-    """Every long-running container is probed on a port it declares, and scraped there."""
+def test_probes_scrape_annotations_and_job_labels_name_declared_ports() -> None:
+    """Every long-running container is probed on a port it declares and scraped there,
+    and its pod carries calmq.dev/job = calmq-<part>, the job name the alert rules use."""
     for deployment in _kind("Deployment"):
         template = deployment["spec"]["template"]
         [container] = template["spec"]["containers"]
@@ -234,11 +357,49 @@ def test_probes_and_scrape_annotations_name_declared_ports() -> None:
             assert container[probe]["httpGet"]["port"] in ports, (deployment, probe)
         notes = template["metadata"]["annotations"]
         assert notes["prometheus.io/scrape"] == "true"
-        assert int(notes["prometheus.io/port"]) in ports.values()
+        assert int(notes["prometheus.io/port"]) == ports["metrics"]
+        labels = template["metadata"]["labels"]
+        assert labels["calmq.dev/job"] == "calmq-" + labels["app.kubernetes.io/component"]
     [api] = [m for m in _kind("Deployment") if m["metadata"]["name"] == "calmq-api"]
     [container] = api["spec"]["template"]["spec"]["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["CALMQ_API_METRICS_PORT"] == "9100"
+
+
+def test_podmonitors_take_the_job_and_pool_labels_the_rules_use() -> None:
+    """monitoring.podMonitor: one PodMonitor per part, jobLabel calmq.dev/job (the pods'
+    label), the pool as a target label for workers; the PrometheusRule carries every rule
+    with its runbook under the base URL; the dashboard ConfigMap has the sidecar's label."""
+    values = merge_values(default_values(Settings.load(environ={})), PROVIDER, {
+        "monitoring": {"podMonitor": {"enabled": True},
+                       "prometheusRule": {"enabled": True,
+                                          "runbookBaseUrl": "https://docs.example.com/"},
+                       "dashboard": {"enabled": True}}})
+    manifests = render(values)
+    monitors = [m for m in manifests.values() if m["kind"] == "PodMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {
+        f"calmq-{p}" for p in ("api", "relay", "forwarder", "reaper", "worker", "batcher")}
+    for monitor in monitors:
+        part = monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        assert monitor["spec"]["jobLabel"] == "calmq.dev/job"
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["port"] == "metrics"
+        pool = [r for r in endpoint.get("relabelings", []) if r["targetLabel"] == "pool"]
+        assert bool(pool) is (part in ("worker", "batcher"))
+    [rule] = [m for m in manifests.values() if m["kind"] == "PrometheusRule"]
+    alerts = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    rendered = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert [r["alert"] for r in rendered] == [r["alert"] for g in alerts["groups"]
+                                              for r in g["rules"]]
+    for r in rendered:
+        assert r["annotations"]["runbook_url"].startswith(
+            "https://docs.example.com/docs/how-to/troubleshooting.md#")
+    [dashboard] = [m for m in manifests.values() if m["metadata"]["name"] == "calmq-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["calmq.json"] == monitoring_file("calmq-dashboard.json")
 
 
 def test_api_service_and_pdb_select_the_api_pods() -> None:
@@ -259,10 +420,49 @@ def test_relay_is_one_replica_recreated() -> None:
     assert relay["spec"]["strategy"] == {"type": "Recreate"}
 
 
+def test_jobs_are_hooks_outside_the_applied_folder() -> None:
+    """The migrate and Kafka setup Jobs: Helm pre-install/pre-upgrade and Argo CD PreSync
+    hooks, deleted before the next is created, migrate first; in jobs/, which `kubectl apply
+    -f deploy/kubernetes/` does not descend into; their settings inline (no ConfigMap
+    exists yet when a hook runs)."""
+    jobs = {m["metadata"]["name"]: m for m in _kind("Job")}
+    assert set(jobs) == {"calmq-migrate", "calmq-kafka-setup"}
+    assert not [p for p in K8S.glob("*.yaml")
+                if yaml.safe_load(p.read_text()).get("kind") == "Job"]
+    for job in jobs.values():
+        notes = job["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert notes["helm.sh/hook-delete-policy"] == "before-hook-creation"
+        assert notes["argocd.argoproj.io/hook"] == "PreSync"
+        assert notes["argocd.argoproj.io/hook-delete-policy"] == "BeforeHookCreation"
+        for container in job["spec"]["template"]["spec"]["containers"]:
+            assert "envFrom" not in container
+        assert "serviceAccountName" not in job["spec"]["template"]["spec"]
+    weights = {n: int(j["metadata"]["annotations"]["helm.sh/hook-weight"])
+               for n, j in jobs.items()}
+    assert weights["calmq-migrate"] < weights["calmq-kafka-setup"]
+
+
+def test_a_config_change_rolls_every_pod_and_nothing_else_does() -> None:
+    """checksum/config changes with any ConfigMap value and with secretsVersion (rotate a
+    Secret, bump it), and stays when an unrelated value changes."""
+    base = merge_values(default_values(Settings.load(environ={})), PROVIDER)
+
+    def sums(values: dict[str, Any]) -> set[str]:
+        return {m["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for m in render(values).values() if m["kind"] == "Deployment"}
+
+    [first] = sums(base)
+    assert sums(merge_values(base, {"api": {"replicas": 5}})) == {first}
+    [changed] = sums(merge_values(base, {"config": {"model": "gpt-4.1-mini"}}))
+    [rotated] = sums(merge_values(base, {"secretsVersion": "2"}))
+    assert len({first, changed, rotated}) == 3
+
+
 def test_worker_grace_covers_the_longest_step_and_the_drain() -> None:
     """terminationGracePeriodSeconds >= the pool's longest step timeout + drain, and the
     worker's own grace period lets that step finish."""
-    settings = load_values(VALUES, environ={})
+    settings = _settings()
     workflows = load_workflows(settings)
     for deployment in _kind("Deployment"):
         labels = deployment["metadata"]["labels"]
@@ -278,17 +478,110 @@ def test_worker_grace_covers_the_longest_step_and_the_drain() -> None:
 
 def test_scaled_object_signal_matches_the_workers() -> None:
     """lagThreshold = the worker's window; cap = min(partitions, budget cap) from the same
-    settings the worker Deployment gets."""
+    settings the worker Deployment gets; minReplicaCount 1 for an interactive pool."""
+    settings = _settings()
     deployments = {m["metadata"]["name"]: m for m in _kind("Deployment")}
     for so in _kind("ScaledObject"):
         deployment = deployments[so["spec"]["scaleTargetRef"]["name"]]
-        settings = Settings.load(
+        loaded = Settings.load(
             environ=_container_env(deployment["spec"]["template"]["spec"]["containers"][0]))
-        window = claimed_window(settings.concurrency)
+        window = claimed_window(loaded.concurrency)
         assert {t["metadata"]["lagThreshold"] for t in so["spec"]["triggers"]} == {str(window)}
-        partitions = len(settings.priority_list) * settings.topic_partitions
-        notes = so["metadata"]["annotations"]
-        busy = (settings.budget_tokens_per_minute / int(notes["calmq.dev/tokens-per-job"])
-                * float(notes["calmq.dev/seconds-per-call"]) / 60)
-        cap = max(1, math.floor(busy / settings.concurrency))
+        partitions = len(loaded.priority_list) * loaded.topic_partitions
+        busy = (loaded.budget_tokens_per_minute / settings.keda_tokens_per_job
+                * settings.keda_seconds_per_call / 60)
+        cap = max(1, math.floor(busy / loaded.concurrency))
         assert so["spec"]["maxReplicaCount"] == min(partitions, cap)
+        assert so["spec"]["minReplicaCount"] == (1 if "interactive" in loaded.priority_list
+                                                 else 0)
+
+
+def _cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> int:
+    for key in [k for k in __import__("os").environ if k.startswith("CALMQ_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("CALMQ_DATA_DIR", str(tmp_path / "no-stack"))
+    return main(argv)
+
+
+def test_render_to_stdout_is_one_yaml_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`calmq k8s render -o -` prints every object as multi-document YAML, writes no
+    folder named -, and equals the folder's render."""
+    monkeypatch.chdir(tmp_path)
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(PROVIDER))
+    assert _cli(["k8s", "render", "-f", str(values), "-o", "-"], monkeypatch, tmp_path) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert not (tmp_path / "-").exists()
+    expected = render(merge_values(default_values(Settings.load(environ={})), PROVIDER))
+    assert docs == list(expected.values())
+
+
+def test_only_workers_writes_workers_and_their_scaled_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--only workers` (and the old `calmq keda render`, which runs it) writes each pool's
+    Deployment and ScaledObject and never a ConfigMap of its own."""
+    out = tmp_path / "workers"
+    assert _cli(["k8s", "render", "--only", "workers", "--keda-pools", "ocr,default",
+                 "-o", str(out)], monkeypatch, tmp_path) == 0
+    assert sorted(p.name for p in out.glob("*.yaml")) == [
+        "60-worker-default-deployment.yaml", "60-worker-default-scaledobject.yaml",
+        "60-worker-ocr-deployment.yaml", "60-worker-ocr-scaledobject.yaml"]
+    old = tmp_path / "keda"
+    assert _cli(["keda", "render", "--output-dir", str(old)], monkeypatch, tmp_path) == 0
+    assert {yaml.safe_load(p.read_text())["kind"] for p in old.glob("*.yaml")} == {
+        "Deployment", "ScaledObject"}
+
+
+def test_a_settings_file_is_not_taken_for_values(tmp_path: Path) -> None:
+    """A values file that names settings at its top is refused with the way out."""
+    wrong = tmp_path / "values.yaml"
+    wrong.write_text("provider_url: https://api.openai.com\n")
+    with pytest.raises(ConfigError, match="under config:"):
+        values_for(Settings.load(environ={}), wrong)
+
+
+def test_an_unknown_configmap_setting_warns_in_a_pod_and_fails_in_a_shell(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CALMQ_STRICT_SETTINGS=false (every rendered container sets it): a setting the image
+    does not know (a ConfigMap a release ahead) is a warning; in a shell, an error."""
+    env = {"CALMQ_RENAMED_LATER": "1", "CALMQ_MODEL": "m"}
+    with pytest.raises(ConfigError, match="CALMQ_RENAMED_LATER"):
+        Settings.load(environ=env)
+    with caplog.at_level(logging.WARNING, logger="calmq.settings"):
+        loaded = Settings.load(environ={**env, "CALMQ_STRICT_SETTINGS": "false"})
+    assert loaded.model == "m"
+    assert "CALMQ_RENAMED_LATER" in caplog.text
+    for name, pod in _pods():
+        for container in pod["containers"]:
+            strict = [e for e in container["env"] if e["name"] == "CALMQ_STRICT_SETTINGS"]
+            assert strict == [{"name": "CALMQ_STRICT_SETTINGS", "value": "false"}], name
+
+
+def test_the_consumer_examples_variables_and_the_old_image_name_are_no_errors() -> None:
+    """The CALMQ_ names examples/consumers read are no unknown settings; CALMQ_KEDA_IMAGE
+    still sets the image, for one release."""
+    env = {"CALMQ_CONSUMER_GROUP": "g", "CALMQ_TENANT_ID": "t", "CALMQ_MAX_MESSAGES": "1",
+           "CALMQ_IDLE_TIMEOUT": "3", "CALMQ_KEDA_IMAGE": "registry.example.com/calmq:1.2.3"}
+    assert Settings.load(environ=env).image == "registry.example.com/calmq:1.2.3"
+    image = default_values(Settings.load(environ=env))["image"]
+    assert (image["repository"], image["tag"]) == ("registry.example.com/calmq", "1.2.3")
+
+
+def test_worker_and_batcher_refuse_to_start_without_a_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside the local stack, no provider URL is a clear error before anything starts."""
+    for name in ("CALMQ_PROVIDER_URL", "CALMQ_FAKE_PROVIDER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for command in ("worker", "batcher"):
+        monkeypatch.setenv("CALMQ_DATABASE_URL", "postgresql://calmq@127.0.0.1:1/calmq")
+        monkeypatch.setenv("CALMQ_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+        code = main([command, "--data-dir", str(tmp_path / "no-stack")])
+        err = capsys.readouterr().err
+        assert code == 1, err
+        assert "[no_provider]" in err
+        assert "CALMQ_PROVIDER_URL" in err

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from calmq import topics
 from calmq.errors import ConfigError, InfrastructureError
+from calmq.settings import Settings
 from calmq.tooling.devstack import kafka, postgres, processes, registry
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
@@ -260,7 +261,10 @@ class Stack:
         from calmq.kafka import create_topics
 
         create_topics(bootstrap, topics.all_topics(["default"], _tiers(self.environ)),
-                      partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")))
+                      partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")),
+                      max_message_bytes=int(self.environ.get(
+                          "CALMQ_KAFKA_MAX_MESSAGE_BYTES",
+                          Settings.model_fields["kafka_max_message_bytes"].default)))
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
 

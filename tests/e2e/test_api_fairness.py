@@ -1,0 +1,109 @@
+"""Fair connections on the API (issue 27): one key's SSE streams are capped per tenant while
+another tenant keeps submitting, and a key past its rate answers 429 with Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from calmq.tooling.devstack import StackState
+from tests.support.api import Api, create_tenant
+from tests.support.intake import ApiProcess, running_api
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+STREAMS = 500
+CAP = 100  # the default of api_streams_per_tenant
+
+
+def _tenant(stack: StackState, url: str, prefix: str) -> Api:
+    return Api(url, create_tenant(stack.env["CALMQ_DATABASE_URL"],
+                                  f"{prefix}-{uuid.uuid4().hex[:8]}"))
+
+
+@pytest.fixture(scope="module")
+def rated_api(stack: StackState) -> Iterator[ApiProcess]:
+    """An API that lets each key send 1 request a second, 3 at once."""
+    with running_api(stack, {"CALMQ_API_RATE_PER_SECOND": "1",
+                             "CALMQ_API_RATE_BURST": "3"}) as api:
+        yield api
+
+
+async def _open_streams(url: str, key: str, job_id: str, other: Api) -> dict[str, object]:
+    """Open STREAMS streams at once; while the accepted ones stay open, the other tenant
+    submits and follows its own job. Returns what each side was answered."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def open_one() -> tuple[int, str | None, aiohttp.ClientResponse | None]:
+            resp = await session.get(f"{url}/v1/jobs/{job_id}/events", headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_read=None))
+            if resp.status == 200:
+                return 200, None, resp  # kept open: it holds its place
+            body = await resp.json(content_type=None)
+            retry_after = resp.headers.get("Retry-After")
+            resp.release()
+            return resp.status, f"{body.get('code')}|{retry_after}", None
+
+        opened = await asyncio.gather(*(open_one() for _ in range(STREAMS)))
+        try:
+            submits = [await asyncio.to_thread(
+                other.call, "POST", "/v1/jobs",
+                {"workflow": "summarize", "input": {"text": f"other {i}", "mode": "success"}})
+                for i in range(5)]
+            async with session.get(
+                    f"{url}/v1/jobs/{submits[0][2]['job_id']}/events",
+                    headers={"Authorization": f"Bearer {other.key}"}) as own:
+                own_status = own.status
+        finally:
+            for _status, _why, resp in opened:
+                if resp is not None:
+                    resp.close()
+    return {"statuses": [s for s, _w, _r in opened], "why": [w for _s, w, _r in opened if w],
+            "submits": [s for s, _h, _b in submits], "own_stream": own_status}
+
+
+def test_one_keys_streams_are_capped_while_another_tenant_submits(stack: StackState) -> None:
+    """500 SSE streams from one key: the tenant's cap are served, the rest answered 429
+    too_many_streams with Retry-After; meanwhile another tenant's submits answer 202 (no
+    503) and its own stream opens; once the streams close the tenant may open one again."""
+    url = stack.env["CALMQ_API_URL"]
+    heavy, other = _tenant(stack, url, "streams"), _tenant(stack, url, "bystander")
+    job_id = heavy.submit({"text": "waits for a person", "mode": "low_confidence"})
+    wait_for(lambda: heavy.job(job_id)["status"] == "awaiting_review", timeout=60,
+             what="the streamed job to wait in review (it stays open)")
+    seen = asyncio.run(_open_streams(url, heavy.key, job_id, other))
+    statuses = seen["statuses"]
+    assert isinstance(statuses, list)
+    assert statuses.count(200) == CAP
+    assert statuses.count(429) == STREAMS - CAP
+    assert set(seen["why"]) == {"too_many_streams|1"}  # type: ignore[arg-type]
+    assert seen["submits"] == [202] * 5
+    assert seen["own_stream"] == 200
+
+    async def one_more() -> int:
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{url}/v1/jobs/{job_id}/events",
+                headers={"Authorization": f"Bearer {heavy.key}"}) as resp:
+            return resp.status
+
+    wait_for(lambda: asyncio.run(one_more()) == 200, timeout=30,
+             what="the closed streams to give their places back")
+
+
+def test_a_key_past_its_rate_is_answered_429_with_retry_after(
+        stack: StackState, rated_api: ApiProcess) -> None:
+    """With api_rate_per_second 1 and burst 3, a key's fourth request at once answers 429
+    rate_limited with Retry-After; another key of another tenant is not held back."""
+    first, second = (_tenant(stack, rated_api.url, "rate") for _ in range(2))
+    answers = [first.call("GET", "/v1/jobs?limit=1") for _ in range(4)]
+    assert [status for status, _h, _b in answers[:3]] == [200, 200, 200]
+    status, headers, body = answers[3]
+    assert status == 429, body
+    assert body["code"] == "rate_limited"
+    assert int(headers["Retry-After"]) >= 1
+    assert second.call("GET", "/v1/jobs?limit=1")[0] == 200

@@ -1,0 +1,148 @@
+"""The Helm chart (deploy/helm/calmq) and the Kustomize base (deploy/kubernetes), run by the
+real tools: ``helm template`` for three value sets gives objects that pass strict
+validation and equal what `calmq k8s render` gives for the same values, and ``kustomize
+build`` of the base passes the same validation.
+
+Helm and kustomize are built from their Go modules (`make helm kustomize`,
+tests/support/k8s_tools.py). The value sets are tests/unit/chart_values/*.yaml: the least a
+team sets, a production install with every option on, and a cluster without KEDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.support.k8s_tools import tool
+from tests.unit.test_kubernetes import check_scaled_object
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "calmq"
+K8S = ROOT / "deploy" / "kubernetes"
+VALUE_SETS = sorted((Path(__file__).parent / "chart_values").glob("*.yaml"))
+KUBERNETES_VERSION = kubernetes_validate.latest_version()
+NAMESPACE = "calmq"
+# Custom resources the OpenAPI schema does not cover (test_kubernetes checks ScaledObjects
+# against KEDA's spec, and the PodMonitor and PrometheusRule shapes).
+CUSTOM = {"ScaledObject", "PodMonitor", "PrometheusRule"}
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
+
+
+def _run(argv: list[str], *, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@functools.cache
+def helm_template(values: Path) -> list[dict[str, Any]]:
+    done = _run([tool("helm"), "template", "calmq", str(CHART), "--namespace", NAMESPACE,
+                 "-f", str(values)])
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@functools.cache
+def calmq_render(values: Path) -> list[dict[str, Any]]:
+    done = _run([sys.executable, "-m", "calmq.cli", "k8s", "render", "--namespace", NAMESPACE,
+                 "-f", str(values), "-o", "-"])
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _by_name(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(out) == len(docs), "two objects of one kind and name"
+    return out
+
+
+def _validate(docs: list[dict[str, Any]]) -> None:
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for doc in docs:
+        if doc["kind"] == "ScaledObject":
+            check_scaled_object(doc, deployments)
+        elif doc["kind"] not in CUSTOM:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_helm_template_passes_strict_validation(values: Path) -> None:
+    """Every object `helm template` renders validates for a current Kubernetes release."""
+    docs = helm_template(values)
+    assert {"Deployment", "ConfigMap", "Job", "Service"} <= {d["kind"] for d in docs}
+    _validate(docs)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_helm_template_equals_calmq_k8s_render(values: Path) -> None:
+    """The chart and `calmq k8s render` give the same objects for the same values."""
+    helm, calmq = _by_name(helm_template(values)), _by_name(calmq_render(values))
+    assert sorted(helm) == sorted(calmq)
+    for key, doc in calmq.items():
+        assert helm[key] == doc, key
+
+
+def test_the_value_sets_turn_on_what_they_say() -> None:
+    """The production set renders the optional objects, the set without KEDA none of its
+    objects, so the comparisons above cover every template."""
+    production = {d["kind"] for d in helm_template(_set("production"))}
+    assert {"Namespace", "ServiceAccount", "PodMonitor", "PrometheusRule", "NetworkPolicy",
+            "ScaledObject", "PodDisruptionBudget"} <= production
+    without = helm_template(_set("without-keda"))
+    assert not {"ScaledObject", "ServiceAccount", "PodDisruptionBudget"} & {
+        d["kind"] for d in without}
+    workers = [d for d in without if d["metadata"]["name"].startswith("calmq-worker-")]
+    assert sorted(d["spec"]["replicas"] for d in workers) == [1, 3]
+
+
+def _set(name: str) -> Path:
+    [found] = [p for p in VALUE_SETS if p.stem == name]
+    return found
+
+
+def test_helm_refuses_values_without_a_provider(tmp_path: Path) -> None:
+    """`helm template` without config.provider_url fails with the reason, as the renderer
+    does: a ConfigMap without the provider is never rendered."""
+    done = _run([tool("helm"), "template", "calmq", str(CHART)])
+    assert done.returncode != 0
+    assert "config.provider_url is required" in done.stderr
+
+
+def test_helm_lint_passes() -> None:
+    """`helm lint` (the chart's metadata and templates) passes with the production set."""
+    done = _run([tool("helm"), "lint", str(CHART), "-f", str(_set("production"))])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_kustomize_build_of_the_base_passes_strict_validation() -> None:
+    """`kustomize build deploy/kubernetes`: every object validates, the ConfigMap carries a
+    hash of its data in its name and every Deployment reads that name, the hook Jobs are
+    included, the namespace and the image are Kustomize's to change."""
+    done = _run([tool("kustomize"), "build", str(K8S)])
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    _validate(docs)
+    [config] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config["metadata"]["name"].startswith("calmq-")
+    assert {("Job", "calmq-migrate"), ("Job", "calmq-kafka-setup")} <= set(_by_name(docs))
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    [image] = kustomization["images"]
+    for doc in docs:
+        if doc.get("metadata", {}).get("namespace") is not None:
+            assert doc["metadata"]["namespace"] == kustomization["namespace"]
+        if doc["kind"] != "Deployment":
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            assert container["envFrom"] == [
+                {"configMapRef": {"name": config["metadata"]["name"]}}]
+            assert container["image"] == f"{image['newName']}:{image['newTag']}"
