@@ -170,10 +170,10 @@ class Worker:
         pipeline, consumer, provider = self.pipeline, self._consumer, self._provider
         assert consumer is not None
         assert provider is not None
-        now = asyncio.get_running_loop().time()
-        if self._last_tick:
-            metrics.LOOP_LAG.observe(max(0.0, now - self._last_tick - self.life.tick_seconds))
-        self._last_tick = now
+        loop = asyncio.get_running_loop()
+        if self._last_tick:  # how late the lifecycle's timer woke this tick
+            metrics.LOOP_LAG.observe(
+                max(0.0, loop.time() - self._last_tick - self.life.tick_seconds))
         metrics.IN_FLIGHT.set(pipeline.in_flight)
         slots = pipeline.attempt.slots
         metrics.SATURATION.set((slots.used if slots else 0) / s.concurrency)
@@ -181,6 +181,7 @@ class Worker:
         limit = provider.in_flight_limit(s.budget_queue_seconds)
         consumer.max_in_flight = _claimed_bound(
             s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
+        self._last_tick = loop.time()
 
     async def drain(self, grace_seconds: float) -> None:
         # The consumer thread has paused every partition (the stop event): in-flight work
