@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
-	manifests image lock
+	manifests image lock pgbouncer
 
 install: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool helm kustomize
+test: install browser promtool helm kustomize pgbouncer
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -37,6 +37,15 @@ promtool:
 	@command -v promtool >/dev/null || apt-get install -y --no-install-recommends prometheus \
 	  || { apt-get update && apt-get install -y --no-install-recommends prometheus; } \
 	  || echo "make promtool: the prometheus package could not be installed; the alert-rule check will be skipped"
+
+# PgBouncer in transaction mode for tests/integration/test_pgbouncer.py (`calmq dev up
+# --pgbouncer`), from Debian's pgbouncer package (its service is not started). Skipped where
+# it cannot be installed; under CI=true the test fails instead.
+pgbouncer:
+	@test -x /usr/sbin/pgbouncer || command -v pgbouncer >/dev/null \
+	  || apt-get install -y --no-install-recommends pgbouncer \
+	  || { apt-get update && apt-get install -y --no-install-recommends pgbouncer; } \
+	  || echo "make pgbouncer: the pgbouncer package could not be installed; the PgBouncer test will be skipped"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
@@ -56,9 +65,12 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 .PHONY: chaos
-# The fault matrix in full (2,000 jobs, 20 s outages); `make test` runs a reduced form.
+# The fault matrix in full (2,000 jobs, 20 s outages), and the broker-loss and PostgreSQL
+# failover runs (3,000 jobs each on three brokers and a primary with a standby); `make test`
+# runs a reduced form of each.
 chaos: install
 	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest tests/chaos/test_fault_matrix.py --timeout 900
+	CALMQ_CHAOS_FULL=1 $(BIN)/python -m pytest -rA tests/chaos/test_cluster_faults.py --timeout 1800
 
 # Helm and kustomize for the chart tests (tests/unit/test_chart.py), built once from their Go
 # modules with the machine's Go toolchain and cached per user, like the Kafka jars. Where

@@ -18,10 +18,19 @@ from typing import Any
 from confluent_kafka import Consumer, Message, Producer
 
 from calmq import events
-from calmq.codec import make_codec
-from calmq.kafka import consumer_config, producer_config
+from calmq.codec import EventCodec, make_codec, registry_config
+from calmq.kafka import Connection, connection_config, consumer_config, producer_config
+from calmq.settings import Settings
 
-__all__ = ["encoded_events", "main"]
+__all__ = ["clients", "encoded_events", "main"]
+
+
+def clients(bootstrap: str) -> tuple[Connection, EventCodec]:
+    """The Kafka connection and codec of this process's CALMQ_ settings (security, registry
+    credentials), as calmq's own services make them, for ``bootstrap``."""
+    settings = Settings.load({"kafka_bootstrap": bootstrap})
+    return (connection_config(settings),
+            make_codec(settings.schema_registry_url, registry_config(settings)))
 
 
 def encoded_events(count: int, registry_url: str | None = None) -> list[tuple[bytes, bytes]]:
@@ -43,7 +52,7 @@ def encoded_events(count: int, registry_url: str | None = None) -> list[tuple[by
 def _connected(bootstrap: str, topic: str) -> Producer:
     """A producer that has its connection and idempotent producer id already, like the relay's
     long-lived one: the first record of a cold client would otherwise pay for both."""
-    producer = Producer(producer_config(bootstrap))
+    producer = Producer(producer_config(clients(bootstrap)[0]))
     producer.produce(topic, value=b"warm-up", key=b"warm-up")
     producer.flush(30)
     return producer
@@ -65,8 +74,8 @@ def _produce_all(producer: Producer, topic: str, records: list[tuple[bytes, byte
 def e2e(bootstrap: str, topic: str, count: int) -> dict[str, Any]:
     """Produce ``count`` events and consume them in another thread; jobs/s end to end."""
     records = encoded_events(count)
-    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
-    consumer = Consumer(consumer_config(bootstrap, f"bench-raw-{uuid.uuid4()}"))
+    connection, codec = clients(bootstrap)
+    consumer = Consumer(consumer_config(connection, f"bench-raw-{uuid.uuid4()}"))
     consumer.subscribe([topic])
     ready = threading.Event()
     seen = 0

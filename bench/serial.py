@@ -17,16 +17,16 @@ import uuid
 import aiohttp
 from confluent_kafka import Consumer
 
+from bench.raw_kafka import clients
 from bench.skip_locked import call_model
-from calmq.codec import make_codec
 from calmq.kafka import consumer_config
 
 __all__ = ["main"]
 
 
 async def _run(bootstrap: str, topic: str, count: int, provider_url: str) -> dict[str, float]:
-    codec = make_codec(os.environ.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
-    consumer = Consumer(consumer_config(bootstrap, f"bench-serial-{uuid.uuid4()}"))
+    connection, codec = clients(bootstrap)
+    consumer = Consumer(consumer_config(connection, f"bench-serial-{uuid.uuid4()}"))
     consumer.subscribe([topic])
     done = 0
     started = 0.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,10 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from calmq.errors import ContractError, InfrastructureError
+from calmq.errors import ConfigError, ContractError, InfrastructureError
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    from calmq.settings import Settings
 
 __all__ = [
     "EVENT_TYPES",
@@ -35,8 +38,10 @@ __all__ = [
     "RegistryCodec",
     "SchemaStore",
     "SingleObjectCodec",
+    "check_registry",
     "decode_message",
     "make_codec",
+    "registry_config",
 ]
 
 # eventType header -> folder in schemas/
@@ -170,13 +175,16 @@ class RegistryCodec:
     """
 
     def __init__(self, registry_url: str, store: SchemaStore | None = None, *,
-                 client: SchemaRegistryClient | None = None) -> None:
+                 client: SchemaRegistryClient | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
         from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
         self.store = store or SchemaStore()
         # new_client gives the in-memory registry for mock:// URLs (unit tests only; one per
-        # client, so tests share one by passing ``client``).
-        self._client = client or SchemaRegistryClient.new_client({"url": registry_url})
+        # client, so tests share one by passing ``client``). ``config``: registry_config's
+        # credentials and TLS settings.
+        self._client = client or SchemaRegistryClient.new_client(
+            {**(config or {}), "url": registry_url})
         self._schema_cls = Schema
         self._ids: dict[str, int] = {}
         self._by_id: dict[int, SchemaVersion] = {}
@@ -272,10 +280,104 @@ class RegistryCodec:
         raise ContractError(f"schema id {schema_id} is not a calmq event", code="unknown_schema")
 
 
-def make_codec(schema_registry_url: str) -> EventCodec:
-    """The registry codec when a registry URL is set, else single-object encoding."""
+def registry_config(settings: Settings) -> dict[str, Any]:
+    """The registry client's credentials and TLS settings (``confluent_kafka``'s names),
+    without the URL. Raises ConfigError naming the settings that do not fit together."""
+    s = settings
+    config: dict[str, Any] = {}
+    password = s.schema_registry_password.get_secret_value()
+    token = s.schema_registry_bearer_token.get_secret_value()
+    if s.schema_registry_username or password:
+        if not (s.schema_registry_username and password):
+            missing = ("CALMQ_SCHEMA_REGISTRY_PASSWORD" if s.schema_registry_username
+                       else "CALMQ_SCHEMA_REGISTRY_USERNAME")
+            raise ConfigError(f"registry basic auth needs {missing} too",
+                              code="registry_credentials_missing")
+        if token:
+            raise ConfigError("set CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN or basic auth "
+                              "(CALMQ_SCHEMA_REGISTRY_USERNAME/PASSWORD), not both",
+                              code="conflicting_setting")
+        if "@" in s.schema_registry_url.split("://", 1)[-1].split("/", 1)[0]:
+            raise ConfigError("the registry URL carries user:password@ and "
+                              "CALMQ_SCHEMA_REGISTRY_USERNAME is set: keep one",
+                              code="conflicting_setting")
+        config["basic.auth.user.info"] = f"{s.schema_registry_username}:{password}"
+    elif token:
+        # The client's STATIC_TOKEN source also sends Confluent Cloud's target-sr-cluster
+        # header; empty here, which other registries ignore.
+        config.update({"bearer.auth.credentials.source": "STATIC_TOKEN",
+                       "bearer.auth.token": token, "bearer.auth.logical.cluster": ""})
+    for setting, key in (("schema_registry_ca_location", "ssl.ca.location"),
+                         ("schema_registry_certificate_location", "ssl.certificate.location"),
+                         ("schema_registry_key_location", "ssl.key.location")):
+        if getattr(s, setting):
+            config[key] = getattr(s, setting)
+    if s.schema_registry_key_location and not s.schema_registry_certificate_location:
+        raise ConfigError("CALMQ_SCHEMA_REGISTRY_KEY_LOCATION needs "
+                          "CALMQ_SCHEMA_REGISTRY_CERTIFICATE_LOCATION",
+                          code="registry_credentials_missing")
+    return config
+
+
+def check_registry(url: str, config: Mapping[str, Any] | None = None,
+                   timeout: float = 3.0) -> int:
+    """How many subjects the registry lists (``GET /subjects``) with these credentials.
+
+    A refused credential or an untrusted certificate is a ConfigError naming the setting
+    to change; a registry that does not answer is InfrastructureError
+    (``registry_unreachable``).
+    """
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    shown = _without_userinfo(url)
+    try:
+        client = SchemaRegistryClient({**(config or {}), "url": url, "timeout": timeout,
+                                       "max.retries": 0})
+        return len(client.get_subjects())
+    except SchemaRegistryError as exc:
+        if exc.http_status_code in (401, 403):
+            raise ConfigError(
+                f"the schema registry at {shown} refused the credentials (HTTP "
+                f"{exc.http_status_code}): set CALMQ_SCHEMA_REGISTRY_USERNAME and "
+                "CALMQ_SCHEMA_REGISTRY_PASSWORD, or CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN",
+                code="registry_authentication_failed") from None
+        reason = f"HTTP {exc.http_status_code} from /subjects"
+    except (ValueError, TypeError, OSError) as exc:
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+            raise ConfigError(
+                f"the schema registry at {shown}: its TLS certificate is not trusted: set "
+                "CALMQ_SCHEMA_REGISTRY_CA_LOCATION to the PEM file of the CA that signed it",
+                code="registry_tls_untrusted") from None
+        if isinstance(exc, ValueError | TypeError):
+            raise ConfigError(f"schema registry settings: {exc}",
+                              code="invalid_setting") from None
+        reason = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the HTTP client's errors: away or refused
+        text = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            raise ConfigError(
+                f"the schema registry at {shown}: its TLS certificate is not trusted: set "
+                "CALMQ_SCHEMA_REGISTRY_CA_LOCATION to the PEM file of the CA that signed it",
+                code="registry_tls_untrusted") from None
+        reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    raise InfrastructureError(
+        f"the schema registry at {shown} is not reachable ({reason}): check "
+        "CALMQ_SCHEMA_REGISTRY_URL", code="registry_unreachable")
+
+
+def _without_userinfo(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{host.rsplit('@', 1)[-1]}{slash}{path}"
+
+
+def make_codec(schema_registry_url: str,
+               config: Mapping[str, Any] | None = None) -> EventCodec:
+    """The registry codec when a registry URL is set, else single-object encoding.
+    ``config``: registry_config(settings), the registry's credentials and TLS."""
     if schema_registry_url:
-        return RegistryCodec(schema_registry_url)
+        return RegistryCodec(schema_registry_url, config=config)
     return SingleObjectCodec()
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from calmq import topics
+from calmq.kafka import connection_of
 
 if TYPE_CHECKING:
     from confluent_kafka import Consumer
@@ -44,15 +45,11 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-# Client settings a lag reader shares with the consumer it reads for: where the brokers are
-# and how to reach them. Group and fetch settings are the consumer's own.
-_SHARED_PREFIXES = ("bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.",
-                    "broker.", "metadata.", "logger")
-
-
 def client_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The connection settings of a Kafka client configuration (no group, no fetch)."""
-    return {k: v for k, v in config.items() if k.startswith(_SHARED_PREFIXES)}
+    """The connection settings of a Kafka client configuration: a consumer's less its
+    group's own settings (calmq.kafka.connection_of), so the reader reaches the brokers
+    exactly as that consumer does (security, pass-through properties, an ``oauth_cb``)."""
+    return connection_of(config)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,22 @@ from calmq.errors import ConfigError
 from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
-__all__ = ["ENV_PREFIX", "IMAGE_REPOSITORY", "STRICT_ENV", "Settings", "claimed_window",
-           "parse_duration", "service_links"]
+__all__ = [
+    "ENV_PREFIX",
+    "FILE_SUFFIX",
+    "IMAGE_REPOSITORY",
+    "STRICT_ENV",
+    "Settings",
+    "claimed_window",
+    "kafka_properties",
+    "parse_duration",
+    "service_links",
+]
 
 ENV_PREFIX = "CALMQ_"
+# CALMQ_<NAME>_FILE=/path reads a setting from a file: a Kubernetes Secret mounted as a
+# volume, or a Docker secret, never shows the value in the pod spec or `ps e`.
+FILE_SUFFIX = "_FILE"
 
 # Variables with the prefix that are not settings but are still ours to read: the test
 # session's, the strictness switch below, and the names the results-consumer examples
@@ -85,6 +97,80 @@ def parse_duration(text: str) -> float:
         ) from None
 
 
+# librdkafka properties that kafka_config may not set: each has a setting of its own (named
+# in the error), or calmq's correctness rests on it (commits after durability, idempotent
+# acks=all producers, the Java-compatible partitioner, the workers' group names).
+_OWN_PROPERTIES = {
+    "bootstrap.servers": "CALMQ_KAFKA_BOOTSTRAP",
+    "metadata.broker.list": "CALMQ_KAFKA_BOOTSTRAP",
+    "security.protocol": "CALMQ_KAFKA_SECURITY_PROTOCOL",
+    "sasl.mechanism": "CALMQ_KAFKA_SASL_MECHANISM",
+    "sasl.mechanisms": "CALMQ_KAFKA_SASL_MECHANISM",
+    "sasl.username": "CALMQ_KAFKA_SASL_USERNAME",
+    "sasl.password": "CALMQ_KAFKA_SASL_PASSWORD",
+    "sasl.oauthbearer.method": "CALMQ_KAFKA_SASL_OAUTHBEARER_METHOD",
+    "sasl.oauthbearer.token.endpoint.url": "CALMQ_KAFKA_SASL_OAUTHBEARER_TOKEN_ENDPOINT_URL",
+    "sasl.oauthbearer.client.id": "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_ID",
+    "sasl.oauthbearer.client.secret": "CALMQ_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET",
+    "sasl.oauthbearer.scope": "CALMQ_KAFKA_SASL_OAUTHBEARER_SCOPE",
+    "sasl.oauthbearer.extensions": "CALMQ_KAFKA_SASL_OAUTHBEARER_EXTENSIONS",
+    "ssl.ca.location": "CALMQ_KAFKA_SSL_CA_LOCATION",
+    "ssl.certificate.location": "CALMQ_KAFKA_SSL_CERTIFICATE_LOCATION",
+    "ssl.key.location": "CALMQ_KAFKA_SSL_KEY_LOCATION",
+    "ssl.key.password": "CALMQ_KAFKA_SSL_KEY_PASSWORD",
+    "compression.type": "CALMQ_KAFKA_COMPRESSION",
+    "compression.codec": "CALMQ_KAFKA_COMPRESSION",
+}
+_FIXED_PROPERTIES = frozenset({
+    "group.id", "enable.auto.commit", "enable.auto.offset.store", "enable.idempotence",
+    "acks", "request.required.acks", "partitioner", "isolation.level",
+    "partition.assignment.strategy", "transactional.id",
+})
+
+
+def kafka_properties(text: str) -> dict[str, Any]:
+    """``CALMQ_KAFKA_CONFIG``: a JSON object, or properties text (``key=value`` lines, ``#``
+    comments, as a Java client's .properties file). Raises ValueError (a ConfigError through
+    Settings.load) for what cannot be read, and for a property calmq sets itself, naming
+    the setting to use instead. Whether each name is a librdkafka property is checked when
+    a client configuration is made (calmq.kafka.connection_config), by librdkafka itself."""
+    import json
+
+    text = text.strip()
+    if not text:
+        return {}
+    props: dict[str, Any]
+    if text.startswith("{"):
+        try:
+            loaded = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"kafka_config is not a JSON object: {exc}") from None
+        if not isinstance(loaded, dict) or not all(
+                isinstance(v, str | int | float | bool) for v in loaded.values()):
+            raise ValueError("kafka_config must be a JSON object of strings, numbers and"
+                             " booleans")
+        props = {str(k).strip(): v for k, v in loaded.items()}
+    else:
+        props = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith(("#", "!")):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                key, sep, value = line.partition(":")
+            if not sep or not key.strip():
+                raise ValueError(f"kafka_config line {number} is not key=value: {line[:60]!r}")
+            props[key.strip()] = value.strip()
+    for key in props:
+        if key in _OWN_PROPERTIES:
+            raise ValueError(f"kafka_config sets {key}: use {_OWN_PROPERTIES[key]} instead")
+        if key in _FIXED_PROPERTIES:
+            raise ValueError(f"kafka_config sets {key}, which calmq sets itself (its delivery"
+                             " guarantees rest on it)")
+    return props
+
+
 class Settings(BaseSettings):
     """Every setting of every component; see docs/reference/settings.md."""
 
@@ -100,6 +186,16 @@ class Settings(BaseSettings):
         default="",
         description="the database URL the relay uses (a role with REPLICATION); empty: "
                     "database_url")
+    database_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="transaction: database_url is a pooler in transaction mode (PgBouncer"
+                    " pool_mode=transaction): no server-side prepared statements, and LISTEN"
+                    " and the relay connect directly (direct_database_url,"
+                    " relay_database_url)")
+    direct_database_url: str = Field(
+        default="",
+        description="a direct connection, not through a transaction pooler: the API's"
+                    " LISTEN session (default: database_url)")
     kafka_bootstrap: str = ""
     schema_registry_url: str = Field(
         default="",
@@ -234,6 +330,73 @@ class Settings(BaseSettings):
                     "record_too_large)")
     topic_partitions: int = Field(default=8, ge=1)
     topic_replication: int = Field(default=1, ge=1)
+    topic_min_insync_replicas: int | None = Field(
+        default=None, ge=1,
+        description="min.insync.replicas of the topics calmq creates (default: the broker's;"
+                    " with replication 3, set 2 so a write survives one broker down)")
+
+    # Kafka clients: how every client (producer, consumer, admin, the relay, the lag readers,
+    # `calmq lag`, the benchmarks) reaches a secured cluster. calmq.kafka.connection_config
+    # turns these into librdkafka properties once per process.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        description="librdkafka security.protocol: PLAINTEXT, SSL (TLS, optionally mTLS),"
+                    " SASL_PLAINTEXT or SASL_SSL")
+    kafka_sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512",
+                                  "OAUTHBEARER"] = Field(
+        default="", description="SASL mechanism when the protocol is SASL_*")
+    kafka_sasl_username: str = Field(default="", description="SASL username (PLAIN, SCRAM)")
+    kafka_sasl_password: SecretStr = Field(
+        default=SecretStr(""), description="SASL password (PLAIN, SCRAM); a secret")
+    kafka_sasl_oauthbearer_method: Literal["oidc", "aws_msk_iam"] = Field(
+        default="oidc",
+        description="OAUTHBEARER tokens: oidc (client credentials at a token endpoint) or"
+                    " aws_msk_iam (signed with the AWS credentials chain; pip install"
+                    " 'calmq[msk-iam]')")
+    kafka_sasl_oauthbearer_token_endpoint_url: str = Field(
+        default="", description="OAUTHBEARER oidc: the identity provider's token endpoint")
+    kafka_sasl_oauthbearer_client_id: str = Field(
+        default="", description="OAUTHBEARER oidc: the client id")
+    kafka_sasl_oauthbearer_client_secret: SecretStr = Field(
+        default=SecretStr(""), description="OAUTHBEARER oidc: the client secret; a secret")
+    kafka_sasl_oauthbearer_scope: str = Field(
+        default="", description="OAUTHBEARER oidc: scope to request (optional)")
+    kafka_sasl_oauthbearer_extensions: str = Field(
+        default="",
+        description="OAUTHBEARER: SASL extensions, key=value,... (Confluent Cloud:"
+                    " logicalCluster=lkc-...,identityPoolId=pool-...)")
+    kafka_sasl_oauthbearer_aws_region: str = Field(
+        default="", description="OAUTHBEARER aws_msk_iam: the cluster's AWS region (default:"
+                                " the AWS SDK's region chain)")
+    kafka_ssl_ca_location: str = Field(
+        default="", description="PEM file of the CA(s) that signed the brokers' certificates"
+                                " (default: the system's trust store)")
+    kafka_ssl_certificate_location: str = Field(
+        default="", description="PEM client certificate, for mTLS (Strimzi tls users)")
+    kafka_ssl_key_location: str = Field(
+        default="", description="PEM private key of the client certificate, for mTLS")
+    kafka_ssl_key_password: SecretStr = Field(
+        default=SecretStr(""), description="password of an encrypted client key; a secret")
+    kafka_config: str = Field(
+        default="",
+        description="any other librdkafka properties for every client: a JSON object or"
+                    " properties text (key=value lines; CALMQ_KAFKA_CONFIG_FILE reads a"
+                    " .properties file); names are checked against librdkafka at start-up")
+
+    # The schema registry's credentials and TLS (the URL may also carry user:password@).
+    schema_registry_username: str = Field(
+        default="", description="registry basic auth user (Confluent Cloud: the API key)")
+    schema_registry_password: SecretStr = Field(
+        default=SecretStr(""), description="registry basic auth password; a secret")
+    schema_registry_bearer_token: SecretStr = Field(
+        default=SecretStr(""), description="registry bearer token (instead of basic auth);"
+                                           " a secret")
+    schema_registry_ca_location: str = Field(
+        default="", description="PEM file of the CA that signed the registry's certificate")
+    schema_registry_certificate_location: str = Field(
+        default="", description="PEM client certificate for the registry, for mTLS")
+    schema_registry_key_location: str = Field(
+        default="", description="PEM private key of the registry client certificate")
 
     # Relay.
     relay_mode: Literal["polling", "cdc"] = Field(
@@ -375,6 +538,18 @@ class Settings(BaseSettings):
                 raise ValueError(f"prices must be a JSON object: {exc}") from None
         return value
 
+    @field_validator("kafka_security_protocol", "kafka_sasl_mechanism", mode="before")
+    @classmethod
+    def _upper_case(cls, value: Any) -> Any:
+        # librdkafka reads both cases; the docs of every cloud print them differently.
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _kafka_properties(cls, value: str) -> str:
+        kafka_properties(value)  # raises on what cannot be read or is calmq's own
+        return value
+
     @field_validator("priorities")
     @classmethod
     def _known_priorities(cls, value: str) -> str:
@@ -404,6 +579,21 @@ class Settings(BaseSettings):
         return [(t, parse_duration(t)) for t in self.retry_tiers.split(",")]
 
     @property
+    def listen_database_url(self) -> str:
+        """Where LISTEN sessions connect: never through a transaction pooler, which hands
+        the server connection to another client after each transaction."""
+        if self.database_pooler == "transaction" and not self.direct_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: LISTEN cannot go through the pooler; set "
+                "CALMQ_DIRECT_DATABASE_URL to a direct connection", code="direct_url_missing")
+        return self.direct_database_url or self.database_url
+
+    @property
+    def kafka_properties(self) -> dict[str, Any]:
+        """``kafka_config`` parsed: the extra librdkafka properties of every client."""
+        return kafka_properties(self.kafka_config)
+
+    @property
     def effective_provider_url(self) -> str:
         return self.provider_url or self.fake_provider_url
 
@@ -413,6 +603,13 @@ class Settings(BaseSettings):
 
     @property
     def effective_relay_database_url(self) -> str:
+        """The relay's connection: its own role's, and never through a transaction pooler
+        (replication cannot go through one at all)."""
+        if self.database_pooler == "transaction" and not self.relay_database_url:
+            raise ConfigError(
+                "CALMQ_DATABASE_POOLER=transaction: logical replication cannot go through the "
+                "pooler; set CALMQ_RELAY_DATABASE_URL to a direct connection",
+                code="direct_url_missing")
         return self.relay_database_url or self.database_url
 
     @classmethod
@@ -439,23 +636,27 @@ class Settings(BaseSettings):
         if environ is not None or env is not os.environ:
             environ = env
         known = {ENV_PREFIX + name.upper() for name in cls.model_fields}
+        from_files = {ENV_PREFIX + name.upper() + FILE_SUFFIX: name for name in cls.model_fields}
         unknown = sorted(
             k
             for k in env
-            if k.startswith(ENV_PREFIX) and k not in known and k not in _NON_SETTING_ENV
+            if k.startswith(ENV_PREFIX) and k not in known and k not in from_files
+            and k not in _NON_SETTING_ENV
         )
         if unknown:
             env = _unknown(env, unknown)
             environ = env
+        files = _read_setting_files(env, from_files)
         clean = {k: v for k, v in (overrides or {}).items() if v is not None}
         try:
             if environ is None:
-                return cls(**clean)
+                return cls(**{**files, **clean})
             values = {
                 name: env[ENV_PREFIX + name.upper()]
                 for name in cls.model_fields
                 if ENV_PREFIX + name.upper() in env
             }
+            values.update(files)
             values.update(shadowed)
             values.update(clean)
             return cls.model_validate(values)
@@ -464,6 +665,31 @@ class Settings(BaseSettings):
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def _read_setting_files(env: Mapping[str, str], from_files: Mapping[str, str]) -> dict[str, str]:
+    """Settings named by ``CALMQ_<NAME>_FILE``: each file's text, less one final newline (a
+    Secret's key written with ``echo`` has one; a password never ends in it)."""
+    values: dict[str, str] = {}
+    for variable, name in from_files.items():
+        path = env.get(variable)
+        if path is None:
+            continue
+        direct = variable[: -len(FILE_SUFFIX)]
+        if direct in env:
+            raise ConfigError(f"both {direct} and {variable} are set: keep one",
+                              code="conflicting_setting")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"{variable}: cannot read {path}: {exc.strerror or exc}",
+                              code="unreadable_setting_file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{variable}: {path} is not UTF-8 text",
+                              code="unreadable_setting_file") from None
+        values[name] = text.removesuffix("\n").removesuffix("\r")
+    return values
 
 
 def _renamed(env: Mapping[str, str]) -> Mapping[str, str]:

@@ -51,12 +51,12 @@ from prometheus_client import Counter, Gauge, Histogram
 from calmq import topics
 from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
 from calmq.batching import Batcher
-from calmq.codec import make_codec
+from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.gateway import ModelReply, current_clock, model_clock
-from calmq.kafka import consumer_config, producer_config
+from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
@@ -560,18 +560,20 @@ class BatchLane:
     async def start(self, life: Lifecycle) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        store = self._store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors)
+        connection = await asyncio.to_thread(service_connection, s)
+        store = self._store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
         await store.open()
-        codec = make_codec(s.schema_registry_url)
+        codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)
         packer = self._packer = BatchPacker(self._client(), s, store, self.worker_id)
         window = packer.max_requests
         consumer = ParallelConsumer(
-            consumer_config(s.kafka_bootstrap, topics.batcher_group(s.pool)), [self.topic()],
+            consumer_config(connection, topics.batcher_group(s.pool)), [self.topic()],
             deliver=lambda batch: loop.call_soon_threadsafe(pipeline.submit, batch),
             max_in_flight=window, commit_interval=s.commit_interval_ms / 1000,
             interactive_reserve=0, settling=lambda: pipeline.committer.pending)
-        poison = PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+        poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
         failures = failure_stage(s, self.worker_id, self.workflows)
         # A packed attempt waits for its batch to be recorded: its step timeout is the

@@ -154,7 +154,8 @@ class Reaper:
 
     async def start(self, life: Lifecycle) -> None:
         s = self.settings
-        store = self._store = Store(s.database_url, max_size=2, keep_errors=s.max_job_errors)
+        store = self._store = Store(s.database_url, max_size=2, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
         await store.open()
         # The review timer runs here too (and in every worker's housekeeping).
         desk = ReviewDesk(store, self.workflows or load_workflows(s),

@@ -15,10 +15,10 @@ from confluent_kafka import Producer
 
 from calmq import topics
 from calmq.budget import BudgetedProvider, open_metered_provider
-from calmq.codec import make_codec
+from calmq.codec import make_codec, registry_config
 from calmq.data import Store
 from calmq.data.spending import SpendLedger
-from calmq.kafka import consumer_config, producer_config
+from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
 from calmq.processors import metrics
@@ -108,20 +108,23 @@ class Worker:
     async def start(self, life: Lifecycle) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
+        # First: a Kafka configuration the brokers refuse stops the worker here, in one line.
+        connection = await asyncio.to_thread(service_connection, s)
         # 4 group-commit writers, claims, leases
-        store = self._store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors)
+        store = self._store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = self._provider = await open_metered_provider(s, store)
         consumer = self._consumer = ParallelConsumer(
-            consumer_config(s.kafka_bootstrap, topics.worker_group(s.pool)),
+            consumer_config(connection, topics.worker_group(s.pool)),
             self.topics(),
             deliver=lambda batch: loop.call_soon_threadsafe(self.pipeline.submit, batch),
             max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: self.pipeline.committer.pending,
         )
-        codec = make_codec(s.schema_registry_url)
+        codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)
         ledger = SpendLedger(store)
         spend = spend_caps_from_settings(s, ledger)
@@ -129,7 +132,7 @@ class Worker:
         if provider.quota is not None:
             gates.append(QuotaGate(provider.quota.allowance, ledger))
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
-        poison = PoisonSink(Producer(producer_config(s.kafka_bootstrap,
+        poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
         self._pipeline = Pipeline(
             store=store, tracker=consumer.tracker, intake=Intake(codec, poison, consumer.tracker),

@@ -126,7 +126,7 @@ def build_app(
     app[GATES] = TenantGates(streams=settings.api_streams_per_tenant,
                              reads=settings.api_reads_per_tenant)
     app[GROUP_COMMIT] = GroupCommit(store.pool, max_batch=settings.accept_batch_max)
-    app[HUB] = Hub(settings.database_url)
+    app[HUB] = Hub(settings.listen_database_url)  # LISTEN: never through a pooler
     app[OPENAPI] = document(ROUTES, registry)
     # /metrics and the console may each have a port of their own, so that a NetworkPolicy
     # (or an Ingress) can open the API to clients without opening them too.

@@ -153,6 +153,9 @@ def _metrics() -> dict[str, Any]:
                              "Outbox rows acknowledged by Kafka (DLQ included)", ["slot"]),
         "pruned": Counter("calmq_relay_pruned_total",
                           "Published outbox rows deleted after the retention", ["slot"]),
+        "lost": Counter("calmq_relay_slot_lost_total",
+                        "Times the relay found its slot gone (a failover to a standby that "
+                        "did not synchronise it) and re-published the outbox", ["slot"]),
     }
 
 
@@ -272,7 +275,11 @@ class CdcRelay:
         """Create the slot and publish what committed before it; False if stopped."""
         bookkeeping.mark_pending(conn, self.slot)
         cur = rconn.cursor()
-        cur.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput (SNAPSHOT 'export')")
+        # PostgreSQL 17+: a failover slot, which a standby with sync_replication_slots keeps
+        # a copy of, so a promoted standby streams on from it (docs/how-to/relay.md).
+        failover = ", FAILOVER true" if bookkeeping.server_version(conn) >= 170000 else ""
+        cur.execute(f"CREATE_REPLICATION_SLOT {self.slot} LOGICAL pgoutput "
+                    f"(SNAPSHOT 'export'{failover})")
         created = cur.fetchone()
         consistent_lsn, snapshot_name = created[1], created[2]
         log.info("created slot %s at %s; publishing rows committed before it",
@@ -309,6 +316,16 @@ class CdcRelay:
                             self.slot)
                 bookkeeping.drop_slot(conn, self.slot)
                 state = None
+            elif state is None and (made := bookkeeping.slot_recorded(conn, self.slot)):
+                # The relay made this slot and caught it up, and the server has none: this
+                # is a promoted standby that did not synchronise it (PostgreSQL < 17, or no
+                # sync_replication_slots). What the old slot had not confirmed is unknown,
+                # so every outbox row still in the table is published again (consumers
+                # dedup by event id); rows pruned were published before.
+                log.error("slot %s (caught up %s) is gone from this server: a failover to a "
+                          "standby that did not synchronise it; making it again and "
+                          "re-publishing the outbox rows not yet pruned", self.slot, made)
+                self._m["lost"].labels(self.slot).inc()
             elif state is not None and not state.ours:
                 # Made by another relay (Debezium's connector): it confirmed only what it
                 # published, so streaming on from it loses nothing.
@@ -319,6 +336,12 @@ class CdcRelay:
                 if state is None and not self._create_slot_and_catch_up(rconn, conn, stop):
                     rconn.close()
                     return None
+                if state is not None and bookkeeping.slot_failover(conn, self.slot) is False:
+                    # A slot made before PostgreSQL 17 (or by another tool): let standbys
+                    # synchronise it from now on.
+                    rconn.cursor().execute(f"ALTER_REPLICATION_SLOT {self.slot} "
+                                           "(FAILOVER true)")
+                    log.info("slot %s is now a failover slot", self.slot)
             except BaseException:
                 rconn.close()
                 raise

@@ -58,7 +58,7 @@ async def open_store(settings: Settings, *, max_size: int = 2) -> AsyncIterator[
         raise unreachable(settings.database_url, exc) from exc
     await probe.close()
     store = Store(settings.database_url, min_size=1, max_size=max_size,
-                  keep_errors=settings.max_job_errors)
+                  keep_errors=settings.max_job_errors, **Store.pool_options(settings))
     await store.open()
     try:
         yield store

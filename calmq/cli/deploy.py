@@ -20,14 +20,16 @@ __all__ = ["register"]
 
 def cmd_topics(args: argparse.Namespace) -> int:
     from calmq import topics
-    from calmq.kafka import create_topics
+    from calmq.kafka import connection_config, create_topics
 
     settings = settings_for(args)
-    open_admin(settings.kafka_bootstrap)  # fail in seconds, with the address, not in 15 s
+    connection = connection_config(settings)
+    open_admin(connection)  # fail in seconds, with the address, not in 15 s
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
-    created = create_topics(settings.kafka_bootstrap, names,
+    created = create_topics(connection, names,
                             partitions=settings.topic_partitions,
                             replication=settings.topic_replication,
+                            min_insync_replicas=settings.topic_min_insync_replicas,
                             max_message_bytes=settings.kafka_max_message_bytes)
     rows = [{"topic": name, "created": name in created} for name in names]
     if output_format(args) != "table":
@@ -39,7 +41,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 
 def cmd_schemas(args: argparse.Namespace) -> int:
-    from calmq.codec import RegistryCodec, SchemaStore
+    from calmq.codec import RegistryCodec, SchemaStore, registry_config
 
     if args.action == "check":
         from calmq.tooling.schemas_check import check_backward, check_forward
@@ -54,8 +56,9 @@ def cmd_schemas(args: argparse.Namespace) -> int:
     if not settings.schema_registry_url:
         raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
                           code="no_schema_registry")
-    check_registry(settings.schema_registry_url)
-    ids = RegistryCodec(settings.schema_registry_url).register_all()
+    check_registry(settings)
+    ids = RegistryCodec(settings.schema_registry_url,
+                        config=registry_config(settings)).register_all()
     if output_format(args) != "table":
         emit_rows([{"event_type": e, "schema_id": i} for e, i in ids.items()],
                   output_format(args), [])

@@ -22,7 +22,11 @@ __all__ = ["register"]
 def cmd_dev(args: argparse.Namespace) -> int:
     from calmq.tooling.devstack import SERVICES, Stack
 
-    stack = Stack(data_dir(args))
+    if args.action == "up":
+        stack = Stack(data_dir(args), secure=bool(args.secure), brokers=int(args.brokers or 1),
+                      standby=bool(args.standby), pooler=bool(args.pgbouncer))
+    else:
+        stack = Stack(data_dir(args))
     if args.action == "up":
         wanted = args.services or ",".join(SERVICES)
         services = [s.strip() for s in wanted.split(",") if s.strip()]
@@ -119,6 +123,18 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("action", choices=["up", "down", "status", "env"],
                    help="start, stop, show or export the local stack")
     option(p, "--services", help="comma list of calmq services to start (default: all)")
+    option(p, "--secure", action="store_true",
+           help="up: the broker with only a SASL_SSL listener (SCRAM-SHA-512, a CA made at "
+                "start) and the registry behind HTTPS with basic auth")
+    option(p, "--brokers", type=int, choices=[1, 3],
+           help="up: Kafka brokers (3: a KRaft cluster, topics with replication 3 and "
+                "min.insync.replicas=2)")
+    option(p, "--pgbouncer", action="store_true",
+           help="up: PgBouncer in transaction mode in front of PostgreSQL, used by the API, "
+                "workers, forwarder and CLI (the relay and LISTEN connect directly)")
+    option(p, "--standby", action="store_true",
+           help="up: a streaming PostgreSQL standby beside the primary, synchronising the "
+                "relay's failover slot (promote it to try a failover)")
     option(p, "--json", action="store_true", help="status as JSON (the same as -o json)")
     add_output(p)
 

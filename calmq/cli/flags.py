@@ -27,6 +27,14 @@ __all__ = ["Command", "Flags", "Handler", "configure_logging", "data_dir", "sett
 # The locations a running local stack (`calmq dev up`) fills in when they are empty.
 STACK_KEYS = ("database_url", "kafka_bootstrap", "schema_registry_url", "object_store_url",
               "api_url", "fake_provider_url")
+# And how to reach them, when the stack is a production-shaped one (`calmq dev up --secure`,
+# `--brokers 3`, `--pgbouncer`), unless the caller gave the locations: then these are too.
+STACK_SECURITY_KEYS = (
+    "kafka_security_protocol", "kafka_sasl_mechanism", "kafka_sasl_username",
+    "kafka_sasl_password", "kafka_ssl_ca_location", "schema_registry_username",
+    "schema_registry_password", "schema_registry_ca_location", "topic_replication",
+    "topic_min_insync_replicas", "database_pooler", "direct_database_url",
+    "relay_database_url")
 
 _TRUE = ("1", "true", "yes")
 
@@ -124,10 +132,21 @@ def settings_for(args: argparse.Namespace, **overrides: Any) -> Settings:
     flags.update({k: v for k, v in overrides.items() if v is not None})
     state = Stack(data_dir(args)).state()
     if state is not None:
+        filled = set()
         for key in STACK_KEYS:
             env_key = "CALMQ_" + key.upper()
             if not flags.get(key) and not os.environ.get(env_key) and state.env.get(env_key):
                 flags[key] = state.env[env_key]
+                filled.add(key)
+        if {"database_url", "kafka_bootstrap", "schema_registry_url"} & filled:
+            for key in STACK_SECURITY_KEYS:
+                env_key = "CALMQ_" + key.upper()
+                if flags.get(key) or env_key in os.environ or env_key + "_FILE" in os.environ:
+                    continue
+                if env_key in state.env:
+                    flags[key] = state.env[env_key]
+                elif env_key + "_FILE" in state.env:
+                    flags[key] = Path(state.env[env_key + "_FILE"]).read_text()
     settings = Settings.load(flags, environ=settings_environ(args))
     missing = [k for k in getattr(args, "needs", ()) if not getattr(settings, k)]
     if missing:

@@ -22,6 +22,7 @@ from calmq.errors import CalmqError
 
 if TYPE_CHECKING:
     from calmq.data.operations import InFlight
+    from calmq.kafka import Connection
     from calmq.settings import Settings
 
 __all__ = ["PartitionLag", "read_lag", "register"]
@@ -66,7 +67,7 @@ class PartitionLag:
     oldest_age_seconds: float | None  # the first uncommitted message's age; None: no lag
 
 
-def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
+def read_lag(connection: Connection, pools: Sequence[str] = ()) -> list[PartitionLag]:
     """Per partition of every pool's work topics: offsets, lag and the oldest message's age.
 
     Read by the kernel's lag reader (calmq.lag: no group membership, so the workers'
@@ -78,7 +79,8 @@ def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
     from calmq import topics
     from calmq.lag import LagReader
 
-    reader = LagReader(kafka_config(bootstrap), timeout=KAFKA_TIMEOUT_SECONDS)
+    bootstrap = connection if isinstance(connection, str) else connection["bootstrap.servers"]
+    reader = LagReader(kafka_config(connection), timeout=KAFKA_TIMEOUT_SECONDS)
     try:
         by_pool = work_topics(list(reader.topics()))
         if pools:
@@ -96,11 +98,11 @@ def read_lag(bootstrap: str, pools: Sequence[str] = ()) -> list[PartitionLag]:
                          group=r.group, start_offset=r.start_offset, end_offset=r.end_offset,
                          committed_offset=r.committed_offset, lag=r.lag,
                          oldest_age_seconds=None) for r in read]
-    _oldest_ages(bootstrap, [r for r in rows if r.lag > 0])
+    _oldest_ages(connection, [r for r in rows if r.lag > 0])
     return rows
 
 
-def _oldest_ages(bootstrap: str, lagging: list[PartitionLag]) -> None:
+def _oldest_ages(connection: Connection, lagging: list[PartitionLag]) -> None:
     """Fill in each lagging partition's oldest message age: the timestamp of the message at
     its committed offset (the next one the group will process).
 
@@ -113,7 +115,7 @@ def _oldest_ages(bootstrap: str, lagging: list[PartitionLag]) -> None:
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer(kafka_config(
-        bootstrap, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
+        connection, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
                       "enable.auto.offset.store": False, "enable.partition.eof": False,
                       "fetch.wait.max.ms": 50}))
     wanted = {(r.topic, r.partition): r for r in lagging}
@@ -157,7 +159,9 @@ def cmd_lag(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     pools = [p.strip() for p in (args.pools or "").split(",") if p.strip()]
-    rows = read_lag(settings.kafka_bootstrap, pools)
+    from calmq.kafka import connection_config
+
+    rows = read_lag(connection_config(settings), pools)
     jobs, unknown = _in_flight(settings)
     if unknown:
         print(f"calmq: warning: jobs in flight unknown: {unknown}", file=sys.stderr)
@@ -335,13 +339,23 @@ def _check_database(settings: Settings) -> str:
 
 def _check_kafka(settings: Settings) -> str:
     from calmq import topics
+    from calmq.kafka import connection_config
 
-    _admin_client, metadata = open_admin(settings.kafka_bootstrap)
+    _admin_client, metadata = open_admin(connection_config(settings))
     wanted = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
     missing = [t for t in wanted if t not in metadata.topics]
     if missing:
         raise RuntimeError(f"topics missing: {', '.join(missing)} (`calmq topics create`)")
     return f"{len(metadata.brokers)} broker(s), calmq's {len(wanted)} topics present"
+
+
+def _check_registry(settings: Settings) -> str:
+    """``GET /subjects`` with the settings' credentials and CA, as the services call it."""
+    from calmq.codec import check_registry, registry_config
+
+    subjects = check_registry(settings.schema_registry_url, registry_config(settings),
+                              KAFKA_TIMEOUT_SECONDS)
+    return f"{subjects} subject(s) registered"
 
 
 def _check_object_store(settings: Settings) -> str:
@@ -377,8 +391,7 @@ def _checks(settings: Settings) -> list[tuple[str, str, str, Callable[[], str] |
         ("kafka", "kafka_bootstrap", s.kafka_bootstrap,
          (lambda: _check_kafka(s)) if s.kafka_bootstrap else None),
         ("schema-registry", "schema_registry_url", _url_address(s.schema_registry_url),
-         (lambda: _http_ok(s.schema_registry_url.rstrip("/") + "/subjects"))
-         if s.schema_registry_url else None),
+         (lambda: _check_registry(s)) if s.schema_registry_url else None),
         ("object-store", "object_store_url", _url_address(s.object_store_url),
          (lambda: _check_object_store(s)) if s.object_store_url else None),
         ("api", "api_url", _url_address(s.api_url),

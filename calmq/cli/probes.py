@@ -16,6 +16,7 @@ from calmq.errors import InfrastructureError
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
 
+    from calmq.kafka import Connection
     from calmq.settings import Settings
 
 __all__ = ["check_database", "check_registry", "kafka_config", "kafka_unreachable",
@@ -31,10 +32,12 @@ def _quiet_logger() -> logging.Logger:
     return log
 
 
-def kafka_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    """A command's Kafka client: connects within the timeout and keeps librdkafka quiet."""
+def kafka_config(connection: Connection, **extra: Any) -> dict[str, Any]:
+    """A command's Kafka client: connects within the timeout and keeps librdkafka quiet.
+    ``connection``: calmq.kafka.connection_config(settings), or a bare bootstrap string."""
+    base = {"bootstrap.servers": connection} if isinstance(connection, str) else dict(connection)
     return {
-        "bootstrap.servers": bootstrap,
+        **base,
         "socket.connection.setup.timeout.ms": CONNECT_TIMEOUT_SECONDS * 1000,
         "logger": _quiet_logger(),
         **extra,
@@ -46,16 +49,26 @@ def kafka_unreachable(bootstrap: str, exc: object) -> InfrastructureError:
     text = getattr(exc, "str", None)
     reason = (text() if callable(text) else str(exc)).strip() or type(exc).__name__
     return InfrastructureError(
-        f"Kafka at {bootstrap} is not reachable ({reason}): check CALMQ_KAFKA_BOOTSTRAP, or "
-        "start the local stack with `calmq dev up`", code="kafka_unreachable")
+        f"Kafka at {bootstrap} is not reachable ({reason}): {_UNREACHABLE_HINT}",
+        code="kafka_unreachable")
 
 
-def open_admin(bootstrap: str) -> tuple[AdminClient, Any]:
-    """An admin client and the cluster's metadata; fails fast when no broker answers."""
+_UNREACHABLE_HINT = "check CALMQ_KAFKA_BOOTSTRAP, or start the local stack with `calmq dev up`"
+
+
+def open_admin(connection: Connection) -> tuple[AdminClient, Any]:
+    """An admin client and the cluster's metadata; fails fast when no broker answers, and
+    with the setting to change when the brokers refuse the client's security settings."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient(kafka_config(bootstrap))
+    from calmq.kafka import check_connection
+
+    config = kafka_config(connection)
+    bootstrap = str(config["bootstrap.servers"])
+    check_connection({k: v for k, v in config.items() if k != "logger"},
+                     CONNECT_TIMEOUT_SECONDS, hint=_UNREACHABLE_HINT)
+    admin = AdminClient(config)
     try:
         metadata = admin.list_topics(timeout=CONNECT_TIMEOUT_SECONDS)
     except KafkaException as exc:
@@ -63,22 +76,13 @@ def open_admin(bootstrap: str) -> tuple[AdminClient, Any]:
     return admin, metadata
 
 
-def check_registry(url: str) -> None:
-    """The schema registry answers ``GET /subjects`` within the timeout."""
-    import urllib.error
-    import urllib.request
+def check_registry(settings: Settings) -> None:
+    """The schema registry answers ``GET /subjects`` within the timeout, with the
+    settings' credentials and CA (calmq.codec.check_registry)."""
+    from calmq.codec import check_registry as probe
+    from calmq.codec import registry_config
 
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/subjects",  # noqa: S310 - a setting
-                                    timeout=CONNECT_TIMEOUT_SECONDS):
-            return
-    except urllib.error.HTTPError as exc:
-        reason = f"HTTP {exc.code} from /subjects"
-    except OSError as exc:
-        reason = str(getattr(exc, "reason", exc))
-    raise InfrastructureError(
-        f"the schema registry at {url} is not reachable ({reason}): check "
-        "CALMQ_SCHEMA_REGISTRY_URL", code="registry_unreachable")
+    probe(settings.schema_registry_url, registry_config(settings), CONNECT_TIMEOUT_SECONDS)
 
 
 def check_database(settings: Settings) -> None:

@@ -31,12 +31,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-
+    settings.listen_database_url  # noqa: B018 - behind a pooler: fail now without a direct URL
     _long_running()
 
     async def make() -> web.Application:
         store = Store(settings.database_url, max_size=16,
-                      keep_errors=settings.max_job_errors)
+                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
         await store.open()
         return build_app(settings, store)
 
@@ -108,8 +108,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     from confluent_kafka import Producer
 
-    from calmq.codec import make_codec
-    from calmq.kafka import producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import producer_config, service_connection
     from calmq.relay import Publisher, drop_slot, make_relay
 
     if args.drop_slot:  # a database-only act: it must not ask for Kafka's address
@@ -131,12 +131,12 @@ def cmd_relay(args: argparse.Namespace) -> int:
     # linger.ms 0: the relay is on every job's accept→dispatch path, and its records come
     # a transaction at a time already; the 2 ms linger only delayed a quiet moment's first
     # record (under load, what accumulates while requests are in flight still batches).
-    publisher = Publisher(Producer(producer_config(settings.kafka_bootstrap,
+    publisher = Publisher(Producer(producer_config(service_connection(settings),
                                                   compression=settings.kafka_compression,
                                                   **{"linger.ms": 0,
                                                      "message.max.bytes":
                                                          settings.kafka_max_message_bytes})),
-                          make_codec(settings.schema_registry_url),
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
                           topic_replacement=settings.relay_topic_replacement)
     _long_running()
     make_relay(settings, publisher).run(stop)
@@ -185,8 +185,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     from confluent_kafka import Producer
 
     from calmq import topics
-    from calmq.codec import make_codec
-    from calmq.kafka import consumer_config, producer_config
+    from calmq.codec import make_codec, registry_config
+    from calmq.kafka import consumer_config, producer_config, service_connection
     from calmq.processors.forwarder import Forwarder, ForwarderService
 
     settings = settings_for(args)
@@ -194,11 +194,12 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     _metrics_server(args.metrics_port, settings.metrics_host)
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
-    forwarder = Forwarder(consumer_config(settings.kafka_bootstrap, topics.FORWARDER_GROUP),
-                          Producer(producer_config(settings.kafka_bootstrap,
+    connection = service_connection(settings)
+    forwarder = Forwarder(consumer_config(connection, topics.FORWARDER_GROUP),
+                          Producer(producer_config(connection,
                                                    compression=settings.kafka_compression)),
-                          make_codec(settings.schema_registry_url), tier_topics,
-                          commit_interval=settings.commit_interval_ms / 1000)
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
+                          tier_topics, commit_interval=settings.commit_interval_ms / 1000)
     asyncio.run(ForwarderService(forwarder, grace_seconds=settings.grace_seconds).run())
     return 0
 

@@ -7,6 +7,7 @@ take it in their constructor and are the only code that reads ``calmq/sql``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
@@ -15,6 +16,9 @@ from psycopg_pool import AsyncConnectionPool
 from calmq import sql
 from calmq.errors import InfrastructureError
 from calmq.limits import KEEP_ERRORS
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = ["KEEP_ERRORS", "Connection", "Database"]
 
@@ -25,20 +29,29 @@ class Database:
     """An async pool of autocommit connections whose rows are dicts, and the named queries."""
 
     def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
-                 keep_errors: int = KEEP_ERRORS) -> None:
+                 keep_errors: int = KEEP_ERRORS, prepare: bool = True) -> None:
         self.url = database_url
         # How many of a job's errors its row keeps (setting max_job_errors): the statements
         # that append one drop the oldest past it (calmq_append_error, migration 0021).
         self.keep_errors = keep_errors
         self.q: Mapping[str, str] = sql.queries()
+        # prepare=False behind a transaction pooler (PgBouncer before 1.21, or with
+        # max_prepared_statements 0): a statement psycopg prepared on one server connection
+        # would be executed on another, which has no such statement.
         self.pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
             database_url,
             connection_class=Connection,
             min_size=min_size,
             max_size=max_size,
             open=False,
-            kwargs={"autocommit": True, "row_factory": dict_row},
+            kwargs={"autocommit": True, "row_factory": dict_row,
+                    **({} if prepare else {"prepare_threshold": None})},
         )
+
+    @classmethod
+    def pool_options(cls, settings: Settings) -> dict[str, bool]:
+        """The pool's options the settings call for (``database_pooler``)."""
+        return {"prepare": settings.database_pooler != "transaction"}
 
     async def open(self) -> None:
         try:

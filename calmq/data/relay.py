@@ -39,7 +39,10 @@ __all__ = [
     "prune_published",
     "publication_exists",
     "save_position",
+    "server_version",
+    "slot_failover",
     "slot_lag",
+    "slot_recorded",
     "slot_state",
     "snapshot_rows",
     "use_snapshot",
@@ -135,6 +138,27 @@ def slot_state(conn: SyncConnection, slot: str) -> SlotState | None:
         return None
     return SlotState(row["slot_name"], row["active"], row["active_pid"],
                      row["confirmed_flush_lsn"], row["ours"], row["caught_up"])
+
+
+def slot_recorded(conn: SyncConnection, slot: str) -> str | None:
+    """When the relay finished the slot's catch-up, as relay_slots remembers it (None: it
+    never did, or made no such slot). A slot remembered here that the server lacks was lost:
+    a failover to a standby that did not synchronise it."""
+    row = conn.execute(sql.queries()["relay_slot_record"], {"slot": slot}).fetchone()
+    return str(row["caught_up_at"]) if row is not None and row["caught_up"] else None
+
+
+def server_version(conn: SyncConnection) -> int:
+    row = conn.execute(sql.queries()["relay_server_version"]).fetchone()
+    return int(row["version"]) if row is not None else 0
+
+
+def slot_failover(conn: SyncConnection, slot: str) -> bool | None:
+    """Whether the slot is a failover slot (PostgreSQL 17+; None before, or no slot)."""
+    if server_version(conn) < 170000:
+        return None
+    row = conn.execute(sql.queries()["relay_slot_failover"], {"slot": slot}).fetchone()
+    return bool(row["failover"]) if row is not None else None
 
 
 def drop_slot(conn: SyncConnection, slot: str) -> None:

@@ -25,9 +25,9 @@ class Store(Database):
     """One pool, and the queries of each noun on it."""
 
     def __init__(self, database_url: str, *, min_size: int = 1, max_size: int = 8,
-                 keep_errors: int = KEEP_ERRORS) -> None:
+                 keep_errors: int = KEEP_ERRORS, prepare: bool = True) -> None:
         super().__init__(database_url, min_size=min_size, max_size=max_size,
-                         keep_errors=keep_errors)
+                         keep_errors=keep_errors, prepare=prepare)
         self.jobs = Jobs(self)
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)

@@ -14,6 +14,19 @@ FROM pg_replication_slots s
 LEFT JOIN relay_slots m ON m.slot_name = s.slot_name
 WHERE s.slot_name = %(slot)s AND s.database = current_database();
 
+-- name: relay_slot_record
+-- What the relay remembers of a slot it made, whether or not the server still has it.
+SELECT slot_name, caught_up_at IS NOT NULL AS caught_up, caught_up_at::text AS caught_up_at
+FROM relay_slots WHERE slot_name = %(slot)s;
+
+-- name: relay_server_version
+SELECT current_setting('server_version_num')::int AS version;
+
+-- name: relay_slot_failover
+-- PostgreSQL 17+: whether a standby may synchronise the slot (failover = true).
+SELECT failover FROM pg_replication_slots
+WHERE slot_name = %(slot)s AND database = current_database();
+
 -- name: relay_slot_lag
 -- lag_bytes: WAL written since the last confirmed transaction; retained_bytes: WAL the
 -- server keeps for the slot (what fills the disk when the relay stops).

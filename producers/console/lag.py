@@ -14,8 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from calmq.lag import GroupLag, LagReader, per_group_topic
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = ["FleetLag", "GroupLag"]
 
@@ -27,23 +31,27 @@ class FleetLag:
         self.ttl = ttl
         self.timeout = timeout
         self._reader: LagReader | None = None
-        self._bootstrap = ""
+        self._settings: Settings | None = None
         self._value: list[GroupLag] | None = None
         self._at = -float("inf")
         self._lock = asyncio.Lock()
 
-    async def read(self, bootstrap: str) -> list[GroupLag] | None:
+    async def read(self, settings: Settings) -> list[GroupLag] | None:
         """The lag per group and topic (at most ``ttl`` seconds old), None: unavailable."""
         if time.monotonic() - self._at < self.ttl:
             return self._value
         async with self._lock:
             if time.monotonic() - self._at < self.ttl:  # read while this one waited
                 return self._value
-            if self._reader is None or bootstrap != self._bootstrap:
-                self._reader = LagReader({"bootstrap.servers": bootstrap},
-                                         timeout=self.timeout)
-                self._bootstrap = bootstrap
             try:
+                if self._reader is None or settings is not self._settings:
+                    from calmq.kafka import connection_config
+
+                    # The process's Kafka settings (security, pass-through), as every
+                    # client of it has.
+                    self._reader = LagReader(connection_config(settings),
+                                             timeout=self.timeout)
+                    self._settings = settings
                 # The broker calls carry their own timeouts; this bounds the whole read.
                 rows = await asyncio.wait_for(asyncio.to_thread(self._reader.read_fleet),
                                               self.timeout * 4)

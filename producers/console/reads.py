@@ -78,7 +78,7 @@ class ConsoleData:
         return await replication_slots(self.store)
 
     async def consumer_lag(self) -> list[GroupLag] | None:
-        return await self.app[CONSUMER_LAG].read(self.settings.kafka_bootstrap)
+        return await self.app[CONSUMER_LAG].read(self.settings)
 
     async def set_review_cap(self, pool: str, cap: int | None, by: str) -> None:
         await self.reads.set_review_cap(pool, cap, by)

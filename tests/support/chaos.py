@@ -107,11 +107,13 @@ class Service:
 class ChaosStack:
     """Everything the fault matrix runs against; ``close`` stops all of it."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, brokers: int = 1, standby: bool = False) -> None:
         self.home = home
         base = {k: v for k, v in os.environ.items() if not k.startswith(("CALMQ_", "AWS_"))}
         self.stack = Stack(home / "stack", {**base, "CALMQ_RETRY_TIERS": ",".join(TIERS),
-                                            "CALMQ_TOPIC_PARTITIONS": "4"})
+                                            "CALMQ_TOPIC_PARTITIONS": "4"}, brokers=brokers,
+                           standby=standby)
+        self.db_proxy: FaultProxy | None = None
         self.services: dict[str, Service] = {}
         self.proxies: list[FaultProxy] = []
         self.moto: subprocess.Popen[bytes] | None = None
@@ -125,8 +127,16 @@ class ChaosStack:
     # -- start and stop ------------------------------------------------------------------
 
     def _start(self, base: dict[str, str]) -> None:
-        env = self.state.env
+        env = dict(self.state.env)
         self.db = env["CALMQ_DATABASE_URL"]
+        if self.stack.standby:
+            # The services reach PostgreSQL through one address that a failover points at
+            # the promoted standby, as a cloud database's endpoint does.
+            primary = urlparse(self.db)
+            self.db_proxy = self._proxy("127.0.0.1", primary.port or 5432)
+            self.db = primary._replace(netloc=f"postgres@127.0.0.1:{self.db_proxy.port}"
+                                       ).geturl()
+            env["CALMQ_DATABASE_URL"] = self.db
         self.bootstrap = env["CALMQ_KAFKA_BOOTSTRAP"]
         self.registry_url = env["CALMQ_SCHEMA_REGISTRY_URL"]
         registry = urlparse(self.registry_url)
@@ -247,6 +257,84 @@ class ChaosStack:
                                  alive=lambda: processes.is_alive(new))
 
         return start
+
+    # -- a three-broker cluster (`calmq dev up --brokers 3`) ---------------------------------
+
+    def broker(self, node_id: int) -> kafka.KafkaBroker:
+        """Node ``node_id`` of the cluster, as its server.properties describe it."""
+        home = self.stack.data_dir / "kafka" / f"node-{node_id}"
+        props = dict(line.split("=", 1) for line in
+                     (home / "server.properties").read_text().splitlines() if "=" in line)
+        port = int(props["advertised.listeners"].rsplit(":", 1)[1])
+        controller = int(props["listeners"].rsplit(":", 1)[1])
+        return kafka.KafkaBroker(home, port, controller, node_id=node_id,
+                                 voters=props["controller.quorum.voters"],
+                                 replication=int(props["default.replication.factor"]))
+
+    def leaders(self, names: list[str]) -> Counter[int]:
+        """How many partitions of the topics ``names`` each broker leads."""
+        from confluent_kafka.admin import AdminClient
+
+        meta = AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=10)
+        return Counter(p.leader for name in names for p in meta.topics[name].partitions.values())
+
+    def controller(self) -> int:
+        """The active KRaft controller (the quorum leader), as a live node records it."""
+        state = self.stack.state()
+        assert state is not None
+        for part in state.parts:
+            if part.name.startswith("kafka-") and part.pid and processes.is_alive(part.pid):
+                leader = self.broker(int(part.name.split("-")[1])).quorum_leader()
+                if leader is not None:
+                    return leader
+        raise AssertionError("no live node knows the quorum leader")
+
+    def kill_broker(self, node_id: int) -> Callable[[], None]:
+        """kill -9 node ``node_id``; the function returned starts it again on its data and
+        waits until it serves."""
+        name = f"kafka-{node_id}"
+        state, pid, _address = self._part(name)
+        broker = self.broker(node_id)
+        processes.stop(pid, sig=signal.SIGKILL, timeout=10)
+
+        def start() -> None:
+            seen = broker.log_file.stat().st_size
+            new = broker.start(kafka.ensure_jars(), fresh=False)
+            self._record_pid(state, name, new)
+
+            def started() -> bool:
+                with broker.log_file.open("rb") as f:
+                    f.seek(seen)
+                    return b"Kafka Server started" in f.read()
+
+            processes.wait_until(started, timeout=120, what=f"Kafka node {node_id} after kill",
+                                 alive=lambda: processes.is_alive(new))
+
+        return start
+
+    # -- a primary and a streaming standby (`calmq dev up --standby`) ----------------------
+
+    def standby_url(self) -> str:
+        _state, _pid, address = self._part("postgres-standby")
+        return f"postgresql://postgres@{address}/calmq"
+
+    def synced_slot(self, slot: str = "calmq_outbox") -> bool:
+        """Whether the standby holds a persistent synchronised copy of the relay's slot."""
+        with psycopg.connect(self.standby_url()) as conn:
+            row = conn.execute("SELECT synced AND NOT temporary FROM pg_replication_slots "
+                               "WHERE slot_name = %s", (slot,)).fetchone()
+        return bool(row and row[0])
+
+    def fail_over(self) -> None:
+        """kill -9 the primary, promote the standby and point the database address at it."""
+        assert self.db_proxy is not None
+        _state, pid, _address = self._part("postgres")
+        _sstate, _spid, standby_address = self._part("postgres-standby")
+        processes.stop(pid, sig=signal.SIGKILL, timeout=10)
+        server = postgres.PostgresServer(self.stack.data_dir / "postgres-standby",
+                                         int(standby_address.rsplit(":", 1)[1]))
+        server.promote()
+        self.db_proxy.retarget("127.0.0.1", server.port)
 
     def provider_outage(self, seconds: float) -> None:
         body = json.dumps({"seconds": seconds, "statuses": [500, 429]}).encode()

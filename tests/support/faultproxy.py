@@ -47,6 +47,13 @@ class FaultProxy:
     def restore(self) -> None:
         self._open.set()
 
+    def retarget(self, host: str, port: int) -> None:
+        """Send new connections to ``host:port`` and drop the open ones: the same address
+        now reaches another server, as a cloud database's endpoint does after a failover."""
+        self.target = (host, port)
+        self.cut()
+        self.restore()
+
     def close(self) -> None:
         self._closed = True
         self.cut()

@@ -9,6 +9,7 @@ from calmq.lag import GroupLag
 from calmq.producers.console.lag import FleetLag
 from calmq.producers.console.shaping import held_for_review_cap, lag_view, review_cap_state
 from calmq.producers.console.templates import environment
+from calmq.settings import Settings
 
 
 def lag_section(lags: list[GroupLag] | None) -> str:
@@ -55,5 +56,6 @@ def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() ->
     # A real client against a closed local port: nothing listens there.
     reader = FleetLag(ttl=60.0, timeout=0.5)
     started = time.monotonic()
-    assert asyncio.run(reader.read("127.0.0.1:1")) is None
+    settings = Settings.load(environ={"CALMQ_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert asyncio.run(reader.read(settings)) is None
     assert time.monotonic() - started < 5.0

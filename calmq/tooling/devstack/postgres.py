@@ -18,7 +18,11 @@ from pathlib import Path
 from calmq.errors import InfrastructureError
 from calmq.tooling.devstack import processes
 
-__all__ = ["PostgresServer"]
+__all__ = ["STANDBY_SLOT", "PostgresServer"]
+
+# The physical slot the standby streams from: the primary keeps its WAL, and (with
+# synchronized_standby_slots) sends logical changes only once the standby has them.
+STANDBY_SLOT = "calmq_standby"
 
 _ROOT_RUNS_AS = "embedded_postgres"
 
@@ -67,6 +71,10 @@ class PostgresServer:
     @property
     def log_file(self) -> Path:
         return self.home / "postgres.log"
+
+    def run_as(self) -> str | None:
+        """The user PostgreSQL (and PgBouncer beside it) runs as: None unless we are root."""
+        return self._run_as()
 
     def _run_as(self) -> str | None:
         if os.geteuid() != 0:
@@ -121,6 +129,51 @@ class PostgresServer:
             check=False,
         )
         return result.returncode == 0
+
+    def start_standby(self, primary: PostgresServer) -> int:
+        """A streaming standby of ``primary``: ``pg_basebackup`` of it into a fresh data
+        dir, then started in standby mode; returns the postmaster pid.
+
+        It streams through the physical slot STANDBY_SLOT and synchronises the primary's
+        failover logical slots (``sync_replication_slots``, PostgreSQL 17+), so the relay's
+        slot is there, at most a moment behind, when the standby is promoted.
+        """
+        data = self.home / "data"
+        shutil.rmtree(data, ignore_errors=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        user = self._run_as()
+        result = subprocess.run(
+            [str(_bin() / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port),
+             "-U", "postgres", "-D", str(data), "-X", "stream", "-C", "-S", STANDBY_SLOT,
+             "-R", "--no-sync", "--checkpoint=fast"],
+            capture_output=True, text=True, user=user, check=False,
+        )
+        if result.returncode != 0:
+            raise InfrastructureError(f"pg_basebackup failed: {result.stdout}{result.stderr}")
+        standby = {
+            # dbname: the slot sync worker connects to a database of the primary.
+            "primary_conninfo": f"host=127.0.0.1 port={primary.port} user=postgres "
+                                "dbname=calmq application_name=calmq_standby",
+            "primary_slot_name": STANDBY_SLOT,
+            "hot_standby_feedback": "on",
+            "sync_replication_slots": "on",
+        }
+        argv = [str(_bin() / "postgres"), "-D", str(data), "-p", str(self.port),
+                "-c", "listen_addresses=127.0.0.1"]
+        for key, value in {**_SERVER_SETTINGS, **self.settings, **standby}.items():
+            argv += ["-c", f"{key}={value}"]
+        if user is not None:
+            self.log_file.touch()
+            shutil.chown(self.log_file, user, user)
+        return processes.start(argv, self.log_file, user=user)
+
+    def promote(self) -> None:
+        """End recovery: the standby becomes a primary (what a failover does)."""
+        import psycopg
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres",
+                             autocommit=True) as conn:
+            conn.execute("SELECT pg_promote(wait => true, wait_seconds => 60)")
 
     def create_database(self) -> None:
         import psycopg

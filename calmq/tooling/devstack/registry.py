@@ -60,16 +60,27 @@ class SchemaRegistry:
     home: Path
     port: int
     management_port: int
+    # The secured stack: HTTPS only (Quarkus opens no plain HTTP port), certificate and key
+    # PEM files, and the CA that signed them for the readiness probe.
+    tls: tuple[Path, Path, Path] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/apis/ccompat/v7"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/apis/ccompat/v7"
 
     def start(self, jar: Path, java: str = "java") -> int:
         self.home.mkdir(parents=True, exist_ok=True)
+        http = ["-Dquarkus.http.host=127.0.0.1", f"-Dquarkus.http.port={self.port}"]
+        if self.tls is not None:
+            cert, key, _ca = self.tls
+            http = ["-Dquarkus.http.host=127.0.0.1", "-Dquarkus.http.port=0",
+                    f"-Dquarkus.http.ssl-port={self.port}",
+                    f"-Dquarkus.http.ssl.certificate.files={cert}",
+                    f"-Dquarkus.http.ssl.certificate.key-files={key}",
+                    "-Dquarkus.http.insecure-requests=disabled"]
         return processes.start(
-            [java, "-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC",
-             "-Dquarkus.http.host=127.0.0.1", f"-Dquarkus.http.port={self.port}",
+            [java, "-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", *http,
              "-Dquarkus.management.host=127.0.0.1",
              f"-Dquarkus.management.port={self.management_port}",
              "-jar", str(jar)],
@@ -78,10 +89,13 @@ class SchemaRegistry:
         )
 
     def ready(self) -> bool:
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else None
         try:
-            with urllib.request.urlopen(self.url + "/subjects", timeout=1) as resp:  # noqa: S310
+            with urllib.request.urlopen(self.url + "/subjects", timeout=1,  # noqa: S310
+                                        context=context) as resp:
                 return bool(resp.status == 200)
         except OSError:
             return False

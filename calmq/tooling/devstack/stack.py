@@ -4,6 +4,11 @@ Everything it starts is a child process whose pid is written to ``<data dir>/sta
 as soon as it exists, so ``down`` stops exactly what ``up`` started even after a failed
 ``up``. External services named by ``CALMQ_DATABASE_URL``, ``CALMQ_KAFKA_BOOTSTRAP`` or
 ``CALMQ_SCHEMA_REGISTRY_URL`` are used instead of starting our own.
+
+Production-shaped variants (``calmq dev up --secure``, ``--brokers 3``): the broker with only
+a SASL_SSL listener (SCRAM-SHA-512, a CA and certificates made at start) and the registry
+behind HTTPS with basic auth; or a three-broker KRaft cluster whose topics have replication
+factor 3 and ``min.insync.replicas=2``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from urllib.parse import urlparse
 from calmq import topics
 from calmq.errors import ConfigError, InfrastructureError
 from calmq.settings import Settings
-from calmq.tooling.devstack import kafka, postgres, processes, registry
+from calmq.tooling.devstack import kafka, pgbouncer, postgres, processes, registry, tls
 
 __all__ = ["SERVICES", "Part", "Stack", "default_data_dir"]
 
@@ -46,6 +51,10 @@ class Part:
     def healthy(self) -> bool:
         if self.pid is not None and not processes.is_alive(self.pid):
             return False
+        if self.kind == "registry-tls" or self.address.startswith("https://"):
+            # The secured stack's registry needs its CA and credentials: is it listening?
+            parsed = urlparse(self.address)
+            return processes.port_open(parsed.hostname or "127.0.0.1", parsed.port or 443)
         if self.kind in ("http", "registry"):
             probe = "/healthz" if self.kind == "http" else "/subjects"
             try:
@@ -64,6 +73,7 @@ class StackState:
     env: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     ready_seconds: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # secure, brokers
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -79,12 +89,24 @@ class Stack:
     """Start, inspect and stop the local stack kept under ``data_dir``."""
 
     def __init__(self, data_dir: Path, environ: Mapping[str, str] | None = None, *,
-                 postgres_settings: Mapping[str, str] | None = None) -> None:
+                 postgres_settings: Mapping[str, str] | None = None,
+                 secure: bool = False, brokers: int = 1, standby: bool = False,
+                 pooler: bool = False) -> None:
         self.data_dir = data_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         # Server settings on top of the dev stack's (the benchmarks load pg_stat_statements).
         self.postgres_settings = dict(postgres_settings or {})
         self.state_file = self.data_dir / _STATE
+        if brokers not in (1, 3):
+            raise ConfigError(f"--brokers {brokers}: the local stack runs 1 or 3 brokers",
+                              code="invalid_setting")
+        if secure and brokers != 1:
+            raise ConfigError("--secure runs one broker; --brokers 3 runs plaintext",
+                              code="invalid_setting")
+        self.secure = secure
+        self.brokers = brokers
+        self.standby = standby
+        self.pooler = pooler
 
     # -- state ---------------------------------------------------------------------------
 
@@ -127,7 +149,9 @@ class Stack:
         if unknown:
             raise ConfigError(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
         started = time.monotonic()
-        state = StackState(data_dir=str(self.data_dir))
+        state = StackState(data_dir=str(self.data_dir),
+                           options={"secure": self.secure, "brokers": self.brokers,
+                                    "standby": self.standby, "pgbouncer": self.pooler})
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save(state)
         try:
@@ -148,22 +172,33 @@ class Stack:
         bootstrap = self.environ.get("CALMQ_KAFKA_BOOTSTRAP", "")
         registry_url = self.environ.get("CALMQ_SCHEMA_REGISTRY_URL", "")
         errors: list[BaseException] = []
+        security_env: dict[str, str] = {}
 
         pg: postgres.PostgresServer | None = None
-        broker: kafka.KafkaBroker | None = None
+        brokers: list[kafka.KafkaBroker] = []
+        broker_security: kafka.BrokerSecurity | None = None
+        registry_tls: tuple[tls.ServerCertificate, Path, Path] | None = None
+        if self.secure:
+            broker_security, registry_tls, security_env = self._make_secrets()
         if not db_url:
             pg = postgres.PostgresServer(self.data_dir / "postgres", processes.free_port(),
                                          self.postgres_settings)
         if not bootstrap:
-            broker = kafka.KafkaBroker(
-                self.data_dir / "kafka", processes.free_port(), processes.free_port()
-            )
+            ports = [(processes.free_port(), processes.free_port())
+                     for _ in range(self.brokers)]
+            voters = ",".join(f"{i}@127.0.0.1:{c}" for i, (_p, c) in enumerate(ports, 1))
+            home = self.data_dir / "kafka"
+            brokers = [kafka.KafkaBroker(home if self.brokers == 1 else home / f"node-{i}",
+                                         port, controller, node_id=i, voters=voters,
+                                         replication=self.brokers, security=broker_security)
+                       for i, (port, controller) in enumerate(ports, 1)]
         jars_box: list[Path] = []
         reg: registry.SchemaRegistry | None = None
         if not registry_url:
             reg = registry.SchemaRegistry(
-                self.data_dir / "registry", processes.free_port(), processes.free_port()
-            )
+                self.data_dir / "registry", processes.free_port(), processes.free_port(),
+                tls=None if registry_tls is None else (
+                    registry_tls[0].certificate, registry_tls[0].key, registry_tls[2]))
 
         def start_registry() -> None:
             assert reg is not None
@@ -175,18 +210,32 @@ class Stack:
                 errors.append(exc)
 
         def start_kafka() -> None:
-            assert broker is not None
             try:
                 jars = kafka.ensure_jars()
                 jars_box.append(jars)
-                pid = broker.start(jars)
-                state.parts.append(Part("kafka", pid, broker.bootstrap, "kafka"))
-                self._save(state)
+                cluster = kafka.cluster_id()
+                # Each node formats its storage (a JVM run) and starts: all at once.
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(max_workers=len(brokers)) as pool:
+                    futures = [pool.submit(b.start, jars, cluster_id=cluster) for b in brokers]
+                failed: BaseException | None = None
+                for broker, future in zip(brokers, futures, strict=True):
+                    try:
+                        pid = future.result()
+                    except BaseException as exc:  # noqa: BLE001 - the others are recorded
+                        failed = failed or exc
+                        continue
+                    name = "kafka" if len(brokers) == 1 else f"kafka-{broker.node_id}"
+                    state.parts.append(Part(name, pid, broker.bootstrap, "kafka"))
+                self._save(state)  # every started node is in stack.json, so `down` stops it
+                if failed is not None:
+                    raise failed
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 errors.append(exc)
 
         # The JVM is the slow part: format and start it while PostgreSQL starts.
-        thread = threading.Thread(target=start_kafka, name="kafka-start") if broker else None
+        thread = threading.Thread(target=start_kafka, name="kafka-start") if brokers else None
         reg_thread = threading.Thread(target=start_registry, name="registry-start") if reg else None
         for t in (thread, reg_thread):
             if t:
@@ -200,26 +249,32 @@ class Stack:
             )
             pg.create_database()
             db_url = pg.url
+            if self.standby:
+                self._start_standby(state, pg)
         else:
             state.parts.append(Part("postgres", None, _host_port(db_url), "postgres"))
         from calmq.data.migrations import migrate
 
         migrate(db_url)
         state.versions["postgres"] = postgres.server_version(db_url)
+        pooled_env: dict[str, str] = {}
+        if self.pooler:
+            pooled_env = self._start_pgbouncer(state, db_url, pg)
 
         if thread:
             thread.join()
             if errors:
                 raise errors[0]
-            assert broker is not None
-            kafka_pid = next(p.pid for p in state.parts if p.name == "kafka")
-            processes.wait_until(
-                broker.ready,
-                timeout=60,
-                what="Kafka",
-                alive=lambda: kafka_pid is not None and processes.is_alive(kafka_pid),
-            )
-            bootstrap = broker.bootstrap
+            for broker in brokers:
+                name = "kafka" if len(brokers) == 1 else f"kafka-{broker.node_id}"
+                kafka_pid = next(p.pid for p in state.parts if p.name == name)
+                processes.wait_until(
+                    broker.ready,
+                    timeout=90,
+                    what="Kafka" if len(brokers) == 1 else f"Kafka node {broker.node_id}",
+                    alive=_alive(kafka_pid),
+                )
+            bootstrap = ",".join(b.bootstrap for b in brokers)
             state.versions["kafka"] = kafka.broker_version(jars_box[0])
         else:
             state.parts.append(Part("kafka", None, bootstrap, "kafka"))
@@ -239,12 +294,10 @@ class Stack:
             )
             registry_url = reg.url
             state.versions["schema-registry"] = f"apicurio {registry.APICURIO_VERSION}"
+            if registry_tls is not None:
+                registry_url = self._start_registry_proxy(state, reg.url, registry_tls)
         elif registry_url:
             state.parts.append(Part("schema-registry", None, registry_url, "registry"))
-        if registry_url:
-            from calmq.codec import RegistryCodec
-
-            RegistryCodec(registry_url).register_all()
 
         store_dir = self.data_dir / "objects"
         store_dir.mkdir(parents=True, exist_ok=True)
@@ -256,17 +309,130 @@ class Stack:
                 "CALMQ_OBJECT_STORE_URL": self.environ.get(
                     "CALMQ_OBJECT_STORE_URL", store_dir.as_uri()
                 ),
+                **security_env,
+                **pooled_env,
             }
         )
-        from calmq.kafka import create_topics
+        if self.brokers > 1:
+            state.env["CALMQ_TOPIC_REPLICATION"] = str(self.brokers)
+            state.env["CALMQ_TOPIC_MIN_INSYNC_REPLICAS"] = "2"
+        from calmq.codec import RegistryCodec, registry_config
+        from calmq.kafka import connection_config, create_topics
 
-        create_topics(bootstrap, topics.all_topics(["default"], _tiers(self.environ)),
+        # The stack's own clients use the settings its services get: the secured stack's
+        # credentials, CA and the *_FILE secrets included.
+        settings = Settings.load(environ={k: v for k, v in state.env.items()
+                                          if k.startswith("CALMQ_")})
+        if registry_url:
+            RegistryCodec(registry_url, config=registry_config(settings)).register_all()
+        create_topics(connection_config(settings),
+                      topics.all_topics(["default"], _tiers(self.environ)),
                       partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")),
+                      replication=self.brokers,
+                      min_insync_replicas=2 if self.brokers > 1 else None,
                       max_message_bytes=int(self.environ.get(
                           "CALMQ_KAFKA_MAX_MESSAGE_BYTES",
                           Settings.model_fields["kafka_max_message_bytes"].default)))
         self._save(state)
         log(f"postgres {state.versions['postgres']} and kafka {state.versions['kafka']} ready")
+
+    def _start_pgbouncer(self, state: StackState, db_url: str,
+                         pg: postgres.PostgresServer | None) -> dict[str, str]:
+        """PgBouncer in transaction mode in front of PostgreSQL; the settings that route the
+        services through it, and the relay and LISTEN around it."""
+        server = urlparse(db_url)
+        bouncer = pgbouncer.PgBouncer(self.data_dir / "pgbouncer", processes.free_port(),
+                                      server.port or 5432)
+        user = pg.run_as() if pg is not None else None
+        pid = bouncer.start(user)
+        state.parts.append(Part("pgbouncer", pid, f"127.0.0.1:{bouncer.port}", "postgres"))
+        self._save(state)
+        processes.wait_until(bouncer.ready, timeout=30, what="PgBouncer",
+                             alive=lambda: processes.is_alive(pid))
+        state.versions["pgbouncer"] = pgbouncer.version()
+        return {"CALMQ_DATABASE_URL": bouncer.url, "CALMQ_DATABASE_POOLER": "transaction",
+                "CALMQ_DIRECT_DATABASE_URL": db_url, "CALMQ_RELAY_DATABASE_URL": db_url}
+
+    def _start_standby(self, state: StackState, primary: postgres.PostgresServer) -> None:
+        """A streaming standby of the primary that synchronises the relay's failover slot."""
+        import psycopg
+
+        standby = postgres.PostgresServer(self.data_dir / "postgres-standby",
+                                          processes.free_port(), self.postgres_settings)
+        pid = standby.start_standby(primary)
+        state.parts.append(Part("postgres-standby", pid, f"127.0.0.1:{standby.port}",
+                                "postgres"))
+        self._save(state)
+        processes.wait_until(standby.ready, timeout=60, what="the PostgreSQL standby",
+                             alive=lambda: processes.is_alive(pid))
+        # Only now that the standby's slot exists: logical changes leave the primary only
+        # once the standby has them, so a promoted standby never lacks an event the relay
+        # already published (set before the slot exists, it would hold the relay back).
+        # Synchronous replication to it, too (RDS Multi-AZ, Patroni's synchronous mode): a
+        # commit the API answered 202 for is on the standby when it is promoted.
+        with psycopg.connect(primary.url, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = "
+                         f"'{postgres.STANDBY_SLOT}'")
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'calmq_standby'")
+            conn.execute("SELECT pg_reload_conf()")
+
+    def _make_secrets(self) -> tuple[kafka.BrokerSecurity,
+                                     tuple[tls.ServerCertificate, Path, Path],
+                                     dict[str, str]]:
+        """The secured stack's CA, certificates and passwords, and the settings that use
+        them. Passwords are files (``CALMQ_*_PASSWORD_FILE``), as a Kubernetes Secret
+        mounted in a pod would give them."""
+        import secrets
+
+        authority = tls.make_authority(self.data_dir / "tls")
+        broker_cert = authority.issue("kafka")
+        registry_cert = authority.issue("registry")
+        secret_dir = self.data_dir / "secrets"
+        secret_dir.mkdir(parents=True, exist_ok=True)
+        secret_dir.chmod(0o700)
+        kafka_password = secrets.token_urlsafe(18)
+        registry_password = secrets.token_urlsafe(18)
+        for name, value in (("kafka-password", kafka_password),
+                            ("registry-password", registry_password),
+                            ("registry-users", f"calmq:{registry_password}\n")):
+            path = secret_dir / name
+            path.write_text(value)
+            path.chmod(0o600)
+        security = kafka.BrokerSecurity(
+            broker_cert.keystore, authority.ca,
+            {"broker": secrets.token_urlsafe(18), "calmq": kafka_password})
+        env = {
+            "CALMQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "CALMQ_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "CALMQ_KAFKA_SASL_USERNAME": "calmq",
+            "CALMQ_KAFKA_SASL_PASSWORD_FILE": str(secret_dir / "kafka-password"),
+            "CALMQ_KAFKA_SSL_CA_LOCATION": str(authority.ca),
+            "CALMQ_SCHEMA_REGISTRY_USERNAME": "calmq",
+            "CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE": str(secret_dir / "registry-password"),
+            "CALMQ_SCHEMA_REGISTRY_CA_LOCATION": str(authority.ca),
+        }
+        return security, (registry_cert, secret_dir / "registry-users", authority.ca), env
+
+    def _start_registry_proxy(self, state: StackState, upstream: str,
+                              registry_tls: tuple[tls.ServerCertificate, Path, Path]) -> str:
+        """HTTPS with basic auth in front of Apicurio (registry_proxy.py says why); Apicurio
+        itself serves HTTPS only, so no plain HTTP port is open either."""
+        cert, users, ca = registry_tls
+        port = processes.free_port()
+        upstream_root = upstream.split("/apis/", 1)[0]
+        pid = processes.start(
+            [sys.executable, "-m", "calmq.tooling.devstack.registry_proxy", "--port", str(port),
+             "--upstream", upstream_root, "--upstream-ca", str(ca), "--users", str(users),
+             "--cert", str(cert.certificate),
+             "--key", str(cert.key)],
+            self.data_dir / "registry" / "proxy.log")
+        url = f"https://127.0.0.1:{port}/apis/ccompat/v7"
+        part = Part("schema-registry-proxy", pid, url, "registry-tls")
+        state.parts.append(part)
+        self._save(state)
+        processes.wait_until(part.healthy, timeout=30, what="registry proxy",
+                             alive=lambda: processes.is_alive(pid))
+        return url
 
     def _start_service(
         self, name: str, state: StackState, env: dict[str, str], log: Callable[[str], None]
@@ -314,8 +480,11 @@ class Stack:
             return []
         stopped = []
         order = {"worker": 0, "forwarder": 0, "batcher": 0, "relay": 1, "api": 2,
-                 "fake-provider": 3, "schema-registry": 4, "kafka": 5, "postgres": 6}
-        for part in sorted(state.parts, key=lambda p: order.get(p.name, -1)):
+                 "pgbouncer": 5,
+                 "fake-provider": 3, "schema-registry-proxy": 4, "schema-registry": 4,
+                 "kafka": 5, "postgres-standby": 6, "postgres": 7}
+        for part in sorted(state.parts,
+                           key=lambda p: 5 if p.kind == "kafka" else order.get(p.name, -1)):
             if part.pid is None:
                 continue
             import signal
@@ -336,6 +505,10 @@ class Stack:
             {"name": p.name, "pid": p.pid, "address": p.address, "healthy": p.healthy()}
             for p in state.parts
         ]
+
+
+def _alive(pid: int | None) -> Callable[[], bool]:
+    return lambda: pid is not None and processes.is_alive(pid)
 
 
 def _host_port(url: str) -> str:
