@@ -22,10 +22,10 @@ from typing import Any
 
 import psycopg
 
+from bench.common import Log, copy_outbox, outbox_rows, ratio, rounded
 from bench.procs import Sampler
 from bench.report import result
 from bench.rig import Rig
-from bench.scenarios import Log, _copy_outbox, _outbox_rows, _r, _ratio
 
 __all__ = ["logical_messages"]
 
@@ -65,7 +65,7 @@ def _variant(rig: Rig, sampler: Sampler, name: str, rows: list[tuple[Any, ...]],
             chunk = rows[i:i + PER_TX]
             with conn.transaction():
                 if name == "rows":
-                    _copy_outbox(conn, chunk)
+                    copy_outbox(conn, chunk)
                 else:  # one statement per transaction, as the COPY is
                     conn.execute(
                         "SELECT pg_logical_emit_message(true, %s, c) FROM unnest(%s::text[]) c",
@@ -88,9 +88,9 @@ def _variant(rig: Rig, sampler: Sampler, name: str, rows: list[tuple[Any, ...]],
     if seen != len(rows):
         raise RuntimeError(f"{name}: the slot streamed {seen} of {len(rows)} events")
     pg = phase.cpu.get("postgres", 0.0)
-    return {"pg_cpu_ms_per_event": _r(pg * 1000 / len(rows), 4),
-            "write_events_per_s": _r(len(rows) / max(write_s, 1e-6)),
-            "wal_bytes_per_event": _r(wal / len(rows)), "events": len(rows)}
+    return {"pg_cpu_ms_per_event": rounded(pg * 1000 / len(rows), 4),
+            "write_events_per_s": rounded(len(rows) / max(write_s, 1e-6)),
+            "wal_bytes_per_event": rounded(wal / len(rows)), "events": len(rows)}
 
 
 def logical_messages(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def logical_messages(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[st
         with psycopg.connect(rig.database_url, autocommit=True) as conn:
             conn.execute("CREATE PUBLICATION bench_ab FOR TABLE outbox WITH (publish = 'insert')")
             conn.execute("SELECT pg_create_logical_replication_slot('bench_ab', 'pgoutput')")
-        rows = _outbox_rows(size)
+        rows = outbox_rows(size)
         # Once each first, unmeasured, so neither pays for a cold cache; then measured.
         _variant(rig, sampler, "rows", rows[: size // 10], lambda _m: None)
         _variant(rig, sampler, "messages", rows[: size // 10], lambda _m: None)
@@ -106,6 +106,6 @@ def logical_messages(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[st
         messages = _variant(rig, sampler, "messages", rows, log)
         versions = rig.versions
     return result("logical_messages", size, messages, {"outbox_rows": outbox},
-                  {"pg_cpu_per_event_vs_outbox_rows": _ratio(
+                  {"pg_cpu_per_event_vs_outbox_rows": ratio(
                       messages["pg_cpu_ms_per_event"], outbox["pg_cpu_ms_per_event"])},
                   versions)

@@ -55,9 +55,9 @@ def _completed(rig: Rig, tenant_id: str) -> int:
 
 
 def _published(rig: Rig, topic: str) -> int:
-    from bench.scenarios import _high_watermark
+    from bench.common import high_watermark
 
-    return _high_watermark(rig.bootstrap, topic)
+    return high_watermark(rig.bootstrap, topic)
 
 
 def _times(rig: Rig, tenant_id: str) -> tuple[list[float], list[float]]:
@@ -107,11 +107,11 @@ def longcalls(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
             (tenant_id,))[0][0])
         rig.stop("worker")
         rig.stop("relay")
-        from bench.scenarios import _hot_share
+        from bench.common import hot_share
 
         # After the processes are gone (their backends flushed their table counters): how
         # many job updates (claims, heartbeats, finishes) were HOT.
-        jobs_table = _hot_share(rig.table_updates("jobs"))
+        jobs_table = hot_share(rig.table_updates("jobs"))
         # The steady window: from the first claim plus the p99 (calls of the first wave
         # have ended, or nearly) to the last claim (until then every freed slot had a job).
         w0 = (running[0] if running else 0.0) + dist.p99

@@ -18,7 +18,7 @@ import aiohttp
 from confluent_kafka import Consumer
 
 from bench.raw_kafka import clients
-from bench.skip_locked import _call_model
+from bench.skip_locked import call_model
 from calmq.kafka import consumer_config
 
 __all__ = ["main"]
@@ -41,7 +41,7 @@ async def _run(bootstrap: str, topic: str, count: int, provider_url: str) -> dic
                 started = time.time()
                 cpu0 = time.process_time()
             _, event = codec.decode(msg.value() or b"")
-            await _call_model(session, provider_url, done,
+            await call_model(session, provider_url, done,
                               {"text": f"job {event['job_id']}", "mode": "success"})
             consumer.commit(message=msg, asynchronous=False)
             done += 1

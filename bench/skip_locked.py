@@ -21,7 +21,7 @@ from aiohttp import web
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["QUERIES", "main"]
+__all__ = ["QUERIES", "call_model", "main"]
 
 
 def _load(path: Path) -> dict[str, str]:
@@ -77,7 +77,7 @@ async def _serve(database_url: str, port: int, run: str) -> None:
     await pool.close()
 
 
-async def _call_model(session: aiohttp.ClientSession, url: str, job_id: int,
+async def call_model(session: aiohttp.ClientSession, url: str, job_id: int,
                       data: dict[str, Any]) -> dict[str, Any] | None:
     body = {"model": "fake-small", "max_tokens": 256, "user": str(job_id), "messages": [
         {"role": "system", "content": _SYSTEM},
@@ -117,7 +117,7 @@ async def _work(database_url: str, provider_url: str, workers: int, pool_size: i
             idle = 0.005
             job_id, data = row
             try:
-                out = await _call_model(session, provider_url, job_id, data)
+                out = await call_model(session, provider_url, job_id, data)
             except (TimeoutError, aiohttp.ClientError):
                 out = None
             async with pool.connection() as conn:

@@ -9,6 +9,11 @@ Results:     calmq.results                terminal events for downstream service
 The outbox's ``aggregatetype`` column holds the route (``default.interactive``,
 ``retry.5s``, ``results``); the topic is ``calmq.`` + route, which is exactly what
 Debezium's outbox router produces with ``route.topic.replacement=calmq.${routedByValue}``.
+
+Consumer groups are named here too: a pool's workers consume in ``calmq.<pool>``, its
+batcher in ``calmq.<pool>.batcher``, the forwarder in ``calmq.forwarder``
+(``consumer_group`` says which group reads a topic: the lag readers derive the fleet's
+groups from the topics' names).
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ __all__ = [
     "BATCH",
     "DLQ",
     "DLQ_ROUTE",
+    "FORWARDER_GROUP",
     "PREFIX",
     "RESULTS",
     "RESULTS_ROUTE",
     "all_topics",
     "batch_route",
+    "batcher_group",
+    "consumer_group",
     "retry_route",
     "topic_for_route",
     "work_route",
+    "worker_group",
 ]
 
 PREFIX = "calmq."
@@ -56,6 +65,35 @@ def retry_route(tier: str) -> str:
 
 def topic_for_route(route: str) -> str:
     return PREFIX + route
+
+
+FORWARDER_GROUP = PREFIX + "forwarder"
+
+
+def worker_group(pool: str) -> str:
+    """The consumer group of a pool's workers (KEDA scales on its lag)."""
+    return PREFIX + pool
+
+
+def batcher_group(pool: str) -> str:
+    return f"{PREFIX}{pool}.{BATCH}er"
+
+
+def consumer_group(topic: str) -> str | None:
+    """The calmq consumer group that reads ``topic``; None for a topic no group of calmq's
+    consumes (results, dead letters: read by people and downstream services)."""
+    if not topic.startswith(PREFIX):
+        return None
+    pool, _, last = topic[len(PREFIX):].rpartition(".")
+    if pool == "retry":
+        return FORWARDER_GROUP
+    if not pool or "." in pool:
+        return None
+    if last == BATCH:
+        return batcher_group(pool)
+    if last in {p.value for p in Priority}:
+        return worker_group(pool)
+    return None
 
 
 def all_topics(pools: list[str], tiers: list[str]) -> list[str]:

@@ -1,27 +1,33 @@
 """The batch lane's processor (`calmq batcher`): the batcher packs batch-lane jobs into
 provider batches, the poller collects each batch's results when it ends.
 
-Batcher. It consumes ``calmq.<pool>.batch`` with the worker's own consumer and step runner
-(claims with leases, poison, deferral, heartbeats, the step's input and recorded outputs):
-only its provider differs. ``BatchPacker.complete`` does not call the model: it builds the
-request body the online call would send, adds it to the pack of its model and endpoint, and
-waits. A pack is flushed when it reaches the provider's request or byte limit, or the
-settable size or age: its batch is recorded under calmq's key and its jobs move to the
-batch's lease in ONE transaction (``Batches.record``), and only then are the messages'
-offsets marked done (their waiting attempts are cancelled, which acknowledges them); the
-batch is created at the provider with that key in its metadata, and its id and each job's
-``batched`` event are recorded (``Batches.submitted``).
+Batcher. It consumes ``calmq.<pool>.batch`` with the worker's own consumer and stages
+(processors/pipeline.py: claims with leases, poison, deferral, heartbeats, the step's input
+and recorded outputs): only its attempt's provider and its admission gates differ.
+``BatchPacker.complete`` does not call the model: it builds the request body the online call
+would send, adds it to the pack of its model and endpoint, and waits. A pack is flushed when
+it reaches the provider's request or byte limit, or the settable size or age: its batch is
+recorded under calmq's key and its jobs move to the batch's lease in ONE transaction
+(``Batches.record``), and only then are the messages' offsets marked done (their waiting
+attempts are cancelled, which acknowledges them); the batch is created at the provider with
+that key in its metadata, and its id and each job's ``batched`` event are recorded
+(``Batches.submitted``).
 
 Poller. One poller at a time holds a batch (a lease on its row). A batch still ``creating``
 whose batcher died is found again at the provider by its key (adopted) or created then;
 never twice. A batch that ended is collected: its results are streamed in chunks and each
-job is settled by the step runner's own attempt code, with a provider that answers from the
-result (``ReplyBook``): the same step function validates the output, the same progress code
-writes the artifact or asks for a review, the same failure stage picks retry or dead letter,
-and the same group commit writes status, history and outbox in one transaction. A request
+job is settled by the worker's own attempt stage (processors/attempt.py), with a provider
+that answers from the result (``ReplyBook``): the same step function validates the output,
+the same progress code writes the artifact or asks for a review, the same failure stage
+picks retry or dead letter, and the same group commit writes status, history and outbox in
+one transaction. A request
 that failed transiently goes back to the batch topic (via a retry tier) for a later batch;
 one the provider did not run (batch expired or cancelled) too, unless its deadline would then
 be missed: that job continues online.
+
+The process runs under the same lifecycle as a worker (calmq.supervision.Lifecycle): on
+SIGTERM the packer flushes what it holds, the stages drain within the grace period, and a
+critical side task that stops ends the process with an error.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -55,13 +60,17 @@ from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
+from calmq.processors.admission import ReviewCapGate, review_workflows
+from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
+from calmq.processors.intake import Intake
+from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
-from calmq.processors.runner import RunnerConfig, StepRunner
-from calmq.retrying import RECONNECT, Backoff, retry_forever
+from calmq.processors.slots import CallSlots
+from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
 from calmq.storable import refused
-from calmq.supervision import Supervisor
+from calmq.supervision import Lifecycle
 from calmq.workflows import Workflow, load_workflows
 
 __all__ = ["BatchLane", "BatchPacker", "Poller", "ReplyBook"]
@@ -138,9 +147,10 @@ class BatchPacker:
         self.settings = settings
         self.store = store
         self.worker_id = worker_id
-        self.jobs: dict[str, Job] = {}  # set by the runner for each running attempt
         self.packs: dict[tuple[str, str], _Pack] = {}
-        self.runner: StepRunner | None = None
+        # The stages whose attempts call this provider: which job an attempt runs, and how
+        # to end it (BatchLane sets it).
+        self.pipeline: Pipeline | None = None
         max_requests, max_bytes = client.limits
         self.max_requests = min(max_requests, settings.batch_max_requests)
         self.max_bytes = min(max_bytes, settings.batch_max_bytes)
@@ -149,7 +159,7 @@ class BatchPacker:
 
     async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                        response_schema: dict[str, Any] | None = None) -> ModelReply:
-        job = self.jobs.get(job_id)
+        job = self._job(job_id)
         if job is None:
             raise StepFailure("a batch-lane step called the model outside its attempt",
                               code="batch_unknown_job", failure_class=FailureClass.BUG)
@@ -175,6 +185,14 @@ class BatchPacker:
             current = self.packs.get(key)
             if current is not None:
                 current.remove(job.id)  # lost before its batch was recorded: not sent
+
+    def _job(self, job_id: str) -> Job | None:
+        """The job of the running attempt ``job_id`` (None: not running here any more)."""
+        try:
+            ident = uuid.UUID(job_id)
+        except ValueError:
+            return None
+        return self.pipeline.job(ident) if self.pipeline is not None else None
 
     def _take(self, key: tuple[str, str]) -> None:
         pack = self.packs.pop(key, None)
@@ -276,32 +294,18 @@ class BatchPacker:
         target = self.packs.setdefault((pack.model, pack.endpoint), _Pack(pack.model,
                                                                           pack.endpoint))
         for item in pack.items.values():
-            if str(item.job.id) in self.jobs:  # its attempt still waits (not lost meanwhile)
+            if self._job(str(item.job.id)) is not None:  # still waits (not lost meanwhile)
                 target.add(item)
         target.started = min(target.started, pack.started)
 
     def _release(self, items: list[_Waiting]) -> None:
-        running = self.runner._running if self.runner is not None else {}
-        for item in items:
-            task = running.get(item.job.id)
-            if task is not None:
-                task.cancel()
+        """The packed attempts end with no outcome: their messages are acknowledged."""
+        if self.pipeline is not None:
+            for item in items:
+                self.pipeline.stop(item.job.id)
 
     async def close(self) -> None:
         await self.client.close()
-
-
-class _PackingRunner(StepRunner):
-    """The worker's step runner, telling the packer which attempt a model call belongs to."""
-
-    packer: BatchPacker
-
-    async def _attempt(self, job: Job, topic: str) -> Finish:
-        self.packer.jobs[str(job.id)] = job
-        try:
-            return await super()._attempt(job, topic)
-        finally:
-            self.packer.jobs.pop(str(job.id), None)
 
 
 # -- poller -------------------------------------------------------------------------------
@@ -345,12 +349,12 @@ class ReplyBook:
 
 class Poller:
     def __init__(self, *, store: Store, client: BatchClient,
-                 settler: Callable[[str], StepRunner], book: ReplyBook, settings: Settings,
+                 settler: Callable[[str], Attempt], book: ReplyBook, settings: Settings,
                  worker_id: str) -> None:
         self.store = store
         self.client = client
-        # A step runner whose worker id is the batch's lease owner: every write of a settled
-        # attempt (side-effect log, step output, outcome) is fenced as the batch's.
+        # An attempt stage whose worker id is the batch's lease owner: every write of a
+        # settled attempt (side-effect log, step output, outcome) is fenced as the batch's.
         self.settler = settler
         self.book = book
         self.settings = settings
@@ -449,7 +453,7 @@ class Poller:
             await self.store.batches.heartbeat(batch.key, self.worker_id,
                                                self.settings.batch_lease_seconds)
 
-    async def _settle(self, runner: StepRunner, batch: OpenBatch, results: list[BatchResult],
+    async def _settle(self, runner: Attempt, batch: OpenBatch, results: list[BatchResult],
                       counts: dict[str, int], jobs: dict[str, Job] | None = None) -> None:
         if not results:
             return
@@ -503,11 +507,11 @@ class Poller:
         await self.store.batches.settle(batch.key, rows)
 
     @staticmethod
-    async def _attempt(runner: StepRunner, job: Job, topic: str) -> Finish:
-        """The runner's attempt of ``job`` answered from its result (own task: own scope)."""
+    async def _attempt(runner: Attempt, job: Job, topic: str) -> Finish:
+        """The attempt of ``job`` answered from its result (own task: own scope)."""
         async def run() -> Finish:
             clock = model_clock()
-            finish = await runner._attempt(job, topic)
+            finish = await runner.run(job, topic)
             finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                             "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
             for entry in finish.outbox:
@@ -523,16 +527,27 @@ class Poller:
 # -- the process --------------------------------------------------------------------------
 
 class BatchLane:
-    """`calmq batcher`: the batcher and the poller of one pool in one process."""
+    """`calmq batcher`: the batcher and the poller of one pool in one process (a ``Service``
+    of calmq.supervision, run until SIGTERM like a worker)."""
+
+    name = "batcher"
 
     def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None, *,
                  pack: bool = True, poll: bool = True) -> None:
         self.settings = settings
         self.workflows = workflows or load_workflows(settings)
         self.worker_id = settings.worker_id or f"batcher-{socket.gethostname()}-{os.getpid()}"
-        self.stop = threading.Event()
         self.pack = pack
         self.poll = poll
+        self.life = Lifecycle(self, grace_seconds=settings.grace_seconds)
+        self._store: Store | None = None
+        self._packer: BatchPacker | None = None
+        self._book: ReplyBook | None = None
+        self._pipeline: Pipeline | None = None
+        self._consuming: asyncio.Task[None] | None = None
+        self._packing: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._drained = threading.Event()
 
     def topic(self) -> str:
         return topics.topic_for_route(topics.batch_route(self.settings.pool))
@@ -543,102 +558,63 @@ class BatchLane:
                                  s.provider_api_key.get_secret_value(), s.model)
 
     async def run(self) -> None:
+        await self.life.run()
+
+    async def start(self, life: Lifecycle) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
         connection = await asyncio.to_thread(service_connection, s)
-        store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
-                      **Store.pool_options(s))
+        store = self._store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
         await store.open()
         codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)
-        packer = BatchPacker(self._client(), s, store, self.worker_id)
+        packer = self._packer = BatchPacker(self._client(), s, store, self.worker_id)
         window = packer.max_requests
         consumer = ParallelConsumer(
-            consumer_config(connection, f"calmq.{s.pool}.batcher"), [self.topic()],
-            deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
+            consumer_config(connection, topics.batcher_group(s.pool)), [self.topic()],
+            deliver=lambda batch: loop.call_soon_threadsafe(pipeline.submit, batch),
             max_in_flight=window, commit_interval=s.commit_interval_ms / 1000,
-            interactive_reserve=0, settling=lambda: runner.committer.pending)
+            interactive_reserve=0, settling=lambda: pipeline.committer.pending)
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
+        failures = failure_stage(s, self.worker_id, self.workflows)
+        # A packed attempt waits for its batch to be recorded: its step timeout is the
+        # provider's window, and a pack's worth of them wait at once.
+        pipeline = self._pipeline = Pipeline(
+            store=store, tracker=consumer.tracker,
+            intake=Intake(codec, poison, consumer.tracker),
+            gates=[ReviewCapGate(store, review_workflows(self.workflows))],
+            attempt=Attempt(store=store, provider=packer, objects=objects,
+                            workflows=self.workflows, failures=failures,
+                            worker_id=self.worker_id, slots=CallSlots(window),
+                            step_timeout_seconds=s.batch_completion_window_seconds,
+                            review_deadline_seconds=s.review_deadline_seconds),
+            worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows)
+        packer.pipeline = pipeline
+        book = self._book = ReplyBook(self._client(), s)
 
-        def config(worker: str, concurrency: int, timeout: float) -> RunnerConfig:
-            return RunnerConfig(
-                worker_id=worker, lease_seconds=s.lease_seconds, tiers=s.retry_tier_list,
-                backoff=Backoff(s.retry_initial_seconds, s.retry_max_seconds,
-                                s.retry_multiplier),
-                step_timeout_seconds=timeout, max_attempts=s.max_attempts,
-                review_threshold=s.review_confidence_threshold,
-                review_deadline_seconds=s.review_deadline_seconds,
-                concurrency=concurrency, interactive_reserve=0)
-
-        # A packed attempt waits for its batch to be recorded: its step timeout is the window.
-        runner = _PackingRunner(
-            store=store, codec=codec, provider=packer, objects=objects,
-            workflows=self.workflows, tracker=consumer.tracker, poison=poison,
-            config=config(self.worker_id, window, s.batch_completion_window_seconds))
-        runner.packer = packer
-        packer.runner = runner
-        book = ReplyBook(self._client(), s)
-
-        def settler(owner: str) -> StepRunner:
-            return StepRunner(
-                store=store, codec=codec, provider=book, objects=objects,
-                workflows=self.workflows, tracker=consumer.tracker, poison=poison,
-                config=config(owner, 10 * _SETTLE_CHUNK, s.step_timeout_seconds or 60.0))
+        def settler(owner: str) -> Attempt:
+            return Attempt(store=store, provider=book, objects=objects,
+                           workflows=self.workflows,
+                           failures=failure_stage(s, owner, self.workflows), worker_id=owner,
+                           step_timeout_seconds=s.step_timeout_seconds or 60.0,
+                           review_deadline_seconds=s.review_deadline_seconds)
 
         poller = Poller(store=store, client=book.client, settler=settler, book=book,
                         settings=s, worker_id=self.worker_id)
-        runner.start()
-        stopping = asyncio.Event()
-        thread: threading.Thread | None = None
-        drained = threading.Event()
-        tasks: list[asyncio.Task[Any]] = []
+        pipeline.start()
         if self.pack:
-            thread = threading.Thread(target=consumer.run, args=(self.stop, drained.is_set),
-                                      name="kafka-consumer", daemon=True)
-            thread.start()
-            tasks.append(asyncio.create_task(packer.run(stopping)))
-        side = self._side_tasks(store, runner, poller)
-        log.info("batcher %s: %s, provider %s, model %s", self.worker_id, self.topic(),
-                 s.provider, s.model)
-        try:
-            while not self.stop.is_set():  # noqa: ASYNC110 - the stop event is a thread's
-                await asyncio.sleep(0.1)
-            stopping.set()
-            await packer.flush_all()
-            deadline = loop.time() + s.grace_seconds
-            while not runner.idle() and loop.time() < deadline:  # noqa: ASYNC110 - at exit
-                await asyncio.sleep(0.05)
-            await runner.abandon()
-            await runner.committer.drain()
-        finally:
-            drained.set()
-            if thread is not None:
-                await asyncio.to_thread(thread.join, 30)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await side.stop()
-            await packer.close()
-            await book.client.close()
-            await store.close()
-
-    def _side_tasks(self, store: Store, runner: StepRunner, poller: Poller) -> Supervisor:
-        s = self.settings
-
-        def stop(name: str, _exc: BaseException | None) -> None:
-            log.error("stopping the batcher: its side task %s stopped", name)
-            self.stop.set()
-
-        side = Supervisor(on_critical=stop)
-        interval = max(0.2, s.lease_seconds / 3)
-        side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
-                   critical=True)
+            self._consuming = life.side.spawn(
+                "kafka-consumer", lambda: asyncio.to_thread(consumer.run, life.stop,
+                                                            self._drained.is_set),
+                critical=True)
+            self._packing = life.side.spawn("batch-packer", lambda: packer.run(self._stopping),
+                                            critical=True)
+        pipeline.leases.schedule(life.side)
         if self.poll:
-            side.every("batch-poller", min(1.0, s.batch_poll_interval_seconds),
-                       poller.pass_once)
+            life.side.every("batch-poller", min(1.0, s.batch_poll_interval_seconds),
+                            poller.pass_once)
 
         async def gauges() -> None:
             stats = await store.batches.stats()
@@ -647,5 +623,36 @@ class BatchLane:
             for state in ("pending", "settled", "retried", "cancelled"):
                 BATCH_JOBS.labels(state).set((stats.get("jobs_by_state") or {}).get(state, 0))
 
-        side.every("batch-gauges", 5.0, gauges)
-        return side
+        life.side.every("batch-gauges", 5.0, gauges)
+        log.info("batcher %s: %s, provider %s, model %s", self.worker_id, self.topic(),
+                 s.provider, s.model)
+
+    async def tick(self) -> None:
+        return None
+
+    async def drain(self, grace_seconds: float) -> None:
+        # What the packer holds goes into batches now; then the stages drain exactly as a
+        # worker's do (processors/pipeline.py).
+        self._stopping.set()
+        if self._packer is not None:
+            await self._packer.flush_all()
+        if self._packing is not None:
+            await asyncio.wait([self._packing], timeout=30)
+        if self._pipeline is not None:
+            await self._pipeline.drain(grace_seconds)
+        await self._stop_consuming()
+
+    async def _stop_consuming(self) -> None:
+        self._drained.set()
+        if self._consuming is not None:
+            await asyncio.wait([self._consuming], timeout=30)
+
+    async def close(self) -> None:
+        self._stopping.set()
+        await self._stop_consuming()
+        if self._packer is not None:
+            await self._packer.close()
+        if self._book is not None:
+            await self._book.client.close()
+        if self._store is not None:
+            await self._store.close()

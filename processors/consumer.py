@@ -165,8 +165,8 @@ class ParallelConsumer:
                 # (heartbeats, rebalances) and returns nothing. Otherwise wait for the first
                 # message only, then take what else is fetched already: consume(n, timeout)
                 # holds a batch until n arrive or the timeout passes, which added up to
-                # 50 ms to every job's dispatch at moderate rates. The runner batches the
-                # claims of what arrives while it is claiming (StepRunner.submit).
+                # 50 ms to every job's dispatch at moderate rates. The stages batch the
+                # claims of what arrives while they claim (processors/pipeline.py, submit).
                 first = consumer.poll(0.05)
                 messages: list[Message] = [] if first is None else [first]
                 if first is not None and room > 1:

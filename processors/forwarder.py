@@ -23,6 +23,7 @@ its own) is held only that long, so one message cannot hold a partition's head f
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import threading
@@ -39,8 +40,9 @@ from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker, commit_prefix, headers_of, position_of
 from calmq.retrying import Reconnect
 from calmq.settings import parse_duration
+from calmq.supervision import Lifecycle
 
-__all__ = ["DUE_AT", "ORIGIN", "Forwarder"]
+__all__ = ["DUE_AT", "ORIGIN", "Forwarder", "ForwarderService"]
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +266,37 @@ class Forwarder:
 
     def _commit(self, consumer: Consumer, only: set[tuple[str, int]] | None = None) -> None:
         commit_prefix(consumer, self.tracker, only)
+
+
+class ForwarderService:
+    """`calmq forwarder` under the processors' one lifecycle (calmq.supervision): the
+    forwarder's thread is its critical side task (a forwarder that stopped polling would hold
+    its partitions and forward nothing), and a stop lets it flush and commit first."""
+
+    name = "forwarder"
+
+    def __init__(self, forwarder: Forwarder, *, grace_seconds: float = 30.0) -> None:
+        self.forwarder = forwarder
+        self.life = Lifecycle(self, grace_seconds=grace_seconds)
+        self._running: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        await self.life.run()
+
+    async def start(self, life: Lifecycle) -> None:
+        self._running = life.side.spawn(
+            "retry-forwarder", lambda: asyncio.to_thread(self.forwarder.run, life.stop),
+            critical=True)
+
+    async def tick(self) -> None:
+        return None
+
+    async def drain(self, grace_seconds: float) -> None:
+        if self._running is not None:  # it flushes its producer and commits, then returns
+            await asyncio.wait([self._running], timeout=grace_seconds + 30)
+
+    async def close(self) -> None:
+        return None
 
 
 def _tier_seconds(topic: str) -> float:

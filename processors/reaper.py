@@ -22,12 +22,16 @@ from calmq.data import Store
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
+from calmq.objects import open_object_store
 from calmq.processors import metrics
+from calmq.processors.admission import review_workflows
 from calmq.reviews import ReviewDesk
-from calmq.spending import SpendCaps
-from calmq.supervision import Supervisor
+from calmq.settings import Settings
+from calmq.spending import SpendCaps, spend_caps_from_settings
+from calmq.supervision import Lifecycle, Supervisor
+from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["POISON_ERROR", "schedule_quota_release", "schedule_reaper",
+__all__ = ["POISON_ERROR", "Reaper", "schedule_quota_release", "schedule_reaper",
            "schedule_spend_release"]
 
 log = logging.getLogger(__name__)
@@ -76,11 +80,12 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.info("applied the expiry outcome to %d overdue reviews", expired)
 
     caps = ReviewCaps(store)
+    reviewed = review_workflows(desk.workflows)
 
     async def release_review_cap_holds() -> None:
         # Jobs held for their pool's review cap (calmq.data.review_caps) go back to the
         # work topic as decided reviews make room; one pass at a time per pool (row locks).
-        resumed = await caps.release()
+        resumed = await caps.release(reviewed)
         if resumed:
             metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
             log.info("re-published %d jobs held for their pool's review cap", len(resumed))
@@ -130,3 +135,43 @@ def schedule_quota_release(side: Supervisor, ledger: SpendLedger, quota: TenantQ
             metrics.RELEASED.inc(len(released))
 
     side.every("quota-release", interval, release, first_after=first_after, critical=True)
+
+
+class Reaper:
+    """`calmq reaper`: the housekeeping alone, for a fleet scaled to zero workers, under the
+    processors' one lifecycle (calmq.supervision): every pass is a critical side task."""
+
+    name = "reaper"
+
+    def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None) -> None:
+        self.settings = settings
+        self.workflows = workflows
+        self.life = Lifecycle(self, grace_seconds=0.0)
+        self._store: Store | None = None
+
+    async def run(self) -> None:
+        await self.life.run()
+
+    async def start(self, life: Lifecycle) -> None:
+        s = self.settings
+        store = self._store = Store(s.database_url, max_size=2, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
+        await store.open()
+        # The review timer runs here too (and in every worker's housekeeping).
+        desk = ReviewDesk(store, self.workflows or load_workflows(s),
+                          open_object_store(s.object_store_url))
+        schedule_reaper(life.side, store, desk, max(0.5, s.lease_seconds / 3),
+                        sweeper_grace_seconds=s.sweeper_grace_seconds,
+                        longest_tier_seconds=s.retry_tier_list[-1][1])
+        # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).
+        schedule_spend_release(life.side, spend_caps_from_settings(s, SpendLedger(store)))
+
+    async def tick(self) -> None:
+        return None
+
+    async def drain(self, grace_seconds: float) -> None:
+        return None  # a pass in progress is cancelled: its transaction rolls back
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()

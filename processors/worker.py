@@ -1,43 +1,52 @@
-"""A worker process: the consumer thread, the step runner's event loop, leases, the reaper."""
+"""`calmq worker`: the consumer thread, the stages (processors/pipeline.py), the leases'
+heartbeat and fencing, the fleet's housekeeping and the lag gauge, under one lifecycle
+(calmq.supervision.Lifecycle: drain on SIGTERM, a critical side task that stops ends the
+process with an error)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import signal
 import socket
 import threading
 
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
 
 from calmq import topics
-from calmq.budget import open_metered_provider
+from calmq.budget import BudgetedProvider, open_metered_provider
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store
 from calmq.data.spending import SpendLedger
-from calmq.errors import InfrastructureError
 from calmq.kafka import consumer_config, producer_config, service_connection
+from calmq.lag import LagReader
 from calmq.objects import open_object_store
 from calmq.processors import metrics
+from calmq.processors.admission import (
+    Gate,
+    QuotaGate,
+    ReviewCapGate,
+    SpendCapGate,
+    review_workflows,
+)
+from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
-from calmq.processors.lag import LagSampler, admin_config
+from calmq.processors.intake import Intake
+from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import (
     schedule_quota_release,
     schedule_reaper,
     schedule_spend_release,
 )
-from calmq.processors.runner import RunnerConfig, StepRunner
-from calmq.retrying import Backoff
+from calmq.processors.slots import CallSlots
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings, claimed_window
-from calmq.spending import SpendCaps, spend_caps_from_settings
-from calmq.supervision import Supervisor
+from calmq.spending import spend_caps_from_settings
+from calmq.supervision import Lifecycle, Supervisor
 from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "schedule_lag_gauge"]
 
 log = logging.getLogger(__name__)
 
@@ -49,154 +58,149 @@ def _claimed_bound(slots: int) -> int:
     return claimed_window(slots)
 
 
+def schedule_lag_gauge(side: Supervisor, consumer: ParallelConsumer, interval: float) -> None:
+    """``calmq_consumer_lag_messages`` per topic over the partitions this process owns, read
+    by the kernel's lag reader (calmq.lag) in a thread every ``interval`` seconds."""
+    reader = LagReader(consumer.config)
+    group = str(consumer.config["group.id"])
+
+    async def sample() -> None:
+        rows = await asyncio.to_thread(reader.read, group, sorted(consumer.owned))
+        lag = dict.fromkeys(consumer.topics, 0)
+        for row in rows:
+            lag[row.topic] = lag.get(row.topic, 0) + row.lag
+        for topic, value in lag.items():
+            metrics.CONSUMER_LAG.labels(topic).set(value)
+
+    side.every("consumer-lag", interval, sample, first_after=interval)
+
+
 class Worker:
+    """A worker process (a ``Service`` of calmq.supervision): ``run()`` until SIGTERM."""
+
+    name = "worker"
+
     def __init__(self, settings: Settings, workflows: dict[str, Workflow] | None = None) -> None:
         self.settings = settings
         self.workflows = workflows or load_workflows(settings)
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.stop = threading.Event()
+        self.life = Lifecycle(self, grace_seconds=settings.grace_seconds)
+        self._store: Store | None = None
+        self._provider: BudgetedProvider | None = None
+        self._pipeline: Pipeline | None = None
+        self._consumer: ParallelConsumer | None = None
+        self._consuming: asyncio.Task[None] | None = None
+        self._drained = threading.Event()
+        self._last_tick = 0.0
 
     def topics(self) -> list[str]:
         return [topics.topic_for_route(topics.work_route(self.settings.pool, p))
                 for p in self.settings.priority_list]
 
     async def run(self) -> None:
+        await self.life.run()
+
+    @property
+    def pipeline(self) -> Pipeline:
+        assert self._pipeline is not None, "the worker has not started"
+        return self._pipeline
+
+    async def start(self, life: Lifecycle) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
         # First: a Kafka configuration the brokers refuse stops the worker here, in one line.
         connection = await asyncio.to_thread(service_connection, s)
         # 4 group-commit writers, claims, leases
-        store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors,
-                      **Store.pool_options(s))
+        store = self._store = Store(s.database_url, max_size=12, keep_errors=s.max_job_errors,
+                                    **Store.pool_options(s))
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
-        provider = await open_metered_provider(s, store)
-        consumer = ParallelConsumer(
-            consumer_config(connection, f"calmq.{s.pool}"),
+        provider = self._provider = await open_metered_provider(s, store)
+        consumer = self._consumer = ParallelConsumer(
+            consumer_config(connection, topics.worker_group(s.pool)),
             self.topics(),
-            deliver=lambda batch: loop.call_soon_threadsafe(runner.submit, batch),
+            deliver=lambda batch: loop.call_soon_threadsafe(self.pipeline.submit, batch),
             max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
-            settling=lambda: runner.committer.pending,
+            settling=lambda: self.pipeline.committer.pending,
         )
         codec = make_codec(s.schema_registry_url, registry_config(s))
-        spend = spend_caps_from_settings(s, SpendLedger(store))
-        runner = StepRunner(
-            store=store,
-            codec=codec,
-            provider=provider,
-            objects=open_object_store(s.object_store_url),
-            workflows=self.workflows,
-            tracker=consumer.tracker,
-            poison=PoisonSink(Producer(producer_config(connection,
-                                                      compression=s.kafka_compression)),
-                              codec),
-            usage=provider.usage.record if provider.usage is not None else None,
-            spend=spend,
-            allowance=provider.quota.allowance if provider.quota is not None else None,
-            config=RunnerConfig(
-                worker_id=self.worker_id,
-                lease_seconds=s.lease_seconds,
-                tiers=s.retry_tier_list,
-                backoff=Backoff(s.retry_initial_seconds, s.retry_max_seconds, s.retry_multiplier),
-                step_timeout_seconds=s.step_timeout_seconds,
-                max_attempts=s.max_attempts,
-                review_threshold=s.review_confidence_threshold,
-                review_deadline_seconds=s.review_deadline_seconds,
-                concurrency=s.concurrency,
-                interactive_reserve=consumer.reserve,
-            ),
-        )
-        runner.start()
-        drained = threading.Event()
-        thread = threading.Thread(
-            target=consumer.run, args=(self.stop, drained.is_set), name="kafka-consumer",
-            daemon=True,
-        )
-        thread.start()
+        objects = open_object_store(s.object_store_url)
+        ledger = SpendLedger(store)
+        spend = spend_caps_from_settings(s, ledger)
+        gates: list[Gate] = [SpendCapGate(spend, ledger)]
+        if provider.quota is not None:
+            gates.append(QuotaGate(provider.quota.allowance, ledger))
+        gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
+        poison = PoisonSink(Producer(producer_config(connection,
+                                                     compression=s.kafka_compression)), codec)
+        self._pipeline = Pipeline(
+            store=store, tracker=consumer.tracker, intake=Intake(codec, poison, consumer.tracker),
+            gates=gates,
+            attempt=Attempt(store=store, provider=provider, objects=objects,
+                            workflows=self.workflows,
+                            failures=failure_stage(s, self.worker_id, self.workflows),
+                            worker_id=self.worker_id,
+                            slots=CallSlots(s.concurrency, consumer.reserve),
+                            step_timeout_seconds=s.step_timeout_seconds,
+                            review_deadline_seconds=s.review_deadline_seconds),
+            worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
+            usage=provider.usage.record if provider.usage is not None else None)
+        self.pipeline.start()
+        # The consumer thread is a critical side task: a worker that stopped polling would
+        # hold its partitions and do nothing.
+        self._consuming = life.side.spawn(
+            "kafka-consumer", lambda: asyncio.to_thread(consumer.run, life.stop,
+                                                        self._drained.is_set),
+            critical=True)
         log.info("worker %s consuming %s", self.worker_id, ", ".join(self.topics()))
-        side = self._side_tasks(store, runner, consumer, spend)
-        if provider.quota is not None:  # else: the spend pass releases stale waits
-            schedule_quota_release(side, SpendLedger(store), provider.quota)
-        try:
-            while not self.stop.is_set():
-                tick = loop.time()
-                await asyncio.sleep(0.1)
-                metrics.LOOP_LAG.observe(max(0.0, loop.time() - tick - 0.1))
-                metrics.IN_FLIGHT.set(runner.in_flight)
-                metrics.SATURATION.set(runner.slots.used / s.concurrency)
-                # Hold no more jobs than the token budget lets this worker start soon.
-                limit = provider.in_flight_limit(s.budget_queue_seconds)
-                consumer.max_in_flight = _claimed_bound(
-                    s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
-            # Graceful stop: the consumer thread has paused every partition; in-flight work
-            # gets the grace period to finish, and what is left is abandoned with its lease
-            # handed back (its offset stays uncommitted, so the next owner redoes it).
-            log.info("stopping: %d in flight, grace %.1f s", runner.in_flight, s.grace_seconds)
-            deadline = loop.time() + s.grace_seconds
-            while not runner.idle() and loop.time() < deadline:  # noqa: ASYNC110 - once, at exit
-                await asyncio.sleep(0.05)
-            abandoned = await runner.abandon()
-            if abandoned:
-                log.warning("abandoned %d attempts at the end of the grace period", abandoned)
-            while runner.claiming:  # noqa: ASYNC110 - a batch still claiming hands over its jobs
-                await asyncio.sleep(0.01)
-            await runner.abandon()
-            await runner.committer.drain()
-        finally:
-            drained.set()
-            await asyncio.to_thread(thread.join, 30)
-            await side.stop()
-            await provider.close()
-            await store.close()
-        if side.failed.is_set():
-            # Not a clean exit: the process is restarted, and its exit says why it stopped.
-            raise InfrastructureError("the worker stopped because a side task it needs stopped")
-
-    def _side_tasks(self, store: Store, runner: StepRunner,
-                    consumer: ParallelConsumer, spend: SpendCaps) -> Supervisor:
-        """Heartbeat leases every third of a lease, and stop the attempts whose leases could not
-        be extended for most of one (self-fencing); requeue expired leases of dead workers;
-        apply the expiry outcome to overdue reviews; sample consumer lag. A failed pass is
-        retried next interval; a lease task that stops stops the worker (its leases would
-        lapse, or nobody would reap)."""
-        interval = max(0.2, self.settings.lease_seconds / 3)
-
-        def stop_worker(name: str, _exc: BaseException | None) -> None:
-            log.error("stopping the worker: its side task %s stopped", name)
-            self.stop.set()
-
-        side = Supervisor(on_critical=stop_worker)
-        side.every("lease-heartbeat", interval, runner.heartbeat, first_after=interval,
-                   critical=True)
-        # Self-fencing: its own task, so that a heartbeat hanging on an unreachable database
-        # cannot keep the attempts running past their leases.
-        fence = max(0.1, self.settings.lease_seconds / 12)
-        side.every("lease-fence", fence, runner.fence_expiring, first_after=fence,
-                   critical=True)
-        schedule_reaper(side, store, ReviewDesk(store, self.workflows, runner.objects),
+        interval = max(0.2, s.lease_seconds / 3)
+        self.pipeline.leases.schedule(life.side)
+        # The fleet's housekeeping: requeue expired leases of dead workers, the sweeper, the
+        # review timer and the holds' release passes. A failed pass is retried next interval.
+        schedule_reaper(life.side, store, ReviewDesk(store, self.workflows, objects),
                         interval, first_after=interval,
-                        sweeper_grace_seconds=self.settings.sweeper_grace_seconds,
-                        longest_tier_seconds=self.settings.retry_tier_list[-1][1])
-        schedule_spend_release(side, spend, first_after=interval)
-        lag_interval = self.settings.consumer_lag_interval_seconds
-        if lag_interval > 0:
-            lag = LagSampler(consumer.config, consumer.topics, lambda: consumer.owned)
-            admin = [AdminClient(admin_config(consumer.config))]
+                        sweeper_grace_seconds=s.sweeper_grace_seconds,
+                        longest_tier_seconds=s.retry_tier_list[-1][1])
+        schedule_spend_release(life.side, spend, first_after=interval)
+        if provider.quota is not None:  # else: the spend pass releases stale waits
+            schedule_quota_release(life.side, ledger, provider.quota)
+        if s.consumer_lag_interval_seconds > 0:
+            schedule_lag_gauge(life.side, consumer, s.consumer_lag_interval_seconds)
 
-            async def sample_lag() -> None:
-                # In a thread: a sample is a few blocking broker round trips.
-                try:
-                    await asyncio.to_thread(lag.sample, admin[0])
-                except Exception:
-                    # After a broker restart the admin client kept the partitions' old leader
-                    # epochs and answered every later sample FENCED_LEADER_EPOCH (the lag
-                    # gauge, which autoscaling reads, froze for good in the chaos test): a
-                    # new client after a failure starts from fresh metadata.
-                    admin[0] = AdminClient(admin_config(consumer.config))
-                    raise
+    async def tick(self) -> None:
+        s = self.settings
+        pipeline, consumer, provider = self.pipeline, self._consumer, self._provider
+        assert consumer is not None
+        assert provider is not None
+        loop = asyncio.get_running_loop()
+        if self._last_tick:  # how late the lifecycle's timer woke this tick
+            metrics.LOOP_LAG.observe(
+                max(0.0, loop.time() - self._last_tick - self.life.tick_seconds))
+        metrics.IN_FLIGHT.set(pipeline.in_flight)
+        slots = pipeline.attempt.slots
+        metrics.SATURATION.set((slots.used if slots else 0) / s.concurrency)
+        # Hold no more jobs than the token budget lets this worker start soon.
+        limit = provider.in_flight_limit(s.budget_queue_seconds)
+        consumer.max_in_flight = _claimed_bound(
+            s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
+        self._last_tick = loop.time()
 
-            side.every("consumer-lag", lag_interval, sample_lag, first_after=lag_interval)
-        return side
+    async def drain(self, grace_seconds: float) -> None:
+        # The consumer thread has paused every partition (the stop event): in-flight work
+        # gets the grace period, then the consumer commits what is done and leaves.
+        if self._pipeline is not None:
+            await self._pipeline.drain(grace_seconds)
+        await self._stop_consuming()
+
+    async def _stop_consuming(self) -> None:
+        self._drained.set()
+        if self._consuming is not None:
+            await asyncio.wait([self._consuming], timeout=30)
+
+    async def close(self) -> None:
+        await self._stop_consuming()
+        if self._provider is not None:
+            await self._provider.close()
+        if self._store is not None:
+            await self._store.close()

@@ -21,8 +21,6 @@ from calmq.cli.probes import kafka_config, kafka_unreachable, open_admin
 from calmq.errors import CalmqError
 
 if TYPE_CHECKING:
-    from confluent_kafka.admin import AdminClient
-
     from calmq.data.operations import InFlight
     from calmq.kafka import Connection
     from calmq.settings import Settings
@@ -72,55 +70,36 @@ class PartitionLag:
 def read_lag(connection: Connection, pools: Sequence[str] = ()) -> list[PartitionLag]:
     """Per partition of every pool's work topics: offsets, lag and the oldest message's age.
 
-    The group's committed offsets come from the admin API (no group membership, so the
-    workers' assignment is not disturbed); a partition never committed counts from its low
-    watermark, as the workers' lag gauge does.
+    Read by the kernel's lag reader (calmq.lag: no group membership, so the workers'
+    assignment is not disturbed, and none of the admin client's group requests); a
+    partition never committed counts from its low watermark, as the workers' gauge does.
     """
-    from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
-    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+    from confluent_kafka import KafkaException
 
-    admin, metadata = open_admin(connection)
+    from calmq import topics
+    from calmq.lag import LagReader
+
     bootstrap = connection if isinstance(connection, str) else connection["bootstrap.servers"]
-    by_pool = work_topics(list(metadata.topics))
-    if pools:
-        by_pool = {p: t for p, t in by_pool.items() if p in pools}
-    rows: list[PartitionLag] = []
+    reader = LagReader(kafka_config(connection), timeout=KAFKA_TIMEOUT_SECONDS)
     try:
-        for pool, pool_topics in by_pool.items():
-            group = f"calmq.{pool}"  # the workers' group (processors/worker.py)
-            parts = [TopicPartition(t, p) for t, _ in pool_topics
-                     for p in sorted(metadata.topics[t].partitions)]
-            if not parts:
-                continue
-            reply = admin.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, parts)],
-                request_timeout=KAFKA_TIMEOUT_SECONDS)[group].result(KAFKA_TIMEOUT_SECONDS * 2)
-            committed = {(tp.topic, tp.partition): tp.offset for tp in reply.topic_partitions}
-            high = _offsets(admin, parts, OffsetSpec.latest())  # type: ignore[no-untyped-call]
-            low = _offsets(admin, parts, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
-            priority_of = dict(pool_topics)
-            for tp in parts:
-                key = (tp.topic, tp.partition)
-                done = committed.get(key, -1)
-                start = max(done, low[key]) if done >= 0 else low[key]
-                rows.append(PartitionLag(
-                    pool=pool, topic=tp.topic, priority=priority_of[tp.topic],
-                    partition=tp.partition, group=group, start_offset=low[key],
-                    end_offset=high[key], committed_offset=done if done >= 0 else None,
-                    lag=max(0, high[key] - start), oldest_age_seconds=None))
+        by_pool = work_topics(list(reader.topics()))
+        if pools:
+            by_pool = {p: t for p, t in by_pool.items() if p in pools}
+        priority_of = {name: (pool, priority) for pool, names in by_pool.items()
+                       for name, priority in names}
+        read = reader.read_groups({topics.worker_group(pool): [n for n, _ in names]
+                                   for pool, names in by_pool.items()})
     except KafkaException as exc:
         raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
+    finally:
+        reader.close()
+    rows = [PartitionLag(pool=priority_of[r.topic][0], topic=r.topic,
+                         priority=priority_of[r.topic][1], partition=r.partition,
+                         group=r.group, start_offset=r.start_offset, end_offset=r.end_offset,
+                         committed_offset=r.committed_offset, lag=r.lag,
+                         oldest_age_seconds=None) for r in read]
     _oldest_ages(connection, [r for r in rows if r.lag > 0])
     return rows
-
-
-def _offsets(admin: AdminClient, parts: Sequence[Any], spec: Any) -> dict[tuple[str, int], int]:
-    from confluent_kafka import TopicPartition
-
-    futures = admin.list_offsets({TopicPartition(tp.topic, tp.partition): spec for tp in parts},
-                                 request_timeout=KAFKA_TIMEOUT_SECONDS)
-    return {(tp.topic, tp.partition): int(f.result(KAFKA_TIMEOUT_SECONDS * 2).offset)
-            for tp, f in futures.items()}
 
 
 def _oldest_ages(connection: Connection, lagging: list[PartitionLag]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import gc
 import threading
@@ -183,68 +182,35 @@ def cmd_batcher(args: argparse.Namespace) -> int:
 
 
 def cmd_forwarder(args: argparse.Namespace) -> int:
-    import signal
-
     from confluent_kafka import Producer
 
     from calmq import topics
     from calmq.codec import make_codec, registry_config
     from calmq.kafka import consumer_config, producer_config, service_connection
-    from calmq.processors.forwarder import Forwarder
+    from calmq.processors.forwarder import Forwarder, ForwarderService
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
     connection = service_connection(settings)
-    Forwarder(consumer_config(connection, "calmq.forwarder"),
-              Producer(producer_config(connection, compression=settings.kafka_compression)),
-              make_codec(settings.schema_registry_url, registry_config(settings)), tier_topics,
-              commit_interval=settings.commit_interval_ms / 1000).run(stop)
+    forwarder = Forwarder(consumer_config(connection, topics.FORWARDER_GROUP),
+                          Producer(producer_config(connection,
+                                                   compression=settings.kafka_compression)),
+                          make_codec(settings.schema_registry_url, registry_config(settings)),
+                          tier_topics, commit_interval=settings.commit_interval_ms / 1000)
+    asyncio.run(ForwarderService(forwarder, grace_seconds=settings.grace_seconds).run())
     return 0
 
 
 def cmd_reaper(args: argparse.Namespace) -> int:
-    from calmq.data import Store
+    from calmq.processors.reaper import Reaper
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
     _metrics_server(args.metrics_port, settings.metrics_host)
-
-    async def loop() -> None:
-        from calmq.data.spending import SpendLedger
-        from calmq.objects import open_object_store
-        from calmq.processors.reaper import schedule_reaper, schedule_spend_release
-        from calmq.reviews import ReviewDesk
-        from calmq.spending import spend_caps_from_settings
-        from calmq.supervision import Supervisor
-        from calmq.workflows import load_workflows
-
-        store = Store(settings.database_url, max_size=2,
-                      keep_errors=settings.max_job_errors, **Store.pool_options(settings))
-        await store.open()
-        # The review timer runs here too (and in every worker's housekeeping).
-        desk = ReviewDesk(store, load_workflows(settings),
-                          open_object_store(settings.object_store_url))
-        side = Supervisor()
-        schedule_reaper(side, store, desk, max(0.5, settings.lease_seconds / 3),
-                        sweeper_grace_seconds=settings.sweeper_grace_seconds,
-                        longest_tier_seconds=settings.retry_tier_list[-1][1])
-        # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).
-        schedule_spend_release(side, spend_caps_from_settings(settings, SpendLedger(store)))
-        try:
-            await side.failed.wait()  # a failed pass is retried; a stopped task ends us
-        finally:
-            await side.stop()
-            await store.close()
-        raise SystemExit(1)
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(loop())
+    asyncio.run(Reaper(settings).run())
     return 0
 
 

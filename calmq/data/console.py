@@ -1,5 +1,10 @@
-"""What the web console reads (calmq/sql/console.sql): jobs with filters, the review queue,
-the overview's backlog, outcomes, spend and budget, and the per-pool review caps.
+"""What the web console reads (calmq/sql/console.sql): jobs with filters, one job's page, the
+review queue and one review, the overview's backlog, outcomes, spend and budget, and the
+per-pool review caps.
+
+Reads are bounded: a list selects no payload (no input, no output), and a page reads at most
+``PREVIEW_CHARS`` of a job's input (pretty-printed by PostgreSQL; only the prefix crosses
+the wire), its history and attempts up to a limit.
 
 Every read takes ``tenant_id``: a tenant key's console sees only that tenant; None (a
 platform key) sees every tenant. The overview reads the tables the Prometheus samplers and
@@ -15,8 +20,15 @@ from datetime import datetime
 from typing import Any
 
 from calmq.data.database import Database
+from calmq.data.jobs import HistoryEvent
 
-__all__ = ["ConsoleJob", "ConsoleReads", "JobQuery", "Overview", "QueuedReview"]
+__all__ = ["PREVIEW_CHARS", "ConsoleJob", "ConsoleReads", "JobPage", "JobQuery", "Overview",
+           "QueuedReview", "Review"]
+
+# The most of a job's input a page shows (and reads).
+PREVIEW_CHARS = 4096
+# The most history entries and attempts a job's page reads.
+HISTORY_LIMIT = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +65,8 @@ class ConsoleJob:
 
 @dataclass(frozen=True, slots=True)
 class QueuedReview:
+    """A row of the review queue (no payload)."""
+
     id: uuid.UUID
     tenant: str
     tenant_id: uuid.UUID
@@ -62,10 +76,49 @@ class QueuedReview:
     review_deadline_at: datetime | None
     updated_at: datetime
     created_at: datetime
-    input: Any
+    confidence: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Review(QueuedReview):
+    """One review: the model's output, whole, and a bounded preview of the input."""
+
+    input_preview: str | None  # at most PREVIEW_CHARS of the input, pretty-printed
+    input_bytes: int | None
     input_ref: str | None
     output: dict[str, Any]
-    confidence: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One job as its console page shows it: no payload beyond a bounded input preview."""
+
+    id: uuid.UUID
+    tenant: str
+    tenant_id: uuid.UUID
+    workflow: str
+    workflow_version: int
+    status: str
+    priority: str
+    lane: str
+    pool: str
+    step: str
+    attempt: int
+    max_attempts: int
+    created_at: datetime
+    updated_at: datetime
+    deadline_at: datetime | None
+    review_deadline_at: datetime | None
+    trace_parent: str | None
+    metadata: dict[str, Any]
+    input_tokens: int
+    output_tokens: int
+    cost_usd: Any  # numeric
+    error: dict[str, Any] | None
+    artifact: dict[str, Any] | None
+    input_ref: str | None
+    input_preview: str | None
+    input_bytes: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +148,33 @@ class ConsoleReads:
     async def reviews(self, tenant_id: uuid.UUID | None, limit: int = 100) -> list[QueuedReview]:
         rows = await self._rows("console_reviews", {"tenant_id": tenant_id, "limit": limit})
         return [QueuedReview(**r) for r in rows]
+
+    async def review(self, tenant_id: uuid.UUID | None, job_id: uuid.UUID) -> Review | None:
+        """The job's review, if it waits for one and the caller may see it."""
+        rows = await self._rows("console_review", {"tenant_id": tenant_id, "id": job_id,
+                                                   "preview": PREVIEW_CHARS})
+        return Review(**rows[0]) if rows else None
+
+    async def job(self, tenant_id: uuid.UUID | None, job_id: uuid.UUID) -> JobPage | None:
+        rows = await self._rows("console_job", {"tenant_id": tenant_id, "id": job_id,
+                                                "preview": PREVIEW_CHARS})
+        return JobPage(**rows[0]) if rows else None
+
+    async def job_input(self, tenant_id: uuid.UUID | None, job_id: uuid.UUID) -> Any:
+        """The job's whole inline input (None: by reference, or purged)."""
+        rows = await self._rows("console_job_input", {"tenant_id": tenant_id, "id": job_id})
+        return rows[0]["input"] if rows else None
+
+    async def events(self, job_id: uuid.UUID, after: int = 0) -> list[HistoryEvent]:
+        rows = await self._rows("console_job_events", {"id": job_id, "after": after,
+                                                       "limit": HISTORY_LIMIT})
+        return [HistoryEvent(**r) for r in rows]
+
+    async def attempts(self, job_id: uuid.UUID) -> list[tuple[int, dict[str, Any]]]:
+        """(round, attempt record) of every round, the current one (0) last."""
+        rows = await self._rows("console_job_attempts", {"id": job_id,
+                                                         "limit": HISTORY_LIMIT})
+        return [(int(r["round"]), dict(r["record"])) for r in rows]
 
     async def overview(self, tenant_id: uuid.UUID | None) -> Overview:
         scope = {"tenant_id": tenant_id}

@@ -7,8 +7,9 @@ tenant reads it. ``Jobs(db)`` runs the queries of calmq/sql/jobs.sql on the pool
 client library enqueues inside the caller's transaction) and import nothing of the server.
 
 Adding a column to jobs touches the migration, the Avro schema when events carry it,
-calmq/sql/jobs.sql and the records here; for a field clients send, the API's request model
-(producers/models.py) too, whose fields reach NewJob by name (producers.intake.prepare).
+calmq/sql/jobs.sql (the insert, the ``job_row`` fragment every statement that returns a Job
+uses, and the API's reads) and the records here; for a field clients send, the API's request
+model (producers/models.py) too, whose fields reach NewJob by name (producers.intake.prepare).
 Nothing else: the insert parameters are NewJob's fields, and ``job.requested`` is filled
 from the record by the Avro schema's field names (calmq.events).
 """
@@ -51,7 +52,8 @@ __all__ = [
 
 @dataclass(slots=True, kw_only=True)
 class Job:
-    """A job as a worker holds it: the columns ``claim_jobs`` returns.
+    """A job as a worker holds it: the ``job_row`` fragment's columns (calmq/sql/jobs.sql)
+    and ``old_status``, which every statement that returns jobs reads.
 
     ``old_status`` is the status the claim found (``running`` means its lease had expired
     and the job was taken over from a dead worker). ``lease_version`` is the claim's fencing
@@ -81,9 +83,11 @@ class Job:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
-        """The record of one ``claim_jobs`` (or ``reap_expired_leases``) row.
+        """The record of one row of a statement that returns jobs (claim, reap, sweep, the
+        hold releases, the batch lane's pending jobs).
 
-        The queries return exactly these columns, so this is a plain keyword call: no
+        They return exactly these columns (the ``job_row`` fragment and ``old_status``;
+        tests/integration/test_job_row.py runs each), so this is a plain keyword call: no
         per-field work on the hot path.
         """
         return cls(**row)

@@ -40,10 +40,12 @@ class ReviewCaps:
                                      {"ids": list(ids), "workflows": list(workflows)})
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
 
-    async def release(self, limit: int = 500) -> list[Job]:
-        """Re-publish held jobs as far as their pools' caps have room (or have no cap now)."""
+    async def release(self, workflows: Sequence[str], limit: int = 500) -> list[Job]:
+        """Re-publish held jobs as far as their pools' caps have room (or have no cap now);
+        ``workflows``: those that can end in review (their admitted jobs use room)."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(self._q["release_review_cap_holds"], {"limit": limit})
+            cur = await conn.execute(self._q["release_review_cap_holds"],
+                                     {"limit": limit, "workflows": list(workflows)})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
             await republish(conn, self._q["insert_outbox"], jobs)
         return jobs

@@ -100,10 +100,7 @@ SELECT provider_id FROM provider_batches WHERE provider = %(provider)s AND provi
 -- The jobs a batch's results settle: still pending in the batch and still held by it at the
 -- attempt the request was for (a job cancelled meanwhile is not, and its result is ignored).
 -- With custom_ids NULL: every such job (the ones a finished batch did not answer).
-SELECT j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-       j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-       j.trace_parent, j.created_at, j.status AS old_status, j.lease_version, j.lane,
-       bj.custom_id
+SELECT {{job_row}}, j.status AS old_status, bj.custom_id
 FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
 WHERE bj.batch_key = %(key)s AND bj.state = 'pending'
   AND (%(custom_ids)s::text[] IS NULL OR bj.custom_id = ANY(%(custom_ids)s::text[]))

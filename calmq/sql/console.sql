@@ -24,15 +24,64 @@ ORDER BY j.created_at DESC, j.id DESC
 LIMIT %(limit)s;
 
 -- name: console_reviews
--- Jobs waiting for a person, oldest first, with the model's output and the job's input.
+-- Jobs waiting for a person, oldest first: what the queue shows, never the input or the
+-- output (a list reads no payloads; console_review reads one review's).
 SELECT j.id, t.name AS tenant, j.tenant_id, j.workflow, j.step, j.pool,
-       j.review_deadline_at, j.updated_at, j.created_at, j.input, j.input_ref,
-       o.output, o.confidence
+       j.review_deadline_at, j.updated_at, j.created_at, o.confidence
 FROM jobs j JOIN step_outputs o ON o.job_id = j.id AND o.step = j.step
      JOIN tenants t ON t.id = j.tenant_id
 WHERE j.status = 'awaiting_review'
   AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
 ORDER BY j.updated_at, j.id
+LIMIT %(limit)s;
+
+-- name: console_review
+-- One job waiting for a person, by id: the model's output (the form corrects it whole) and
+-- at most %(preview)s characters of the input, pretty-printed.
+SELECT j.id, t.name AS tenant, j.tenant_id, j.workflow, j.step, j.pool,
+       j.review_deadline_at, j.updated_at, j.created_at,
+       left(jsonb_pretty(j.input), %(preview)s) AS input_preview,
+       octet_length(j.input::text) AS input_bytes, j.input_ref, o.output, o.confidence
+FROM jobs j JOIN step_outputs o ON o.job_id = j.id AND o.step = j.step
+     JOIN tenants t ON t.id = j.tenant_id
+WHERE j.id = %(id)s AND j.status = 'awaiting_review'
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid);
+
+-- name: console_job
+-- One job's page: its row without the payload (at most %(preview)s characters of the
+-- input, pretty-printed, and its size).
+SELECT j.id, t.name AS tenant, j.tenant_id, j.workflow, j.workflow_version, j.status,
+       j.priority, j.lane, j.pool, j.step, j.attempt, j.max_attempts, j.created_at,
+       j.updated_at, j.deadline_at, j.review_deadline_at, j.trace_parent, j.metadata,
+       j.input_tokens, j.output_tokens, j.cost_usd, j.error, j.artifact, j.input_ref,
+       left(jsonb_pretty(j.input), %(preview)s) AS input_preview,
+       octet_length(j.input::text) AS input_bytes
+FROM jobs j JOIN tenants t ON t.id = j.tenant_id
+WHERE j.id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid);
+
+-- name: console_job_input
+-- The whole inline input: the download of it, not a page.
+SELECT input FROM jobs
+WHERE id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid);
+
+-- name: console_job_events
+-- A job's history after event %(after)s (0: all of it), oldest first.
+SELECT id, type, at, attempt, detail FROM job_events
+WHERE job_id = %(id)s AND id > %(after)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: console_job_attempts
+-- Every attempt of every round, as JSON rows: round 0 is the current one (job_attempts),
+-- then the archived rounds, oldest first.
+SELECT round, record FROM (
+    SELECT 0 AS round, 1 AS ord, to_jsonb(a) - 'job_id' AS record, a.started_at
+    FROM job_attempts a WHERE a.job_id = %(id)s
+    UNION ALL
+    SELECT round, 0 AS ord, record, (record->>'started_at')::timestamptz
+    FROM job_attempts_redriven WHERE job_id = %(id)s
+) a
+ORDER BY ord, round, started_at
 LIMIT %(limit)s;
 
 -- name: console_backlog

@@ -2,6 +2,15 @@
 -- cancel. The status guards in these WHERE clauses are calmq.jobs' moves
 -- (tests/integration/test_job_moves.py holds them to the table).
 
+-- fragment: job_row
+-- The columns calmq.data.jobs.Job is read from, of the jobs row named j. Each statement that
+-- returns jobs writes it in double braces in its RETURNING or SELECT list and adds old_status
+-- itself (the status it found the job in). tests/integration/test_job_row.py runs every such
+-- statement and checks that each Job field comes back.
+j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step, j.attempt,
+j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at, j.trace_parent, j.created_at,
+j.lease_version, j.lane
+
 -- name: find_idempotency_key
 SELECT request_hash, job_id FROM idempotency_keys
 WHERE tenant_id = %(tenant_id)s AND key = %(key)s;
@@ -156,9 +165,7 @@ WITH target AS (
                       lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
                       updated_at = now()
     FROM target t WHERE j.id = t.id
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, t.old_status, j.lease_version, j.lane
+    RETURNING {{job_row}}, t.old_status
 ), attempts AS (
     INSERT INTO job_attempts (job_id, step, attempt, worker, started_at, lease_version)
     SELECT id, step, attempt, %(worker)s, now(), lease_version FROM claimed
@@ -249,10 +256,8 @@ WITH poisoned AS (
                           %(keep_errors)s),
                       updated_at = now()
     FROM poisoned p WHERE j.id = p.id
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version,
-              j.lane, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+    RETURNING {{job_row}}, 'running'::text AS old_status, j.errors, j.input_tokens,
+              j.output_tokens, j.cost_usd
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'dead_lettered', attempt, %(error)s::jsonb FROM dead
@@ -284,10 +289,8 @@ WITH expired AS (
     UPDATE jobs j SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL,
                       updated_at = now()
     FROM expired e WHERE j.id = e.id
-    -- the columns claim_jobs returns: both are read as calmq.data.jobs.Job
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'running'::text AS old_status, j.lease_version, j.lane
+    -- read as calmq.data.jobs.Job, like claim_jobs' rows
+    RETURNING {{job_row}}, 'running'::text AS old_status
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_after_restart', attempt, '{"reason": "lease_expired"}'::jsonb
@@ -334,10 +337,8 @@ WITH stranded AS (
 ), swept AS (
     UPDATE jobs j SET updated_at = now()
     FROM stranded s WHERE j.id = s.id
-    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, s.old_status, j.lease_version, j.lane
+    -- read as calmq.data.jobs.Job, like claim_jobs' rows
+    RETURNING {{job_row}}, s.old_status
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'requeued_by_sweeper', attempt,

@@ -61,9 +61,13 @@ SELECT id FROM held;
 
 -- name: release_review_cap_holds
 -- The release pass: per pool, as many held jobs (oldest hold first) as there is room under
--- its cap (the cap less its pending reviews and the jobs released earlier that are not in
--- review yet); a pool whose cap was removed releases them all. The caller re-publishes
--- each (job.requested through the outbox) in the same transaction.
+-- its cap: the cap less what the hold counts as used (hold_for_review_cap): its pending
+-- reviews, its admitted jobs of the workflows that can end in review (%(workflows)s) not
+-- in review yet, and the jobs released earlier that are not in review yet. A pool whose cap
+-- was removed releases them all. The caller re-publishes each (job.requested through the
+-- outbox) in the same transaction. (Counting less than the hold does released held jobs
+-- while the jobs admitted before them were still running, only for the worker to hold
+-- them again: a second waiting event, and a needless round trip through Kafka.)
 WITH caps AS (
     SELECT c.pool, c.cap FROM review_caps c ORDER BY c.pool FOR UPDATE OF c
 ), room AS (
@@ -71,6 +75,8 @@ WITH caps AS (
         SELECT count(*) FROM jobs j
         WHERE j.pool = p.pool
           AND (j.status = 'awaiting_review'
+               OR (j.status IN ('running', 'queued', 'retrying') AND j.lease_version > 0
+                   AND j.workflow = ANY(%(workflows)s::text[]))
                OR (j.status IN ('queued', 'retrying', 'running')
                    AND j.review_cap_released_at IS NOT NULL AND j.review_cap_held_at IS NULL)))
     END AS room
@@ -91,11 +97,8 @@ WITH caps AS (
     UPDATE jobs j SET review_cap_held_at = NULL, review_cap_released_at = now(),
                       updated_at = now()
     FROM chosen c WHERE j.id = c.id AND j.status = 'queued'
-    -- the columns claim_jobs returns: read as calmq.data.jobs.Job
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, 'queued'::text AS old_status, j.lease_version,
-              j.lane
+    -- read as calmq.data.jobs.Job, like claim_jobs' rows
+    RETURNING {{job_row}}, 'queued'::text AS old_status
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, jsonb_build_object('reason', 'review_cap') FROM released

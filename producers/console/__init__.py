@@ -1,8 +1,11 @@
 """The web console under /console: server-rendered pages for reviewers and operators.
 
 Served by the API process (build_app adds these routes), so it needs no process, build step
-or CDN of its own: the HTML is built in producers.console.pages, the few assets (one CSS
-and one script) are package data in static/. The routes are not in producers.routes.ROUTES
+or CDN of its own. Views per resource (producers.console.views) read through
+producers.console.reads, shape with producers.console.shaping and render Jinja2 templates
+(producers/console/templates/, autoescaped, extending base.html); the few assets (one CSS
+and one script) are package data in static/. A table that refreshes live fetches its rows
+rendered by the same template as the page. The routes are not in producers.routes.ROUTES
 on purpose: they are pages, not the API's contract, so /openapi.json does not list them.
 docs/how-to/console.md describes the pages; docs/reference/console.md the routes and roles.
 """
@@ -11,19 +14,15 @@ from __future__ import annotations
 
 from aiohttp import web
 
-__all__ = ["CONSUMER_LAG", "add_console"]
-
-# The overview's consumer-lag reader (producers.console.lag): one per application, so page
-# views share its cached answer.
-CONSUMER_LAG = web.AppKey("console_consumer_lag", object)
+__all__ = ["add_console"]
 
 
 def add_console(app: web.Application) -> None:
     """Register the console's routes on the API application."""
-    from calmq.producers.console.lag import ConsumerLag
-    from calmq.producers.console.pages import HANDLERS
+    from calmq.producers.console.lag import FleetLag
+    from calmq.producers.console.reads import CONSUMER_LAG
+    from calmq.producers.console.views import ROUTES
 
-    app[CONSUMER_LAG] = ConsumerLag()
-
-    for method, path, handler in HANDLERS:
+    app[CONSUMER_LAG] = FleetLag()
+    for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

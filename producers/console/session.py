@@ -12,22 +12,65 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from calmq.data import Tenant
 from calmq.errors import ContractError
 from calmq.producers.auth import COOKIE, key_tenant
-from calmq.producers.console.html import Page, esc, layout
+from calmq.producers.console.templates import render
 
-__all__ = ["COOKIE", "CSRF_COOKIE", "Handler", "csrf_token", "guard", "html_response",
-           "new_login_token", "redirect", "scope", "set_cookie"]
+__all__ = ["COOKIE", "CSRF_COOKIE", "Handler", "Page", "csrf_token", "guard",
+           "new_login_token", "redirect", "set_cookie", "signed_in"]
 
 CSRF_COOKIE = "calmq_console_csrf"
 
-Handler = Callable[[web.Request, Tenant, Page], Awaitable[web.StreamResponse]]
+_NAV = (("overview", "Overview", None), ("jobs", "Jobs", None),
+        ("reviews", "Reviews", "review"), ("dead-letters", "Dead letters", "operate"))
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """Who is looking, as the views and the layout need it: the key's tenant, roles, whether
+    it is a platform key (every page says so), and the CSRF token of its forms."""
+
+    tenant: str
+    tenant_id: uuid.UUID
+    prefix: str
+    roles: tuple[str, ...]
+    platform: bool
+    csrf: str
+    identity: str  # who did it, in the history: ``tenant <name> key <prefix>``
+
+    def can(self, role: str) -> bool:
+        return role in self.roles
+
+    @property
+    def scope(self) -> uuid.UUID | None:
+        """The tenant the console reads: its own, or None (every tenant) for a platform
+        key."""
+        return None if self.platform else self.tenant_id
+
+    @property
+    def nav(self) -> list[tuple[str, str]]:
+        return [(slug, label) for slug, label, role in _NAV
+                if role is None or role in self.roles]
+
+    @property
+    def who(self) -> str:
+        scope = "all tenants (platform key)" if self.platform else f"tenant {self.tenant}"
+        return f"{scope} \u00b7 key {self.prefix} \u00b7 {', '.join(self.roles)}"
+
+    @classmethod
+    def of(cls, caller: Tenant, key: str) -> Page:
+        return cls(caller.name, caller.id, caller.key_prefix, tuple(caller.roles),
+                   caller.platform, csrf_token(key), caller.identity)
+
+
+Handler = Callable[[web.Request, Page], Awaitable[web.StreamResponse]]
 
 
 def csrf_token(key: str) -> str:
@@ -52,18 +95,9 @@ def redirect(location: str) -> web.Response:
     return web.Response(status=303, headers={"Location": location})
 
 
-def html_response(text: str, status: int = 200) -> web.Response:
-    return web.Response(text=text, status=status, content_type="text/html", headers={
-        "Cache-Control": "no-store",
-        "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
-                                   "frame-ancestors 'none'; form-action 'self'",
-        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
-
-
-def scope(caller: Tenant) -> Any:
-    """The tenant a caller's console reads: its own, or None (every tenant) for a platform
-    key."""
-    return None if caller.platform else caller.id
+async def signed_in(request: web.Request, key: str) -> bool:
+    """Whether ``key`` is a known, unrevoked API key."""
+    return bool(key) and await key_tenant(request, key) is not None
 
 
 def _same_origin(request: web.Request) -> bool:
@@ -79,9 +113,8 @@ def error_page(request: web.Request, page: Page | None, status: int, code: str,
         from calmq.producers.problems import problem
 
         return problem(status, code, message)
-    body = (f'<p class="error" role="alert" data-code="{esc(code)}">{esc(message)}</p>'
-            f'<p><a href="/console/overview">Back to the overview</a></p>')
-    return html_response(layout(f"Error {status}", body, page), status)
+    return render("error.html", status, title=f"Error {status}", page=page, current="",
+                  code=code, message=message)
 
 
 def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
@@ -102,8 +135,7 @@ def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
                 if key:  # a revoked key: forget it
                     response.del_cookie(COOKIE, path="/")
                 return response
-            page = Page(caller.name, caller.key_prefix, caller.roles, caller.platform,
-                        csrf_token(key))
+            page = Page.of(caller, key)
             if request.method == "POST":
                 form = await request.post()
                 if not (_same_origin(request) and hmac.compare_digest(
@@ -111,12 +143,12 @@ def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
                     return error_page(request, page, 403, "csrf_failed",
                                       "the form's CSRF token is missing or stale; reload "
                                       "the page and try again")
-            if roles and not any(caller.can(r) for r in roles):
+            if roles and not any(page.can(r) for r in roles):
                 return error_page(request, page, 403, "role_forbidden",
                                   f"this needs the {' or '.join(roles)} role; your key has "
-                                  f"{', '.join(caller.roles)}")
+                                  f"{', '.join(page.roles)}")
             try:
-                return await handler(request, caller, page)
+                return await handler(request, page)
             except ContractError as exc:
                 return error_page(request, page, exc.status, exc.code, exc.message)
 

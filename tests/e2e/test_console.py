@@ -224,6 +224,27 @@ def test_cancel_a_queued_job(env: Env, owner: Any) -> None:
     assert cancelled["detail"] == {"by": env.wf.identity}
 
 
+def test_the_live_refreshed_rows_equal_the_first_rendered_ones(owner: Any) -> None:
+    """The jobs table refreshes from rows the server renders with the page's own template:
+    after a refresh every row has the same cells as the page first showed, Priority
+    included (a hand-written script renderer once dropped that column)."""
+    owner.goto("/console/jobs?status=cancelled")
+    table = owner.locator("table#jobs")
+    headers = table.locator("thead th").all_inner_texts()
+
+    def cells() -> list[list[str]]:
+        rows: list[list[str]] = table.evaluate(
+            "t => Array.from(t.tBodies[0].rows, r => Array.from(r.cells, c => c.innerHTML))")
+        return rows
+
+    first = cells()
+    assert first, "the cancelled job of test_cancel_a_queued_job is listed"
+    assert all(len(row) == len(headers) for row in first)
+    assert first[0][headers.index("Priority")] in ("interactive", "bulk")
+    expect(table).to_have_attribute("data-refreshed", re.compile(r"^[1-9]"))
+    assert cells() == first
+
+
 def test_watch_a_job_go_queued_running_completed_live(env: Env, owner: Any) -> None:
     job_id = env.wf.submit("summarize_t", {"text": "watch me", "mode": "success",
                                            "delay_ms": 1500}, )
@@ -290,6 +311,14 @@ def test_approve_a_review_with_a_corrected_field(env: Env, owner: Any) -> None:
 def test_reject_a_review_and_it_dead_letters(env: Env, owner: Any) -> None:
     job_id = _awaiting_review(env)
     owner.goto(f"/console/reviews/{job_id}")
+    # A reason PostgreSQL cannot store is refused on the form, and nothing is decided.
+    csrf = owner.locator('input[name="csrf"]').first.get_attribute("value")
+    answer = owner.request.post(f"/console/reviews/{job_id}", form={
+        "csrf": csrf, "decision": "reject", "reason": "nul\x00reason"},
+        headers={"Origin": env.wf.api_url})
+    assert answer.status == 422
+    assert "NUL character" in answer.text()
+    assert env.wf.job(job_id)["status"] == "awaiting_review"
     owner.keyboard.press("r")  # the shortcut goes to the reason
     owner.keyboard.type("the scan is unreadable")
     owner.get_by_role("button", name="Reject").click()

@@ -477,7 +477,7 @@ def lagging_partitions(bootstrap: str) -> list[str]:
     for group, names in groups.items():
         # A consumer of the group that never subscribes: it reads the committed offsets
         # without joining (and without the admin client's group requests, which abort the
-        # process when the broker goes away: processors/lag.py).
+        # process when the broker goes away: calmq/lag.py).
         probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
                           "enable.auto.commit": False})
         try:

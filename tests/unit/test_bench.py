@@ -119,12 +119,12 @@ def test_bench_exits_2_for_a_scenario_not_built_yet(
 def test_budget_scenario_says_what_is_missing() -> None:
     """Without calmq.budget the budget scenario raises NotBuiltError naming it; with it, the
     setting it drives exists."""
-    from bench import scenarios
+    from bench import budget, scenarios
     from calmq.settings import Settings
 
     if importlib.util.find_spec("calmq.budget") is None:
         with pytest.raises(scenarios.NotBuiltError, match=r"calmq\.budget"):
-            scenarios.budget(1, log=lambda _m: None, sampler=Sampler())
+            budget.budget(1, log=lambda _m: None, sampler=Sampler())
     else:
         assert "budget_tokens_per_minute" in Settings.model_fields
 
@@ -212,7 +212,7 @@ def test_new_scenarios_are_registered_with_full_default_sizes() -> None:
 def test_statement_attribution_is_written_per_side(tmp_path: Path) -> None:
     """e2e/drain write each side's heaviest statements (ms, calls and WAL per job) beside
     PostgreSQL's CPU per job and the jobs table's HOT share."""
-    from bench.scenarios import _hot_share, _write_statements
+    from bench.common import hot_share, write_statements
 
     row = {"ms_per_job": 0.1234, "share_of_toplevel": 0.5, "calls_per_job": 0.02,
            "rows_per_call": 50.0, "wal_bytes_per_job": 900.0, "blocks_dirtied_per_job": 1.0,
@@ -220,14 +220,33 @@ def test_statement_attribution_is_written_per_side(tmp_path: Path) -> None:
     res = report.result("e2e", 10, {"pg_cpu_ms_per_job": 0.3},
                         {"skip_locked": {"pg_cpu_ms_per_job": 0.4}}, {})
     res["pg_statements"] = {"calmq": [row], "skip_locked": []}
-    res["jobs_table"] = _hot_share({"inserts": 10, "updates": 30, "hot_updates": 6,
+    res["jobs_table"] = hot_share({"inserts": 10, "updates": 30, "hot_updates": 6,
                                     "deletes": 0})
     assert res["jobs_table"]["hot_share"] == 0.2
     assert res["jobs_table"]["updates_per_insert"] == 3.0
     out = tmp_path / "e2e-pg-statements.md"
-    _write_statements(out, "e2e", res)
+    write_statements(out, "e2e", res)
     text = out.read_text()
     assert "calmq 0.3 ms, skip_locked 0.4 ms" in text
     assert "## calmq" in text
     assert "## skip_locked" in text
     assert "| 0.1234 | 50.0% | 0.02 | 50.0 | 900.0 | `WITH input AS (SELECT 1) / x` |" in text
+
+
+def test_no_bench_module_imports_another_ones_private_names() -> None:
+    """The scenarios share bench/common.py's public helpers; none reaches into another
+    module's private names (which is how the registry once doubled as a helper library)."""
+    import ast
+
+    bench_dir = Path(__file__).resolve().parents[2] / "bench"
+    private = []
+    for path in sorted(bench_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert private == []
+    from bench import scenarios
+
+    assert all(callable(run) for run in scenarios.SCENARIOS.values())
+    assert set(scenarios.DEFAULT_SIZES) == set(scenarios.SCENARIOS)

@@ -1,5 +1,6 @@
-"""The console's pure parts: roles, escaping, the review form's corrections, sign-in
-redirects, CSRF tokens and the SVG charts (the pages themselves: tests/e2e/test_console.py)."""
+"""The console's pure parts: roles, escaping in templates, the review form's corrections,
+storable form text, sign-in redirects, CSRF tokens and the SVG charts (the pages themselves:
+tests/e2e/test_console.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from multidict import MultiDict
 from calmq.data.tenants import ROLES, Tenant, parse_roles
 from calmq.errors import ContractError
 from calmq.producers.console.charts import bars
-from calmq.producers.console.html import Markup, esc, table
-from calmq.producers.console.pages import _corrections, _output_fields
+from calmq.producers.console.forms import checked, storable_problem
 from calmq.producers.console.session import csrf_token, safe_next
+from calmq.producers.console.shaping import corrections, output_fields
+from calmq.producers.console.templates import Markup, environment
 from calmq.workflows.invoice import InvoiceFields
 
 
@@ -36,27 +38,53 @@ def test_roles_parse_from_a_comma_list_and_unknown_ones_are_refused() -> None:
     assert not reviewer.can("operate")
 
 
-def test_every_value_is_escaped_but_markup() -> None:
-    assert esc('<script>"x"</script>') == "&lt;script&gt;&quot;x&quot;&lt;/script&gt;"
-    assert esc({"a": "<b>"}) == "{&quot;a&quot;: &quot;&lt;b&gt;&quot;}"
-    assert esc(Markup("<b>ok</b>")) == "<b>ok</b>"
-    html = table("t", ["h"], [("<img src=x>",)])
+def _render(source: str, **context: object) -> str:
+    return environment().from_string(source).render(**context)
+
+
+def test_every_value_is_escaped_in_text_and_attributes_but_markup() -> None:
+    """Templates escape what they print, in text and in attributes; Markup passes as is."""
+    hostile = '<script>"x"</script>'
+    assert _render("{{ v }}", v=hostile) == "&lt;script&gt;&#34;x&#34;&lt;/script&gt;"
+    assert _render('<a title="{{ v }}">', v='" onmouseover="x') == (
+        '<a title="&#34; onmouseover=&#34;x">')
+    assert _render("{{ v|text }}", v={"a": "<b>"}) == "{&#34;a&#34;: &#34;&lt;b&gt;&#34;}"
+    assert _render("{{ v }}", v=Markup("<b>ok</b>")) == "<b>ok</b>"
+    html = _render('{% from "macros.html" import table %}{{ table("t", ["h"], rows) }}',
+                   rows=[["<img src=x>"]])
     assert "<img" not in html
-    assert "&lt;img src=x&gt;" in html
+    assert "<td>&lt;img src=x&gt;</td>" in html
 
 
 def test_the_review_form_follows_the_output_model_and_keeps_only_changes() -> None:
     output = {"vendor": "Blurry", "invoice_number": "7?1", "total": 88.0, "currency": "EUR"}
-    fields = _output_fields(InvoiceFields, output)
+    fields = output_fields(InvoiceFields, output)
     assert [(n, k, r) for n, k, _v, r in fields] == [
         ("vendor", "string", True), ("invoice_number", "string", True),
         ("total", "number", True), ("currency", "string", True)]
     form = MultiDict({"field:vendor": "Blurry", "field:invoice_number": "791",
                       "field:total": "88.5", "field:currency": "EUR"})
-    assert _corrections(fields, form) == {"invoice_number": "791", "total": 88.5}
+    assert corrections(fields, form) == {"invoice_number": "791", "total": 88.5}
     with pytest.raises(ContractError) as err:
-        _corrections(fields, MultiDict({"field:total": "lots"}))
+        corrections(fields, MultiDict({"field:total": "lots"}))
     assert (err.value.code, err.value.status) == ("invalid_fields", 422)
+
+
+def test_text_postgresql_cannot_store_is_refused_with_the_field_named() -> None:
+    """A NUL character (or a lone surrogate) in a field, or inside a corrected JSON value,
+    is a 422 invalid_form naming the field, never a database error."""
+    assert storable_problem("fine \u00e9") is None
+    assert "NUL" in (storable_problem("a\x00b") or "")
+    assert "surrogate" in (storable_problem("a\ud800b") or "")
+    assert storable_problem({"k": ["ok", {"deep": "x\x00"}]}) is not None
+    with pytest.raises(ContractError) as err:
+        checked("the reason", "bad\x00reason")
+    assert (err.value.code, err.value.status) == ("invalid_form", 422)
+    assert "the reason" in err.value.message
+    fields = output_fields(None, {"notes": None, "vendor": "x"})
+    with pytest.raises(ContractError) as err:
+        corrections(fields, MultiDict({"field:notes": '{"a": "\\u0000"}'}))
+    assert (err.value.code, "notes") == ("invalid_form", err.value.message.split()[0])
 
 
 def test_sign_in_only_returns_to_console_pages() -> None:

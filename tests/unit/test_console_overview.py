@@ -5,14 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 
-from calmq.producers.console.lag import ConsumerLag, TopicLag
-from calmq.producers.console.pages import held_for_review_cap, lag_section, review_cap_state
+from calmq.lag import GroupLag
+from calmq.producers.console.lag import FleetLag
+from calmq.producers.console.shaping import held_for_review_cap, lag_view, review_cap_state
+from calmq.producers.console.templates import environment
 from calmq.settings import Settings
 
 
+def lag_section(lags: list[GroupLag] | None) -> str:
+    """The overview's lag section as its template renders it."""
+    return environment().get_template("_lag.html").render(lag=lag_view(lags))
+
+
 def test_lag_renders_as_a_table_and_a_bar_per_topic_and_group() -> None:
-    html = lag_section([TopicLag("calmq.default", "calmq.work.default.bulk", 1234, 2),
-                        TopicLag("calmq.forwarder", "calmq.retry.5s", 0, 2)])
+    html = lag_section([GroupLag("calmq.default", "calmq.work.default.bulk", 1234, 2),
+                        GroupLag("calmq.forwarder", "calmq.retry.5s", 0, 2)])
     assert 'data-testid="consumer-lag"' in html
     assert "<td>calmq.default</td><td>calmq.work.default.bulk</td><td>2</td><td>1,234</td>" in html
     assert "<td>calmq.forwarder</td><td>calmq.retry.5s</td><td>2</td><td>0</td>" in html
@@ -47,7 +54,7 @@ def test_a_job_is_held_while_its_newest_wait_is_for_the_cap() -> None:
 
 def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() -> None:
     # A real client against a closed local port: nothing listens there.
-    reader = ConsumerLag(ttl=60.0, timeout=0.5)
+    reader = FleetLag(ttl=60.0, timeout=0.5)
     started = time.monotonic()
     settings = Settings.load(environ={"CALMQ_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
     assert asyncio.run(reader.read(settings)) is None

@@ -10,7 +10,7 @@ from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from calmq import events
+from calmq import events, sql
 from calmq.codec import SchemaStore, SingleObjectCodec
 from calmq.data import Database, Job, NewJob, outbox
 from calmq.data.tenants import hash_key, key_prefix, new_key
@@ -66,14 +66,20 @@ def test_insert_job_writes_every_new_job_field() -> None:
         assert re.search(rf"\b{name} \w+", q["insert_jobs"]), name
 
 
-def test_claim_returns_exactly_the_job_fields() -> None:
-    """claim_jobs and reap_expired_leases return the columns Job.from_row takes."""
-    q = Database("postgresql://unused").q
-    wanted = {f.name for f in fields(Job)}
-    for name in ("claim_jobs", "reap_expired_leases"):
-        returning = re.findall(r"RETURNING (.*?)\n\)", q[name], re.DOTALL)[0]
-        columns = {c.strip().split(".")[-1].split(" AS ")[-1] for c in returning.split(",")}
-        assert columns == wanted, name
+def test_the_job_row_fragment_is_the_job_fields() -> None:
+    """The job_row fragment names every Job field but old_status, each statement's own."""
+    columns = [c.strip().removeprefix("j.") for c in sql.fragments()["job_row"].split(",")]
+    assert sorted(columns) == sorted(f.name for f in fields(Job) if f.name != "old_status")
+
+
+def test_every_statement_returning_jobs_uses_the_job_row_fragment() -> None:
+    """A statement whose rows carry old_status (they are read as Job) takes its other
+    columns from the job_row fragment instead of a list of its own."""
+    returning = [name for name, (kind, text) in sql.sources().items()
+                 if kind == "name" and "old_status" in text]
+    assert len(returning) >= 8
+    for name in returning:
+        assert "{{job_row}}" in sql.sources()[name][1], name
 
 
 def test_every_requeue_returns_the_whole_job_row() -> None:

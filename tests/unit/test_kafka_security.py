@@ -9,7 +9,7 @@ import pytest
 from calmq.codec import registry_config
 from calmq.errors import ConfigError
 from calmq.kafka import connection_config, consumer_config, producer_config
-from calmq.processors.lag import admin_config
+from calmq.lag import client_config
 from calmq.settings import Settings
 
 SCRAM = {
@@ -94,7 +94,7 @@ def test_msk_iam_gives_librdkafka_a_token_callback_signed_by_aws(
     assert "=" not in token
     assert expiry > 1e9  # seconds since the epoch, as librdkafka wants
     # The lag readers and admin clients beside a consumer get the callback too.
-    assert admin_config(consumer_config(config, "g"))["oauth_cb"] is config["oauth_cb"]
+    assert client_config(consumer_config(config, "g"))["oauth_cb"] is config["oauth_cb"]
 
 
 def test_pass_through_properties_reach_every_client_in_json_or_properties_text() -> None:

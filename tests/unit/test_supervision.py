@@ -1,12 +1,16 @@
-"""Side tasks under one supervisor: failed passes retried and counted, critical stops reported."""
+"""Side tasks under one supervisor: failed passes retried and counted, critical stops reported;
+the processes' one lifecycle: start, ready, drain on a stop, an error exit after a critical stop."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
+import pytest
 from prometheus_client import REGISTRY
 
-from calmq.supervision import Supervisor
+from calmq.errors import InfrastructureError
+from calmq.supervision import Lifecycle, Supervisor
 
 
 def _failures(task: str, kind: str) -> float:
@@ -90,3 +94,98 @@ async def test_stop_cancels_every_task_without_counting_failures() -> None:
     assert side.names == []
     assert _failures("test-forever", "stopped") == before
     assert not side.failed.is_set()
+
+
+class _Service:
+    """A service that records its lifecycle's calls (a real implementation of the protocol)."""
+
+    name = "test-service"
+
+    def __init__(self, *, fail_start: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail_start = fail_start
+        self.life: Lifecycle | None = None
+
+    async def start(self, life: Lifecycle) -> None:
+        self.calls.append("start")
+        self.life = life
+        if self.fail_start:
+            raise ConnectionError("the database is away")
+
+    async def tick(self) -> None:
+        if self.calls[-1] != "tick":
+            self.calls.append("tick")
+
+    async def drain(self, grace_seconds: float) -> None:
+        self.calls.append(f"drain {grace_seconds:g}")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not check():  # noqa: ASYNC110 - polls a condition with a deadline
+            await asyncio.sleep(0.001)  # poll
+
+
+async def test_a_stop_request_drains_within_the_grace_and_closes() -> None:
+    """A stop (what SIGTERM asks for) drains with the grace period, closes, and returns."""
+    service = _Service()
+    life = Lifecycle(service, grace_seconds=7, tick_seconds=0.01)
+    task = asyncio.create_task(life.run())
+    await _until(life.ready.is_set)
+    life.request_stop("test")
+    await task
+    assert service.calls == ["start", "tick", "drain 7", "close"]
+    assert not life.ready.is_set()
+
+
+async def test_a_critical_side_task_that_stops_ends_the_process_with_an_error() -> None:
+    """A critical side task that raises stops the process: drained and closed like a stop,
+    then run() raises (the CLI exits non-zero) naming the task."""
+    service = _Service()
+    life = Lifecycle(service, grace_seconds=1, tick_seconds=0.01)
+    task = asyncio.create_task(life.run())
+    await _until(life.ready.is_set)
+
+    async def consumer_thread() -> None:
+        raise RuntimeError("the consumer thread died")
+
+    life.side.spawn("test-consumer-thread", consumer_thread, critical=True)
+    with pytest.raises(InfrastructureError) as raised:
+        await task
+    assert raised.value.code == "side_task_stopped"
+    assert "test-consumer-thread" in raised.value.message
+    assert service.calls == ["start", "tick", "drain 1", "close"]
+
+
+async def test_a_side_task_that_ends_while_draining_is_no_failure() -> None:
+    """A critical task that ends once the process drains (a consumer thread told to stop)
+    ended on purpose: the process exits cleanly."""
+    service = _Service()
+    life = Lifecycle(service, grace_seconds=1, tick_seconds=0.01)
+    task = asyncio.create_task(life.run())
+    await _until(life.ready.is_set)
+    stopped = asyncio.Event()
+
+    async def polls_until_stopped() -> None:
+        while not life.stop.is_set():  # noqa: ASYNC110 - polls the stop event like a thread
+            await asyncio.sleep(0.001)  # poll
+        stopped.set()
+
+    life.side.spawn("test-poller", polls_until_stopped, critical=True)
+    life.request_stop("test")
+    await task
+    assert stopped.is_set()
+    assert not life.side.failed.is_set()
+
+
+async def test_a_service_that_cannot_start_is_closed_and_raises() -> None:
+    """A start that fails releases what was opened (close) and raises its error."""
+    service = _Service(fail_start=True)
+    life = Lifecycle(service, grace_seconds=1, tick_seconds=0.01)
+    with pytest.raises(ConnectionError):
+        await life.run()
+    assert service.calls == ["start", "close"]
+    assert not life.ready.is_set()

@@ -3,32 +3,31 @@
 "use strict";
 
 (function () {
-  // Which job status an event moves the job to (calmq.jobs.EventType -> Status).
-  var STATUS_OF = {
-    queued: "queued", running: "running", retry_scheduled: "retrying",
-    requeued_after_restart: "queued", requeued_by_sweeper: "queued",
-    review_requested: "awaiting_review", reviewed: null, completed: "completed",
-    dead_lettered: "dead_letter", cancelled: "cancelled", redriven: "queued"
-  };
-
-  function text(tag, value, cls) {
-    var el = document.createElement(tag);
-    el.textContent = value == null ? "" : String(value);
-    if (cls) { el.className = cls; }
-    return el;
-  }
+  // The server renders every row and history entry (one template each); this script only
+  // fetches them again and puts them in place.
 
   function say(message) {
     var status = document.getElementById("status");
     if (status) { status.textContent = message; }
   }
 
+  function fetchText(url) {
+    return fetch(url, { credentials: "same-origin" }).then(function (r) {
+      return r.ok ? r.text().then(function (text) { return { text: text, headers: r.headers }; })
+                  : null;
+    });
+  }
+
   // -- a job's page: follow the API's SSE (/v1/jobs/{id}/events) -------------------------
+  // Each event asks the server for the history after the last entry shown: the entries as
+  // the page renders them, and the job's status.
   function followJob(timeline) {
     var id = timeline.dataset.job;
     var badge = document.getElementById("job-status");
+    var after = timeline.dataset.after;
     var seenKey = "calmq-seen-" + id;
     var seen = JSON.parse(sessionStorage.getItem(seenKey) || "[]");
+    var pending = Promise.resolve();
     function showSeen() {
       var el = document.getElementById("seen");
       if (el && seen.length) { el.textContent = "seen live: " + seen.join(" \u2192 "); }
@@ -42,98 +41,62 @@
       sessionStorage.setItem(seenKey, JSON.stringify(seen));
       showSeen();
     }
+    function catchUp() {
+      // One request at a time, in order: each starts after the last entry shown.
+      pending = pending.then(function () {
+        return fetchText(timeline.dataset.live + "?after=" + encodeURIComponent(after));
+      }).then(function (got) {
+        if (!got) { return; }
+        var holder = document.createElement("ol");
+        holder.innerHTML = got.text;
+        Array.prototype.slice.call(holder.children).forEach(function (li) {
+          li.classList.add("new");
+          timeline.appendChild(li);
+        });
+        after = got.headers.get("X-Calmq-Last-Event") || after;
+        setStatus(got.headers.get("X-Calmq-Job-Status"));
+      }).catch(function () { /* the next event tries again */ });
+      return pending;
+    }
     if (!seen.length) { seen.push(timeline.dataset.status); }
     showSeen();
     if (timeline.dataset.terminal === "1" || !window.EventSource) { return; }
-    var source = new EventSource("/v1/jobs/" + id + "/events?after=" + timeline.dataset.after);
-    function onEvent(ev) {
-      var data = JSON.parse(ev.data);
-      var li = document.createElement("li");
-      li.className = "new";
-      li.dataset.type = data.type;
-      li.appendChild(text("span", data.type, "etype"));
-      li.appendChild(document.createTextNode(" " + data.at + " "));
-      li.appendChild(text("span", "attempt " + data.attempt, "muted"));
-      li.appendChild(document.createTextNode(" " + JSON.stringify(data.detail || {})));
-      timeline.appendChild(li);
-      if (STATUS_OF[data.type]) { setStatus(STATUS_OF[data.type]); }
-    }
+    var source = new EventSource("/v1/jobs/" + id + "/events?after=" + after);
     timeline.dataset.types.split(" ").forEach(function (type) {
-      source.addEventListener(type, onEvent);
+      source.addEventListener(type, catchUp);
     });
     source.addEventListener("end", function (ev) {
       source.close();
-      setStatus(JSON.parse(ev.data).status);
-      say("The job is " + JSON.parse(ev.data).status + "; reloading for its result.");
-      // The artifact, the decision and the attempts are rendered by the server.
-      window.setTimeout(function () { window.location.reload(); }, 400);
+      var status = JSON.parse(ev.data).status;
+      catchUp().then(function () {
+        setStatus(status);
+        say("The job is " + status + "; reloading for its result.");
+        // The artifact, the decision and the attempts are rendered by the server.
+        window.setTimeout(function () { window.location.reload(); }, 400);
+      });
     });
     source.onerror = function () {
       if (source.readyState === EventSource.CLOSED) { say("Live updates stopped; reload."); }
     };
   }
 
-  // -- lists: refresh from their JSON every two seconds -----------------------------------
-  function refreshJobs(tableEl) {
-    var platform = tableEl.dataset.platform === "1";
-    function row(job) {
-      var tr = document.createElement("tr");
-      var a = text("a", job.job_id.slice(0, 8));
-      a.href = "/console/jobs/" + job.job_id;
-      var first = document.createElement("td");
-      first.appendChild(a);
-      tr.appendChild(first);
-      var cells = [job.workflow];
-      if (platform) { cells.unshift(job.tenant); }
-      cells.forEach(function (v) { tr.appendChild(text("td", v)); });
-      var st = document.createElement("td");
-      st.appendChild(text("span", job.status, "badge " + job.status));
-      tr.appendChild(st);
-      [job.lane, job.pool, job.step, job.attempt, job.created_at].forEach(function (v) {
-        tr.appendChild(text("td", v));
-      });
-      return tr;
+  // -- lists: their rows, rendered by the server again every two seconds ------------------
+  // A table with data-live is replaced by what that URL answers (caption, head and rows);
+  // the dead-letter groups also name the groups shown, so an emptied one stays at 0.
+  function refresh(tableEl) {
+    function url() {
+      var keep = Array.prototype.map.call(tableEl.querySelectorAll("[data-group]"),
+        function (el) { return "keep=" + encodeURIComponent(el.dataset.group); });
+      if (!keep.length) { return tableEl.dataset.live; }
+      return tableEl.dataset.live + (tableEl.dataset.live.indexOf("?") < 0 ? "?" : "&") +
+        keep.join("&");
     }
     function tick() {
-      fetch(tableEl.dataset.live, { credentials: "same-origin" })
-        .then(function (r) { return r.ok ? r.json() : null; })
-        .then(function (body) {
-          if (!body) { return; }
-          var tbody = tableEl.querySelector("tbody");
-          var fresh = document.createElement("tbody");
-          body.jobs.forEach(function (job) { fresh.appendChild(row(job)); });
-          if (!body.jobs.length) {
-            var tr = document.createElement("tr");
-            var td = text("td", "no jobs match", "empty");
-            td.colSpan = tableEl.querySelectorAll("th").length;
-            tr.appendChild(td);
-            fresh.appendChild(tr);
-          }
-          tableEl.replaceChild(fresh, tbody);
-          tableEl.querySelector("caption").textContent =
-            body.jobs.length + " job(s), newest first (live)";
-        })
-        .catch(function () { /* the next tick tries again */ });
-    }
-    window.setInterval(tick, 2000);
-  }
-
-  function refreshDeadLetters(tableEl) {
-    function tick() {
-      fetch(tableEl.dataset.live, { credentials: "same-origin" })
-        .then(function (r) { return r.ok ? r.json() : null; })
-        .then(function (body) {
-          if (!body) { return; }
-          var counts = {};
-          body.groups.forEach(function (g) {
-            counts[[g.workflow, g.step, g.failure_class, g.code].join("|")] = g.count;
-          });
-          tableEl.querySelectorAll(".count").forEach(function (el) {
-            var n = counts[el.dataset.group] || 0;
-            if (String(n) !== el.textContent) { el.textContent = String(n); }
-          });
-        })
-        .catch(function () { /* the next tick tries again */ });
+      fetchText(url()).then(function (got) {
+        if (!got) { return; }
+        tableEl.innerHTML = got.text;
+        tableEl.dataset.refreshed = String(Number(tableEl.dataset.refreshed || 0) + 1);
+      }).catch(function () { /* the next tick tries again */ });
     }
     window.setInterval(tick, 2000);
   }
@@ -186,10 +149,7 @@
   document.addEventListener("DOMContentLoaded", function () {
     var timeline = document.getElementById("timeline");
     if (timeline) { followJob(timeline); }
-    var jobs = document.getElementById("jobs");
-    if (jobs) { refreshJobs(jobs); }
-    var groups = document.getElementById("dead-groups");
-    if (groups) { refreshDeadLetters(groups); }
+    document.querySelectorAll("table[data-live]").forEach(refresh);
     var queue = document.getElementById("review-queue");
     if (queue) { listKeys(queue); }
     if (document.getElementById("approve-form")) { reviewKeys(); }

@@ -1,0 +1,208 @@
+"""Admission: which polled requests may be claimed now, and which must wait.
+
+One stage, made of gates (compare dramatiq's middleware): each gate looks at the requests
+the gates before it let through and says which of them wait. A request that waits is not
+claimed: its job keeps its status (``queued`` for new work, no attempt counted) with a
+``waiting_reason`` the gate wrote in the same statement, its message is acknowledged (a
+message left pending for as long as a cap holds would block its partition's commits), and
+the gate's release pass re-publishes the job when it may run (calmq/processors/reaper.py).
+
+The gates a worker runs, in order:
+
+- ``SpendCapGate``: tenants (or the fleet) past a daily or monthly spend cap
+  (calmq.spending); bulk work waits first.
+- ``QuotaGate``: a tenant's bulk jobs past what its token quota serves soon (the worker's
+  share of it: calmq.budget.TenantQuota.allowance); interactive work never waits here.
+- ``ReviewCapGate``: jobs that could end in review while their pool's pending reviews are at
+  the reviewers' cap (calmq.data.review_caps).
+
+A gate may also make the claim wait for its turn (``stack``): the review cap counts room in
+the database, so this worker's hold and the claim of what passed take turns, and two claims
+never both see room for the last review. A new gate (a provider's credentials refused, a
+concurrency key, a model's cooldown, a lane's spend cap) is a ``Gate`` subclass added to
+the list the process composes; nothing else in the worker changes.
+
+This module imports no Kafka client: a request's message is opaque here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+from calmq.data import Store
+from calmq.data.review_caps import ReviewCaps
+from calmq.data.spending import SpendLedger
+from calmq.processors import metrics
+from calmq.processors.request import Request
+from calmq.retrying import retry_forever
+from calmq.spending import SpendCaps
+from calmq.workflows import Workflow
+
+__all__ = ["Admission", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate", "SpendCapGate",
+           "review_workflows"]
+
+T = TypeVar("T")
+
+
+class Occupancy(Protocol):
+    """What a gate may know of the attempts this process runs now."""
+
+    def running(self, job_id: uuid.UUID) -> bool: ...
+
+    def held_by(self, tenant_id: uuid.UUID) -> int: ...
+
+
+class Gate:
+    """One admission rule."""
+
+    name = "gate"
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        """The ids of the ``requests`` whose jobs must wait: the gate has recorded why on
+        each job row (their messages are then acknowledged). A gate whose decision must hold
+        until the claim ended enters its lock on ``stack``."""
+        raise NotImplementedError
+
+
+class Admission:
+    """Runs the gates in order, acknowledges what they hold, and claims the rest (``then``)
+    while every turn a gate took is still held."""
+
+    def __init__(self, gates: Sequence[Gate], acknowledge: Callable[[Request], None]) -> None:
+        self.gates = list(gates)
+        self.acknowledge = acknowledge
+
+    async def admit(self, requests: list[Request], occupancy: Occupancy,
+                    then: Callable[[list[Request]], Awaitable[T]]) -> T:
+        async with contextlib.AsyncExitStack() as stack:
+            for gate in self.gates:
+                if not requests:
+                    break
+                held = await gate.hold(requests, occupancy, stack)
+                if held:
+                    rest = []
+                    for r in requests:
+                        if r.job_id in held:
+                            self.acknowledge(r)
+                        else:
+                            rest.append(r)
+                    requests = rest
+            return await then(requests)
+
+
+class SpendCapGate(Gate):
+    """Jobs of tenants past a spend cap wait (``spend_cap_daily`` / ``_monthly``)."""
+
+    name = "spend_cap"
+
+    def __init__(self, caps: SpendCaps, ledger: SpendLedger) -> None:
+        self.caps = caps
+        self.ledger = ledger
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        holds = await self.caps.holds()
+        by_reason: dict[str, list[Request]] = {}
+        for r in requests:
+            tenant = r.tenant_id
+            if tenant is None or occupancy.running(r.job_id):
+                continue
+            reason = holds.reason(tenant, r.priority)
+            if reason is not None:
+                by_reason.setdefault(reason, []).append(r)
+        return await _hold(self.ledger, by_reason)
+
+
+class QuotaGate(Gate):
+    """A tenant's bulk jobs past what its token quota serves soon wait (``token_quota``):
+    this worker holds at most ``allowance(tenant)`` of them at once. Interactive work never
+    waits for the quota (nor at it: calmq.budget.TenantQuota.acquire), and bulk cannot crowd
+    it out."""
+
+    name = "token_quota"
+
+    def __init__(self, allowance: Callable[[uuid.UUID], int | None], ledger: SpendLedger
+                 ) -> None:
+        self.allowance = allowance
+        self.ledger = ledger
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        taking: dict[uuid.UUID, int] = {}  # what each tenant holds with this batch's jobs
+        waiting: list[Request] = []
+        for r in requests:
+            tenant = r.tenant_id
+            if tenant is None or occupancy.running(r.job_id) or r.priority == "interactive":
+                continue
+            allowed = self.allowance(tenant)
+            if allowed is None:
+                continue
+            held = taking.setdefault(tenant, occupancy.held_by(tenant))
+            if held >= allowed:
+                waiting.append(r)
+            else:
+                taking[tenant] = held + 1
+        return await _hold(self.ledger, {self.name: waiting} if waiting else {})
+
+
+async def _hold(ledger: SpendLedger, by_reason: dict[str, list[Request]]) -> set[uuid.UUID]:
+    held: set[uuid.UUID] = set()
+    for reason, requests in by_reason.items():
+        ids = [r.job_id for r in requests]
+
+        def hold(ids: list[uuid.UUID] = ids, reason: str = reason
+                 ) -> Awaitable[list[uuid.UUID]]:
+            return ledger.hold(ids, reason, {})
+
+        held.update(await retry_forever("holding waiting jobs failed", hold))
+        for r in requests:
+            if r.job_id in held:
+                metrics.HELD.labels(r.priority or "bulk").inc()
+    return held
+
+
+def review_workflows(workflows: Mapping[str, Workflow]) -> list[str]:
+    """The workflows whose jobs can end in review (the review cap counts those)."""
+    return sorted(name for name, w in workflows.items() if w.review_threshold is not None)
+
+
+class ReviewCapGate(Gate):
+    """Jobs that could end in review wait while their pool is at its review cap; the pools
+    with a cap are read at most every ``CAPS_TTL`` seconds, not once per batch."""
+
+    name = "review_cap"
+    CAPS_TTL = 1.0
+
+    def __init__(self, store: Store, review_workflows: Sequence[str]) -> None:
+        self.caps = ReviewCaps(store)
+        self.workflows = sorted(review_workflows)
+        self._capped: dict[str, int] = {}
+        self._read = -float("inf")
+        self._turn = asyncio.Lock()
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        gated = [r.job_id for r in requests if r.workflow in self.workflows]
+        if not gated or not await self._any_cap():
+            return set()
+        await stack.enter_async_context(self._turn)
+        held = await retry_forever(
+            "holding jobs for their pool's review cap failed",
+            lambda: self.caps.hold(gated, self.workflows))
+        if held:
+            metrics.REVIEW_CAP_HELD.inc(len(held))
+        return held
+
+    async def _any_cap(self) -> bool:
+        now = time.monotonic()
+        if now - self._read >= self.CAPS_TTL:
+            self._capped = await retry_forever("reading the review caps failed",
+                                               self.caps.capped_pools)
+            self._read = now
+        return bool(self._capped)
