@@ -93,9 +93,7 @@ WITH released AS (
 ), moved AS (
     UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
     FROM released r WHERE j.id = r.id
-    RETURNING j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step,
-              j.attempt, j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at,
-              j.trace_parent, j.created_at, j.status AS old_status, j.lease_version, j.lane
+    RETURNING {{job_row}}, j.status AS old_status
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, '{"reason": "provider_unblocked"}'::jsonb FROM moved

@@ -138,6 +138,8 @@ REGISTRY_PARTS = ("relay", "forwarder", "worker", "batcher", "kafka-setup")
 SECRET_SETTINGS: dict[str, tuple[str, ...] | None] = {
     "database_url": None,
     "provider_api_key": ("worker", "batcher"),
+    # The embeddings provider's own key, where it is not the chat provider's (issue 26).
+    "embeddings_api_key": ("worker", "batcher"),
     "migrate_database_url": ("migrate",),
     "relay_database_url": ("relay",),
     "direct_database_url": ("api",),  # LISTEN behind a pooler: the API alone

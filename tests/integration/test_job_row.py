@@ -42,6 +42,7 @@ SETUP: dict[str, dict[str, Any]] = {
     "release_quota_jobs": {"status": "queued", "waiting_reason": "token_quota"},
     "release_review_cap_holds": {"status": "queued", "review_cap_held_at": LONG_AGO},
     "batch_pending_jobs": {"status": "running"},
+    "provider_release_jobs": {"status": "queued", "waiting_reason": "provider_blocked"},
 }
 
 
