@@ -1,5 +1,5 @@
 """A job's output as the model writes it: a streamed step's text, from the worker that runs
-the step to every client that follows the job (docs/explanation/streaming.md).
+the step to every client that follows the job (docs/how-to/stream-output.md).
 
 On the worker:
 
