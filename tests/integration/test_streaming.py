@@ -23,6 +23,8 @@ from calmq.tooling.devstack import StackState
 from tests.integration.test_client_resilience import Restartable
 from tests.support.api import create_tenant
 from tests.support.waiting import wait_for
+from tests.support.workflow_env import WorkflowEnv
+from tests.support.workflows import POOL
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +51,10 @@ async def _result(client: Client, job_id: str) -> dict[str, Any]:
 
 def _history_id(event: dict[str, Any]) -> int:
     return int(str(event["id"]).split(":")[0])
+
+
+def _stream_id(event: dict[str, Any]) -> int:
+    return int(str(event["id"]).split(":")[1])
 
 
 def _text(events: list[dict[str, Any]]) -> str:
@@ -154,6 +160,50 @@ async def test_the_text_survives_a_kill_of_the_api_mid_stream(
         sum(len(d["text"]) for d in deltas[:n]) for n in range(len(deltas))]
     assert _text(events) == result["text"]
     assert events[-1]["type"] == "completed"
+
+
+@pytest.fixture
+def wf(stack: StackState) -> Iterator[WorkflowEnv]:
+    """An API and a worker of the test pool, both this test's (the worker is killed)."""
+    env = WorkflowEnv(stack)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+async def test_a_kill_of_the_worker_mid_stream_resets_and_streams_the_new_attempt(
+        wf: WorkflowEnv) -> None:
+    """The worker is SIGKILLed after the first delta and another started: once the lease
+    expires the job runs again, and the client gets ``reset``, then the new attempt's
+    whole text from seq 1, which is the stored result."""
+    key = wf.api.key
+    async with Client(wf.api_url, key) as client:
+        accepted = await client.submit("draft_t", {"prompt": "start again from here",
+                                                   "tokens": 200, "tokens_per_second": 40})
+        events: list[dict[str, Any]] = []
+        killed = False
+        async for event in client.events(accepted["job_id"]):
+            events.append(event)
+            if not killed and event["type"] == "output.delta":
+                killed = True
+                wf.worker.kill()
+                await asyncio.to_thread(wf.worker.wait, 10)
+                wf.worker, wf.worker_port = await asyncio.to_thread(wf.start_worker, POOL)
+        result = await _result(client, accepted["job_id"])
+    types = [e["type"] for e in events]
+    assert "reset" in types
+    reset = types.index("reset")
+    before = [e for e in events[:reset] if e["type"] == "output.delta"]
+    after = [e for e in events[reset:] if e["type"] == "output.delta"]
+    assert before
+    assert after[0]["seq"] == 1
+    assert after[0]["offset"] == 0
+    # An id's second number is the stream: the attempt's fencing token, a new one.
+    assert {_stream_id(d) for d in after} == {_stream_id(events[reset])}
+    assert _stream_id(events[reset]) > _stream_id(before[0])
+    assert _text(events) == result["text"]
+    assert types[-1] == "completed"
 
 
 async def test_a_stream_that_breaks_off_is_reset_and_streamed_again(
