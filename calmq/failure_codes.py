@@ -71,6 +71,9 @@ _ALL: Final = (
                 "connection broke before the answer's headers", provider_status="refused, reset"),
     FailureCode("upstream_garbled", T, K, "a 2xx that is not JSON, is cut off mid-body or "
                 "lacks the answer", provider_status="2xx, unreadable"),
+    FailureCode("stream_interrupted", T, K, "a streamed answer broke off after it began (the "
+                "connection, the provider's error event, no last event): retried with a new "
+                "stream, clients are told to reset", provider_status="2xx stream cut off"),
     FailureCode("provider_auth", P, PA, "the key is wrong or revoked: the provider and model "
                 "pause fleet-wide, jobs wait queued", provider_status="401"),
     FailureCode("provider_permission", P, PA, "the key may not use this model or endpoint: "

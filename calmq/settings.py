@@ -241,6 +241,10 @@ class Settings(BaseSettings):
         default=100, ge=0,
         description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
                     "API process; more answer 429 too_many_streams; 0: no cap")
+    api_prefer_wait_max_seconds: float = Field(
+        default=30.0, ge=0, le=300,
+        description="the longest wait POST /v1/jobs honours from Prefer: wait=N (RFC 7240): "
+                    "a job final within it is answered 200 with its result; 0: never waits")
     api_reads_per_tenant: int = Field(
         default=8, ge=0,
         description="expensive reads (job, review and dead-letter lists, artifact "
@@ -344,6 +348,10 @@ class Settings(BaseSettings):
         default=None, gt=0, description="overrides every step's timeout (default: per step)")
     max_attempts: int | None = Field(
         default=None, ge=1, description="overrides every job's attempt budget (default: per step)")
+    output_flush_seconds: float = Field(
+        default=0.05, ge=0, le=5,
+        description="streamed steps: a job's text is written to its followers at most this "
+                    "often (the first piece at once); 0: every piece as it comes")
     commit_interval_ms: int = Field(default=200, ge=1)
     grace_seconds: float = Field(default=10.0, ge=0)
 

@@ -35,6 +35,8 @@ COVERAGE: dict[str, str] = {
     "webhook_attempts": "redacted: error (kept: status code, time, duration); rows found by "
                         "their delivery's job_id",
     "idempotency_keys": "deleted (the key is the tenant's text, the hash covers the body)",
+    "job_output_chunks": "deleted (a streamed step's text as the model wrote it)",
+    "job_outputs": "deleted (a streamed step's text, compacted once the job was final)",
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
     "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost)",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
@@ -53,6 +55,7 @@ _REDACTIONS = (
     "retention_redact_webhook_attempts",
     "retention_redact_webhooks",
     "retention_delete_idempotency_keys",
+    "retention_delete_outputs",
     "retention_delete_outbox",
     "retention_redact_batch_jobs",
 )

@@ -79,6 +79,11 @@ WHERE job_id = %(id)s;
 -- repeats the key afterwards is a new job.
 DELETE FROM idempotency_keys WHERE job_id = %(id)s;
 
+-- name: retention_delete_outputs
+-- A streamed step's text, as chunks and compacted (migration 0033): the job's output.
+WITH chunks AS (DELETE FROM job_output_chunks WHERE job_id = %(id)s)
+DELETE FROM job_outputs WHERE job_id = %(id)s;
+
 -- name: retention_delete_outbox
 -- Events not yet published carry the input (job.requested) or errors; a terminal job whose
 -- data is deleted has nothing left to announce. Published rows are pruned by the relay.

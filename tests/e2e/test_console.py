@@ -283,6 +283,23 @@ def _awaiting_review(env: Env) -> str:
     return job_id
 
 
+def test_a_streamed_jobs_text_appears_live_on_its_page(env: Env, owner: Any) -> None:
+    """A streamed job's page shows the text as the model writes it (output.delta over the
+    API's SSE); what it gathered live is exactly the stored result."""
+    job_id = env.wf.submit("draft_t", {"prompt": "words as they come", "tokens": 200,
+                                       "tokens_per_second": 20})
+    owner.goto(f"/console/jobs/{job_id}")
+    # The first deltas, shown while the model still writes (200 tokens take 10 s).
+    expect(owner.locator("#output")).not_to_have_attribute("data-deltas", "0")
+    expect(owner.locator("#output-section")).to_be_visible()
+    expect(owner.locator("#job-status")).to_have_text("completed", timeout=60_000)
+    owner.wait_for_load_state()
+    stored = owner.request.get(f"/console/jobs/{job_id}/artifact").json()["text"]
+    expect(owner.locator("#output")).to_have_text(stored)
+    assert int(owner.locator("#output").get_attribute("data-deltas")) >= 2
+    shot(owner, "job-streamed")
+
+
 def test_approve_a_review_with_a_corrected_field(env: Env, owner: Any) -> None:
     job_id = _awaiting_review(env)
     owner.goto("/console/reviews")

@@ -483,6 +483,9 @@ async def test_every_mode_has_a_defined_answer(make_client: MakeClient) -> None:
         "too_large": 413,
         "server_error": 500,
         "overloaded": 503,  # 529 in the Anthropic shape
+        # break a streamed answer half way; a call that does not stream is answered whole
+        "stream_break": 200,
+        "stream_error": 200,
     }
     # timeout never answers and truncated cuts its body off: tested on their own
     assert set(expected) | {"timeout", "truncated"} == MODES
