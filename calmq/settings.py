@@ -528,6 +528,11 @@ class Settings(BaseSettings):
     batch_lease_seconds: float = Field(
         default=60.0, gt=0,
         description="a poller's lease on a batch it collects (one poller per batch)")
+    batch_max_result_line_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=64 * 1024,
+        description="the longest line of a provider's batch results file the poller reads "
+                    "(one request's result); a longer one fails its request as "
+                    "batch_result_too_large, unread")
     batch_enqueued_tokens_limit: int = Field(
         default=0, ge=0,
         description="the provider's batch queue limit in tokens per model (estimated, prompt "
