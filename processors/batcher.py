@@ -418,9 +418,10 @@ class Poller:
     async def _one(self, batch: OpenBatch) -> None:
         async with self._gate:
             try:
-                await self._follow(batch)
-            except (BatchRefused, ProviderBlocked) as exc:
-                await self._refused(batch, exc)
+                try:
+                    await self._follow(batch)
+                except (BatchRefused, ProviderBlocked) as exc:
+                    await self._refused(batch, exc)
             except Exception:  # the lease lapses and the next pass retries it
                 log.exception("following batch %s failed", batch.key)
 
@@ -514,8 +515,6 @@ class Poller:
         """A batch whose batcher died between recording it and recording the provider's id:
         found at the provider by its key and adopted, or created now (exactly once)."""
         s = self.settings
-        if self.gate is not None:
-            await self.gate.admit()  # blocked: its jobs wait uncounted (_refused)
         known = await self.store.batches.known_ids(self.client.kind)
         found = await self.client.find(str(batch.key), batch.created_at, batch.request_count,
                                        known)
@@ -525,6 +524,10 @@ class Poller:
             log.warning("adopted batch %s (%s), created before its batcher stopped", found,
                         batch.key)
         else:
+            if self.gate is not None:
+                # Only once the provider is known not to have it: a batch it has is adopted
+                # whatever the gate says. Blocked: its jobs wait uncounted (_refused).
+                await self.gate.admit()
             requests = await self.store.batches.requests(batch.key)
             if not requests:
                 await self.store.batches.collected(batch.key, None, {})

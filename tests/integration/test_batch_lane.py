@@ -234,6 +234,12 @@ def test_an_expired_batch_finishes_through_a_second_batch_or_online(
     assert {rows[j]["lane"] for j in urgent} == {"online"}
 
 
+# A batch holds its jobs for the completion window (20 s in LANE): a replacement batcher that
+# takes longer than that to start on a loaded machine would find them lapsed and run them
+# again (a second custom_id each). The kill tests are about the batch, not the window.
+_LONG_HOLD = {"batch_completion_window_seconds": "600"}
+
+
 def _kill(proc: Any) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -246,7 +252,7 @@ def test_kill_9_of_the_batcher_loses_nothing_and_creates_no_duplicate_batch(
     exists there, calmq has not recorded its id): the next batcher adopts that batch (by its
     key in OpenAI's metadata; Anthropic's: the one unrecorded batch of its size since)."""
     pool = _pool(env, "blkb" + provider[:2])
-    proc = _batcher(env, pool, fake, provider)
+    proc = _batcher(env, pool, fake, provider, **_LONG_HOLD)
     _admin(fake, create_delay_seconds=4)
     try:
         before = _get(fake + "/admin/batches")["batches"]
@@ -257,7 +263,7 @@ def test_kill_9_of_the_batcher_loses_nothing_and_creates_no_duplicate_batch(
         _kill(proc)
     finally:
         _admin(fake, create_delay_seconds=0)
-    _batcher(env, pool, fake, provider)
+    _batcher(env, pool, fake, provider, **_LONG_HOLD)
     rows = _settled(env.db, ids, timeout=90)
     assert {r["status"] for r in rows.values()} == {"completed"}
     sent = _custom_ids_at_fake(fake, ids)
@@ -273,13 +279,13 @@ def test_kill_9_of_the_poller_while_batches_are_open_loses_nothing(
     """Killed with batches open at the provider (and messages maybe uncommitted): another
     process collects them once the lease lapses; no job runs twice, no batch is duplicated."""
     pool = _pool(env, "blkp")
-    proc = _batcher(env, pool, fake)
+    proc = _batcher(env, pool, fake, **_LONG_HOLD)
     ids = _submit(env, pool, [{"text": f"poll {n}", "mode": ("success", "malformed")[n % 2]}
                               for n in range(120)], lane="batch")
     wait_for(lambda: any(r["state"] == "submitted" for r in _batch_rows(env.db, pool)),
              timeout=60, what="an open batch")
     _kill(proc)
-    _batcher(env, pool, fake)
+    _batcher(env, pool, fake, **_LONG_HOLD)
     rows = _settled(env.db, ids, timeout=90)
     statuses = Counter(r["status"] for r in rows.values())
     assert statuses == {"completed": 60, "dead_letter": 60}
