@@ -294,3 +294,24 @@ async def test_an_ended_batch_is_deleted_at_the_provider(fake: str, kind: str) -
             assert gone.value.missing
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+@pytest.mark.parametrize(("line", "named"), [
+    (b'{"custom_id": "job-7_1", "response": "not an object"', "job-7_1"),  # cut off
+    (b'{"custom_id": "job-7_1", "response": "a string", "result": 3}', "job-7_1"),
+    (b'[1, 2, 3]', ""),
+    (b'{"id": "x", "error": null}', ""),
+    (b'\xff\xfe not utf-8', ""),
+])
+def test_a_results_line_that_is_not_a_result_fails_only_the_request_it_names(
+        kind: str, line: bytes, named: str) -> None:
+    """A line that is not JSON, or JSON in another shape, is read as a failure of the
+    request it names (batch_result_unreadable, retried), never an exception that stops the
+    file; a line naming no request has custom_id "" (the poller skips it)."""
+    client = open_batch_client(kind, "http://127.0.0.1:9", "key", "fake-small")
+    result = client.read_line(line)
+    assert result.custom_id == named
+    assert result.reply is None
+    assert result.failure is not None
+    assert (result.failure.code, result.failure.retryable) == ("batch_result_unreadable", True)
