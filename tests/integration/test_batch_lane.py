@@ -91,8 +91,9 @@ def _batcher(env: Env, pool: str, fake: str, provider: str = "openai",
     port = processes.free_port()
     proc = env.procs.start("batcher", "batcher", "--pool", pool, "--metrics-port", str(port),
                            provider_url=fake, provider=provider, **{**LANE, **settings})
+    # A deadline, not a pace: a process starts in seconds, but over 30 s on a loaded machine.
     wait_for(lambda: proc.poll() is not None or metric(port, "calmq_batches_open") is not None,
-             timeout=30, what="the batcher's metrics endpoint")
+             timeout=90, what="the batcher's metrics endpoint")
     assert proc.poll() is None, f"batcher exited with {proc.returncode}"
     return proc
 
