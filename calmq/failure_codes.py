@@ -101,6 +101,12 @@ _ALL: Final = (
     FailureCode("batch_expired", T, R, "the provider's batch expired before this request ran"),
     FailureCode("batch_cancelled", T, R, "the batch was cancelled before this request ran"),
     FailureCode("batch_result_missing", T, R, "the batch ended without this request's result"),
+    FailureCode("batch_result_unreadable", T, K, "this request's line of the batch's results "
+                "file is not JSON or not the provider's result shape; retried in a later batch"),
+    FailureCode("batch_result_too_large", IN, K, "this request's result line is longer than "
+                "batch_max_result_line_bytes: skipped unread, not retried"),
+    FailureCode("batch_failed", T, R, "the provider failed the whole batch (no line of it "
+                "named): retried in a later batch"),
     FailureCode("batch_multi_call", B, K, "a batch-lane step made a second model call"),
     FailureCode("batch_unknown_job", B, K, "a batch-lane model call outside its attempt"),
     # -- the attempt --------------------------------------------------------------------------

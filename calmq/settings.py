@@ -223,6 +223,11 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535,
         description="serve the console on this port (on api_host) instead of the API port; "
                     "unset: on the API port")
+    console_session_seconds: float = Field(
+        default=8 * 3600.0, ge=60, le=30 * 24 * 3600,
+        description="how long a console sign-in lasts: the session cookie holds a random "
+                    "token of its own (stored server-side as a hash, ended by sign-out or "
+                    "by revoking its key), never the API key")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     auth_cache_max_misses: int = Field(
@@ -531,6 +536,11 @@ class Settings(BaseSettings):
     batch_lease_seconds: float = Field(
         default=60.0, gt=0,
         description="a poller's lease on a batch it collects (one poller per batch)")
+    batch_max_result_line_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=64 * 1024,
+        description="the longest line of a provider's batch results file the poller reads "
+                    "(one request's result); a longer one fails its request as "
+                    "batch_result_too_large, unread")
     batch_enqueued_tokens_limit: int = Field(
         default=0, ge=0,
         description="the provider's batch queue limit in tokens per model (estimated, prompt "

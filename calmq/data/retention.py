@@ -38,7 +38,10 @@ COVERAGE: dict[str, str] = {
     "job_output_chunks": "deleted (a streamed step's text as the model wrote it)",
     "job_outputs": "deleted (a streamed step's text, compacted once the job was final)",
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
-    "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost)",
+    "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost); "
+                  "the provider's copies: its batches are due for a poller at once, which "
+                  "deletes their files at the provider (an open batch none of whose jobs "
+                  "still waits is cancelled there first)",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",
@@ -58,6 +61,7 @@ _REDACTIONS = (
     "retention_delete_outputs",
     "retention_delete_outbox",
     "retention_redact_batch_jobs",
+    "retention_batches_due",
 )
 
 

@@ -104,3 +104,11 @@ WHERE created_at < now() - make_interval(secs => %(retention_seconds)s);
 -- name: retention_redact_batch_jobs
 -- The request sent in a provider batch holds the job's input (the prompt).
 UPDATE batch_jobs SET request = '{}'::jsonb WHERE job_id = %(id)s AND request <> '{}'::jsonb;
+
+-- name: retention_batches_due
+-- The provider batches that carried the job, looked at by a poller at once: an open one
+-- none of whose jobs still waits is cancelled at the provider, and an ended one's files
+-- (the job's request and answer among them) are deleted there.
+UPDATE provider_batches SET next_poll_at = now()
+WHERE key IN (SELECT batch_key FROM batch_jobs WHERE job_id = %(id)s)
+  AND (state IN ('creating', 'submitted') OR files_deleted_at IS NULL);

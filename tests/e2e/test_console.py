@@ -24,9 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from calmq.data import tenants
+from calmq.sql import queries
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api
 from tests.support.workflow_env import WorkflowEnv
@@ -394,6 +396,32 @@ def test_overview_shows_backlog_throughput_reviews_and_spend(env: Env, owner: An
     assert owner.locator("figure.chart svg").count() >= 1
     assert "%" in owner.get_by_test_id("dlq-rate").inner_text()
     shot(owner, "overview")
+
+
+def test_overview_names_blocked_providers_and_models_with_no_price(
+        browser: Browser, env: Env, owner: Any) -> None:
+    """A provider and model blocked fleet-wide shows on the overview with its reason (the
+    provider's own message to a platform key only), and a model with no price is named."""
+    model = f"fake-blocked-{uuid.uuid4().hex[:6]}"  # nobody calls it: the block holds no job
+    with psycopg.connect(env.db) as conn:
+        conn.execute(queries()["provider_block"], {
+            "provider": f"openai:{env.provider}/v1", "model": model,
+            "reason": "invalid_api_key", "code": "provider_auth",
+            "message": "Incorrect API key provided: sk-test***"})
+    try:
+        owner.goto("/console/overview")
+        blocked = owner.get_by_test_id("blocked-providers")
+        expect(blocked.locator("tr", has_text=model)).to_contain_text("invalid_api_key")
+        assert "Incorrect API key" not in blocked.inner_text()
+        expect(owner.get_by_test_id("unpriced-models")).to_contain_text(model)
+        shot(owner, "overview-providers")
+        platform = browser.sign_in(env.platform)
+        platform.goto("/console/overview")
+        expect(platform.get_by_test_id("blocked-providers").locator("tr", has_text=model)
+               ).to_contain_text("Incorrect API key provided")
+    finally:
+        with psycopg.connect(env.db) as conn:
+            conn.execute("DELETE FROM provider_states WHERE model = %s", (model,))
 
 
 def test_another_tenant_sees_nothing_of_the_first(browser: Browser, env: Env, owner: Any

@@ -14,8 +14,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 from anthropic.types import Message
-from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
-from openai.types import Batch, CreateEmbeddingResponse, FileObject
+from anthropic.types.messages import (
+    DeletedMessageBatch,
+    MessageBatch,
+    MessageBatchIndividualResponse,
+)
+from openai.types import Batch, CreateEmbeddingResponse, FileDeleted, FileObject
 from openai.types.chat import ChatCompletion
 
 from calmq.batches import custom_id, open_batch_client
@@ -252,6 +256,10 @@ async def test_calls_and_answers_against_the_strict_fake(
                 async with s.get(view.results[0]) as resp:
                     for line in (await resp.read()).splitlines():
                         MessageBatchIndividualResponse.model_validate_json(line)
+                # calmq deletes an ended batch (DELETE /v1/messages/batches/{id}).
+                async with s.delete(f"{fake}/v1/messages/batches/{view.provider_id}",
+                                    headers=provider.endpoint_config.headers()) as resp:
+                    DeletedMessageBatch.model_validate(await resp.json())
             else:
                 headers = provider.endpoint_config.headers()
                 body = provider.request_body(**recorded.calls[0])
@@ -270,7 +278,16 @@ async def test_calls_and_answers_against_the_strict_fake(
                 form.add_field("purpose", "batch")
                 form.add_field("file", b"{}", filename="x.jsonl")
                 async with s.post(f"{fake}/v1/files", data=form) as resp:
-                    FileObject.model_validate(await resp.json())
+                    uploaded = FileObject.model_validate(await resp.json())
+                # calmq deletes a collected batch's files (DELETE /v1/files/{id}).
+                async with s.delete(f"{base if kind == 'azure' else fake + '/v1'}/files/"
+                                    f"{uploaded.id}", headers=headers) as resp:
+                    assert FileDeleted.model_validate(await resp.json()).deleted
+                # Every file of the batch, deleted through calmq's own client.
+                await client.delete(view)
+                held = set((await _get(fake, "/admin/batches"))["files"])
+                assert view.input_file
+                assert not {view.input_file, *view.results} & held
     finally:
         await provider.close()
         await client.close()

@@ -13,7 +13,7 @@ from typing import Any, Final
 from aiohttp import web
 
 __all__ = ["BadRequest", "Call", "draft_text", "format_seconds", "invoice_json", "parse_call",
-           "result_json", "summary_json", "tokens_of", "vector"]
+           "result_json", "step_mode", "summary_json", "tokens_of", "vector"]
 
 SUCCESS_CONFIDENCE: Final = 0.97
 MALFORMED_TEXT: Final = "Sorry, here is a summary without JSON"
@@ -255,3 +255,19 @@ def vector(text: str) -> list[float]:
 def format_seconds(seconds: float) -> str:
     return str(int(seconds)) if seconds == int(seconds) else f"{seconds:g}"
 
+
+
+def step_mode(body: Any) -> str | None:
+    """The ``mode`` of the step input a chat or message body's last user message holds (a
+    batch line's body), or None."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    text = _text_of(users[-1].get("content")) if users else ""
+    try:
+        step = json.loads(text) if text.lstrip().startswith("{") else None
+    except ValueError:
+        return None
+    mode = step.get("mode") if isinstance(step, dict) else None
+    return mode if isinstance(mode, str) else None

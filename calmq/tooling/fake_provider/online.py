@@ -116,6 +116,17 @@ class Online:
             status, payload = openai_body(failure, model=model, **fields)
         return self._respond(status, payload, headers)
 
+    def batch_call_denied(self, request: web.Request, anthropic: bool) -> web.Response | None:
+        """A batch API call (files, batches) as the real API answers one without the key or
+        during an outage: the same refusal as a model call; None when it is served."""
+        _scheme, denied = self._credentials(request, anthropic)
+        if denied:
+            return self._fail(anthropic, FAILURES[denied])
+        if self._outage and time.monotonic() < self._outage_until:
+            kind = self._outage[next(self._outage_calls) % len(self._outage)]
+            return self._outage_failure(anthropic, kind, "")
+        return None
+
     def record_refusal(self, message: str) -> None:
         self.refused += 1
         self._refusals.append(message)
@@ -328,8 +339,9 @@ class Online:
                 limited["retry-after-ms"] = str(round(seconds * 1000))
             return self._fail(anthropic, FAILURES["rate_limited"], headers=limited,
                               seconds=format_seconds(seconds))
-        if mode in FAILURES:
-            return self._fail(anthropic, FAILURES[mode], model=call.model, headers=headers)
+        if mode in FAILURES or mode == "invalid_line":
+            return self._fail(anthropic, FAILURES.get(mode, FAILURES["bad_request"]),
+                              model=call.model, headers=headers)
         assert content is not None
         if job_stats is not None and mode in _VALID_RESULT_MODES and not breaking:
             job_stats[1] += 1

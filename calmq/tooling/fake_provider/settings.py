@@ -42,6 +42,10 @@ _CLASSIC_MODES: Final[frozenset[str]] = frozenset(
         "refusal",
         "bad_request",
         "unauthorized",
+        # a request the batch APIs' validation refuses: it fails its batch as a whole
+        # (OpenAI: the batch ends ``failed`` naming its line; Anthropic: the create is
+        # refused naming ``requests.N``); online it is a 400 like bad_request
+        "invalid_line",
     }
 )
 
