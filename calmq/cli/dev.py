@@ -86,6 +86,16 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(
             (f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: " if e["loc"] else "")
             + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
+    from calmq.tooling.fake_provider.sdk_types import sdk_available
+
+    if settings.check_requests and not sdk_available():
+        # Without the SDKs every request would be answered 500 and every job would look like
+        # an outage (upstream_unavailable): refuse to start, naming the fix.
+        raise ConfigError(
+            "the fake provider checks each request with the official openai and anthropic "
+            "SDKs, which are not installed: pip install 'calmq[fake]' (or start it with "
+            "--no-check-requests to accept requests unchecked)",
+            code="fake_provider_sdks_missing")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
     return 0

@@ -54,7 +54,9 @@ def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) 
     # mkdtemp folder for the same reason).
     venv_dir = Path(tempfile.mkdtemp(prefix="calmq-wheel-venv-"))
     venv_dir.chmod(0o755)
-    bin_dir = make_venv(venv_dir / "venv", str(wheel))
+    # The `fake` extra: `calmq dev up`'s fake provider checks requests with the official SDKs
+    # (without them it refuses to start: tests/unit/test_fake_provider.py).
+    bin_dir = make_venv(venv_dir / "venv", f"{wheel}[fake]")
     elsewhere = tmp_path / "elsewhere"  # the cwd: nothing of the checkout on sys.path
     elsewhere.mkdir()
     data_dir = Path(tempfile.mkdtemp(prefix="calmq-wheel-"))

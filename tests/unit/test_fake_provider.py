@@ -528,3 +528,20 @@ def test_slow_outlasts_the_summarize_step_timeout_on_the_defaults() -> None:
     step = builtin_workflows()["summarize"].steps[0]
     timeout = Settings().step_timeout_seconds or step.timeout_seconds
     assert FakeProviderSettings().slow_seconds > timeout
+
+
+def test_the_command_refuses_to_start_without_the_sdks_and_names_the_extra() -> None:
+    """Where the official SDKs are not installed (a plain `pip install calmq`), `calmq
+    fake-provider` exits 2 at once with fake_provider_sdks_missing and the extra to install,
+    instead of serving 500s that read as an outage."""
+    import subprocess
+    import sys
+
+    hide_sdks = ("import sys; sys.modules['openai'] = None; sys.modules['anthropic'] = None; "
+                 "from calmq.cli import main; sys.exit(main(['fake-provider', '--port', '0']))")
+    done = subprocess.run([sys.executable, "-c", hide_sdks], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode != 0
+    assert "[fake_provider_sdks_missing]" in done.stderr
+    assert "pip install 'calmq[fake]'" in done.stderr
+    assert "Traceback" not in done.stderr
