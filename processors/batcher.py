@@ -64,6 +64,7 @@ from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
 from calmq.data.providers import ProviderLedger
+from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
 from calmq.gateway import ModelReply, classify_status, current_clock, model_clock
@@ -71,16 +72,18 @@ from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
-from calmq.processors.admission import ReviewCapGate, review_workflows
+from calmq.processors.admission import ReviewCapGate, SpendCapGate, review_workflows
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
+from calmq.processors.reaper import schedule_spend_release
 from calmq.processors.slots import CallSlots
 from calmq.providers import ProviderGate
 from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
+from calmq.spending import spend_caps_from_settings
 from calmq.storable import refused
 from calmq.supervision import Lifecycle
 from calmq.workflows import Workflow, load_workflows
@@ -809,12 +812,18 @@ class BatchLane:
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
         failures = failure_stage(s, self.worker_id, self.workflows)
+        # Spend caps hold on this lane as online: a capped tenant's jobs wait in queued
+        # before they are packed (half price is still spend), and the fleet-wide release
+        # pass re-publishes them to this lane once no cap holds them.
+        ledger = SpendLedger(store)
+        spend = spend_caps_from_settings(s, ledger)
         # A packed attempt waits for its batch to be recorded: its step timeout is the
         # provider's window, and a pack's worth of them wait at once.
         pipeline = self._pipeline = Pipeline(
             store=store, tracker=consumer.tracker,
             intake=Intake(codec, poison, consumer.tracker),
-            gates=[ReviewCapGate(store, review_workflows(self.workflows))],
+            gates=[SpendCapGate(spend, ledger),
+                   ReviewCapGate(store, review_workflows(self.workflows))],
             attempt=Attempt(store=store, provider=packer, objects=objects,
                             workflows=self.workflows, failures=failures,
                             worker_id=self.worker_id, slots=CallSlots(window),
@@ -845,6 +854,8 @@ class BatchLane:
             self._packing = life.side.spawn("batch-packer", lambda: packer.run(self._stopping),
                                             critical=True)
         pipeline.leases.schedule(life.side)
+        if self.pack:
+            schedule_spend_release(life.side, spend, first_after=spend.refresh_seconds)
         if self.poll:
             life.side.every("batch-poller", min(1.0, s.batch_poll_interval_seconds),
                             poller.pass_once)

@@ -25,6 +25,7 @@ from calmq import topics
 from calmq.data import NewJob, Store, insert_job
 from calmq.kafka import create_topics
 from calmq.tooling.devstack import StackState, processes
+from tests.support.cli import calmq, new_tenant
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env, history, metric
 
@@ -99,13 +100,15 @@ def _batcher(env: Env, pool: str, fake: str, provider: str = "openai",
 
 
 def _submit(env: Env, pool: str, inputs: list[dict[str, Any]], *, lane: str,
-            deadline_at: datetime | None = None) -> list[str]:
+            deadline_at: datetime | None = None, tenant: uuid.UUID | None = None
+            ) -> list[str]:
     async def run() -> list[str]:
         store = Store(env.db, max_size=8)
         await store.open()
         try:
             async def one(data: dict[str, Any]) -> str:
-                job = NewJob(id=uuid.uuid4(), tenant_id=env.tenant, workflow="summarize",
+                job = NewJob(id=uuid.uuid4(), tenant_id=tenant or env.tenant,
+                             workflow="summarize",
                              workflow_version=1, priority="bulk", pool=pool, step="summarize",
                              max_attempts=3, input=data, deadline_at=deadline_at, lane=lane)
                 async with store.pool.connection() as conn:
@@ -467,3 +470,38 @@ def test_a_refused_key_pauses_the_batch_lane_and_no_attempt_is_counted(
         # It waited for the provider (handed back uncounted), then was released.
         assert [e["type"] for e in events if e["type"] in ("waiting", "resumed")][:2] == [
             "waiting", "resumed"], events
+
+
+def test_a_capped_tenants_batch_lane_jobs_wait_before_packing_and_resume_when_raised(
+        stack: StackState, env: Env, fake: str) -> None:
+    """A tenant past its daily spend cap: its batch-lane jobs wait queued with
+    waiting_reason spend_cap_daily, no attempt and nothing sent to the provider (half price
+    is still spend); raising the cap releases them to the batch lane, where they complete."""
+    pool = _pool(env, "blcap")
+    _batcher(env, pool, fake, spend_cap_refresh_seconds="0.2")
+    name, tenant, _key = new_tenant(stack, "blcap")
+    (first,) = _submit(env, pool, [{"text": "what the day costs"}], lane="batch",
+                       tenant=tenant)
+    spent = float(_settled(env.db, [first], timeout=120)[first]["cost_usd"])
+    assert spent > 0
+    capped = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", f"{spent / 2:.12f}")
+    assert capped.returncode == 0, capped.stderr
+    ids = _submit(env, pool, [{"text": f"over the cap {n}"} for n in range(3)], lane="batch",
+                  tenant=tenant)
+
+    def waiting() -> bool:
+        rows = _rows(env.db, ids)
+        return all(r["status"] == "queued" for r in rows.values()) and all(
+            ("waiting", {"reason": "spend_cap_daily"}) in
+            [(e["type"], e["detail"]) for e in history(env.db, i)] for i in ids)
+
+    wait_for(waiting, timeout=60, what="the capped tenant's batch-lane jobs to wait")
+    assert all(r["attempt"] == 0 for r in _rows(env.db, ids).values())
+    assert sum(_custom_ids_at_fake(fake, ids).values()) == 0
+
+    raised = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", "1")
+    assert raised.returncode == 0, raised.stderr
+    rows = _settled(env.db, ids, timeout=120)
+    assert {r["status"] for r in rows.values()} == {"completed"}
+    assert {r["lane"] for r in rows.values()} == {"batch"}
+    assert sum(_custom_ids_at_fake(fake, ids).values()) == len(ids)
