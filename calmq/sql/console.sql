@@ -67,7 +67,7 @@ WHERE id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s:
 -- name: console_job_events
 -- A job's history after event %(after)s (0: all of it), oldest first.
 SELECT id, type, at, attempt, detail FROM job_events
-WHERE job_id = %(id)s AND id > %(after)s
+WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s) AND id > %(after)s
 ORDER BY id
 LIMIT %(limit)s;
 
@@ -76,7 +76,7 @@ LIMIT %(limit)s;
 -- then the archived rounds, oldest first.
 SELECT round, record FROM (
     SELECT 0 AS round, 1 AS ord, to_jsonb(a) - 'job_id' AS record, a.started_at
-    FROM job_attempts a WHERE a.job_id = %(id)s
+    FROM job_attempts a WHERE a.job_id = %(id)s AND a.started_at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
     UNION ALL
     SELECT round, 0 AS ord, record, (record->>'started_at')::timestamptz
     FROM job_attempts_redriven WHERE job_id = %(id)s
@@ -141,4 +141,5 @@ ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap, updated_by = EXCLUDED.updat
 
 -- name: console_last_event
 -- The id of the job's newest history entry: the console's SSE resumes after it.
-SELECT coalesce(max(id), 0) AS id FROM job_events WHERE job_id = %(id)s;
+SELECT coalesce(max(id), 0) AS id FROM job_events
+WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s);
