@@ -4,7 +4,10 @@
 -- name: console_jobs
 -- Newest first, with every filter optional (priority: interactive or bulk; lane: online
 -- or batch, migration 0014; any other value matches nothing).
--- search: a job id (or its first characters) or a metadata value, exactly.
+-- search: a job id (or its first characters) or a metadata value, exactly. Both arms are
+-- index-backed (calmq.data.console.search_terms): the id prefix as a range of the primary
+-- key, the value as a JSON path on the GIN index jobs_metadata (migration 0031), so a
+-- search never reads a tenant's jobs one by one.
 SELECT j.id, t.name AS tenant, j.workflow, j.status, j.priority, j.lane, j.pool, j.step,
        j.attempt, j.created_at, j.updated_at, j.metadata
 FROM jobs j JOIN tenants t ON t.id = j.tenant_id
@@ -17,9 +20,8 @@ WHERE (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
   AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
   AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
   AND (%(search)s::text IS NULL
-       OR j.id::text LIKE %(search)s::text || '%%'
-       OR EXISTS (SELECT 1 FROM jsonb_each_text(j.metadata) m
-                  WHERE m.value = %(search)s::text))
+       OR (j.id >= %(id_low)s::uuid AND j.id <= %(id_high)s::uuid)
+       OR j.metadata @? %(metadata_path)s::jsonpath)
 ORDER BY j.created_at DESC, j.id DESC
 LIMIT %(limit)s;
 

@@ -24,3 +24,8 @@ DROP INDEX CONCURRENTLY IF EXISTS jobs_retention;
 -- callback and every keyed submit.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS webhook_deliveries_job ON webhook_deliveries (job_id);
 CREATE INDEX CONCURRENTLY IF NOT EXISTS idempotency_keys_job ON idempotency_keys (job_id);
+-- The console's job search (console.sql, console_jobs) finds a metadata value through this
+-- index (a JSON path `$.* ? (@ == "value")`; the default jsonb_ops class, which indexes
+-- values apart from their keys: jsonb_path_ops cannot serve a wildcard key), instead of
+-- reading each of a tenant's jobs.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_metadata ON jobs USING gin (metadata);
