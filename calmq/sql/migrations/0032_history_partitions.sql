@@ -1,7 +1,7 @@
 -- Partitioned history (issue 32), step 4 of 4 (0029 says the whole plan): the swap.
 --
 -- One transaction, under ACCESS EXCLUSIVE on both tables for as long as it takes to change
--- the catalog (milliseconds: BENCHMARKS.md, "The partitioning migration"): nothing is copied
+-- the catalog (0.4 s in all at 500,000 jobs: BENCHMARKS.md, "Month six"): nothing is copied
 -- or scanned. lock_timeout makes it give up rather than queue every reader and writer behind
 -- a long transaction; the migrator tries again.
 --
