@@ -7,11 +7,21 @@ result's reply read by its own ``parse_reply``, and a failed request is classifi
 ``classify_status``: a batched step sees exactly the answer, and meets exactly the failure
 class, the online call would have given it. Results are streamed (never a whole file in
 memory): a 200 MB results file is normal.
+
+A results file is untrusted input: each line is read on its own, and a line that is not
+the provider's result shape fails only the request it names (``batch_result_unreadable``;
+a line naming no request is skipped, and its request ends ``batch_result_missing``). A line
+longer than ``max_line`` bytes is skipped unread (``batch_result_too_large``); lines are
+split in one pass over each chunk, so a 50 MB line costs its bytes once, not once per
+chunk. A refused call (4xx) raises ``BatchRefused`` with the failure the online call would
+have met, so the poller can block a provider whose key was refused instead of retrying.
+Once a batch is collected its files are deleted at the provider (``delete``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -29,8 +39,8 @@ from calmq.gateway import (
     classify_status,
 )
 
-__all__ = ["AnthropicBatches", "BatchClient", "BatchResult", "BatchView", "OpenAIBatches",
-           "custom_id", "open_batch_client", "parse_custom_id"]
+__all__ = ["AnthropicBatches", "BatchClient", "BatchRefused", "BatchResult", "BatchView",
+           "LineError", "OpenAIBatches", "custom_id", "open_batch_client", "parse_custom_id"]
 
 # Provider limits per batch (requests, bytes of requests).
 OPENAI_LIMITS = (50_000, 200 * 1024 * 1024)
@@ -38,6 +48,11 @@ ANTHROPIC_LIMITS = (100_000, 256 * 1024 * 1024)
 # Anthropic's custom_id allows [A-Za-z0-9_-]{1,64}: a job id (36) + "_" + the attempt.
 _SEPARATOR = "_"
 _CHUNK = 1 << 16
+# The longest results line read by default (settings.batch_max_result_line_bytes).
+MAX_LINE = 16 * 1024 * 1024
+# How much of an unreadable or too long line is searched for the custom_id it names.
+_HEAD = 4096
+_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
 
 
 def custom_id(job_id: object, attempt: int) -> str:
@@ -49,20 +64,52 @@ def parse_custom_id(value: str) -> tuple[str, int]:
     return job_id, int(attempt)
 
 
+class BatchRefused(InfrastructureError):
+    """The provider refused a batch call (a 4xx but 429): ``failure`` is what the online
+    call would have met (a refused key blocks the provider; a refused request is its job's
+    input). ``missing``: a 404, the batch or file is not there (never "model not found": a
+    batch call names no model in its path)."""
+
+    def __init__(self, message: str, failure: StepFailure, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class LineError:
+    """One error of a batch the provider failed as a whole: the input line (1-based) or
+    request index (0-based) it names, if any."""
+
+    message: str
+    code: str | None = None
+    line: int | None = None
+
+
 @dataclass(frozen=True)
 class BatchView:
     """What the provider says of a batch, in calmq's words: ``outcome`` is completed,
-    expired or cancelled once it ended (None while it runs)."""
+    expired, cancelled or failed (the provider refused the batch as a whole: ``errors``)
+    once it ended (None while it runs)."""
 
     provider_id: str
     status: str  # the provider's own status word
     outcome: str | None
     counts: dict[str, int] = field(default_factory=dict)
     results: tuple[str, ...] = ()  # where its results are (file ids or a URL)
+    input_file: str | None = None  # OpenAI: the uploaded input file
+    errors: tuple[LineError, ...] = ()
 
     @property
     def ended(self) -> bool:
         return self.outcome is not None
+
+
+@dataclass(frozen=True)
+class _TooLong:
+    """A results line longer than the cap: skipped unread but for its first bytes."""
+
+    head: bytes
 
 
 @dataclass(frozen=True)
@@ -78,6 +125,25 @@ def _not_run(code: str) -> StepFailure:
     return failure(code, f"the provider did not run this request: {code}")
 
 
+def _named(head: bytes) -> str:
+    """The custom_id a (possibly broken) results line names in its first bytes, or ""."""
+    found = _CUSTOM_ID.search(head[:_HEAD])
+    return found.group(1).decode() if found else ""
+
+
+def refusal(method: str, path: str, status: int, text: str) -> InfrastructureError:
+    """A provider's non-2xx answer to a batch call: BatchRefused for a 4xx but 429 (what the
+    online call would have met), else InfrastructureError (tried again later)."""
+    message = f"{method} {path}: the provider answered {status}: {text[:300]}"
+    if status == 404:
+        return BatchRefused(message, failure("provider_bad_request", message), missing=True)
+    if 400 <= status < 500 and status != 429:
+        return BatchRefused(message, classify_status(status, text, None))
+    if status == 429 and "insufficient_quota" in text:
+        return BatchRefused(message, classify_status(status, text, None))
+    return InfrastructureError(message)
+
+
 class BatchClient:
     """One provider's batch API for one model (the base: sessions, errors, line streaming)."""
 
@@ -85,11 +151,12 @@ class BatchClient:
     limits = OPENAI_LIMITS
 
     def __init__(self, base_url: str, api_key: str, model: str, *,
-                 endpoint: Endpoint | None = None) -> None:
+                 endpoint: Endpoint | None = None, max_line: int = MAX_LINE) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
         self.api = endpoint or Endpoint(self.kind, base_url, api_key)
+        self.max_line = max_line
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -109,38 +176,100 @@ class BatchClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+    async def _json(self, method: str, path: str, *, missing_ok: bool = False,
+                    **kw: Any) -> Any:
+        """The JSON answer of one call; with ``missing_ok`` a 404 is None (a delete of what
+        is gone already)."""
         url = path if path.startswith("http") else self.api.url(path)
         try:
             async with self.session().request(method, url, headers=self.headers(),
                                               **kw) as resp:
                 text = await resp.text()
+                if missing_ok and resp.status == 404:
+                    return None
                 if resp.status >= 300:
-                    raise InfrastructureError(
-                        f"{method} {path}: the provider answered {resp.status}: {text[:300]}")
+                    raise refusal(method, path, resp.status, text)
                 return json.loads(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise InfrastructureError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
 
-    async def _lines(self, url: str) -> AsyncIterator[bytes]:
-        """The lines of a JSONL download, read in 64 KiB chunks (memory: one line + chunk)."""
+    async def _lines(self, url: str) -> AsyncIterator[bytes | _TooLong]:
+        """The lines of a JSONL download, read in 64 KiB chunks: memory is one line (at most
+        ``max_line``) and a chunk. Each chunk is scanned once for its newlines, so a line of
+        any length costs its bytes once; a line over ``max_line`` is skipped, unread but for
+        its first bytes (``_TooLong``)."""
         full = url if url.startswith("http") else self.api.url(url)
         try:
             async with self.session().get(full, headers=self.headers()) as resp:
                 if resp.status >= 300:
-                    raise InfrastructureError(
-                        f"GET {url}: the provider answered {resp.status}")
-                rest = b""
+                    raise refusal("GET", url, resp.status, (await resp.text())[:300])
+                line = bytearray()
+                skipping: bytes | None = None  # the head of a too long line being skipped
                 async for chunk in resp.content.iter_chunked(_CHUNK):
-                    rest += chunk
-                    *lines, rest = rest.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield line
-                if rest.strip():
-                    yield rest
+                    start = 0
+                    while start <= len(chunk):
+                        end = chunk.find(b"\n", start)
+                        piece = chunk[start:] if end < 0 else chunk[start:end]
+                        if skipping is None and len(line) + len(piece) > self.max_line:
+                            skipping = bytes(line[:_HEAD]) + piece[:max(0, _HEAD - len(line))]
+                            line.clear()
+                        if skipping is None:
+                            line += piece
+                        if end < 0:
+                            break
+                        if skipping is not None:
+                            yield _TooLong(skipping)
+                            skipping = None
+                        elif line.strip():
+                            yield bytes(line)
+                        line.clear()
+                        start = end + 1
+                if skipping is not None:
+                    yield _TooLong(skipping)
+                elif line.strip():
+                    yield bytes(line)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise InfrastructureError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+
+    async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
+        """Each request's result, one line at a time; a line that cannot be read fails only
+        the request it names (none named: skipped, ``custom_id`` "")."""
+        for source in view.results:
+            async for line in self._lines(self._download(source)):
+                yield self.read_line(line)
+
+    def _download(self, result: str) -> str:
+        """Where a batch's results (``view.results``: a file id or a URL) are read from."""
+        return result
+
+    def read_line(self, line: bytes | _TooLong) -> BatchResult:
+        if isinstance(line, _TooLong):
+            return BatchResult(_named(line.head), failure=failure(
+                "batch_result_too_large", f"the provider's result for this request is longer "
+                f"than {self.max_line} bytes (batch_max_result_line_bytes); not read"))
+        try:
+            return self._result(line)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return BatchResult(_named(line), failure=failure(
+                "batch_result_unreadable", f"the provider's result line for this request is "
+                f"not a result: {type(exc).__name__}: {str(exc)[:200]}"))
+
+    def _result(self, line: bytes) -> BatchResult:
+        raise NotImplementedError
+
+    async def probe(self) -> object:
+        """One tiny online call with this client's key and model (a blocked provider's probe:
+        calmq.providers)."""
+        raise NotImplementedError
+
+    async def delete(self, view: BatchView) -> None:
+        """Delete what the provider keeps of an ended batch: its input and result files
+        (OpenAI), the batch and its results (Anthropic). What is gone already is no error."""
+        raise NotImplementedError
+
+    async def input_custom_ids(self, view: BatchView, lines: set[int]) -> dict[int, str]:
+        """The custom_id of each of these (1-based) lines of the batch's input file."""
+        return {}
 
     # The interface the batcher and the poller use.
 
@@ -163,9 +292,6 @@ class BatchClient:
     async def view(self, provider_id: str) -> BatchView:
         raise NotImplementedError
 
-    def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
-        raise NotImplementedError
-
     async def cancel(self, provider_id: str) -> None:
         raise NotImplementedError
 
@@ -177,13 +303,15 @@ class OpenAIBatches(BatchClient):
 
     kind = "openai"
     limits = OPENAI_LIMITS
+    # "failed": the input file failed validation, no request ran (not "expired": its jobs
+    # are not all to blame; the errors name the lines).
     _STATUS = {"completed": "completed", "expired": "expired", "cancelled": "cancelled",
-               "failed": "expired"}
+               "failed": "failed"}
 
     def __init__(self, base_url: str, api_key: str, model: str, *,
                  endpoint: Endpoint | None = None,
-                 structured: dict[str, str] | None = None) -> None:
-        super().__init__(base_url, api_key, model, endpoint=endpoint)
+                 structured: dict[str, str] | None = None, max_line: int = MAX_LINE) -> None:
+        super().__init__(base_url, api_key, model, endpoint=endpoint, max_line=max_line)
         self._online = OpenAIProvider(base_url, api_key, model, endpoint=self.api,
                                       structured=structured)
 
@@ -206,9 +334,14 @@ class OpenAIBatches(BatchClient):
         form.add_field("file", b"".join(lines), filename=f"calmq-{key}.jsonl",
                        content_type="application/jsonl")
         uploaded = await self._json("POST", "/files", data=form)
-        created = await self._json("POST", "/batches", json={
-            "input_file_id": uploaded["id"], "endpoint": self.endpoint,
-            "completion_window": "24h", "metadata": {"calmq_key": key}})
+        try:
+            created = await self._json("POST", "/batches", json={
+                "input_file_id": uploaded["id"], "endpoint": self.endpoint,
+                "completion_window": "24h", "metadata": {"calmq_key": key}})
+        except BatchRefused:
+            # No batch holds the uploaded file: it must not stay with the provider.
+            await self._delete_file(str(uploaded["id"]))
+            raise
         return self._view(created)
 
     async def find(self, key: str, since: datetime, count: int,
@@ -235,15 +368,46 @@ class OpenAIBatches(BatchClient):
         counts = {k: int(v) for k, v in (data.get("request_counts") or {}).items()}
         files = tuple(str(f) for f in (data.get("output_file_id"), data.get("error_file_id"))
                       if f)
-        return BatchView(str(data["id"]), status, self._STATUS.get(status), counts, files)
+        errors = tuple(
+            LineError(str(e.get("message") or ""), e.get("code"),
+                      int(e["line"]) if isinstance(e.get("line"), int) else None)
+            for e in ((data.get("errors") or {}).get("data") or []) if isinstance(e, dict))
+        return BatchView(str(data["id"]), status, self._STATUS.get(status), counts, files,
+                         str(data["input_file_id"]) if data.get("input_file_id") else None,
+                         errors)
 
-    async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
-        for file_id in view.results:
-            async for line in self._lines(f"/files/{file_id}/content"):
-                yield self._result(line)
+    async def probe(self) -> object:
+        return await self._online.complete(messages=[{"role": "user", "content": "ping"}],
+                                           job_id="calmq-probe", max_tokens=1)
+
+    async def _delete_file(self, file_id: str) -> None:
+        await self._json("DELETE", f"/files/{file_id}", missing_ok=True)
+
+    async def delete(self, view: BatchView) -> None:
+        for file_id in (view.input_file, *view.results):
+            if file_id:
+                await self._delete_file(file_id)
+
+    def _download(self, result: str) -> str:
+        return f"/files/{result}/content"
+
+    async def input_custom_ids(self, view: BatchView, lines: set[int]) -> dict[int, str]:
+        found: dict[int, str] = {}
+        if not view.input_file or not lines:
+            return found
+        number = 0
+        async for line in self._lines(f"/files/{view.input_file}/content"):
+            number += 1  # blank lines are not yielded: calmq's input files have none
+            if number in lines:
+                found[number] = _named(line.head if isinstance(line, _TooLong) else line)
+            if number >= max(lines):
+                break
+        return found
 
     def _result(self, line: bytes) -> BatchResult:
         item = json.loads(line)
+        if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str):
+            raise TypeError("no custom_id")
         cid = str(item.get("custom_id"))
         response = item.get("response")
         error = item.get("error")
@@ -282,8 +446,8 @@ class AnthropicBatches(BatchClient):
 
     def __init__(self, base_url: str, api_key: str, model: str, *,
                  endpoint: Endpoint | None = None,
-                 structured: dict[str, str] | None = None) -> None:
-        super().__init__(base_url, api_key, model, endpoint=endpoint)
+                 structured: dict[str, str] | None = None, max_line: int = MAX_LINE) -> None:
+        super().__init__(base_url, api_key, model, endpoint=endpoint, max_line=max_line)
         self._online = AnthropicProvider(base_url, api_key, model, endpoint=self.api,
                                          structured=structured)
 
@@ -311,9 +475,7 @@ class AnthropicBatches(BatchClient):
             async with self.session().post(url, data=body, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status >= 300:
-                    raise InfrastructureError(
-                        f"POST /v1/messages/batches: the provider answered {resp.status}: "
-                        f"{text[:300]}")
+                    raise refusal("POST", "/v1/messages/batches", resp.status, text)
                 return json.loads(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise InfrastructureError(f"POST /v1/messages/batches: {exc}") from exc
@@ -344,13 +506,18 @@ class AnthropicBatches(BatchClient):
         url = data.get("results_url")
         return BatchView(str(data["id"]), status, outcome, counts, (str(url),) if url else ())
 
-    async def results(self, view: BatchView) -> AsyncIterator[BatchResult]:
-        for url in view.results:
-            async for line in self._lines(url):
-                yield self._result(line)
+    async def probe(self) -> object:
+        return await self._online.complete(messages=[{"role": "user", "content": "ping"}],
+                                           job_id="calmq-probe", max_tokens=1)
+
+    async def delete(self, view: BatchView) -> None:
+        # The batch and its results go together; only an ended batch can be deleted.
+        await self._json("DELETE", f"/messages/batches/{view.provider_id}", missing_ok=True)
 
     def _result(self, line: bytes) -> BatchResult:
         item = json.loads(line)
+        if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str):
+            raise TypeError("no custom_id")
         cid = str(item.get("custom_id"))
         result = item.get("result") or {}
         kind = result.get("type")
@@ -374,11 +541,13 @@ class AnthropicBatches(BatchClient):
 
 def open_batch_client(kind: str, base_url: str, api_key: str, model: str, *,
                       extra_headers: dict[str, str] | None = None, api_version: str = "",
-                      structured: dict[str, str] | None = None) -> BatchClient:
+                      structured: dict[str, str] | None = None,
+                      max_line: int = MAX_LINE) -> BatchClient:
     endpoint = Endpoint(kind, base_url, api_key, tuple((extra_headers or {}).items()),
                         api_version)
     if kind == "anthropic":
         return AnthropicBatches(base_url, api_key, model, endpoint=endpoint,
-                                structured=structured)
-    return OpenAIBatches(base_url, api_key, model, endpoint=endpoint, structured=structured)
+                                structured=structured, max_line=max_line)
+    return OpenAIBatches(base_url, api_key, model, endpoint=endpoint, structured=structured,
+                         max_line=max_line)
 

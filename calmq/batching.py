@@ -106,15 +106,23 @@ class Batcher(Generic[_Item]):
 
     async def submit(self, item: _Item) -> None:
         """Return once ``item`` is written; raise its error if it was not."""
+        # Shielded: a caller that goes away (a client hung up, a step timed out) must not
+        # cancel the write its neighbours share.
+        await asyncio.shield(self.queue(item))
+
+    def queue(self, item: _Item) -> asyncio.Future[None]:
+        """Queue ``item`` and return its future, settled once it is written: for a caller
+        that waits later, or only for the last of its items (with one writer, groups are
+        written in the order their items came)."""
         if self._task is None:
             self.start()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # An error nobody waits for (an item before the last) is not logged as unretrieved.
+        future.add_done_callback(_retrieve)
         self._pending.append(item)
         self._futures.append(future)
         self._wake.set()
-        # Shielded: a caller that goes away (a client hung up, a step timed out) must not
-        # cancel the write its neighbours share.
-        await asyncio.shield(future)
+        return future
 
     async def drain(self) -> None:
         """Wait until everything queued is written."""
@@ -206,6 +214,11 @@ class Batcher(Generic[_Item]):
         if first is None and second is None:
             return None
         return [*(first or [None] * half), *(second or [None] * (len(group) - half))]
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(futures: list[asyncio.Future[None] | None],

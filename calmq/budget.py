@@ -35,7 +35,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,8 +48,10 @@ from calmq.errors import StepFailure
 from calmq.failure_codes import BudgetEffect, failure, spec
 from calmq.gateway import (
     ModelReply,
+    ModelStream,
     Provider,
     RateLimits,
+    Streamer,
     current_clock,
     current_scope,
     open_provider,
@@ -790,13 +792,65 @@ class BudgetedProvider:
         finally:
             self._in_call -= 1
         calls.labels(self.provider, self.model, "ok").inc()
+        await self._answered(reply, taken, estimate, max_tokens, job_id)
+        return reply
+
+    async def _answered(self, reply: ModelReply, taken: _Taken, estimate: int,
+                        max_tokens: int, job_id: str) -> None:
+        """Settle an answered call with the usage the provider reported, and meter it."""
+        scope = current_scope()
         output = max(max_tokens, reply.output_tokens) if self.counts_max_tokens \
             else reply.output_tokens
         await taken.settle((reply.input_tokens or estimate - max_tokens) + output)
         await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
                           reply.output_tokens, cached=reply.cached_input_tokens,
                           tier=reply.service_tier)
-        return reply
+
+    def stream(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelStream:
+        """A streamed call under the same gate, budget and meter as ``complete``: admitted
+        and reserved before it is sent, settled with the usage the stream reported at its
+        end (a stream that broke off keeps its estimate: the provider counted what it
+        wrote)."""
+        inner = self.inner
+        if not isinstance(inner, Streamer):
+            raise failure("not_supported", f"provider {self.provider} cannot stream")
+
+        async def source(out: ModelStream) -> AsyncIterator[str]:
+            scope = current_scope()
+            estimate = estimate_prompt_tokens(messages) + max_tokens
+            if self.gate is not None:
+                await self.gate.admit()
+            taken = await self._take(scope.tenant_id, estimate, scope.priority)
+            self._in_call += 1
+            streamed = inner.stream(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                    response_schema=response_schema)
+            try:
+                async for text in streamed:
+                    yield text
+                reply = await streamed.final()
+            except StepFailure as exc:
+                replacement = await self._failed_call(exc, taken, estimate)
+                if replacement is exc:
+                    raise
+                raise replacement from exc
+            except BaseException as exc:  # cancelled, or the reader stopped early
+                await streamed.aclose()
+                await self._failed_call(exc, taken, estimate)
+                raise
+            finally:
+                self._in_call -= 1
+            _metrics().calls.labels(self.provider, self.model, "ok").inc()
+            await self._answered(reply, taken, estimate, max_tokens, job_id)
+            out.reply = reply
+
+        return ModelStream(source)
 
     async def embed(self, *, inputs: list[str], job_id: str) -> Any:
         """Embeddings through the same budget and meter (when the inner provider embeds),

@@ -71,6 +71,9 @@ _ALL: Final = (
                 "connection broke before the answer's headers", provider_status="refused, reset"),
     FailureCode("upstream_garbled", T, K, "a 2xx that is not JSON, is cut off mid-body or "
                 "lacks the answer", provider_status="2xx, unreadable"),
+    FailureCode("stream_interrupted", T, K, "a streamed answer broke off after it began (the "
+                "connection, the provider's error event, no last event): retried with a new "
+                "stream, clients are told to reset", provider_status="2xx stream cut off"),
     FailureCode("provider_auth", P, PA, "the key is wrong or revoked: the provider and model "
                 "pause fleet-wide, jobs wait queued", provider_status="401"),
     FailureCode("provider_permission", P, PA, "the key may not use this model or endpoint: "
@@ -98,6 +101,12 @@ _ALL: Final = (
     FailureCode("batch_expired", T, R, "the provider's batch expired before this request ran"),
     FailureCode("batch_cancelled", T, R, "the batch was cancelled before this request ran"),
     FailureCode("batch_result_missing", T, R, "the batch ended without this request's result"),
+    FailureCode("batch_result_unreadable", T, K, "this request's line of the batch's results "
+                "file is not JSON or not the provider's result shape; retried in a later batch"),
+    FailureCode("batch_result_too_large", IN, K, "this request's result line is longer than "
+                "batch_max_result_line_bytes: skipped unread, not retried"),
+    FailureCode("batch_failed", T, R, "the provider failed the whole batch (no line of it "
+                "named): retried in a later batch"),
     FailureCode("batch_multi_call", B, K, "a batch-lane step made a second model call"),
     FailureCode("batch_unknown_job", B, K, "a batch-lane model call outside its attempt"),
     # -- the attempt --------------------------------------------------------------------------

@@ -7,6 +7,11 @@ per provider, reused. The requests are built by hand and checked in the test sui
 the official SDKs' request types (docs/explanation/decisions.md says why not the SDKs);
 structured outputs go in each provider's dialect (calmq.output_schemas); failures become
 registered codes (calmq.failure_codes).
+
+A call is answered whole (``complete``) or streamed (``stream``: the provider's
+server-sent events, OpenAI's ``stream: true`` with ``stream_options.include_usage``,
+Anthropic's ``stream: true``), which gives the text as the model writes it and, at the end,
+the same ``ModelReply`` with the usage the stream reported.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import email.utils
 import fnmatch
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -35,9 +41,11 @@ __all__ = [
     "Endpoint",
     "ModelClock",
     "ModelReply",
+    "ModelStream",
     "OpenAIProvider",
     "Provider",
     "RateLimits",
+    "Streamer",
     "classify_status",
     "current_clock",
     "current_scope",
@@ -140,6 +148,60 @@ class Provider(Protocol):
     ) -> ModelReply: ...
 
     async def close(self) -> None: ...
+
+
+class ModelStream:
+    """One streamed model call: ``async for text in stream`` gives the text as the model
+    writes it; once the stream has ended, ``reply`` holds the whole answer and its usage, as
+    ``complete`` would have returned it. ``await stream.final()`` reads whatever is left and
+    returns the reply. Nothing is sent before the first read; a stream is read once.
+
+    A stream that breaks off after it began is ``stream_interrupted`` (transient: the next
+    attempt starts a new stream); one refused before it began fails as ``complete`` would.
+    """
+
+    def __init__(self, source: Callable[[ModelStream], AsyncIterator[str]]) -> None:
+        # ``source(self)`` yields the deltas and sets ``reply`` once the provider ended it.
+        self._source = source
+        self._iterator: AsyncIterator[str] | None = None
+        self.reply: ModelReply | None = None
+
+    def __aiter__(self) -> ModelStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._iterator is None:
+            self._iterator = aiter(self._source(self))
+        return await anext(self._iterator)
+
+    async def final(self) -> ModelReply:
+        """The reply, once every delta is read (those not read yet are read here)."""
+        async for _text in self:
+            pass
+        if self.reply is None:
+            raise failure("stream_interrupted", "the model's stream ended without its reply")
+        return self.reply
+
+    async def aclose(self) -> None:
+        """Stop reading (the connection is closed); a stream left unread needs no close."""
+        iterator = self._iterator
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()
+
+
+@runtime_checkable
+class Streamer(Protocol):
+    """A provider that can stream a call (calmq's gateway providers and their budget)."""
+
+    def stream(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelStream: ...
 
 
 @dataclass(frozen=True)
@@ -413,6 +475,89 @@ class _HttpProvider:
             raise failure("upstream_garbled",
                           "provider answered 2xx with a body that is not JSON") from exc
 
+    async def _events(self, path: str, body: dict[str, Any]
+                      ) -> AsyncGenerator[tuple[str, str], None]:
+        """POST a streamed call and yield its server-sent events as (event, data).
+
+        Refused before the stream began: the failure ``complete`` would raise (the status
+        classified, or ``connection_error``). Broken off after it began (the connection
+        reset, the body cut short): ``stream_interrupted``, which keeps the call's budget
+        (the provider counted what it generated)."""
+        from calmq.tracing import current_traceparent
+
+        headers = {**self.endpoint_config.headers(), "Accept": "text/event-stream"}
+        traceparent = current_traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
+        started = time.monotonic()
+        clock = _CLOCK.get()
+        began = False
+        try:
+            url = self.endpoint_config.url(path)
+            async with self.session().post(url, json=body, headers=headers) as resp:
+                if self.observer is not None:
+                    self.observer(resp.status, rate_limits(resp.headers))
+                if resp.status >= 300:
+                    try:
+                        text = await resp.text()
+                    except aiohttp.ClientPayloadError as exc:
+                        raise failure("upstream_garbled", f"the provider's error answer was "
+                                      f"cut off ({resp.status}): {exc}") from exc
+                    raise classify_status(resp.status, text, resp.headers)
+                began = True
+                event, data = "", list[str]()
+                # Lines end at b"\n", so a UTF-8 character never straddles two of them.
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                    if not line:
+                        if data:
+                            yield event, "\n".join(data)
+                        event, data = "", []
+                        continue
+                    if line.startswith(":"):  # a comment (keep-alive)
+                        continue
+                    name, _, value = line.partition(":")
+                    value = value.removeprefix(" ")
+                    if name == "event":
+                        event = value
+                    elif name == "data":
+                        data.append(value)
+                if data:
+                    yield event, "\n".join(data)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            if began:
+                raise failure("stream_interrupted", f"the provider's stream broke off: "
+                              f"{exc}") from exc
+            raise failure("connection_error", f"cannot reach the provider: {exc}") from exc
+        except TimeoutError as exc:
+            raise failure("timeout", "provider timed out") from exc
+        finally:
+            if clock is not None:
+                clock.seconds += time.monotonic() - started
+
+    def _streamed(self, path: str, body: dict[str, Any], reading: _StreamReading) -> ModelStream:
+        """A ``ModelStream`` of the call ``body`` to ``path``, read by ``reading``."""
+
+        async def source(out: ModelStream) -> AsyncIterator[str]:
+            async with aclosing(self._events(path, body)) as events:
+                async for event, data in events:
+                    try:
+                        payload = json.loads(data) if data != "[DONE]" else None
+                    except ValueError as exc:
+                        raise failure("upstream_garbled", f"a stream event that is not JSON: "
+                                      f"{data[:120]!r}") from exc
+                    text = reading.add(event, payload)
+                    if text:
+                        yield text
+                    if reading.ended:
+                        break
+            if not reading.ended:
+                raise failure("stream_interrupted", "the provider's stream ended before its "
+                              "last event")
+            out.reply = reading.reply()
+
+        return ModelStream(source)
+
     def embeddings_body(self, inputs: list[str], job_id: str) -> dict[str, Any]:
         """The body of ``POST /v1/embeddings`` (OpenAI's shape, which Azure, vLLM, Ollama,
         LiteLLM and Voyage's OpenAI-compatible endpoint also serve)."""
@@ -468,6 +613,28 @@ class OpenAIProvider(_HttpProvider):
             }
         return body
 
+    def stream(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelStream:
+        body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                response_schema=response_schema)
+        return self._streamed("/chat/completions", body, _OpenAIReading())
+
+    def stream_body(
+        self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The body of a streamed call: the same call, ``stream: true``, and
+        ``stream_options.include_usage`` (else a stream reports no usage to settle)."""
+        return {**self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                    response_schema=response_schema),
+                "stream": True, "stream_options": {"include_usage": True}}
+
     @staticmethod
     def parse_reply(data: Any) -> ModelReply:
         """A 2xx answer's reply (also a batch result line's ``response.body``)."""
@@ -510,6 +677,27 @@ class AnthropicProvider(_HttpProvider):
         body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                  response_schema=response_schema)
         return self.parse_reply(await self._post("/messages", body))
+
+    def stream(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelStream:
+        body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                response_schema=response_schema)
+        return self._streamed("/messages", body, _AnthropicReading())
+
+    def stream_body(
+        self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The body of a streamed call: the same call with ``stream: true`` (Messages has
+        no stream options: the usage comes in ``message_start`` and ``message_delta``)."""
+        return {**self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                    response_schema=response_schema), "stream": True}
 
     async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply:
         raise failure("not_supported", "Anthropic has no embeddings API: set "
@@ -556,6 +744,128 @@ class AnthropicProvider(_HttpProvider):
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise failure("upstream_garbled", "provider answer lacks content") from exc
+
+
+class _StreamReading(Protocol):
+    """How one provider's stream events add up to deltas and a reply."""
+
+    ended: bool
+
+    def add(self, event: str, payload: Any) -> str: ...
+
+    def reply(self) -> ModelReply: ...
+
+
+def _stream_error(payload: Any) -> StepFailure:
+    """An error event in the middle of a stream (Anthropic's ``event: error``, OpenAI's
+    ``{"error": ...}`` chunk): the stream broke off after it began."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return failure("stream_interrupted", f"the provider broke off its stream: {kind}: "
+                   f"{str(message)[:200]}")
+
+
+class _OpenAIReading:
+    """Chat Completions chunks: ``choices[0].delta.content`` (or ``.refusal``) pieces, the
+    ``finish_reason``, and with ``include_usage`` a last chunk whose ``usage`` is the call's;
+    ``data: [DONE]`` ends it."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self._parts: list[str] = []
+        self._refusal: list[str] = []
+        self._finish: str | None = None
+        self._usage: dict[str, Any] = {}
+        self._tier: str | None = None
+
+    def add(self, event: str, payload: Any) -> str:
+        if payload is None:  # [DONE]
+            self.ended = True
+            return ""
+        if not isinstance(payload, dict):
+            raise failure("upstream_garbled", "a stream chunk that is not an object")
+        if payload.get("error") is not None:
+            raise _stream_error(payload)
+        if payload.get("usage"):
+            self._usage = payload["usage"]
+        if payload.get("service_tier"):
+            self._tier = payload["service_tier"]
+        text = ""
+        for choice in payload.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                text = delta["content"]
+                self._parts.append(text)
+            if delta.get("refusal"):
+                self._refusal.append(delta["refusal"])
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+        return text
+
+    def reply(self) -> ModelReply:
+        usage = self._usage
+        refusal = "".join(self._refusal) or None
+        if not refusal and self._finish == "content_filter":
+            refusal = "the provider's content filter stopped the answer"
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        return ModelReply(content="".join(self._parts) if not self._refusal else None,
+                          refusal=refusal, input_tokens=int(usage.get("prompt_tokens", 0)),
+                          output_tokens=int(usage.get("completion_tokens", 0)),
+                          cached_input_tokens=int(cached), reasoning_tokens=int(reasoning),
+                          service_tier=self._tier)
+
+
+class _AnthropicReading:
+    """Messages events: ``message_start`` (the input usage), ``content_block_delta`` with
+    ``text_delta`` pieces, ``message_delta`` (stop reason, the output usage so far),
+    ``message_stop`` (the end); ``ping`` and the block start and stop carry nothing."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self._parts: list[str] = []
+        self._stop: str | None = None
+        self._usage: dict[str, Any] = {}
+
+    def add(self, event: str, payload: Any) -> str:
+        if not isinstance(payload, dict):
+            raise failure("upstream_garbled", "a stream event that is not an object")
+        kind = payload.get("type") or event
+        if kind == "error":
+            raise _stream_error(payload)
+        if kind == "message_start":
+            self._usage.update((payload.get("message") or {}).get("usage") or {})
+        elif kind == "content_block_start":
+            block = payload.get("content_block") or {}
+            if block.get("type") == "text" and block.get("text"):
+                self._parts.append(block["text"])
+                return str(block["text"])
+        elif kind == "content_block_delta":
+            delta = payload.get("delta") or {}
+            if delta.get("type") == "text_delta" and delta.get("text"):
+                self._parts.append(delta["text"])
+                return str(delta["text"])
+        elif kind == "message_delta":
+            self._stop = (payload.get("delta") or {}).get("stop_reason") or self._stop
+            # Cumulative counts: the last message_delta's are the call's.
+            self._usage.update({k: v for k, v in (payload.get("usage") or {}).items()
+                                if v is not None})
+        elif kind == "message_stop":
+            self.ended = True
+        return ""
+
+    def reply(self) -> ModelReply:
+        text = "".join(self._parts)
+        refusal = text if self._stop == "refusal" else None
+        usage = self._usage
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        return ModelReply(content=None if refusal else text, refusal=refusal,
+                          input_tokens=int(usage.get("input_tokens") or 0) + cached,
+                          output_tokens=int(usage.get("output_tokens") or 0),
+                          cached_input_tokens=cached, service_tier=usage.get("service_tier"))
 
 
 def open_provider(kind: str, base_url: str, api_key: str, model: str, *,

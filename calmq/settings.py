@@ -223,6 +223,11 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535,
         description="serve the console on this port (on api_host) instead of the API port; "
                     "unset: on the API port")
+    console_session_seconds: float = Field(
+        default=8 * 3600.0, ge=60, le=30 * 24 * 3600,
+        description="how long a console sign-in lasts: the session cookie holds a random "
+                    "token of its own (stored server-side as a hash, ended by sign-out or "
+                    "by revoking its key), never the API key")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     auth_cache_max_misses: int = Field(
@@ -241,6 +246,10 @@ class Settings(BaseSettings):
         default=100, ge=0,
         description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "
                     "API process; more answer 429 too_many_streams; 0: no cap")
+    api_prefer_wait_max_seconds: float = Field(
+        default=30.0, ge=0, le=300,
+        description="the longest wait POST /v1/jobs honours from Prefer: wait=N (RFC 7240): "
+                    "a job final within it is answered 200 with its result; 0: never waits")
     api_reads_per_tenant: int = Field(
         default=8, ge=0,
         description="expensive reads (job, review and dead-letter lists, artifact "
@@ -357,6 +366,10 @@ class Settings(BaseSettings):
         default=None, gt=0, description="overrides every step's timeout (default: per step)")
     max_attempts: int | None = Field(
         default=None, ge=1, description="overrides every job's attempt budget (default: per step)")
+    output_flush_seconds: float = Field(
+        default=0.05, ge=0, le=5,
+        description="streamed steps: a job's text is written to its followers at most this "
+                    "often (the first piece at once); 0: every piece as it comes")
     commit_interval_ms: int = Field(default=200, ge=1)
     grace_seconds: float = Field(default=10.0, ge=0)
 
@@ -536,6 +549,11 @@ class Settings(BaseSettings):
     batch_lease_seconds: float = Field(
         default=60.0, gt=0,
         description="a poller's lease on a batch it collects (one poller per batch)")
+    batch_max_result_line_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=64 * 1024,
+        description="the longest line of a provider's batch results file the poller reads "
+                    "(one request's result); a longer one fails its request as "
+                    "batch_result_too_large, unread")
     batch_enqueued_tokens_limit: int = Field(
         default=0, ge=0,
         description="the provider's batch queue limit in tokens per model (estimated, prompt "

@@ -36,6 +36,7 @@ from calmq.errors import ContractError, FailureClass, InfrastructureError, Lease
 from calmq.failure_codes import ProviderBlocked
 from calmq.gateway import Provider, enter_scope
 from calmq.objects import ObjectStore, read_bounded
+from calmq.outputs import OutputWriter, PublishingProvider
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
 from calmq.processors.slots import CallSlots
@@ -52,7 +53,8 @@ class Attempt:
     def __init__(self, *, store: Store, provider: Provider, objects: ObjectStore,
                  workflows: Mapping[str, Workflow], failures: FailureStage, worker_id: str,
                  slots: CallSlots | None = None, step_timeout_seconds: float | None = None,
-                 review_deadline_seconds: float = 48 * 3600.0) -> None:
+                 review_deadline_seconds: float = 48 * 3600.0,
+                 outputs: OutputWriter | None = None) -> None:
         self.store = store
         self.provider = provider
         self.objects = objects
@@ -61,6 +63,9 @@ class Attempt:
         self.worker_id = worker_id
         self.slots = slots  # None: no bound (the batch lane's settling)
         self.step_timeout_seconds = step_timeout_seconds  # overrides every step's own
+        # Where streamed steps' text goes as the model writes it (None: nowhere, the batch
+        # lane: its calls are answered whole).
+        self.outputs = outputs
         self.progress = Progress(store, objects, review_deadline_seconds)
 
     async def run(self, job: Job, topic: str) -> Finish:
@@ -148,8 +153,14 @@ class Attempt:
             log.debug("step %s starts", step.name, extra={"input": data})
         # The effect log of this attempt: its records carry the fencing token.
         effects = SideEffects(self.store, self.worker_id, job.lease_version)
+        # The attempt's own output stream (named by its fencing token): a streamed call's
+        # text reaches the job's followers as the model writes it.
+        streamed = (self.outputs.open(job.id, job.lease_version, step.name, job.attempt)
+                    if self.outputs is not None else None)
+        provider = PublishingProvider(self.provider, streamed,
+                                      stream_calls=step.streams(job.priority))
         ctx = StepContext(str(job.id), str(job.tenant_id), step.name, job.attempt,
-                          self.provider, self.objects, effects, priority=job.priority,
+                          provider, self.objects, effects, priority=job.priority,
                           workflow=job.workflow, lease_version=job.lease_version)
         enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
         timeout = self.step_timeout_seconds or step.timeout_seconds
@@ -165,6 +176,10 @@ class Attempt:
         finally:
             if self.slots is not None:
                 self.slots.release()
+            if streamed is not None:
+                # Its chunks are written before the outcome is (and so before the event a
+                # follower sees last), whatever the outcome.
+                await streamed.close()
         return StepOutput(step.check_output(output.artifact), output.confidence,
                           output.input_tokens, output.output_tokens)
 

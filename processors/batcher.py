@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -49,13 +50,23 @@ from confluent_kafka import Producer
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
-from calmq.batches import BatchClient, BatchResult, BatchView, custom_id, open_batch_client
+from calmq.batches import (
+    BatchClient,
+    BatchRefused,
+    BatchResult,
+    BatchView,
+    LineError,
+    custom_id,
+    open_batch_client,
+)
 from calmq.batching import Batcher
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
+from calmq.data.providers import ProviderLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
-from calmq.gateway import ModelReply, current_clock, model_clock
+from calmq.failure_codes import ProviderBlocked, failure, spec
+from calmq.gateway import ModelReply, classify_status, current_clock, model_clock
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
@@ -67,6 +78,7 @@ from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.slots import CallSlots
+from calmq.providers import ProviderGate
 from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
 from calmq.storable import refused
@@ -97,6 +109,10 @@ ONLINE_COST = Counter("calmq_batch_online_equivalent_usd_total",
 SAVINGS = Counter("calmq_batch_savings_usd_total",
                   "Online-equivalent cost minus batch cost of batched requests",
                   ["tenant", "model"])
+DELETED = Counter("calmq_batch_files_deleted_total",
+                  "Ended provider batches whose files (or batch) calmq deleted at the provider")
+UNREADABLE = Counter("calmq_batch_unreadable_lines_total",
+                     "Lines of a provider's results file that named no request (skipped)")
 
 _SETTLE_CHUNK = 200
 
@@ -156,9 +172,14 @@ class BatchPacker:
         self.max_bytes = min(max_bytes, settings.batch_max_bytes)
         self._flushing: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        # The provider's fleet-wide state (BatchLane sets it): a blocked provider gets no
+        # request packed; the attempt is handed back uncounted (ProviderBlocked).
+        self.gate: ProviderGate | None = None
 
     async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                        response_schema: dict[str, Any] | None = None) -> ModelReply:
+        if self.gate is not None:
+            await self.gate.admit()
         job = self._job(job_id)
         if job is None:
             raise StepFailure("a batch-lane step called the model outside its attempt",
@@ -270,8 +291,13 @@ class BatchPacker:
             view = await self.client.create(lines, str(key))
         except InfrastructureError as exc:
             # Left ``creating``: the poller looks for it by its key once this lease lapses,
-            # and creates it then if the provider does not have it.
+            # and creates it then if the provider does not have it (or, refused, hands its
+            # jobs back: Poller._refused). A refused key blocks the provider at once, so
+            # no further pack is sent meanwhile.
             log.warning("creating batch %s at the provider failed: %s", key, exc)
+            if isinstance(exc, BatchRefused) and self.gate is not None and spec(
+                    exc.failure.code, exc.failure.failure_class).pauses:
+                await self.gate.failed(exc.failure)
             return
         finally:
             keeper.cancel()
@@ -312,11 +338,16 @@ class BatchPacker:
 
 class ReplyBook:
     """The settling runner's provider: answers a step's model call from its batch result,
-    metered at the batch price (the online-equivalent cost is kept beside it)."""
+    metered at the batch price (the online-equivalent cost is kept beside it). A result
+    refused for the key (401, 403, a model the account cannot use, billing) is read as the
+    online call reads it: the provider and model block fleet-wide (``gate``) and the job is
+    handed back, uncounted (``ProviderBlocked``)."""
 
-    def __init__(self, client: BatchClient, settings: Settings) -> None:
+    def __init__(self, client: BatchClient, settings: Settings,
+                 gate: ProviderGate | None = None) -> None:
         self.client = client
         self.settings = settings
+        self.gate = gate
         self.results: dict[str, BatchResult] = {}
         self.costs: dict[str, tuple[int, int, float, float]] = {}
 
@@ -328,6 +359,9 @@ class ReplyBook:
                               "call per step", code="batch_multi_call",
                               failure_class=FailureClass.BUG)
         if result.failure is not None:
+            if self.gate is not None and spec(result.failure.code,
+                                              result.failure.failure_class).pauses:
+                raise await self.gate.failed(result.failure)
             raise result.failure
         assert result.reply is not None
         reply = result.reply
@@ -348,9 +382,13 @@ class ReplyBook:
 
 
 class Poller:
+    """Follows each batch a pass takes: creates or adopts one left ``creating``, cancels one
+    none of whose jobs still waits, collects one that ended, and deletes at the provider
+    what it keeps of an ended batch (its files, or the batch)."""
+
     def __init__(self, *, store: Store, client: BatchClient,
                  settler: Callable[[str], Attempt], book: ReplyBook, settings: Settings,
-                 worker_id: str) -> None:
+                 worker_id: str, gate: ProviderGate | None = None) -> None:
         self.store = store
         self.client = client
         # An attempt stage whose worker id is the batch's lease owner: every write of a
@@ -359,6 +397,9 @@ class Poller:
         self.book = book
         self.settings = settings
         self.worker_id = worker_id
+        # The fleet's view of this provider and model (calmq.providers): a refused key
+        # blocks it, and a blocked provider gets no batch until a probe call succeeds.
+        self.gate = gate
         self._gate = asyncio.Semaphore(4)
         self._outcomes: Batcher[Finish] = Batcher("batch-settle", self._finish,
                                                   retry=RECONNECT, refused=refused)
@@ -377,26 +418,98 @@ class Poller:
     async def _one(self, batch: OpenBatch) -> None:
         async with self._gate:
             try:
-                await self._follow(batch)
+                try:
+                    await self._follow(batch)
+                except (BatchRefused, ProviderBlocked) as exc:
+                    await self._refused(batch, exc)
             except Exception:  # the lease lapses and the next pass retries it
                 log.exception("following batch %s failed", batch.key)
 
     async def _follow(self, batch: OpenBatch) -> None:
         s = self.settings
+        if batch.ended:
+            await self._delete(batch)
+            return
         if batch.state == "creating":
             await self._create_or_adopt(batch)
             return
         assert batch.provider_id is not None
         view = await self.client.view(batch.provider_id)
-        if batch.cancel_requested and not view.ended:
+        cancel = batch.cancel_requested or not await self.store.batches.pending_jobs(
+            batch.key, None, 1)
+        if cancel and not view.ended:
+            # Asked to, or none of its jobs waits for it any more (each was cancelled or
+            # deleted): the provider need not run (nor bill) the rest.
             await self.client.cancel(batch.provider_id)
             view = await self.client.view(batch.provider_id)
         if not view.ended:
-            poll = 1.0 if batch.cancel_requested else s.batch_poll_interval_seconds
+            poll = 1.0 if cancel else s.batch_poll_interval_seconds
             await self.store.batches.release(batch.key, self.worker_id, status=view.status,
                                              counts=view.counts, poll_seconds=poll)
             return
         await self._collect(batch, view)
+        await self._delete(batch, view)
+
+    async def _delete(self, batch: OpenBatch, view: BatchView | None = None) -> None:
+        """Delete what the provider keeps of an ended batch (its input and result files, or
+        the batch and its results): nothing of a job stays with the provider once calmq has
+        its result, nor once the job is deleted."""
+        assert batch.provider_id is not None
+        try:
+            # Within the try: a batch the provider no longer knows (404) has nothing left.
+            await self.client.delete(view or await self.client.view(batch.provider_id))
+        except BatchRefused as exc:
+            if spec(exc.failure.code, exc.failure.failure_class).pauses:
+                raise
+            if not exc.missing:  # a 404: the provider has none of it (expired, deleted)
+                # A server without deletion (some OpenAI-compatible ones): nothing to retry.
+                log.warning("the provider refused to delete batch %s's files; they stay "
+                            "there: %s", batch.provider_id, exc.message)
+        await self.store.batches.files_deleted(batch.key)
+        DELETED.inc()
+
+    async def _refused(self, batch: OpenBatch, exc: BatchRefused | ProviderBlocked) -> None:
+        """The provider refused a call for this batch. A refused key, permission, model or
+        billing blocks the provider and model fleet-wide, as online: the jobs of a batch not
+        yet created wait queued (uncounted) until the block lifts; a batch at the provider
+        waits for its next poll. A create refused for a request's content fails that
+        request only; the batch's other jobs go to another batch, uncounted."""
+        failure = exc if isinstance(exc, ProviderBlocked) else exc.failure
+        pauses = isinstance(exc, ProviderBlocked) or spec(failure.code,
+                                                          failure.failure_class).pauses
+        if pauses and isinstance(exc, BatchRefused) and self.gate is not None:
+            failure = await self.gate.failed(failure)
+        if (batch.state == "submitted" and isinstance(exc, BatchRefused) and exc.missing
+                and batch.provider_id is not None):
+            # The provider has no such batch (any more): its jobs were not run there, and go
+            # to another batch (batch_result_missing, retried).
+            log.error("batch %s (%s) is gone from the provider", batch.provider_id, batch.key)
+            await self._collect(batch, BatchView(batch.provider_id, "missing", "missing"))
+            await self.store.batches.files_deleted(batch.key)
+            return
+        if batch.state != "creating":
+            log.warning("batch %s: the provider refused a call: %s", batch.key,
+                        failure.message[:300])
+            await self.store.batches.later(batch.key, self.worker_id, self._poll())
+            return
+        if pauses:
+            back = await self.store.batches.hand_back(
+                batch.key, None, waiting_reason="provider_blocked", republish_jobs=False,
+                detail={"reason": "provider_blocked", "code": failure.code,
+                        "provider": self.client.kind, "model": self.client.model})
+            await self.store.batches.abandon(batch.key)
+            log.error("batch %s not created, its provider is blocked (%s): %d jobs wait for "
+                      "it", batch.key, failure.code, len(back))
+            return
+        requests = await self.store.batches.requests(batch.key)
+        named = _request_index(failure.message)
+        culprit = requests[named][0] if named is not None and named < len(requests) else None
+        await self._fail_whole(batch, BatchView("", "refused", "failed"), failure.message,
+                               {culprit: failure.message} if culprit else {})
+        await self.store.batches.abandon(batch.key)
+
+    def _poll(self) -> float:
+        return self.settings.batch_poll_interval_seconds
 
     async def _create_or_adopt(self, batch: OpenBatch) -> None:
         """A batch whose batcher died between recording it and recording the provider's id:
@@ -411,6 +524,10 @@ class Poller:
             log.warning("adopted batch %s (%s), created before its batcher stopped", found,
                         batch.key)
         else:
+            if self.gate is not None:
+                # Only once the provider is known not to have it: a batch it has is adopted
+                # whatever the gate says. Blocked: its jobs wait uncounted (_refused).
+                await self.gate.admit()
             requests = await self.store.batches.requests(batch.key)
             if not requests:
                 await self.store.batches.collected(batch.key, None, {})
@@ -424,34 +541,98 @@ class Poller:
     async def _collect(self, batch: OpenBatch, view: BatchView) -> None:
         started = time.monotonic()
         runner = self.settler(batch_owner(batch.key))
-        chunk: list[BatchResult] = []
         counts: dict[str, int] = {}
+        # The lease is kept while the results stream in (a 200 MB file, a 50 MB line): no
+        # other poller takes the batch meanwhile.
+        keeper = asyncio.create_task(self._keep(batch))
+        try:
+            if view.outcome == "failed":
+                await self._failed(batch, view, runner, counts)
+            else:
+                await self._results(batch, view, runner, counts)
+            await self._unanswered(batch, view, runner, counts)
+        finally:
+            keeper.cancel()
+        await self.store.batches.collected(batch.key, view.status, {**view.counts, **counts})
+        TURNAROUND.observe(max(0.0, (datetime.now(UTC) - batch.created_at).total_seconds()))
+        log.info("batch %s collected in %.1f s: %s", view.provider_id,
+                 time.monotonic() - started, counts)
+
+    async def _results(self, batch: OpenBatch, view: BatchView, runner: Attempt,
+                       counts: dict[str, int]) -> None:
+        chunk: list[BatchResult] = []
         async for result in self.client.results(view):
+            if not result.custom_id:
+                # A line that names no request: its request (if any) ends unanswered.
+                counts["unreadable_lines"] = counts.get("unreadable_lines", 0) + 1
+                UNREADABLE.inc()
+                continue
             chunk.append(result)
             if len(chunk) >= _SETTLE_CHUNK:
                 await self._settle(runner, batch, chunk, counts)
                 chunk = []
-                await self._keep_lease(batch, started)
         await self._settle(runner, batch, chunk, counts)
-        # Requests the results do not answer (not run: the batch expired or was cancelled).
-        missing = ("batch_expired" if view.outcome == "expired" else
-                   "batch_cancelled" if view.outcome == "cancelled" else "batch_result_missing")
+
+    async def _unanswered(self, batch: OpenBatch, view: BatchView, runner: Attempt,
+                          counts: dict[str, int]) -> None:
+        """Requests the results do not answer: not run (the batch expired, was cancelled, or
+        failed as a whole), or missing."""
+        missing = {"expired": "batch_expired", "cancelled": "batch_cancelled",
+                   "failed": "batch_failed"}.get(view.outcome or "", "batch_result_missing")
+        why = "; ".join(e.message for e in view.errors)[:500]
         while True:
             rest = await self.store.batches.pending_jobs(batch.key, None, _SETTLE_CHUNK)
             if not rest:
                 break
-            await self._settle(runner, batch, [BatchResult(c, failure=StepFailure(
-                f"the provider did not run this request: {missing}", code=missing,
-                failure_class=FailureClass.TRANSIENT)) for c in rest], counts, rest)
-            await self._keep_lease(batch, started)
-        await self.store.batches.collected(batch.key, view.status, {**view.counts, **counts})
-        TURNAROUND.observe(max(0.0, (datetime.now(UTC) - batch.created_at).total_seconds()))
-        log.info("batch %s collected: %s", view.provider_id, counts)
+            await self._settle(runner, batch, [BatchResult(c, failure=failure(
+                missing, f"the provider did not run this request: {missing}"
+                + (f" ({why})" if why else ""))) for c in rest], counts, rest)
 
-    async def _keep_lease(self, batch: OpenBatch, started: float) -> None:
-        if time.monotonic() - started > self.settings.batch_lease_seconds / 3:
-            await self.store.batches.heartbeat(batch.key, self.worker_id,
-                                               self.settings.batch_lease_seconds)
+    async def _failed(self, batch: OpenBatch, view: BatchView, runner: Attempt,
+                      counts: dict[str, int]) -> None:
+        """The provider failed the batch as a whole (OpenAI: its input file failed
+        validation). The requests its errors name fail as the online call would have; every
+        other job goes to another batch with no attempt counted: no tenant's request fails
+        another's job. Errors that name no line fail every job (``batch_failed``, retried)."""
+        lines = {e.line: e.message for e in view.errors if e.line is not None}
+        named = await self.client.input_custom_ids(view, set(lines)) if lines else {}
+        culprits = {cid: lines[line] for line, cid in named.items() if cid}
+        why = "; ".join(e.message for e in view.errors)[:500] or view.status
+        await self._fail_whole(batch, view, why, culprits, runner=runner, counts=counts)
+
+    async def _fail_whole(self, batch: OpenBatch, view: BatchView, why: str,
+                          culprits: dict[str, str], *, runner: Attempt | None = None,
+                          counts: dict[str, int] | None = None) -> None:
+        """A batch refused or failed as a whole: ``culprits`` (custom_id -> the provider's
+        message) fail as that request's own 400; when there are some, the other jobs are
+        handed back uncounted and re-published for another batch; when there are none, every
+        job fails ``batch_failed`` (transient: retried in another batch)."""
+        runner = runner or self.settler(batch_owner(batch.key))
+        counts = counts if counts is not None else {}
+        if not culprits:
+            await self._unanswered(batch, BatchView(view.provider_id, view.status, "failed",
+                                                    errors=(LineError(why),)), runner, counts)
+            return
+        pending = await self.store.batches.pending_jobs(batch.key, list(culprits))
+        await self._settle(runner, batch, [BatchResult(c, failure=classify_status(
+            400, culprits[c], None)) for c in pending], counts, pending)
+        back = await self.store.batches.hand_back(
+            batch.key, None, waiting_reason=None, republish_jobs=True,
+            detail={"reason": "batch_failed", "batch_id": view.provider_id,
+                    "message": why[:300]})
+        counts["handed_back"] = counts.get("handed_back", 0) + len(back)
+        log.warning("batch %s failed as a whole (%s): %d request(s) named, %d job(s) sent to "
+                    "another batch uncounted", batch.key, why[:200], len(pending), len(back))
+
+    async def _keep(self, batch: OpenBatch) -> None:
+        lease = self.settings.batch_lease_seconds
+        while True:
+            await asyncio.sleep(lease / 3)  # a lease's own rhythm, not a sync
+            try:
+                if not await self.store.batches.heartbeat(batch.key, self.worker_id, lease):
+                    log.warning("lost the lease of batch %s while collecting it", batch.key)
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.warning("keeping the lease of batch %s failed: %s", batch.key, exc)
 
     async def _settle(self, runner: Attempt, batch: OpenBatch, results: list[BatchResult],
                       counts: dict[str, int], jobs: dict[str, Job] | None = None) -> None:
@@ -477,9 +658,25 @@ class Poller:
                 topic = topics.topic_for_route(topics.work_route(job.pool, "bulk", ONLINE))
                 online.append(job.id)
             work.append((job, topic))
-        finishes = await asyncio.gather(*(self._attempt(runner, job, topic)
-                                          for job, topic in work))
-        await self.store.batches.fall_back_online(online)
+        ends = await asyncio.gather(*(self._attempt(runner, job, topic)
+                                      for job, topic in work))
+        blocked = [job for (job, _t), end in zip(work, ends, strict=True)
+                   if isinstance(end, ProviderBlocked)]
+        if blocked:
+            # Refused for the key, per request: the provider and model are blocked; these
+            # jobs wait uncounted, as an online attempt that met the block would.
+            code = next(e.code for e in ends if isinstance(e, ProviderBlocked))
+            await self.store.batches.hand_back(
+                batch.key, [j.id for j in blocked], waiting_reason="provider_blocked",
+                republish_jobs=False,
+                detail={"reason": "provider_blocked", "code": code,
+                        "provider": self.client.kind, "model": self.client.model})
+            counts["provider_blocked"] = counts.get("provider_blocked", 0) + len(blocked)
+        work = [(job, t) for (job, t), end in zip(work, ends, strict=True)
+                if isinstance(end, Finish)]
+        finishes = [end for end in ends if isinstance(end, Finish)]
+        await self.store.batches.fall_back_online(
+            [i for i in online if i not in {j.id for j in blocked}])
         # Written like the worker's committer: again while the database is away, and split
         # (never retried forever) when one outcome's data is refused.
         refusals = await self._outcomes.write_group(finishes) or []
@@ -502,16 +699,22 @@ class Poller:
             rows.append({"custom_id": custom_id(job.id, job.attempt), "state": state,
                          "input_tokens": tokens_in, "output_tokens": tokens_out,
                          "cost_usd": cost, "online_cost_usd": online_cost})
+        for job in blocked:
+            self.book.results.pop(str(job.id), None)
         # Results of jobs no longer held (cancelled meanwhile) are ignored; their rows end
         # ``cancelled`` when the batch is collected.
         await self.store.batches.settle(batch.key, rows)
 
     @staticmethod
-    async def _attempt(runner: Attempt, job: Job, topic: str) -> Finish:
-        """The attempt of ``job`` answered from its result (own task: own scope)."""
-        async def run() -> Finish:
+    async def _attempt(runner: Attempt, job: Job, topic: str) -> Finish | ProviderBlocked:
+        """The attempt of ``job`` answered from its result (own task: own scope); a result
+        refused for the key ends in ``ProviderBlocked`` (the job is handed back)."""
+        async def run() -> Finish | ProviderBlocked:
             clock = model_clock()
-            finish = await runner.run(job, topic)
+            try:
+                finish = await runner.run(job, topic)
+            except ProviderBlocked as blocked:
+                return blocked
             finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                             "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
             for entry in finish.outbox:
@@ -522,6 +725,12 @@ class Poller:
             return finish
 
         return await asyncio.create_task(run())
+
+
+def _request_index(message: str) -> int | None:
+    """The request a batch create's refusal names (Anthropic: ``requests.3.params...``)."""
+    found = re.search(r"\brequests\.(\d+)\b", message)
+    return int(found.group(1)) if found else None
 
 
 # -- the process --------------------------------------------------------------------------
@@ -543,6 +752,7 @@ class BatchLane:
         self._store: Store | None = None
         self._packer: BatchPacker | None = None
         self._book: ReplyBook | None = None
+        self._gate: ProviderGate | None = None
         self._pipeline: Pipeline | None = None
         self._consuming: asyncio.Task[None] | None = None
         self._packing: asyncio.Task[None] | None = None
@@ -555,7 +765,27 @@ class BatchLane:
     def _client(self) -> BatchClient:
         s = self.settings
         return open_batch_client(s.provider, s.effective_provider_url,
-                                 s.provider_api_key.get_secret_value(), s.model)
+                                 s.provider_api_key.get_secret_value(), s.model,
+                                 max_line=s.batch_max_result_line_bytes)
+
+    async def _provider_gate(self, store: Store, client: BatchClient) -> ProviderGate:
+        """The provider and model's fleet-wide gate, shared with the workers (the same key:
+        kind and URL): a key refused in the batch lane blocks them online too, and the other
+        way round; a probe call every provider_probe_seconds lifts it and releases the
+        jobs that wait for it."""
+        s = self.settings
+        ledger = ProviderLedger(store)
+
+        async def release() -> None:
+            while await ledger.release_jobs():
+                pass
+
+        gate = ProviderGate(f"{s.provider}:{s.effective_provider_url.rstrip('/')}", s.model,
+                            ledger=ledger, db=store, probe=client.probe,
+                            probe_seconds=s.provider_probe_seconds, on_unblocked=release)
+        await gate.refresh()
+        gate.start()
+        return gate
 
     async def run(self) -> None:
         await self.life.run()
@@ -592,7 +822,10 @@ class BatchLane:
                             review_deadline_seconds=s.review_deadline_seconds),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows)
         packer.pipeline = pipeline
-        book = self._book = ReplyBook(self._client(), s)
+        book_client = self._client()
+        gate = self._gate = await self._provider_gate(store, book_client)
+        packer.gate = gate
+        book = self._book = ReplyBook(book_client, s, gate)
 
         def settler(owner: str) -> Attempt:
             return Attempt(store=store, provider=book, objects=objects,
@@ -602,7 +835,7 @@ class BatchLane:
                            review_deadline_seconds=s.review_deadline_seconds)
 
         poller = Poller(store=store, client=book.client, settler=settler, book=book,
-                        settings=s, worker_id=self.worker_id)
+                        settings=s, worker_id=self.worker_id, gate=gate)
         pipeline.start()
         if self.pack:
             self._consuming = life.side.spawn(
@@ -652,6 +885,8 @@ class BatchLane:
         await self._stop_consuming()
         if self._packer is not None:
             await self._packer.close()
+        if self._gate is not None:
+            await self._gate.close()
         if self._book is not None:
             await self._book.client.close()
         if self._store is not None:

@@ -8,7 +8,8 @@ lease expired (its worker died) is requeued with ``requeued_after_restart`` and 
 its due time, for longer than the sweeper's grace) gets a fresh ``job.requested`` and
 ``requeued_by_sweeper``; a job whose lease expired on an attempt that used up its budget
 is dead-lettered with the code ``poison`` (the attempt cap); a review past its deadline
-gets its workflow's expiry outcome.
+gets its workflow's expiry outcome; the streamed chunks of a final job are compacted into
+one text per step.
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             metrics.REVIEW_CAP_RESUMED.inc(len(resumed))
             log.info("re-published %d jobs held for their pool's review cap", len(resumed))
 
+    async def compact_outputs() -> None:
+        # A final job's streamed chunks become one text per step (calmq.data.outputs).
+        while True:
+            jobs, chunks = await store.outputs.compact()
+            if jobs:
+                log.debug("compacted %d chunks of %d final jobs' streamed output", chunks,
+                          jobs)
+            if jobs < 500:
+                break
+
+    side.every("output-compaction", max(interval, 2.0), compact_outputs,
+               first_after=first_after, critical=True)
     side.every("review-cap-release", interval, release_review_cap_holds,
                first_after=first_after, critical=True)
     side.every("lease-reaper", interval, reap, first_after=first_after, critical=True)

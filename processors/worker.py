@@ -21,6 +21,7 @@ from calmq.data.spending import SpendLedger
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
+from calmq.outputs import OutputWriter
 from calmq.processors import metrics
 from calmq.processors.admission import (
     Gate,
@@ -89,6 +90,7 @@ class Worker:
         self._store: Store | None = None
         self._provider: BudgetedProvider | None = None
         self._pipeline: Pipeline | None = None
+        self._outputs: OutputWriter | None = None
         self._consumer: ParallelConsumer | None = None
         self._consuming: asyncio.Task[None] | None = None
         self._drained = threading.Event()
@@ -135,6 +137,7 @@ class Worker:
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
+        self._outputs = OutputWriter(store.outputs, flush_seconds=s.output_flush_seconds)
         self._pipeline = Pipeline(
             store=store, tracker=consumer.tracker, intake=Intake(codec, poison, consumer.tracker),
             gates=gates,
@@ -144,7 +147,8 @@ class Worker:
                             worker_id=self.worker_id,
                             slots=CallSlots(s.concurrency, consumer.reserve),
                             step_timeout_seconds=s.step_timeout_seconds,
-                            review_deadline_seconds=s.review_deadline_seconds),
+                            review_deadline_seconds=s.review_deadline_seconds,
+                            outputs=self._outputs),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
             usage=provider.usage.record if provider.usage is not None else None)
         self.pipeline.start()
@@ -202,6 +206,8 @@ class Worker:
 
     async def close(self) -> None:
         await self._stop_consuming()
+        if self._outputs is not None:
+            await self._outputs.close()
         if self._provider is not None:
             await self._provider.close()
         if self._store is not None:

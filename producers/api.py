@@ -140,9 +140,12 @@ def build_app(
         app.router.add_route(route.method, route.path, route.handler)
     if settings.api_console and settings.api_console_port is not None:
         console = web.Application(middlewares=[_errors], client_max_size=settings.max_body_bytes)
-        # The same objects: one store, one cache, one hub.
+        # The same objects: one store, one cache, one hub, one bucket per key (a console
+        # page spends the same bucket as a /v1 call).
         console[STORE], console[SETTINGS], console[WORKFLOWS] = store, settings, registry
         console[OBJECTS], console[AUTH_CACHE] = app[OBJECTS], app[AUTH_CACHE]
+        console[AUTH_MISSES], console[RATE], console[GATES] = (
+            app[AUTH_MISSES], app[RATE], app[GATES])
         console[GROUP_COMMIT], console[HUB], console[OPENAPI] = (
             app[GROUP_COMMIT], app[HUB], app[OPENAPI])
         add_console(console)

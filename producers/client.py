@@ -11,6 +11,9 @@ Two ways in:
   502/503/504 is retried with the project's jittered backoff (never sooner than the
   ``Retry-After`` the API sent), a submit always carries an ``Idempotency-Key`` (so a
   retried submit is one job), and the SSE stream resumes with ``Last-Event-ID``.
+  ``submit(..., wait=seconds)`` asks for the answer in the same request when the job is
+  fast (``Prefer: wait``); ``events`` also yields a streamed step's text as it is written
+  (``output.delta``, and ``reset`` when a new attempt starts over).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -209,7 +213,7 @@ class Client:
                     raise retry.cause from None
                 await asyncio.sleep(pause)
 
-    async def _call(self, method: str, path: str, *, expect: int = 200,
+    async def _call(self, method: str, path: str, *, expect: int | tuple[int, ...] = 200,
                     headers: Mapping[str, str] | None = None, retry: bool = True,
                     **kw: Any) -> Any:
         """One API call; with ``retry`` (safe to repeat: a GET, or a submit with its
@@ -220,7 +224,7 @@ class Client:
                         method, self.base_url + path,
                         headers={**self._headers, **(headers or {})}, **kw) as resp:
                     text = await resp.read()
-                    if resp.status == expect:
+                    if resp.status in (expect if isinstance(expect, tuple) else (expect,)):
                         return json.loads(text) if text else None
                     error = _error(resp.status, text)
                     error.retry_after = _retry_after(resp.headers.get("Retry-After"))
@@ -235,17 +239,31 @@ class Client:
         return await self._retrying(once)
 
     async def submit(self, workflow: str, input: dict[str, Any] | None = None,
-                     *, idempotency_key: str | None = None, **fields: Any) -> dict[str, Any]:
+                     *, idempotency_key: str | None = None, wait: float | None = None,
+                     **fields: Any) -> dict[str, Any]:
         """POST /v1/jobs; returns ``{"job_id", "status", "status_url"}``.
 
         Always sent with an ``Idempotency-Key`` (a new UUID unless given), the same on every
-        retry: a submit whose answer was lost and that is sent again is still one job."""
+        retry: a submit whose answer was lost and that is sent again is still one job.
+
+        ``wait``: the seconds the caller will wait for the answer (``Prefer: wait=N``, N
+        rounded up; the API holds it at most its api_prefer_wait_max_seconds). A job final
+        within them returns its whole view (``status`` completed, dead_letter or cancelled)
+        with ``result``, the artifact's JSON; otherwise the usual accepted answer, after
+        the wait. A retry after a lost answer waits the same way for the same job."""
         body = {"workflow": workflow, **fields}
         if input is not None:
             body["input"] = input
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        result: dict[str, Any] = await self._call("POST", "/v1/jobs", json=body, expect=202,
-                                                  headers=headers)
+        kw: dict[str, Any] = {}
+        if wait is not None and wait > 0:
+            seconds = math.ceil(wait)
+            headers["Prefer"] = f"wait={seconds}"
+            # The answer may take the wait itself: the read timeout must not end it first.
+            timeout = self._session.timeout.sock_read or 30.0
+            kw["timeout"] = aiohttp.ClientTimeout(total=None, sock_read=seconds + timeout)
+        result: dict[str, Any] = await self._call("POST", "/v1/jobs", json=body,
+                                                  expect=(200, 202), headers=headers, **kw)
         return result
 
     async def submit_file(self, workflow: str, path: Path, *, content_type: str =
@@ -305,20 +323,28 @@ class Client:
             async for chunk in resp.content.iter_chunked(64 * 1024):
                 yield chunk
 
-    async def events(self, job_id: str, *, after: int = 0) -> AsyncIterator[dict[str, Any]]:
-        """The job's events as the SSE stream sends them, until the job is terminal.
+    async def events(self, job_id: str, *, after: int | str = 0
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """The job's events as the SSE stream sends them, until the job is terminal: each a
+        dict with ``id`` and ``type`` (and the event's data).
+
+        History events (``queued``, ``running``, ``completed``, ...) and, for a streamed
+        step, ``output.delta`` (``text``, ``step``, ``attempt``, ``seq``, ``offset``: the
+        step's text is the deltas' concatenation) and ``reset`` (a new attempt of ``step``
+        starts over: drop what that step's deltas gave so far).
 
         A stream cut by the network or an API restart is opened again with ``Last-Event-ID``
         (the id of the last event yielded), so no event is missed and none is repeated; the
-        retry policy's count starts over whenever an event arrives."""
-        last = after
+        retry policy's count starts over whenever an event arrives. ``after``: an event id
+        to start after."""
+        last = str(after)
         started = time.monotonic()
         failures = 0
         while True:
             try:
                 async for event in self._event_stream(job_id, last):
                     if event.get("id") is not None:
-                        last = int(event["id"])
+                        last = str(event["id"])
                     failures, started = 0, time.monotonic()
                     yield event
                 return
@@ -330,10 +356,10 @@ class Client:
                     raise retry.cause from None
                 await asyncio.sleep(pause)
 
-    async def _event_stream(self, job_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
+    async def _event_stream(self, job_id: str, after: str) -> AsyncIterator[dict[str, Any]]:
         headers = {**self._headers, "Accept": "text/event-stream"}
-        if after:
-            headers["Last-Event-ID"] = str(after)
+        if after and after != "0":
+            headers["Last-Event-ID"] = after
         try:
             async with self._session.get(f"{self.base_url}/v1/jobs/{job_id}/events",
                                          headers=headers) as resp:
@@ -353,7 +379,9 @@ class Client:
                     if fields.get("event") == "end":
                         return
                     if "data" in fields:
-                        yield {"id": fields.get("id"), **json.loads(fields["data"])}
+                        data = json.loads(fields["data"])
+                        yield {"id": fields.get("id"),
+                               "type": data.get("type", fields.get("event")), **data}
                     fields = {}
         except _CONNECTION_ERRORS as exc:
             raise _Retry(exc) from exc

@@ -19,6 +19,7 @@ from calmq.jobs import Status
 
 __all__ = [
     "Accepted",
+    "Answered",
     "Artifact",
     "BatchDetail",
     "BatchInfo",
@@ -31,6 +32,8 @@ __all__ = [
     "JobPage",
     "JobSummary",
     "JobView",
+    "OutputDelta",
+    "OutputReset",
     "Problem",
     "RedriveRequest",
     "Redriven",
@@ -170,6 +173,38 @@ class JobView(JobSummary):
     # null when nothing holds it back.
     waiting_reason: str | None = None
     events: list[JobEvent]
+
+
+class Answered(JobView):
+    """The 200 answer of POST /v1/jobs with ``Prefer: wait=N`` when the job was final
+    within N seconds: its view, and its result inline."""
+
+    result: Any = Field(description="the artifact's JSON when it is JSON of at most 1 MiB; "
+                                    "else null (fetch artifact.download_url)")
+
+
+class OutputDelta(BaseModel):
+    """SSE ``output.delta``: a piece of a streamed step's text, as the model wrote it. The
+    attempt's text is the concatenation of its deltas, seq 1, 2, ... in order (``offset``:
+    the characters before this one); a final job's may come as one delta."""
+
+    job_id: uuid.UUID
+    type: Literal["output.delta"]
+    step: str
+    attempt: int
+    seq: int
+    offset: int
+    text: str
+
+
+class OutputReset(BaseModel):
+    """SSE ``reset``: a new attempt of ``step`` streams from its start; drop the text of
+    that step received so far (the deltas that follow are the new attempt's, from seq 1)."""
+
+    job_id: uuid.UUID
+    type: Literal["reset"]
+    step: str | None
+    attempt: int
 
 
 class Redriven(JobView):

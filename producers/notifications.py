@@ -4,6 +4,10 @@ The job_events trigger (migration 0004) sends ``NOTIFY calmq_job_events, '<id>,<
 (the jobs that got an event in one statement);
 SSE streams wait on their job's id here instead of polling the table. Other channels
 (``calmq_webhooks``, ``calmq_api_keys``) wake a waiter keyed by the channel name.
+A streamed step's text comes on ``calmq_job_output`` (calmq.data.outputs: each payload a
+group of chunks, the text in it when it fits NOTIFY's 8,000 bytes): the chunks of a job
+some stream follows go to its ``OutputFeed``, in order, and wake it; nobody reads the
+table for them.
 If the connection drops, every waiter is woken (so streams re-read the table) and the hub
 reconnects with a short backoff.
 """
@@ -11,18 +15,57 @@ reconnects with a short backoff.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 import psycopg
 
+from calmq.data.outputs import CHANNEL as OUTPUT
+from calmq.data.outputs import OutputChunk, parse_payload
 from calmq.retrying import Reconnect
 
-__all__ = ["JOB_EVENTS", "KEYS", "WEBHOOKS", "Hub"]
+__all__ = ["JOB_EVENTS", "KEYS", "OUTPUT", "WEBHOOKS", "Hub", "OutputFeed"]
 
 JOB_EVENTS = "calmq_job_events"
 WEBHOOKS = "calmq_webhooks"
 KEYS = "calmq_api_keys"
+
+# Chunks one feed holds for a stream that has not written them yet: a client reading
+# slower than the model writes falls back to reading the table.
+_FEED_LIMIT = 1024
+
+
+class OutputFeed:
+    """The chunks of one job announced while a stream follows it, in the order they came.
+    ``gap``: some were dropped (the client fell behind, or the LISTEN connection was lost),
+    so the stream reads the table instead."""
+
+    def __init__(self, wake: asyncio.Event) -> None:
+        self.wake = wake
+        self.chunks: deque[OutputChunk] = deque()
+        self.gap = False
+        # A job event came too (or the connection was lost): the history must be read.
+        self.events = True
+
+    def push(self, chunk: OutputChunk) -> None:
+        if len(self.chunks) >= _FEED_LIMIT:
+            self.chunks.clear()
+            self.gap = True
+        else:
+            self.chunks.append(chunk)
+        self.wake.set()
+
+    def take_events(self) -> bool:
+        """Whether a job event came since the last call."""
+        events, self.events = self.events, False
+        return events
+
+    def take(self) -> tuple[list[OutputChunk], bool]:
+        """The chunks that came since the last take, and whether any were dropped."""
+        chunks, gap = list(self.chunks), self.gap
+        self.chunks.clear()
+        self.gap = False
+        return chunks, gap
 
 
 class Hub:
@@ -31,6 +74,7 @@ class Hub:
     def __init__(self, database_url: str) -> None:
         self._url = database_url
         self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self._feeds: defaultdict[str, set[OutputFeed]] = defaultdict(set)
         self._callbacks: defaultdict[str, list[Callable[[], None]]] = defaultdict(list)
         self.connected = asyncio.Event()
         self.closing = False
@@ -48,27 +92,56 @@ class Hub:
             if not waiters:
                 del self._waiters[key]
 
+    def follow_output(self, job_id: str, wake: asyncio.Event) -> OutputFeed:
+        """A feed of the job's streamed chunks as they are announced, setting ``wake``."""
+        feed = OutputFeed(wake)
+        self._feeds[job_id].add(feed)
+        return feed
+
+    def unfollow_output(self, job_id: str, feed: OutputFeed) -> None:
+        feeds = self._feeds.get(job_id)
+        if feeds is not None:
+            feeds.discard(feed)
+            if not feeds:
+                del self._feeds[job_id]
+
     def on(self, channel: str, callback: Callable[[], None]) -> None:
         self._callbacks[channel].append(callback)
 
     def close_streams(self) -> None:
         """Wake every waiter for the last time: the process is shutting down."""
         self.closing = True
+        for feeds in self._feeds.values():
+            for feed in feeds:
+                feed.wake.set()
         for waiters in self._waiters.values():
             for event in waiters:
                 event.set()
 
     def _wake(self, key: str) -> None:
+        for feed in self._feeds.get(key, ()):
+            feed.events = True
         for event in self._waiters.get(key, ()):
             event.set()
 
     def _wake_all(self) -> None:
+        for feeds in self._feeds.values():
+            for feed in feeds:
+                feed.gap = True  # chunks may have come while nobody listened
+                feed.events = True
         for waiters in self._waiters.values():
             for event in waiters:
                 event.set()
         for callbacks in self._callbacks.values():
             for cb in callbacks:
                 cb()
+
+    def _output(self, payload: str) -> None:
+        if not self._feeds:
+            return
+        for chunk in parse_payload(payload, self._feeds):
+            for feed in self._feeds.get(str(chunk.job_id), ()):
+                feed.push(chunk)
 
     async def run(self) -> None:
         """LISTEN until cancelled: the API runs this as a side task (calmq.supervision)."""
@@ -78,14 +151,16 @@ class Hub:
                 async with await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True
                 ) as conn:
-                    for channel in (JOB_EVENTS, WEBHOOKS, KEYS):
+                    for channel in (JOB_EVENTS, WEBHOOKS, KEYS, OUTPUT):
                         await conn.execute(f"LISTEN {channel}")
                     self.connected.set()
                     # Anything sent while we were not listening is lost: wake everyone once.
                     self._wake_all()
                     reconnect.succeeded()
                     async for note in conn.notifies():
-                        if note.channel == JOB_EVENTS:
+                        if note.channel == OUTPUT:
+                            self._output(note.payload)
+                        elif note.channel == JOB_EVENTS:
                             for job_id in note.payload.split(","):
                                 self._wake(job_id)
                         else:

@@ -77,7 +77,8 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "tokens_per_minute": args.tokens_per_minute, "slow_seconds": args.slow_seconds,
         "batch_completion_seconds": args.batch_completion_seconds,
         "retry_after_seconds": args.retry_after_seconds, "api_key": args.require_key,
-        "check_requests": args.check_requests,
+        "check_requests": args.check_requests, "stream_ttft_ms": args.stream_ttft_ms,
+        "stream_tokens_per_second": args.stream_tokens_per_second,
     }
     try:
         settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
@@ -85,6 +86,16 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(
             (f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: " if e["loc"] else "")
             + e["msg"].removeprefix("Value error, ") for e in exc.errors())) from exc
+    from calmq.tooling.fake_provider.sdk_types import sdk_available
+
+    if settings.check_requests and not sdk_available():
+        # Without the SDKs every request would be answered 500 and every job would look like
+        # an outage (upstream_unavailable): refuse to start, naming the fix.
+        raise ConfigError(
+            "the fake provider checks each request with the official openai and anthropic "
+            "SDKs, which are not installed: pip install 'calmq[fake]' (or start it with "
+            "--no-check-requests to accept requests unchecked)",
+            code="fake_provider_sdks_missing")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
     return 0
@@ -156,6 +167,10 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--retry-after-seconds", type=float,
            help="the wait a 429 asks for (retry-after-ms and retry-after; default 1)")
     option(p, "--require-key", help="refuse calls without this key (401, as a real provider)")
+    option(p, "--stream-ttft-ms", type=int,
+           help="streamed answers: milliseconds before the first token (default 0)")
+    option(p, "--stream-tokens-per-second", type=float,
+           help="streamed answers: tokens a second after the first (default 0: at once)")
     option(p, "--check-requests", action=argparse.BooleanOptionalAction, default=None,
            help="check every request against the official SDKs' types and the providers' "
                 "rules (default on)")

@@ -77,6 +77,7 @@ def read_lag(connection: Connection, pools: Sequence[str] = ()) -> list[Partitio
     from confluent_kafka import KafkaException
 
     from calmq import topics
+    from calmq.kafka import check_connection
     from calmq.lag import LagReader
 
     bootstrap = connection if isinstance(connection, str) else connection["bootstrap.servers"]
@@ -90,6 +91,10 @@ def read_lag(connection: Connection, pools: Sequence[str] = ()) -> list[Partitio
         read = reader.read_groups({topics.worker_group(pool): [n for n, _ in names]
                                    for pool, names in by_pool.items()})
     except KafkaException as exc:
+        # The reader's error says only "transport failure"; the probe reads librdkafka's
+        # log for the cause a setting cures (wrong credentials, TLS, protocol) and names it.
+        check_connection({k: v for k, v in kafka_config(connection).items() if k != "logger"},
+                         KAFKA_TIMEOUT_SECONDS)
         raise kafka_unreachable(bootstrap, exc.args[0] if exc.args else exc) from exc
     finally:
         reader.close()

@@ -19,7 +19,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
-from calmq.data.jobs import Job
+from calmq.data.jobs import Job, republish
 
 __all__ = ["BatchMember", "BatchRequestRow", "BatchSummary", "Batches", "OpenBatch",
            "batch_owner"]
@@ -55,6 +55,11 @@ class OpenBatch:
     request_count: int
     created_at: datetime
     cancel_requested: bool
+
+    @property
+    def ended(self) -> bool:
+        """Collected (or abandoned): what is left is to delete its files at the provider."""
+        return self.state in ("collected", "abandoned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +181,12 @@ class Batches:
                 "key": key, "worker": worker, "status": status, "counts": Jsonb(counts),
                 "poll_seconds": poll_seconds})
 
+    async def later(self, key: uuid.UUID, worker: str, seconds: float) -> None:
+        """Let go of a batch until its next look, ``seconds`` from now (a refused call)."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._q["batch_later"], {"key": key, "worker": worker,
+                                                        "seconds": seconds})
+
     async def requests(self, key: uuid.UUID) -> list[tuple[str, dict[str, Any]]]:
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["batch_requests"], {"key": key})
@@ -218,6 +229,32 @@ class Batches:
         async with self._db.pool.connection() as conn, conn.transaction():
             await conn.execute(self._q["batch_collected"], {
                 "key": key, "status": status, "counts": Jsonb(counts)})
+
+    async def hand_back(self, key: uuid.UUID, ids: Sequence[uuid.UUID] | None, *,
+                        waiting_reason: str | None, detail: dict[str, Any],
+                        republish_jobs: bool) -> list[Job]:
+        """Give jobs of the batch back with no attempt counted (``ids`` None: every job it
+        still holds): to wait for their provider (``waiting_reason`` provider_blocked), or
+        re-published at once for another batch (``republish_jobs``), in ONE transaction."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["batch_hand_back"], {
+                "key": key, "owner": batch_owner(key),
+                "ids": sorted(ids) if ids is not None else None,
+                "waiting_reason": waiting_reason, "detail": Jsonb(detail)})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            if republish_jobs:
+                await republish(conn, self._q["insert_outbox"], jobs)
+        return jobs
+
+    async def abandon(self, key: uuid.UUID) -> None:
+        """A batch the provider never created: nothing to collect."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._q["batch_abandon"], {"key": key})
+
+    async def files_deleted(self, key: uuid.UUID) -> None:
+        """The provider holds nothing of the batch any more."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._q["batch_files_deleted"], {"key": key})
 
     async def enqueued_tokens(self, provider: str, model: str) -> int:
         async with self._db.pool.connection() as conn:

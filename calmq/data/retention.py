@@ -43,8 +43,13 @@ COVERAGE: dict[str, str] = {
     "webhook_attempts": "redacted: error (kept: status code, time, duration); rows found by "
                         "their delivery's job_id",
     "idempotency_keys": "deleted (the key is the tenant's text, the hash covers the body)",
+    "job_output_chunks": "deleted (a streamed step's text as the model wrote it)",
+    "job_outputs": "deleted (a streamed step's text, compacted once the job was final)",
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
-    "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost)",
+    "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost); "
+                  "the provider's copies: its batches are due for a poller at once, which "
+                  "deletes their files at the provider (an open batch none of whose jobs "
+                  "still waits is cancelled there first)",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",
@@ -61,8 +66,10 @@ _REDACTIONS = (
     "retention_redact_webhook_attempts",
     "retention_redact_webhooks",
     "retention_delete_idempotency_keys",
+    "retention_delete_outputs",
     "retention_delete_outbox",
     "retention_redact_batch_jobs",
+    "retention_batches_due",
 )
 
 
@@ -108,8 +115,10 @@ _BATCH_REDACTIONS = (
     "retention_redact_many_webhook_attempts",
     "retention_redact_many_webhooks",
     "retention_delete_many_idempotency_keys",
+    "retention_delete_many_outputs",
     "retention_delete_many_outbox",
     "retention_redact_many_batch_jobs",
+    "retention_many_batches_due",
 )
 
 

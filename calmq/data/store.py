@@ -16,6 +16,7 @@ from calmq.data.attempts import Attempts
 from calmq.data.batches import Batches
 from calmq.data.database import KEEP_ERRORS, Database
 from calmq.data.jobs import Jobs
+from calmq.data.outputs import Outputs
 from calmq.data.tenants import Tenants
 
 __all__ = ["Store"]
@@ -32,3 +33,4 @@ class Store(Database):
         self.attempts = Attempts(self)
         self.tenants = Tenants(self)
         self.batches = Batches(self)
+        self.outputs = Outputs(self)

@@ -30,6 +30,7 @@ from calmq.errors import ContractError, NotFound
 __all__ = [
     "PLATFORM_TENANT",
     "ROLES",
+    "ConsoleSession",
     "Tenant",
     "TenantKeys",
     "Tenants",
@@ -100,6 +101,25 @@ class TenantKeys:
     keys: list[dict[str, Any]]  # {"prefix", "created_at", "revoked_at"}, oldest first
 
 
+@dataclass(frozen=True, slots=True)
+class ConsoleSession:
+    """A live console session: whose key it was opened with, and how long it has left."""
+
+    tenant: Tenant
+    seconds_left: float
+
+
+def _tenant(row: dict[str, Any]) -> Tenant:
+    return Tenant(row["id"], row["name"], row["key_prefix"],
+                  tuple(row["roles"]) if row["roles"] is not None else ROLES,
+                  bool(row["platform"]))
+
+
+def new_session_token() -> str:
+    """A fresh console session token (``cqs_`` and 43 URL-safe characters)."""
+    return "cqs_" + secrets.token_urlsafe(32)
+
+
 def new_key() -> str:
     """A fresh API key (``cq_`` and 43 URL-safe characters)."""
     return _KEY_PREFIX + secrets.token_urlsafe(32)
@@ -145,11 +165,35 @@ class Tenants:
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["tenant_for_key"], {"key_hash": hash_key(key)})
             row = await cur.fetchone()
+        return None if row is None else _tenant(row)
+
+    async def open_session(self, key: str, seconds: float) -> str | None:
+        """A new console session for ``key`` lasting ``seconds``: its token (returned once;
+        only its hash is stored), or None when the key is unknown or revoked."""
+        token = new_session_token()
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["console_session_open"], {
+                "key_hash": hash_key(key), "token_hash": hash_key(token),
+                "seconds": float(seconds)})
+            row = await cur.fetchone()
+        return token if row is not None else None
+
+    async def for_session(self, token: str) -> ConsoleSession | None:
+        """The live session of ``token`` (None: unknown, expired, signed out, or its key
+        revoked)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["tenant_for_console_session"],
+                                     {"token_hash": hash_key(token)})
+            row = await cur.fetchone()
         if row is None:
             return None
-        return Tenant(row["id"], row["name"], row["key_prefix"],
-                      tuple(row["roles"]) if row["roles"] is not None else ROLES,
-                      bool(row["platform"]))
+        return ConsoleSession(_tenant(row), float(row["seconds_left"]))
+
+    async def close_session(self, token: str) -> None:
+        """End the session of ``token`` now, in every API process."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._q["console_session_close"],
+                               {"token_hash": hash_key(token)})
 
     async def with_keys(self, name: str | None = None) -> list[TenantKeys]:
         """Every tenant (or the one named ``name``) with its keys, by name."""

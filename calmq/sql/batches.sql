@@ -60,10 +60,14 @@ FROM b JOIN batch_jobs bj ON bj.batch_key = b.key AND bj.state = 'pending'
 ORDER BY bj.job_id;
 
 -- name: batch_claim_due
--- A poller takes the open batches due for a look whose lease is free (one poller per batch).
+-- A poller takes the batches due for a look whose lease is free (one poller per batch): the
+-- open ones, and the ended ones whose files the provider still holds (migration 0036).
 WITH due AS (
     SELECT key FROM provider_batches
-    WHERE state IN ('creating', 'submitted') AND next_poll_at <= now()
+    WHERE (state IN ('creating', 'submitted')
+           OR (files_deleted_at IS NULL AND provider_id IS NOT NULL
+               AND state IN ('collected', 'abandoned')))
+      AND next_poll_at <= now()
       AND (lease_expires_at IS NULL OR lease_expires_at < now())
       AND (%(pool)s::text IS NULL OR pool = %(pool)s)
     ORDER BY next_poll_at
@@ -224,3 +228,54 @@ SELECT (SELECT count(*) FROM provider_batches WHERE state IN ('creating', 'submi
             JOIN provider_batches b ON b.key = bj.batch_key
             WHERE b.state IN ('creating', 'submitted') OR bj.settled_at > now() - interval '1 hour'
             GROUP BY bj.state) s) AS jobs_by_state;
+
+-- name: batch_files_deleted
+-- The provider holds nothing of the batch any more (calmq deleted it, or found it gone).
+UPDATE provider_batches SET files_deleted_at = now(), lease_owner = NULL,
+                            lease_expires_at = NULL
+WHERE key = %(key)s;
+
+-- name: batch_hand_back
+-- Jobs of a batch given back with no attempt counted (their attempt row removed): a
+-- provider whose key was refused (waiting_reason provider_blocked, released when the block
+-- lifts), or a batch the provider failed for another request's line (re-published by the
+-- caller in this transaction). ids NULL: every job the batch still holds. Only jobs still
+-- held by the batch at the attempt it carried.
+WITH held AS (
+    SELECT j.id, j.step, j.attempt FROM jobs j
+    JOIN batch_jobs bj ON bj.job_id = j.id AND bj.batch_key = %(key)s
+                      AND bj.state = 'pending' AND bj.attempt = j.attempt
+    WHERE (%(ids)s::uuid[] IS NULL OR j.id = ANY(%(ids)s::uuid[]))
+      AND j.lease_owner = %(owner)s AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
+), back AS (
+    UPDATE jobs j SET status = 'queued', attempt = j.attempt - 1,
+                      lease_owner = NULL, lease_expires_at = NULL,
+                      waiting_reason = %(waiting_reason)s, updated_at = now()
+    FROM held WHERE j.id = held.id
+    RETURNING {{job_row}}, 'running'::text AS old_status
+), uncounted AS (
+    DELETE FROM job_attempts a USING held
+    WHERE a.job_id = held.id AND a.step = held.step AND a.attempt = held.attempt
+), retried AS (
+    UPDATE batch_jobs bj SET state = 'retried', settled_at = now()
+    FROM held WHERE bj.batch_key = %(key)s AND bj.job_id = held.id
+                AND bj.attempt = held.attempt AND bj.state = 'pending'
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt, %(detail)s::jsonb FROM back
+)
+SELECT * FROM back;
+
+-- name: batch_abandon
+-- A batch the provider never created (its create was refused): nothing to collect.
+UPDATE provider_batches SET state = 'abandoned', lease_owner = NULL, lease_expires_at = NULL,
+                            ended_at = now()
+WHERE key = %(key)s AND state = 'creating';
+
+-- name: batch_later
+-- A look at the batch was refused by the provider: the next one after a while.
+UPDATE provider_batches SET lease_owner = NULL, lease_expires_at = NULL,
+                            next_poll_at = now() + make_interval(secs => %(seconds)s)
+WHERE key = %(key)s AND lease_owner = %(worker)s;

@@ -81,6 +81,11 @@ WHERE job_id = %(id)s;
 -- repeats the key afterwards is a new job.
 DELETE FROM idempotency_keys WHERE job_id = %(id)s;
 
+-- name: retention_delete_outputs
+-- A streamed step's text, as chunks and compacted (migration 0033): the job's output.
+WITH chunks AS (DELETE FROM job_output_chunks WHERE job_id = %(id)s)
+DELETE FROM job_outputs WHERE job_id = %(id)s;
+
 -- name: retention_delete_outbox
 -- Events not yet published carry the input (job.requested) or errors; a terminal job whose
 -- data is deleted has nothing left to announce. Published rows are pruned by the relay.
@@ -169,6 +174,17 @@ DELETE FROM outbox WHERE aggregateid = ANY(%(ids)s::text[]);
 UPDATE batch_jobs SET request = '{}'::jsonb
 WHERE job_id = ANY(%(ids)s::uuid[]) AND request <> '{}'::jsonb;
 
+-- name: retention_delete_many_outputs
+-- retention_delete_outputs for the batch: streamed steps' chunks and compacted text.
+WITH chunks AS (DELETE FROM job_output_chunks WHERE job_id = ANY(%(ids)s::uuid[]))
+DELETE FROM job_outputs WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_many_batches_due
+-- retention_batches_due for the batch: their provider batches looked at by a poller at once.
+UPDATE provider_batches SET next_poll_at = now()
+WHERE key IN (SELECT batch_key FROM batch_jobs WHERE job_id = ANY(%(ids)s::uuid[]))
+  AND (state IN ('creating', 'submitted') OR files_deleted_at IS NULL);
+
 -- name: retention_prune_idempotency_keys
 DELETE FROM idempotency_keys
 WHERE created_at < now() - make_interval(secs => %(retention_seconds)s);
@@ -176,3 +192,11 @@ WHERE created_at < now() - make_interval(secs => %(retention_seconds)s);
 -- name: retention_redact_batch_jobs
 -- The request sent in a provider batch holds the job's input (the prompt).
 UPDATE batch_jobs SET request = '{}'::jsonb WHERE job_id = %(id)s AND request <> '{}'::jsonb;
+
+-- name: retention_batches_due
+-- The provider batches that carried the job, looked at by a poller at once: an open one
+-- none of whose jobs still waits is cancelled at the provider, and an ended one's files
+-- (the job's request and answer among them) are deleted there.
+UPDATE provider_batches SET next_poll_at = now()
+WHERE key IN (SELECT batch_key FROM batch_jobs WHERE job_id = %(id)s)
+  AND (state IN ('creating', 'submitted') OR files_deleted_at IS NULL);

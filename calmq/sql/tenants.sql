@@ -72,3 +72,37 @@ SELECT t.id, t.name, t.created_at,
 FROM tenants t
 WHERE %(name)s::text IS NULL OR t.name = %(name)s::text
 ORDER BY t.name;
+
+-- name: console_session_open
+-- A console session for a valid key: the token's hash, until now() + seconds. Sessions
+-- that ended (expired or signed out) are deleted on the way. No row: the key is unknown
+-- or revoked.
+WITH ended AS (
+    DELETE FROM console_sessions WHERE expires_at < now() OR revoked_at IS NOT NULL
+), key AS (
+    SELECT k.id FROM api_keys k WHERE k.key_hash = %(key_hash)s AND k.revoked_at IS NULL
+)
+INSERT INTO console_sessions (token_hash, key_id, expires_at)
+SELECT %(token_hash)s, key.id, now() + make_interval(secs => %(seconds)s) FROM key
+RETURNING expires_at;
+
+-- name: tenant_for_console_session
+-- The tenant and key of a live session (not expired, not signed out, its key not
+-- revoked), and how many seconds it has left.
+SELECT t.id, t.name, k.key_prefix, k.roles, k.platform,
+       extract(epoch FROM s.expires_at - now())::float8 AS seconds_left
+FROM console_sessions s
+JOIN api_keys k ON k.id = s.key_id
+JOIN tenants t ON t.id = k.tenant_id
+WHERE s.token_hash = %(token_hash)s AND s.revoked_at IS NULL AND s.expires_at > now()
+  AND k.revoked_at IS NULL;
+
+-- name: console_session_close
+-- Sign-out: the session ends now, in every API process (their caches drop it on the
+-- notification, as for a revoked key).
+WITH closed AS (
+    UPDATE console_sessions SET revoked_at = now()
+    WHERE token_hash = %(token_hash)s AND revoked_at IS NULL
+    RETURNING 1
+)
+SELECT pg_notify('calmq_api_keys', '') FROM closed;

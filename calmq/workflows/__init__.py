@@ -125,6 +125,16 @@ class Step:
     pool: str | None = None  # None: the workflow's pool
     retry: RetryPolicy | None = None
     output_model: type[BaseModel] | None = None  # the output must fit it (else: verifier)
+    # Stream the step's model calls (``ctx.provider.complete`` is made a streamed call):
+    # clients following the job see its text as the model writes it (``output.delta``).
+    # "interactive": only a job of that priority streams (nobody watches a bulk job).
+    # A step may also stream a call of its own choosing with ``ctx.provider.stream``.
+    stream: bool | Literal["interactive"] = False
+
+    def streams(self, priority: str) -> bool:
+        """Whether this step's model calls stream for a job of ``priority``."""
+        return self.stream is True or (self.stream == "interactive"
+                                       and priority == "interactive")
 
     @property
     def attempts(self) -> int:
@@ -255,13 +265,14 @@ class Workflow:
 
 
 def builtin_workflows(settings: Settings | None = None) -> dict[str, Workflow]:
-    """The examples shipped with calmq: summarize, invoice, embed_document."""
+    """The examples shipped with calmq: summarize, invoice, embed_document, draft."""
+    from calmq.workflows.draft import DRAFT
     from calmq.workflows.embed_document import EMBED_DOCUMENT
     from calmq.workflows.invoice import invoice_workflow
     from calmq.workflows.summarize import SUMMARIZE
 
     ledger_url = settings.ledger_url if settings is not None else ""
-    found = [SUMMARIZE, invoice_workflow(ledger_url), EMBED_DOCUMENT]
+    found = [SUMMARIZE, invoice_workflow(ledger_url), EMBED_DOCUMENT, DRAFT]
     return {w.name: w for w in found}
 
 

@@ -20,12 +20,20 @@ from calmq.data.console import ConsoleJob, ConsoleReads, JobPage, JobQuery, Queu
 from calmq.data.deadletters import DeadLetter, DeadLetterGroup
 from calmq.data.jobs import HistoryEvent
 from calmq.data.observability import SlotState, replication_slots
+from calmq.data.providers import ProviderLedger
 from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
 from calmq.errors import ContractError, NotFound
 from calmq.lag import GroupLag
 from calmq.objects import iter_chunks, stat_object
+from calmq.pricing import price_for, unpriced_models
 from calmq.producers.console.lag import FleetLag
-from calmq.producers.console.shaping import PREVIEW_BYTES, Preview, overview_view, preview
+from calmq.producers.console.shaping import (
+    PREVIEW_BYTES,
+    Preview,
+    overview_view,
+    preview,
+    providers_view,
+)
 from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.uploads import tenant_owns
 from calmq.reviews import Decision, ReviewDesk
@@ -70,9 +78,31 @@ class ConsoleData:
 
     async def overview(self, scope: uuid.UUID | None) -> dict[str, Any]:
         data = await self.reads.overview(scope)
-        return overview_view(backlog=data.backlog, outcomes=data.outcomes, spend=data.spend,
+        states = await ProviderLedger(self.store).states()
+        now = datetime.now(UTC)
+        view = overview_view(backlog=data.backlog, outcomes=data.outcomes, spend=data.spend,
                              budget=data.budget, review_caps=data.review_caps,
-                             review_cap_held=data.review_cap_held or {}, now=datetime.now(UTC))
+                             review_cap_held=data.review_cap_held or {}, now=now)
+        in_use = [(str(b["provider"]), str(b["model"])) for b in data.budget]
+        view.update(providers_view(states, self.unpriced([*in_use, *(
+            (s.provider, s.model) for s in states)]), platform=scope is None, now=now))
+        return view
+
+    def unpriced(self, in_use: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """(provider kind, model) of the models with no price: this process's configured
+        chat and embeddings models and ``in_use`` (the fleet's budgets and provider states)
+        that neither CALMQ_PRICES nor the price table knows, and any this process called
+        without a price (calmq.pricing.unpriced_models)."""
+        s = self.settings
+        pairs = [(s.provider, s.model), *in_use]
+        endpoint = s.embeddings_endpoint
+        if endpoint is not None:
+            pairs.append((endpoint[0], endpoint[3]))
+        found = set(unpriced_models())
+        for provider, model in pairs:
+            if price_for(s.prices, provider, model, table=s.prices_table) is None:
+                found.add((provider.split(":", 1)[0], model))
+        return sorted(found)
 
     async def slots(self) -> list[SlotState]:
         return await replication_slots(self.store)

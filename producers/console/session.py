@@ -1,10 +1,15 @@
-"""Signing in to the console: the API key in a cookie, CSRF tokens, and the page guard.
+"""Signing in to the console: a session cookie, CSRF tokens, and the page guard.
 
-The cookie holds the API key itself (HttpOnly: no script reads it; SameSite=Strict: no
-other site's page sends it; Secure when the request came over HTTPS), so a revoked key
-signs everyone out at once, exactly like the API. Every form carries a CSRF token derived
-from the key (a page of another origin cannot read it); the sign-in form, before there is
-a key, uses a random token in a cookie of its own (double submit).
+Signing in with an API key opens a session (calmq.data.tenants: a random token, stored
+only as its hash, tied to the key, ending after ``console_session_seconds``); the cookie
+holds that token, never the key (HttpOnly: no script reads it; SameSite=Strict: no other
+site's page sends it; Secure when the request came over HTTPS; Max-Age the session's
+length). A session ends at its expiry, at sign-out (in every API process at once), and
+when its key is revoked. Every form carries a CSRF token derived from the session token (a
+page of another origin cannot read it); the sign-in form, before there is a session, uses
+a random token in a cookie of its own (double submit). Every page spends the key's token
+bucket, as every /v1 call does (``api_rate_per_second``): past it, a 429 page with
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from aiohttp import web
 
 from calmq.data import Tenant
 from calmq.errors import ContractError
-from calmq.producers.auth import COOKIE, key_tenant
+from calmq.producers.auth import COOKIE, forget_session, limit, session_tenant
 from calmq.producers.console.templates import render
+from calmq.producers.context import SETTINGS, STORE
+from calmq.producers.throttle import Throttled
 
 __all__ = ["COOKIE", "CSRF_COOKIE", "Handler", "Page", "csrf_token", "guard",
-           "new_login_token", "redirect", "set_cookie", "signed_in"]
+           "new_login_token", "open_session", "redirect", "set_cookie", "sign_out"]
 
 CSRF_COOKIE = "calmq_console_csrf"
 
@@ -65,17 +72,23 @@ class Page:
         return f"{scope} \u00b7 key {self.prefix} \u00b7 {', '.join(self.roles)}"
 
     @classmethod
-    def of(cls, caller: Tenant, key: str) -> Page:
+    def of(cls, caller: Tenant, session: str) -> Page:
         return cls(caller.name, caller.id, caller.key_prefix, tuple(caller.roles),
-                   caller.platform, csrf_token(key), caller.identity)
+                   caller.platform, csrf_token(session), caller.identity)
 
 
 Handler = Callable[[web.Request, Page], Awaitable[web.StreamResponse]]
 
 
-def csrf_token(key: str) -> str:
-    """The CSRF token of a signed-in key's forms: a hash only the key's holder can make."""
-    return hashlib.sha256(b"calmq console csrf\0" + key.encode()).hexdigest()
+def csrf_token(session: str) -> str:
+    """The CSRF token of a session's forms: a hash only the session's holder can make."""
+    return hashlib.sha256(b"calmq console csrf\0" + session.encode()).hexdigest()
+
+
+def _same_token(sent: object, expected: str) -> bool:
+    """Compared as bytes: ``hmac.compare_digest`` refuses str with non-ASCII characters
+    (a form field may hold any), which was a 500."""
+    return hmac.compare_digest(str(sent).encode("utf-8", "replace"), expected.encode())
 
 
 def new_login_token() -> str:
@@ -83,21 +96,37 @@ def new_login_token() -> str:
 
 
 def set_cookie(request: web.Request, response: web.StreamResponse, name: str, value: str,
-               *, path: str = "/") -> None:
+               *, path: str = "/", max_age: int | None = None) -> None:
     secure = request.secure or request.headers.get("X-Forwarded-Proto") == "https"
     response.set_cookie(name, value, path=path, httponly=True, samesite="Strict",
-                        secure=secure)
+                        secure=secure, max_age=max_age)
+
+
+async def open_session(request: web.Request, response: web.StreamResponse, key: str
+                       ) -> bool:
+    """Sign ``key`` in: a new session, its token in the cookie; False (nothing set) when
+    the key is unknown or revoked."""
+    seconds = request.app[SETTINGS].console_session_seconds
+    token = await request.app[STORE].tenants.open_session(key, seconds)
+    if token is None:
+        return False
+    set_cookie(request, response, COOKIE, token, max_age=int(seconds))
+    return True
+
+
+async def sign_out(request: web.Request, response: web.StreamResponse) -> None:
+    """End the request's session everywhere and forget its cookie."""
+    token = request.cookies.get(COOKIE, "")
+    if token:
+        await request.app[STORE].tenants.close_session(token)
+        forget_session(request, token)
+    response.del_cookie(COOKIE, path="/")
 
 
 def redirect(location: str) -> web.Response:
     # A 303 answer, not a raised HTTPFound: the API's error middleware turns raised HTTP
     # exceptions into problem+json.
     return web.Response(status=303, headers={"Location": location})
-
-
-async def signed_in(request: web.Request, key: str) -> bool:
-    """Whether ``key`` is a known, unrevoked API key."""
-    return bool(key) and await key_tenant(request, key) is not None
 
 
 def _same_origin(request: web.Request) -> bool:
@@ -124,22 +153,28 @@ def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
 
     def wrap(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def run(request: web.Request) -> web.StreamResponse:
-            key = request.cookies.get(COOKIE, "")
-            caller = await key_tenant(request, key) if key else None
+            token = request.cookies.get(COOKIE, "")
+            caller = await session_tenant(request, token)
             if caller is None:
                 if request.path.endswith(".json"):
                     return error_page(request, None, 401, "not_signed_in",
                                       "sign in at /console/sign-in")
                 target = request.path_qs if request.method == "GET" else "/console/overview"
                 response = redirect("/console/sign-in?next=" + _quote(target))
-                if key:  # a revoked key: forget it
+                if token:  # an ended session: forget it
                     response.del_cookie(COOKIE, path="/")
                 return response
-            page = Page.of(caller, key)
+            page = Page.of(caller, token)
+            try:
+                limit(request, caller)
+            except Throttled as exc:
+                refused = error_page(request, page, exc.status, exc.code, exc.message)
+                refused.headers["Retry-After"] = exc.retry_after_header
+                return refused
             if request.method == "POST":
                 form = await request.post()
-                if not (_same_origin(request) and hmac.compare_digest(
-                        str(form.get("csrf", "")), page.csrf)):
+                if not (_same_origin(request) and _same_token(form.get("csrf", ""),
+                                                              page.csrf)):
                     return error_page(request, page, 403, "csrf_failed",
                                       "the form's CSRF token is missing or stale; reload "
                                       "the page and try again")

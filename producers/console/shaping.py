@@ -24,12 +24,33 @@ from calmq.producers.console.templates import ago
 
 __all__ = ["Field", "Preview", "attempt_rows", "corrections", "event_summary",
            "held_for_review_cap", "lag_view", "output_fields", "overview_view", "preview",
-           "review_cap_state", "trace_id"]
+           "providers_view", "review_cap_state", "trace_id"]
 
 PREVIEW_BYTES = 4096
 
 
 # -- overview -----------------------------------------------------------------------------
+
+def providers_view(states: Sequence[Any], unpriced: Sequence[tuple[str, str]], *,
+                   platform: bool, now: datetime) -> dict[str, Any]:
+    """The overview's providers section: each provider and model blocked fleet-wide (a bad
+    key, a missing permission, a model the account cannot use, billing: its jobs wait
+    queued) or paused by a rate limit, with the reason; and the models with no price (their
+    calls are costed at 0). The provider's own message is a platform key's only (it may
+    name the account)."""
+    blocked = []
+    for s in states:
+        if s.blocked_reason is not None:
+            since = ago((now - s.blocked_at).total_seconds()) if s.blocked_at else "-"
+            blocked.append([s.provider.split(":", 1)[0], s.model, s.blocked_reason,
+                            f"{since} ago" if s.blocked_at else since,
+                            (s.blocked_message or "")[:300] if platform else "-"])
+        elif s.paused_seconds > 0:
+            blocked.append([s.provider.split(":", 1)[0], s.model,
+                            f"rate limited: paused {s.paused_seconds:.1f} s more", "-", "-"])
+    return {"blocked_providers": blocked,
+            "unpriced_models": [[kind, model] for kind, model in unpriced]}
+
 
 def overview_view(*, backlog: Sequence[Mapping[str, Any]], outcomes: Sequence[Mapping[str, Any]],
                   spend: Sequence[Mapping[str, Any]], budget: Sequence[Mapping[str, Any]],

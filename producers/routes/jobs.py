@@ -3,6 +3,11 @@
 Nothing is written for a request that is rejected, and a rejected or failed submit leaves
 no uploaded file behind. Every query is scoped by the caller's tenant; another tenant's job
 id answers 404 exactly like an unknown one.
+
+A submit with ``Prefer: wait=N`` (RFC 7240) is held up to N seconds (at most the setting
+api_prefer_wait_max_seconds): a job final by then is answered 200 with its view and result
+(``Preference-Applied``), otherwise the usual 202. The event stream carries a streamed
+step's text beside the history (producers/job_stream.py).
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,7 +33,8 @@ from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.lanes import choose_lane
 from calmq.limits import check_metadata, trace_parent
-from calmq.objects import ObjectRef, presigned_url, stat_object
+from calmq.objects import ObjectRef, presigned_url, read_bounded, stat_object
+from calmq.outputs import Position
 from calmq.producers.auth import tenant
 from calmq.producers.context import (
     GATES,
@@ -38,7 +46,8 @@ from calmq.producers.context import (
     WORKFLOWS,
 )
 from calmq.producers.intake import prepare, submit_keyed
-from calmq.producers.models import Accepted, JobPage, JobView, SubmitRequest
+from calmq.producers.job_stream import JobStream
+from calmq.producers.models import Accepted, Answered, JobPage, JobView, SubmitRequest
 from calmq.producers.parsing import job_id, limit, read_body, validate
 from calmq.producers.retention import purge
 from calmq.producers.routing import (
@@ -51,9 +60,10 @@ from calmq.producers.routing import (
     query,
     ref,
 )
+from calmq.producers.throttle import Throttled
 from calmq.producers.timestamps import format_time, parse_time
 from calmq.producers.uploads import delete_object, read_form, read_object, tenant_owns
-from calmq.producers.views import event_view, job_summary, job_view
+from calmq.producers.views import job_summary, job_view
 from calmq.producers.webhooks import check_callback_url
 from calmq.workflows import Workflow, find_workflow
 
@@ -142,10 +152,84 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         for obj in stored:  # the earlier job has its own copy of the file
             await delete_object(request.app[OBJECTS], obj.uri)
     stored.clear()  # committed: the object now belongs to the job
+    wait = _preferred_wait(request.headers.getall("Prefer", []),
+                           settings.api_prefer_wait_max_seconds)
+    if wait:
+        answered = await _answer_when_final(request, caller, new_id, wait)
+        if answered is not None:
+            return answered
     return web.json_response(
         {"job_id": str(new_id), "status": "queued", "status_url": f"/v1/jobs/{new_id}"},
         status=202,
     )
+
+
+_WAIT = re.compile(r'^\s*wait\s*=\s*"?(\d{1,9})"?\s*$', re.IGNORECASE)
+# A result up to this size comes inline in a 200 answer to Prefer: wait (larger: the link).
+_INLINE_RESULT_BYTES = 1024 * 1024
+
+
+def _preferred_wait(values: list[str], cap: float) -> int:
+    """The seconds a submit may be held: ``wait=N`` among the ``Prefer`` headers' comma-
+    separated preferences (RFC 7240 section 4.3, delta-seconds), at most ``cap``; 0 when
+    not asked. A preference the server cannot use is ignored, as RFC 7240 says."""
+    for value in values:
+        for preference in value.split(","):
+            found = _WAIT.match(preference.split(";", 1)[0])
+            if found:
+                return min(int(found[1]), int(cap))
+    return 0
+
+
+async def _answer_when_final(request: web.Request, caller: Tenant, ident: uuid.UUID,
+                             seconds: int) -> web.Response | None:
+    """200 with the job's view and result if it is final within ``seconds``, else None.
+
+    The wait holds one of the tenant's stream places (api_streams_per_tenant) and no
+    database connection: it reads the job when its notification comes. A tenant at its
+    cap gets the 202 at once."""
+    store, hub = request.app[STORE], request.app[HUB]
+    wake = hub.subscribe(str(ident))
+    try:
+        with request.app[GATES].hold("stream", caller.id):
+            deadline = time.monotonic() + seconds
+            while True:
+                job = await store.jobs.view(caller.id, ident)
+                if job is None:
+                    return None  # deleted meanwhile: the 202 still names it
+                if job.status in TERMINAL:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or hub.closing:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await wake.wait()
+                wake.clear()
+    except Throttled:
+        return None
+    finally:
+        hub.unsubscribe(str(ident), wake)
+    view = job_view(job)
+    result: Any = None
+    if view.get("artifact"):
+        artifact = view["artifact"]
+        view["artifact"] = {**artifact, **_download(request, job.id, artifact)}
+        result = await _inline_result(request, artifact)
+    return web.json_response({**view, "result": result}, status=200,
+                             headers={"Preference-Applied": f"wait={seconds}"})
+
+
+async def _inline_result(request: web.Request, artifact: dict[str, Any]) -> Any:
+    """The artifact's JSON, when it is JSON and small enough to answer inline."""
+    if not str(artifact.get("content_type", "")).startswith("application/json") or int(
+            artifact.get("size") or 0) > _INLINE_RESULT_BYTES:
+        return None
+    raw = await read_bounded(request.app[OBJECTS], str(artifact["uri"]), _INLINE_RESULT_BYTES)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _file_limit(workflows: dict[str, Workflow], fields: Mapping[str, Any]) -> int | None:
@@ -240,22 +324,20 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 # -- notifications --------------------------------------------------------------------------------
 
-def _last_event_id(request: web.Request) -> int:
+def _last_event_id(request: web.Request) -> Position:
     raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ContractError("Last-Event-ID is the id of an event this stream sent",
-                            code="invalid_header") from exc
-    return max(value, 0)
+    return Position.parse(raw)
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: the job's history, then each new event as it is written.
+    """Server-sent events: the job's history, then each new event as it is written, and a
+    streamed step's text as ``output.delta`` events (``reset`` when a new attempt of the
+    step begins), resumable with ``Last-Event-ID``.
 
     A tenant holds at most api_streams_per_tenant streams in this process (429
-    too_many_streams past it). The table is read when the job's notification wakes the
-    stream (or the hub reconnected), never for a keep-alive."""
+    too_many_streams past it). The history is read when the job's notification wakes the
+    stream (or the hub reconnected), never for a keep-alive; deltas come with their own
+    notification, and the table is read only to start, after a gap, and at the end."""
     caller = await tenant(request)
     ident = job_id(request)
     after = _last_event_id(request)
@@ -263,48 +345,71 @@ async def job_events(request: web.Request) -> web.StreamResponse:
         return await _stream(request, caller, ident, after)
 
 
-async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after: int
+async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after: Position
                   ) -> web.StreamResponse:
     store, hub = request.app[STORE], request.app[HUB]
+    follower = JobStream(ident, after)
 
-    async def read() -> tuple[str | None, list[HistoryEvent]]:
-        return await store.jobs.status_and_events(caller.id, ident, after)
+    async def history() -> tuple[str | None, list[HistoryEvent]]:
+        return await store.jobs.status_and_events(caller.id, ident, follower.position.history)
 
-    wake = hub.subscribe(str(ident))  # before the first read, so no event falls in between
+    async def table() -> list[bytes]:
+        feed.take()  # what was announced before this read is in it
+        pos = follower.position
+        return follower.from_read(await store.outputs.after(ident, pos.stream, pos.seq))
+
+    # Before the first read, so that nothing falls in between.
+    wake = hub.subscribe(str(ident))
+    feed = hub.follow_output(str(ident), wake)
     try:
-        status, rows = await read()
+        status, rows = await history()
+        feed.take_events()
         if status is None:
             raise NotFound("no such job")
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no"})
         await resp.prepare(request)
+        read_table = True
         while True:
-            for r in rows:
-                data = json.dumps({"job_id": str(ident), **event_view(r)})
-                await resp.write(f"id: {r.id}\nevent: {r.type}\ndata: {data}\n\n".encode())
-                after = r.id
+            # The output first: a history event read is never ahead of the text before it
+            # (a step's chunks are written before its outcome).
+            if read_table:
+                frames = await table()
+            else:
+                chunks, gap = feed.take()
+                fed = None if gap else follower.from_feed(chunks)
+                frames = fed if fed is not None else await table()
+            frames += follower.history(rows)
+            if frames:
+                await resp.write(b"".join(frames))
             if status in TERMINAL:
-                await resp.write(f"event: end\ndata: {json.dumps({'status': status})}\n\n".encode())
+                end = json.dumps({"status": status})
+                await resp.write(f"event: end\ndata: {end}\n\n".encode())
                 break
+            rows, read_table = [], False
             try:
-                await asyncio.wait_for(wake.wait(), timeout=_SSE_KEEPALIVE)
+                async with asyncio.timeout(_SSE_KEEPALIVE):
+                    await wake.wait()
             except TimeoutError:
                 # Nothing happened to the job (a notification would have woken the stream):
                 # a comment keeps proxies from closing it, with no database read.
                 await resp.write(b": keep-alive\n\n")
-                rows = []
                 if not hub.closing:
                     continue
             wake.clear()
             if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
                 break
-            status, rows = await read()
-            if status is None:
-                break
+            if feed.take_events():
+                status, rows = await history()
+                if status is None:
+                    break
+                # Final: every chunk is written by now; the table has them all.
+                read_table = status in TERMINAL
         await resp.write_eof()
         return resp
     finally:
+        hub.unfollow_output(str(ident), feed)
         hub.unsubscribe(str(ident), wake)
 
 
@@ -366,12 +471,22 @@ ROUTES = [
         "operationId": "submitJob",
         "parameters": [
             {"name": "Idempotency-Key", "in": "header", "required": False,
-             "schema": {"type": "string", "minLength": 1, "maxLength": 255}}],
+             "schema": {"type": "string", "minLength": 1, "maxLength": 255}},
+            {"name": "Prefer", "in": "header", "required": False,
+             "schema": {"type": "string", "example": "wait=5"},
+             "description": "RFC 7240 wait=N: hold the answer up to N seconds (at most the "
+                            "setting api_prefer_wait_max_seconds); a job final by then is "
+                            "answered 200 with its view and result"}],
         # Both schemas are generated per workflow by producers.openapi.
         "requestBody": {"required": True, "content": {
             JSON: {"schema": ref("SubmitRequest")},
             "multipart/form-data": {"schema": ref("SubmitForm")}}},
-        "responses": {"202": answer("accepted", Accepted),
+        "responses": {"200": {**answer("Prefer: wait=N and the job was final within it: "
+                                       "its view and result", Answered),
+                              "headers": {"Preference-Applied": {
+                                  "description": "wait=N, the seconds the answer could "
+                                                 "wait", "schema": {"type": "string"}}}},
+                      "202": answer("accepted", Accepted),
                       **problems(400, 401, 403, 409, 413, 415, 422, 429, 503)},
     }),
     Route("GET", "/v1/jobs", list_jobs, {
@@ -401,8 +516,14 @@ ROUTES = [
             JOB_ID,
             {"name": "Last-Event-ID", "in": "header", "required": False,
              "schema": {"type": "string"}}],
-        "responses": {"200": {"description": "server-sent events; each data is a JobEvent",
-                              "content": {"text/event-stream": {}}},
+        "responses": {"200": {"description": "server-sent events: each history event's "
+                                             "data is a JobEvent; a streamed step's text "
+                                             "comes as output.delta events (OutputDelta), "
+                                             "a new attempt's as reset (OutputReset); the "
+                                             "last is end",
+                              "content": {"text/event-stream": {"schema": {"oneOf": [
+                                  ref("JobEvent"), ref("OutputDelta"),
+                                  ref("OutputReset")]}}}},
                       **problems(400, 401, 404, 429)},
     }),
     Route("GET", "/v1/jobs/{job_id}/artifact", get_artifact, {

@@ -4,14 +4,17 @@ another tenant keeps submitting, and a key past its rate answers 429 with Retry-
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
+from calmq.producers.console.session import COOKIE
 from calmq.tooling.devstack import StackState
-from tests.support.api import Api, create_tenant
+from tests.support.api import Api, console_session, create_tenant
 from tests.support.intake import ApiProcess, running_api
 from tests.support.waiting import wait_for
 
@@ -28,8 +31,9 @@ def _tenant(stack: StackState, url: str, prefix: str) -> Api:
 
 @pytest.fixture(scope="module")
 def rated_api(stack: StackState) -> Iterator[ApiProcess]:
-    """An API that lets each key send 1 request a second, 3 at once."""
-    with running_api(stack, {"CALMQ_API_RATE_PER_SECOND": "1",
+    """An API that lets each key send 3 requests at once, then one every 20 s (slow enough
+    that no token comes back while a test runs)."""
+    with running_api(stack, {"CALMQ_API_RATE_PER_SECOND": "0.05",
                              "CALMQ_API_RATE_BURST": "3"}) as api:
         yield api
 
@@ -97,7 +101,7 @@ def test_one_keys_streams_are_capped_while_another_tenant_submits(stack: StackSt
 
 def test_a_key_past_its_rate_is_answered_429_with_retry_after(
         stack: StackState, rated_api: ApiProcess) -> None:
-    """With api_rate_per_second 1 and burst 3, a key's fourth request at once answers 429
+    """With api_rate_per_second 0.05 and burst 3, a key's fourth request answers 429
     rate_limited with Retry-After; another key of another tenant is not held back."""
     first, second = (_tenant(stack, rated_api.url, "rate") for _ in range(2))
     answers = [first.call("GET", "/v1/jobs?limit=1") for _ in range(4)]
@@ -107,3 +111,31 @@ def test_a_key_past_its_rate_is_answered_429_with_retry_after(
     assert body["code"] == "rate_limited"
     assert int(headers["Retry-After"]) >= 1
     assert second.call("GET", "/v1/jobs?limit=1")[0] == 200
+
+
+def test_console_pages_spend_the_same_bucket_as_the_keys_api_calls(
+        stack: StackState, rated_api: ApiProcess) -> None:
+    """A signed-in console page takes a token from its key's bucket like a /v1 call: two
+    calls and one page use the burst of 3, the next page answers 429 rate_limited (an
+    error page with Retry-After) and so does the key's next /v1 call."""
+    caller = _tenant(stack, rated_api.url, "console-rate")
+    session = console_session(rated_api.url, caller.key)
+    assert [caller.call("GET", "/v1/jobs?limit=1")[0] for _ in range(2)] == [200, 200]
+
+    def page() -> tuple[int, str, str | None]:
+        req = urllib.request.Request(rated_api.url + "/console/overview",
+                                     headers={"Cookie": f"{COOKIE}={session}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.read().decode(), None
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(), exc.headers.get("Retry-After")
+
+    assert page()[0] == 200
+    status, body, retry_after = page()
+    assert status == 429
+    assert "rate_limited" in body
+    assert retry_after is not None
+    assert int(retry_after) >= 1
+    status, _h, answer = caller.call("GET", "/v1/jobs?limit=1")
+    assert (status, answer["code"]) == (429, "rate_limited")

@@ -24,9 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from calmq.data import tenants
+from calmq.sql import queries
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api
 from tests.support.workflow_env import WorkflowEnv
@@ -283,6 +285,23 @@ def _awaiting_review(env: Env) -> str:
     return job_id
 
 
+def test_a_streamed_jobs_text_appears_live_on_its_page(env: Env, owner: Any) -> None:
+    """A streamed job's page shows the text as the model writes it (output.delta over the
+    API's SSE); what it gathered live is exactly the stored result."""
+    job_id = env.wf.submit("draft_t", {"prompt": "words as they come", "tokens": 200,
+                                       "tokens_per_second": 20})
+    owner.goto(f"/console/jobs/{job_id}")
+    # The first deltas, shown while the model still writes (200 tokens take 10 s).
+    expect(owner.locator("#output")).not_to_have_attribute("data-deltas", "0")
+    expect(owner.locator("#output-section")).to_be_visible()
+    expect(owner.locator("#job-status")).to_have_text("completed", timeout=60_000)
+    owner.wait_for_load_state()
+    stored = owner.request.get(f"/console/jobs/{job_id}/artifact").json()["text"]
+    expect(owner.locator("#output")).to_have_text(stored)
+    assert int(owner.locator("#output").get_attribute("data-deltas")) >= 2
+    shot(owner, "job-streamed")
+
+
 def test_approve_a_review_with_a_corrected_field(env: Env, owner: Any) -> None:
     job_id = _awaiting_review(env)
     owner.goto("/console/reviews")
@@ -377,6 +396,32 @@ def test_overview_shows_backlog_throughput_reviews_and_spend(env: Env, owner: An
     assert owner.locator("figure.chart svg").count() >= 1
     assert "%" in owner.get_by_test_id("dlq-rate").inner_text()
     shot(owner, "overview")
+
+
+def test_overview_names_blocked_providers_and_models_with_no_price(
+        browser: Browser, env: Env, owner: Any) -> None:
+    """A provider and model blocked fleet-wide shows on the overview with its reason (the
+    provider's own message to a platform key only), and a model with no price is named."""
+    model = f"fake-blocked-{uuid.uuid4().hex[:6]}"  # nobody calls it: the block holds no job
+    with psycopg.connect(env.db) as conn:
+        conn.execute(queries()["provider_block"], {
+            "provider": f"openai:{env.provider}/v1", "model": model,
+            "reason": "invalid_api_key", "code": "provider_auth",
+            "message": "Incorrect API key provided: sk-test***"})
+    try:
+        owner.goto("/console/overview")
+        blocked = owner.get_by_test_id("blocked-providers")
+        expect(blocked.locator("tr", has_text=model)).to_contain_text("invalid_api_key")
+        assert "Incorrect API key" not in blocked.inner_text()
+        expect(owner.get_by_test_id("unpriced-models")).to_contain_text(model)
+        shot(owner, "overview-providers")
+        platform = browser.sign_in(env.platform)
+        platform.goto("/console/overview")
+        expect(platform.get_by_test_id("blocked-providers").locator("tr", has_text=model)
+               ).to_contain_text("Incorrect API key provided")
+    finally:
+        with psycopg.connect(env.db) as conn:
+            conn.execute("DELETE FROM provider_states WHERE model = %s", (model,))
 
 
 def test_another_tenant_sees_nothing_of_the_first(browser: Browser, env: Env, owner: Any

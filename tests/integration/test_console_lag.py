@@ -15,6 +15,7 @@ from calmq.data import tenants
 from calmq.kafka import consumer_config
 from calmq.producers.console.session import COOKIE
 from calmq.tooling.devstack import StackState
+from tests.support.api import console_session
 from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import POOL
@@ -34,10 +35,10 @@ def wf(stack: StackState) -> Iterator[WorkflowEnv]:
         env.close()
 
 
-def _lag(wf: WorkflowEnv, key: str) -> dict[str, int]:
+def _lag(wf: WorkflowEnv, session: str) -> dict[str, int]:
     """The overview's lag table for the pool's group, as a platform key sees it."""
     req = urllib.request.Request(wf.api_url + "/console/overview",
-                                 headers={"Cookie": f"{COOKIE}={key}"})
+                                 headers={"Cookie": f"{COOKIE}={session}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         html = resp.read().decode()
@@ -64,7 +65,8 @@ def _commit_to_the_end(bootstrap: str) -> None:
 
 
 def test_the_overview_shows_lag_until_a_worker_drains_the_topic(wf: WorkflowEnv) -> None:
-    platform = tenants.add_key(wf.db, tenants.PLATFORM_TENANT, None, platform=True)
+    platform = console_session(wf.api_url, tenants.add_key(wf.db, tenants.PLATFORM_TENANT,
+                                                           None, platform=True))
     _commit_to_the_end(wf.stack.env["CALMQ_KAFKA_BOOTSTRAP"])
     ids = [wf.submit("invoice_t", {"text": "Vendor: Acme\nInvoice: 12\nTotal: EUR 3.00\n"})
            for _ in range(3)]

@@ -158,7 +158,8 @@ def _files_under(root: Path) -> list[Path]:
 def test_delete_leaves_no_text_and_no_object_of_the_job(
         wf: WorkflowEnv, hooks_api: Api, receiver: str) -> None:
     m = {k: f"mark-{k}-{uuid.uuid4().hex}" for k in
-         ("upload", "meta", "hook", "idem", "embed", "invoice", "fix", "dead", "why")}
+         ("upload", "meta", "hook", "idem", "embed", "invoice", "fix", "dead", "why",
+          "draft")}
     api = wf.api
     # 1. summarize by multipart upload, with metadata, a webhook and an idempotency key.
     status, _h, body = hooks_api.call(
@@ -178,7 +179,9 @@ def test_delete_leaves_no_text_and_no_object_of_the_job(
                                                "Total: EUR 88.00\n", "mode": "low_confidence"})
     # 4. a dead letter, redriven into a second round that dies again.
     dead = wf.submit("summarize_t", {"text": f"garbage for {m['dead']}", "mode": "malformed"})
-    jobs = [summarized, embedded, reviewed, dead]
+    # 5. a streamed draft: its text as chunks, then compacted (job_outputs).
+    drafted = wf.submit("draft_t", {"prompt": f"draft {m['draft']}", "tokens": 20})
+    jobs = [summarized, embedded, reviewed, dead, drafted]
 
     wf.wait_status(reviewed, "awaiting_review")
     status, _h, body = api.call("POST", f"/v1/jobs/{reviewed}/review", {
@@ -191,7 +194,7 @@ def test_delete_leaves_no_text_and_no_object_of_the_job(
     wait_for(lambda: wf.sql("SELECT 1 FROM job_attempts WHERE job_id = %s", dead)
              and wf.job(dead)["status"] == "dead_letter", timeout=60,
              what="the redriven job to die again")
-    for job_id in (summarized, embedded, reviewed):
+    for job_id in (summarized, embedded, reviewed, drafted):
         assert wf.wait_status(job_id, "completed", "dead_letter")["status"] == "completed"
     wait_for(lambda: wf.sql("SELECT 1 FROM webhook_attempts a JOIN webhook_deliveries d "
                             "ON d.id = a.delivery_id WHERE d.job_id = %s", summarized),
@@ -202,6 +205,8 @@ def test_delete_leaves_no_text_and_no_object_of_the_job(
     assert wf.sql("SELECT 1 FROM side_effects WHERE job_id = %s AND response IS NOT NULL",
                   reviewed)
     assert wf.sql("SELECT 1 FROM idempotency_keys WHERE job_id = %s", summarized)
+    assert wf.sql("SELECT 1 FROM job_output_chunks WHERE job_id = %s UNION ALL "
+                  "SELECT 1 FROM job_outputs WHERE job_id = %s", drafted, drafted)
     errors = {r["error_message"] for r in wf.sql(
         "SELECT error_message FROM job_attempts WHERE job_id = ANY(%s::uuid[]) UNION "
         "SELECT record->>'error_message' FROM job_attempts_redriven "

@@ -34,7 +34,7 @@ def _finish(status: Status, **kw: Any) -> Callable[[uuid.UUID, uuid.UUID], dict[
     def params(job_id: uuid.UUID, _tenant_id: uuid.UUID) -> dict[str, Any]:
         outcome = Finish(job_id=job_id, worker=WORKER, step="s", attempt=1, status=status,
                          event_type="test", outcome="test", **kw)
-        return {"rows": Jsonb([outcome.row(0)])}
+        return {"rows": Jsonb([outcome.row(0)]), "keep_errors": 20}
     return params
 
 
@@ -50,7 +50,8 @@ STATEMENTS: list[Statement] = [
                                                reset_attempt=True)),
     ("reap_expired_leases", Status.QUEUED, lambda _j, _t: {"limit": 500}),
     ("poison_expired_leases", Status.DEAD_LETTER, lambda _j, _t: {
-        "limit": 500, "error": Jsonb({"code": "poison", "class": "input"})}),
+        "limit": 500, "error": Jsonb({"code": "poison", "class": "input"}),
+        "keep_errors": 20}),
     ("cancel_job", Status.CANCELLED, lambda j, t: {"id": j, "tenant_id": t, "by": None}),
     ("dlq_requeue", Status.QUEUED, lambda j, _t: {
         "id": j, "detail": Jsonb({}), "workflow_version": 1, "pool": "default",
@@ -59,7 +60,7 @@ STATEMENTS: list[Statement] = [
         "id": j, "next_step": "s2", "pool": "default", "max_attempts": 3}),
     ("wf_review_complete", Status.COMPLETED, lambda j, _t: {"id": j, "artifact": Jsonb({})}),
     ("wf_review_dead_letter", Status.DEAD_LETTER, lambda j, _t: {
-        "id": j, "error": Jsonb({"code": "rejected", "class": "policy"})}),
+        "id": j, "error": Jsonb({"code": "rejected", "class": "policy"}), "keep_errors": 20}),
 ]
 
 

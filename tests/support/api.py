@@ -65,3 +65,40 @@ def create_tenant(database_url: str, name: str) -> str:
             await store.close()
 
     return asyncio.run(create())
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """urllib without following redirects: a 3xx is raised as an HTTPError."""
+
+    def redirect_request(self, *_args: Any, **_kwargs: Any) -> None:
+        return None
+
+
+def console_session(base_url: str, key: str) -> str:
+    """Sign ``key`` in to the console as a browser would (the sign-in form's CSRF cookie
+    and token, then the POST); returns the session cookie's value."""
+    import http.cookies
+    import re
+    import urllib.parse
+
+    with urllib.request.urlopen(base_url + "/console/sign-in", timeout=30) as resp:
+        page = resp.read().decode()
+        jar = http.cookies.SimpleCookie(resp.headers.get("Set-Cookie", ""))
+    match = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert match, "the sign-in form has no CSRF token"
+    form = urllib.parse.urlencode({"csrf": match.group(1), "api_key": key}).encode()
+    req = urllib.request.Request(
+        base_url + "/console/sign-in", data=form, method="POST",
+        headers={"Cookie": "; ".join(f"{k}={v.value}" for k, v in jar.items()),
+                 "Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        urllib.request.build_opener(NoRedirect).open(req, timeout=30)
+    except urllib.error.HTTPError as exc:
+        answer = exc  # the 303 (redirects are not followed)
+    else:
+        raise AssertionError("sign-in did not redirect")
+    assert answer.code == 303, f"sign-in answered {answer.code}"
+    cookies: http.cookies.SimpleCookie = http.cookies.SimpleCookie()
+    for header in answer.headers.get_all("Set-Cookie") or []:
+        cookies.load(header)
+    return cookies["calmq_console"].value

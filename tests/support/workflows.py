@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from calmq.settings import Settings
 from calmq.workflows import Workflow
+from calmq.workflows.draft import DRAFT
 from calmq.workflows.embed_document import EMBED_DOCUMENT
 from calmq.workflows.invoice import invoice_workflow
 from calmq.workflows.summarize import SUMMARIZE
@@ -30,4 +31,5 @@ def workflows(settings: Settings) -> list[Workflow]:
                 review_expiry="approve"),
         replace(SUMMARIZE, name="summarize_t", pool=POOL),
         replace(EMBED_DOCUMENT, name="embed_t", pool=POOL),
+        replace(DRAFT, name="draft_t", pool=POOL),
     ]

@@ -16,6 +16,7 @@ from aiohttp import web
 from calmq import topics
 from calmq.batches import (
     BatchClient,
+    BatchRefused,
     BatchResult,
     BatchView,
     custom_id,
@@ -208,3 +209,109 @@ async def test_a_batch_created_but_not_recorded_is_found_again(fake: str, kind: 
         assert await client.find("nobody", since, 7, {created.provider_id}) is None
     finally:
         await client.close()
+
+
+async def test_a_results_file_with_a_bad_line_and_a_50_mb_line_fails_only_those_requests(
+        fake: str) -> None:
+    """Of 300 results, one line cut off mid-JSON and one of 50 MB: each fails only the
+    request it names (unreadable: retried; too large: skipped unread, not retried); every
+    other request is answered, the ones after them included."""
+    client = open_batch_client("openai", fake, "key", "fake-small")
+    try:
+        async with client.session().post(fake + "/admin/batches/synthetic", json={
+                "lines": 300, "pad": 500, "corrupt": True,
+                "huge_line_bytes": 50 * 1024 * 1024}) as resp:
+            made = await resp.json()
+        assert made["bytes"] > 50 * 1024 * 1024
+        results = await _results(client, await client.view(made["id"]))
+        assert len(results) == 300
+        failed = {cid: r.failure for cid, r in results.items() if r.failure}
+        assert {cid: f.code for cid, f in failed.items()} == {
+            "synthetic-0_1": "batch_result_unreadable", "synthetic-1_1": "batch_result_too_large"}
+        assert failed["synthetic-0_1"].retryable
+        assert failed["synthetic-1_1"].failure_class == FailureClass.INPUT
+        assert all(r.reply is not None for cid, r in results.items() if cid not in failed)
+    finally:
+        await client.close()
+
+
+async def test_a_batch_failed_as_a_whole_is_not_expired_and_names_its_line(fake: str) -> None:
+    """OpenAI fails a batch whose input file has a line its validation refuses: the view
+    says failed (not expired), with the line, and the line's custom_id is read back from
+    the input file. Anthropic refuses such a create, naming the request's index."""
+    openai = open_batch_client("openai", fake, "key", "fake-small")
+    anthropic = open_batch_client("anthropic", fake, "key", "fake-small")
+    try:
+        modes = [{"mode": "success"}, {"mode": "invalid_line"}, {"mode": "success"}]
+        view = await openai.create(_lines(openai, modes), "k-failed")
+        assert (view.ended, view.outcome) == (True, "failed")
+        assert [e.line for e in view.errors] == [2]
+        # A later look (the poller's) says the same as the create's answer.
+        again = await openai.view(view.provider_id)
+        assert (again.outcome, again.errors, again.input_file) == (
+            "failed", view.errors, view.input_file)
+        assert await openai.input_custom_ids(again, {2}) == {2: custom_id("job-1", 1)}
+        with pytest.raises(BatchRefused) as refused:
+            await anthropic.create(_lines(anthropic, modes), "k-refused")
+        assert refused.value.failure.failure_class == FailureClass.INPUT
+        assert "requests.1." in refused.value.failure.message
+    finally:
+        await openai.close()
+        await anthropic.close()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_an_ended_batch_is_deleted_at_the_provider(fake: str, kind: str) -> None:
+    """Deleting an ended batch leaves the provider nothing of it: OpenAI's input, output and
+    error files (DELETE /v1/files/{id}), Anthropic's batch and results (DELETE
+    /v1/messages/batches/{id}, refused while it runs); a second delete is no error."""
+    client = open_batch_client(kind, fake, "key", "fake-small")
+    try:
+        await _admin(client, completion_seconds=30)
+        running = await client.create(_lines(client, [{"mode": "success"}]), "k-running")
+        if kind == "anthropic":
+            with pytest.raises(BatchRefused):
+                await client.delete(running)
+        await client.cancel(running.provider_id)
+        await _admin(client, completion_seconds=0.2)
+        created = await client.create(_lines(client, [{"mode": "success"},
+                                                      {"mode": "always_fail"}]), "k-delete")
+        view = await _ended(client, created.provider_id)
+        held = await _admin(client)
+        if kind == "openai":
+            files = {view.input_file, *view.results}
+            assert len(files) == 3
+            assert files <= set(held["files"])
+        await client.delete(view)
+        await client.delete(view)
+        left = await _admin(client)
+        if kind == "openai":
+            assert not files & set(left["files"])
+        else:
+            assert view.provider_id not in left["batch_ids"]
+            with pytest.raises(BatchRefused) as gone:
+                await client.view(view.provider_id)
+            assert gone.value.missing
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+@pytest.mark.parametrize(("line", "named"), [
+    (b'{"custom_id": "job-7_1", "response": "not an object"', "job-7_1"),  # cut off
+    (b'{"custom_id": "job-7_1", "response": "a string", "result": 3}', "job-7_1"),
+    (b'[1, 2, 3]', ""),
+    (b'{"id": "x", "error": null}', ""),
+    (b'\xff\xfe not utf-8', ""),
+])
+def test_a_results_line_that_is_not_a_result_fails_only_the_request_it_names(
+        kind: str, line: bytes, named: str) -> None:
+    """A line that is not JSON, or JSON in another shape, is read as a failure of the
+    request it names (batch_result_unreadable, retried), never an exception that stops the
+    file; a line naming no request has custom_id "" (the poller skips it)."""
+    client = open_batch_client(kind, "http://127.0.0.1:9", "key", "fake-small")
+    result = client.read_line(line)
+    assert result.custom_id == named
+    assert result.reply is None
+    assert result.failure is not None
+    assert (result.failure.code, result.failure.retryable) == ("batch_result_unreadable", True)

@@ -19,7 +19,8 @@ _PROBE = """
 import json, sys, uuid
 import calmq.producers.client as client
 from calmq.workflows import builtin_workflows
-inputs = {"summarize": {"text": "t"}, "embed_document": None, "invoice": None}
+inputs = {"summarize": {"text": "t"}, "draft": {"prompt": "p"}, "embed_document": None,
+          "invoice": None}
 for name in builtin_workflows():
     data = inputs.get(name)
     client._prepared(uuid.uuid4(), name, data, None if data else "s3://b/k", "bulk",

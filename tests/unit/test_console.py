@@ -94,11 +94,11 @@ def test_sign_in_only_returns_to_console_pages() -> None:
         assert safe_next(bad) == "/console/overview"
 
 
-def test_csrf_tokens_differ_per_key_and_do_not_reveal_it() -> None:
-    a, b = csrf_token("cq_aaaa"), csrf_token("cq_bbbb")
+def test_csrf_tokens_differ_per_session_and_do_not_reveal_it() -> None:
+    a, b = csrf_token("cqs_aaaa"), csrf_token("cqs_bbbb")
     assert a != b
-    assert a == csrf_token("cq_aaaa")
-    assert "cq_aaaa" not in a
+    assert a == csrf_token("cqs_aaaa")
+    assert "cqs_aaaa" not in a
 
 
 def test_a_chart_is_an_accessible_svg_with_its_numbers() -> None:

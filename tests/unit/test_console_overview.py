@@ -1,13 +1,21 @@
-"""The overview's consumer-lag and review-cap rendering, and the lag reader's timeout."""
+"""The overview's consumer-lag, review-cap and providers rendering, and the lag reader's
+timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime
 
+from calmq.data.providers import ProviderState
 from calmq.lag import GroupLag
 from calmq.producers.console.lag import FleetLag
-from calmq.producers.console.shaping import held_for_review_cap, lag_view, review_cap_state
+from calmq.producers.console.shaping import (
+    held_for_review_cap,
+    lag_view,
+    providers_view,
+    review_cap_state,
+)
 from calmq.producers.console.templates import environment
 from calmq.settings import Settings
 
@@ -59,3 +67,26 @@ def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() ->
     settings = Settings.load(environ={"CALMQ_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
     assert asyncio.run(reader.read(settings)) is None
     assert time.monotonic() - started < 5.0
+
+
+def test_blocked_and_paused_providers_and_unpriced_models_are_listed() -> None:
+    """A blocked provider and model shows its reason (the provider's message to a platform
+    key only); a rate-limit pause shows its time left; unpriced models are named."""
+    now = datetime.now(UTC)
+    states = [
+        ProviderState("openai:https://api.openai.com/v1", "gpt-x", "invalid_api_key",
+                      "provider_auth", "Incorrect API key provided: sk-a***", now, 0.0,
+                      None, None, None),
+        ProviderState("anthropic:https://api.anthropic.com", "claude-y", None, None, None,
+                      None, 2.5, None, None, None),
+        ProviderState("openai:https://api.openai.com/v1", "gpt-ok", None, None, None, None,
+                      0.0, 1000, None, now),
+    ]
+    tenant = providers_view(states, [("openai", "gpt-x")], platform=False, now=now)
+    assert tenant["blocked_providers"] == [
+        ["openai", "gpt-x", "invalid_api_key", "0 s ago", "-"],
+        ["anthropic", "claude-y", "rate limited: paused 2.5 s more", "-", "-"]]
+    assert tenant["unpriced_models"] == [["openai", "gpt-x"]]
+    platform = providers_view(states, [], platform=True, now=now)
+    assert platform["blocked_providers"][0][4] == "Incorrect API key provided: sk-a***"
+    assert platform["unpriced_models"] == []

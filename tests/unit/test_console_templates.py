@@ -13,10 +13,17 @@ import pytest
 from calmq.data.console import ConsoleJob, JobPage, QueuedReview, Review
 from calmq.data.deadletters import DeadLetter
 from calmq.data.jobs import HistoryEvent
+from calmq.data.providers import ProviderState
 from calmq.lag import GroupLag
 from calmq.producers.console.reads import JobView
 from calmq.producers.console.session import Page
-from calmq.producers.console.shaping import lag_view, output_fields, overview_view, preview
+from calmq.producers.console.shaping import (
+    lag_view,
+    output_fields,
+    overview_view,
+    preview,
+    providers_view,
+)
 from calmq.producers.console.templates import environment
 
 NOW = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
@@ -60,12 +67,15 @@ def _pages() -> dict[str, dict[str, Any]]:
         "overview.html": {**common, "now": NOW, "set_caps": True, "platform_view": True,
                           "slots": [[EVIL, "yes", "1"]],
                           "lag": lag_view([GroupLag("calmq.p", EVIL, 5, 2)]),
-                          "view": overview_view(
+                          "view": {**overview_view(
                               backlog=[{"pool": EVIL, "priority": "bulk", "lane": "online",
                                         "status": "queued", "jobs": 2,
                                         "oldest_seconds": 3.0}],
                               outcomes=[], spend=[], budget=[], review_caps={},
-                              review_cap_held={}, now=NOW)},
+                              review_cap_held={}, now=NOW), **providers_view(
+                              [ProviderState(f"openai:{EVIL}", EVIL, EVIL, "provider_auth",
+                                             EVIL, NOW, 0.0, None, None, None)],
+                              [("openai", EVIL)], platform=True, now=NOW)}},
         "jobs.html": {**common, "rows": [ConsoleJob(uuid.uuid4(), EVIL, "w", "queued",
                                                     "bulk", "online", "p", "s", 0, NOW, NOW,
                                                     {})],

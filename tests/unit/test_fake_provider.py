@@ -475,6 +475,7 @@ async def test_every_mode_has_a_defined_answer(make_client: MakeClient) -> None:
         "low_confidence": 200,
         "refusal": 200,
         "bad_request": 400,
+        "invalid_line": 400,  # online; in a batch it fails the batch's validation
         "unauthorized": 401,
         "quota_exceeded": 429,
         "context_length": 400,
@@ -483,6 +484,9 @@ async def test_every_mode_has_a_defined_answer(make_client: MakeClient) -> None:
         "too_large": 413,
         "server_error": 500,
         "overloaded": 503,  # 529 in the Anthropic shape
+        # break a streamed answer half way; a call that does not stream is answered whole
+        "stream_break": 200,
+        "stream_error": 200,
     }
     # timeout never answers and truncated cuts its body off: tested on their own
     assert set(expected) | {"timeout", "truncated"} == MODES
@@ -524,3 +528,20 @@ def test_slow_outlasts_the_summarize_step_timeout_on_the_defaults() -> None:
     step = builtin_workflows()["summarize"].steps[0]
     timeout = Settings().step_timeout_seconds or step.timeout_seconds
     assert FakeProviderSettings().slow_seconds > timeout
+
+
+def test_the_command_refuses_to_start_without_the_sdks_and_names_the_extra() -> None:
+    """Where the official SDKs are not installed (a plain `pip install calmq`), `calmq
+    fake-provider` exits 2 at once with fake_provider_sdks_missing and the extra to install,
+    instead of serving 500s that read as an outage."""
+    import subprocess
+    import sys
+
+    hide_sdks = ("import sys; sys.modules['openai'] = None; sys.modules['anthropic'] = None; "
+                 "from calmq.cli import main; sys.exit(main(['fake-provider', '--port', '0']))")
+    done = subprocess.run([sys.executable, "-c", hide_sdks], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode != 0
+    assert "[fake_provider_sdks_missing]" in done.stderr
+    assert "pip install 'calmq[fake]'" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -14,8 +14,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 from anthropic.types import Message
-from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
-from openai.types import Batch, CreateEmbeddingResponse, FileObject
+from anthropic.types.messages import (
+    DeletedMessageBatch,
+    MessageBatch,
+    MessageBatchIndividualResponse,
+)
+from openai.types import Batch, CreateEmbeddingResponse, FileDeleted, FileObject
 from openai.types.chat import ChatCompletion
 
 from calmq.batches import custom_id, open_batch_client
@@ -116,6 +120,59 @@ async def test_every_message_request_fits_the_anthropic_sdk(recorded: Recorder) 
     assert all("output_config" not in old.request_body(**c) for c in recorded.calls)
 
 
+@pytest.mark.parametrize("kind", ["openai", "azure", "anthropic"])
+async def test_every_streamed_request_fits_the_sdks_streaming_params(
+        recorded: Recorder, kind: str) -> None:
+    """Each workflow's model call, streamed: OpenAI's CompletionCreateParamsStreaming with
+    stream_options.include_usage (else the stream reports no usage to settle), Anthropic's
+    MessageCreateParamsStreaming; the same call otherwise."""
+    from anthropic.types.message_create_params import MessageCreateParamsStreaming
+    from openai.types.chat.completion_create_params import CompletionCreateParamsStreaming
+
+    from calmq.tooling.fake_provider.sdk_types import check
+
+    model = "claude-sonnet-4-5" if kind == "anthropic" else "gpt-4o-mini"
+    provider = open_provider(kind, "http://unused", "k", model)
+    for call in recorded.calls:
+        body = provider.stream_body(**call)
+        whole = provider.request_body(**call)
+        assert body["stream"] is True
+        if kind == "anthropic":
+            assert check(body, MessageCreateParamsStreaming) == []
+            assert rules.anthropic_messages(body) is None
+            assert {k: v for k, v in body.items() if k != "stream"} == whole
+        else:
+            assert check(body, CompletionCreateParamsStreaming) == []
+            assert rules.openai_chat(body) is None
+            assert body["stream_options"] == {"include_usage": True}
+            assert {k: v for k, v in body.items()
+                    if k not in ("stream", "stream_options")} == whole
+
+
+def test_the_rules_refuse_what_the_apis_refuse_of_a_stream() -> None:
+    """stream_options without stream (OpenAI), stream_options at all (Anthropic has none),
+    a stream flag that is not a boolean, a streamed line in a batch: each refused."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    message = {**chat, "max_tokens": 5}
+    refused = rules.openai_chat({**chat, "stream_options": {"include_usage": True}})
+    assert refused is not None
+    assert refused.param == "stream_options"
+    assert rules.openai_chat({**chat, "stream": False,
+                              "stream_options": {"include_usage": True}}) is not None
+    assert rules.openai_chat({**chat, "stream": "yes"}) is not None
+    assert rules.openai_chat({**chat, "stream": True,
+                              "stream_options": {"include_usage": "yes"}}) is not None
+    assert rules.anthropic_messages({**message, "stream": True,
+                                     "stream_options": {"include_usage": True}}) is not None
+    assert rules.anthropic_messages({**message, "stream": True}) is None
+    assert rules.openai_batch_line({"custom_id": "a", "method": "POST",
+                                    "url": "/v1/chat/completions",
+                                    "body": {**chat, "stream": True}},
+                                   "/v1/chat/completions") is not None
+    assert rules.anthropic_batch({"requests": [{"custom_id": "a", "params": {
+        **message, "stream": True}}]}) is not None
+
+
 async def test_embedding_requests_fit_the_openai_sdk(recorded: Recorder) -> None:
     """embed_document's embedding calls are EmbeddingCreateParams the SDK allows."""
     provider = open_provider("openai", "http://unused", "k", "text-embedding-3-small")
@@ -199,6 +256,10 @@ async def test_calls_and_answers_against_the_strict_fake(
                 async with s.get(view.results[0]) as resp:
                     for line in (await resp.read()).splitlines():
                         MessageBatchIndividualResponse.model_validate_json(line)
+                # calmq deletes an ended batch (DELETE /v1/messages/batches/{id}).
+                async with s.delete(f"{fake}/v1/messages/batches/{view.provider_id}",
+                                    headers=provider.endpoint_config.headers()) as resp:
+                    DeletedMessageBatch.model_validate(await resp.json())
             else:
                 headers = provider.endpoint_config.headers()
                 body = provider.request_body(**recorded.calls[0])
@@ -217,10 +278,41 @@ async def test_calls_and_answers_against_the_strict_fake(
                 form.add_field("purpose", "batch")
                 form.add_field("file", b"{}", filename="x.jsonl")
                 async with s.post(f"{fake}/v1/files", data=form) as resp:
-                    FileObject.model_validate(await resp.json())
+                    uploaded = FileObject.model_validate(await resp.json())
+                # calmq deletes a collected batch's files (DELETE /v1/files/{id}).
+                async with s.delete(f"{base if kind == 'azure' else fake + '/v1'}/files/"
+                                    f"{uploaded.id}", headers=headers) as resp:
+                    assert FileDeleted.model_validate(await resp.json()).deleted
+                # Every file of the batch, deleted through calmq's own client.
+                await client.delete(view)
+                held = set((await _get(fake, "/admin/batches"))["files"])
+                assert view.input_file
+                assert not {view.input_file, *view.results} & held
     finally:
         await provider.close()
         await client.close()
+
+
+@pytest.mark.parametrize("kind", ["openai", "azure", "anthropic"])
+async def test_streamed_calls_against_the_strict_fake(
+        recorded: Recorder, fake: str, kind: str) -> None:
+    """Streamed, every call calmq's workflows make is refused by nothing, and its text
+    arrives in deltas that add up to the reply."""
+    model = "claude-sonnet-4-5" if kind == "anthropic" else "fake-small"
+    base = fake + "/openai/v1" if kind == "azure" else fake
+    provider = open_provider(kind, base, "k", model)
+    try:
+        for call in recorded.calls:
+            stream = provider.stream(**call)
+            deltas = [text async for text in stream]
+            reply = await stream.final()
+            assert reply.content
+            assert "".join(deltas) == reply.content
+            assert reply.output_tokens > 0
+    finally:
+        await provider.close()
+    stats = await _get(fake, "/stats")
+    assert (stats["refused"], stats["refusals"]) == (0, [])
 
 
 async def test_the_fake_refuses_the_schema_calmq_used_to_send(fake: str) -> None:

@@ -55,11 +55,12 @@ def build_app(
     app.router.add_post("/v1/messages", online.handle_anthropic)
     app.router.add_get("/stats", online.handle_stats)
     app.router.add_get("/admin/calls", online.handle_calls)
+    app.router.add_get("/admin/streams", online.handle_streams)
     app.router.add_post("/admin/reset", online.handle_reset)
     app.router.add_post("/admin/mode", online.handle_mode)
     app.router.add_post("/admin/outage", online.handle_outage)
     app.router.add_get("/healthz", online.handle_healthz)
-    BatchApis(settings, online.record_refusal).routes(app)
+    BatchApis(settings, online.record_refusal, online.batch_call_denied).routes(app)
     return app
 
 
@@ -105,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--mode-override", choices=sorted(MODES), default=None)
     parser.add_argument("--batch-completion-seconds", type=float,
                         default=defaults.batch_completion_seconds)
+    parser.add_argument("--stream-ttft-ms", type=int, default=0,
+                        help="streamed answers: milliseconds before the first token")
+    parser.add_argument("--stream-tokens-per-second", type=float, default=0.0,
+                        help="streamed answers: tokens a second after the first (0: at once)")
     parser.add_argument("--api-key", default="",
                         help="refuse calls without this key (401, as a real provider)")
     parser.add_argument("--no-check-requests", dest="check_requests", action="store_false",

@@ -3,8 +3,14 @@
 A batch runs by sending each request to this server's own online endpoint (so every per-job
 mode behaves exactly as online), after a settable completion delay
 (`batch_completion_seconds`, or POST /admin/batches). `expire_next` makes the next N batches
-end `expired` with their requests unrun, as a provider does when its 24 h window passes.
-Uploads, creates and each request line are checked as the real APIs check them.
+end `expired` with their requests unrun, as a provider does when its 24 h window passes;
+`corrupt_next` gives the next batch's results file a line that is not JSON and a line of
+`huge_line_bytes` (a provider's results are untrusted input to calmq).
+Uploads, creates and each request line are checked as the real APIs check them; a call
+without the fake's key, or made during an outage (POST /admin/outage), is refused as the
+real API refuses it. Files (OpenAI: `DELETE /v1/files/{id}`) and ended batches (Anthropic:
+`DELETE /v1/messages/batches/{id}`) can be deleted, as the real APIs allow; GET
+/admin/batches lists what is still held.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, Final
 from aiohttp import BodyPartReader, web
 
 from calmq.tooling.fake_provider import conformance
-from calmq.tooling.fake_provider.calls import summary_json
+from calmq.tooling.fake_provider.calls import step_mode, summary_json
 from calmq.tooling.fake_provider.online import BATCH_HEADER
 from calmq.tooling.fake_provider.settings import FakeProviderSettings
 
@@ -44,9 +50,13 @@ class _Batch:
     created: float
     expire: bool
     status: str = "validating"  # OpenAI's names; Anthropic's processing_status is derived
+    corrupt: bool = False
+    huge_line_bytes: int = 0
     output: list[bytes] | None = None
     errors: list[bytes] | None = None
     input_file_id: str = ""
+    # OpenAI's ``errors.data`` of a batch that failed its validation (each names its line).
+    validation: list[dict[str, Any]] = field(default_factory=list)
     output_file_id: str | None = None
     error_file_id: str | None = None
     counts: dict[str, int] | None = None
@@ -60,23 +70,36 @@ class BatchApis:
     """The batch endpoints of one fake provider; state in memory, lost on restart."""
 
     def __init__(self, settings: FakeProviderSettings,
-                 refused: Callable[[str], None] = lambda _m: None) -> None:
+                 refused: Callable[[str], None] = lambda _m: None,
+                 denied: Callable[[web.Request, bool], web.Response | None] = (
+                     lambda _r, _a: None)) -> None:
         self.check = settings.check_requests
         self.api_key = settings.api_key
         self.refused = refused  # counts a refusal in /stats beside the online ones
+        # The answer to a call without the key or during an outage (None: served).
+        self.denied = denied
         self.completion_seconds = settings.batch_completion_seconds
         self.expire_next = 0
+        # The next batch's results get a line that is not JSON and one this long (0: none).
+        self.corrupt_next = False
+        self.huge_line_bytes = 0
         # Seconds a create waits before it answers, the batch already made: a client killed
         # meanwhile has a batch it never heard of (crash-safety tests).
         self.create_delay = 0.0
         self._files: dict[str, tuple[str, bytes]] = {}  # id -> (purpose, bytes)
         self._batches: dict[str, _Batch] = {}
+        # Every batch ever created and the custom_ids it carried: deleting a batch (as
+        # calmq does once it is collected) keeps the record of what was sent.
+        self._made = 0
+        self._sent: list[str] = []
         self._ids = itertools.count(1)
         self._session: Any = None
 
     # -- OpenAI -------------------------------------------------------------------------
 
     async def upload_file(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         purpose, data, name = "", b"", "input.jsonl"
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
@@ -102,6 +125,8 @@ class BatchApis:
                                   "purpose": purpose, "status": "processed"})
 
     async def create_openai(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         try:
             body = json.loads(await request.read())
             await conformance.ready()
@@ -127,6 +152,8 @@ class BatchApis:
             try:
                 item = json.loads(line)
                 problem = conformance.openai_batch_line(item, endpoint) if self.check else None
+                if problem is None and step_mode(item.get("body")) == "invalid_line":
+                    problem = "this request is not valid for the batch (mode invalid_line)"
                 if problem is not None:
                     # As OpenAI: the create is taken, and the batch fails its validation.
                     self.refused(f"batch input line {number}: {problem}")
@@ -152,18 +179,25 @@ class BatchApis:
         """A batch whose input file failed validation: status ``failed``, ``errors``."""
         batch = _Batch(id=f"batch_fake{next(self._ids)}", anthropic=False, endpoint=endpoint,
                        requests=[], metadata=dict(metadata), created=time.time(),
-                       expire=False, status="failed", counts={}, ended=time.time())
+                       expire=False, status="failed", counts={}, ended=time.time(),
+                       input_file_id=file_id, validation=[
+                           {"code": "invalid_request", "message": problem, "param": None,
+                            "line": line}])
         self._batches[batch.id] = batch
-        return {**self._openai_view(batch, file_id), "errors": {"object": "list", "data": [
-            {"code": "invalid_request", "message": problem, "param": None, "line": line}]}}
+        self._made += 1
+        return self._openai_view(batch, file_id)
 
     async def get_openai(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         batch = self._batches.get(request.match_info["batch_id"])
         if batch is None or batch.anthropic:
             return _openai_error(404, "invalid_request_error", "no such batch")
         return web.json_response(self._openai_view(batch))
 
     async def list_openai(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         batches = [b for b in self._batches.values() if not b.anthropic]
         batches.sort(key=lambda b: b.created, reverse=True)
         after = request.query.get("after")
@@ -178,6 +212,8 @@ class BatchApis:
                                   "has_more": len(batches) > limit})
 
     async def cancel_openai(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         batch = self._batches.get(request.match_info["batch_id"])
         if batch is None or batch.anthropic:
             return _openai_error(404, "invalid_request_error", "no such batch")
@@ -185,10 +221,21 @@ class BatchApis:
         return web.json_response(self._openai_view(batch))
 
     async def file_content(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self.denied(request, False)) is not None:
+            return denied
         stored = self._files.get(request.match_info["file_id"])
         if stored is None:
             return _openai_error(404, "invalid_request_error", "no such file")
         return await _stream(request, [stored[1]])
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/files/{id}``: OpenAI's ``FileDeleted``."""
+        if (denied := self.denied(request, False)) is not None:
+            return denied
+        file_id = request.match_info["file_id"]
+        if self._files.pop(file_id, None) is None:
+            return _openai_error(404, "invalid_request_error", f"No such File object: {file_id}")
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     def _openai_view(self, batch: _Batch, file_id: str | None = None) -> dict[str, Any]:
         counts = batch.counts or {}
@@ -204,6 +251,10 @@ class BatchApis:
             else None,
             "cancelled_at": int(batch.ended) if batch.ended and batch.status == "cancelled"
             else None,
+            "failed_at": int(batch.ended) if batch.ended and batch.status == "failed"
+            else None,
+            "errors": {"object": "list", "data": batch.validation} if batch.validation
+            else None,
             "expires_at": int(batch.created + 24 * 3600),
             "request_counts": {"total": len(batch.requests),
                                "completed": counts.get("succeeded", 0),
@@ -215,6 +266,8 @@ class BatchApis:
     # -- Anthropic ----------------------------------------------------------------------
 
     async def create_anthropic(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, True)) is not None:
+            return denied
         try:
             body = json.loads(await request.read())
             await conformance.ready()
@@ -227,6 +280,11 @@ class BatchApis:
                         for i in items]
         except (ValueError, KeyError, TypeError):
             return _anthropic_error(400, "requests: a list of {custom_id, params}")
+        for n, item in enumerate(requests):
+            if step_mode(item["body"]) == "invalid_line":
+                message = f"requests.{n}.params: this request is not valid for the batch"
+                self.refused(message)
+                return _anthropic_error(400, message)
         if not requests or len({r["custom_id"] for r in requests}) != len(requests):
             return _anthropic_error(400, "requests must be non-empty with unique custom_id")
         batch = self._start(request, anthropic=True, endpoint="/v1/messages",
@@ -235,12 +293,16 @@ class BatchApis:
         return web.json_response(self._anthropic_view(request, batch))
 
     async def get_anthropic(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, True)) is not None:
+            return denied
         batch = self._batches.get(request.match_info["batch_id"])
         if batch is None or not batch.anthropic:
             return _anthropic_error(404, "no such batch", "not_found_error")
         return web.json_response(self._anthropic_view(request, batch))
 
     async def list_anthropic(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, True)) is not None:
+            return denied
         batches = [b for b in self._batches.values() if b.anthropic]
         batches.sort(key=lambda b: b.created, reverse=True)
         limit = int(request.query.get("limit", "20"))
@@ -251,6 +313,8 @@ class BatchApis:
                                   "last_id": page[-1].id if page else None})
 
     async def cancel_anthropic(self, request: web.Request) -> web.Response:
+        if (denied := self.denied(request, True)) is not None:
+            return denied
         batch = self._batches.get(request.match_info["batch_id"])
         if batch is None or not batch.anthropic:
             return _anthropic_error(404, "no such batch", "not_found_error")
@@ -258,10 +322,26 @@ class BatchApis:
         return web.json_response(self._anthropic_view(request, batch))
 
     async def results_anthropic(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self.denied(request, True)) is not None:
+            return denied
         batch = self._batches.get(request.match_info["batch_id"])
         if batch is None or not batch.anthropic or batch.output is None:
             return _anthropic_error(404, "no results (yet) for this batch", "not_found_error")
         return await _stream(request, batch.output)
+
+    async def delete_anthropic(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/messages/batches/{id}``: the batch and its results; only once it
+        ended (an in-progress batch must be cancelled first), as Anthropic's API says."""
+        if (denied := self.denied(request, True)) is not None:
+            return denied
+        batch = self._batches.get(request.match_info["batch_id"])
+        if batch is None or not batch.anthropic:
+            return _anthropic_error(404, "no such batch", "not_found_error")
+        if batch.ended is None:
+            return _anthropic_error(400, f"Message Batch {batch.id} is still processing; "
+                                    "cancel it before deleting it")
+        del self._batches[batch.id]
+        return web.json_response({"id": batch.id, "type": "message_batch_deleted"})
 
     def _anthropic_view(self, request: web.Request, batch: _Batch) -> dict[str, Any]:
         counts = batch.counts or {}
@@ -298,8 +378,12 @@ class BatchApis:
             self.expire_next -= 1
         batch = _Batch(id=f"{prefix}{next(self._ids)}", anthropic=anthropic,
                        endpoint=endpoint, requests=requests, metadata=metadata,
-                       created=time.time(), expire=expire)
+                       created=time.time(), expire=expire, corrupt=self.corrupt_next,
+                       huge_line_bytes=self.huge_line_bytes)
+        self.corrupt_next = False
         self._batches[batch.id] = batch
+        self._made += 1
+        self._sent += (r["custom_id"] for r in requests)
         batch.task = asyncio.create_task(self._run(batch, str(request.url.origin())))
         return batch
 
@@ -366,6 +450,8 @@ class BatchApis:
                     "error": None}))
 
         await asyncio.gather(*(one(n, r) for n, r in enumerate(batch.requests)))
+        if batch.corrupt:
+            _corrupt(output or errors, batch.huge_line_bytes)
         batch.status = "finalizing"
         batch.counts = counts
         batch.output, batch.errors = output, errors
@@ -393,18 +479,25 @@ class BatchApis:
                     self.expire_next = max(0, int(body["expire_next"]))
                 if "create_delay_seconds" in body:
                     self.create_delay = max(0.0, float(body["create_delay_seconds"]))
+                if "corrupt_next" in body:
+                    self.corrupt_next = bool(body["corrupt_next"])
+                    self.huge_line_bytes = max(0, int(body.get("huge_line_bytes", 0)))
             except (ValueError, TypeError, AttributeError):
                 return web.json_response(
-                    {"error": 'body: {"completion_seconds": s, "expire_next": n}'}, status=400)
+                    {"error": 'body: {"completion_seconds": s, "expire_next": n, '
+                              '"corrupt_next": true, "huge_line_bytes": n}'}, status=400)
         return web.json_response({
             "completion_seconds": self.completion_seconds, "expire_next": self.expire_next,
             "create_delay_seconds": self.create_delay,
-            "batches": len(self._batches),
+            # Every batch created and every request sent, deleted ones included.
+            "batches": self._made,
             "by_status": {s: sum(1 for b in self._batches.values() if b.status == s)
                           for s in {b.status for b in self._batches.values()}},
-            "requests": sum(len(b.requests) for b in self._batches.values()),
-            "custom_ids": sorted(r["custom_id"] for b in self._batches.values()
-                                 for r in b.requests),
+            "requests": len(self._sent),
+            "custom_ids": sorted(self._sent),
+            # What the fake still holds (deleting a file or a batch removes it here).
+            "files": sorted(self._files),
+            "batch_ids": sorted(self._batches),
         })
 
     async def synthetic(self, request: web.Request) -> web.Response:
@@ -414,8 +507,11 @@ class BatchApis:
         try:
             body = json.loads(await request.read())
             lines, pad = int(body["lines"]), int(body.get("pad", 1000))
+            corrupt, huge = bool(body.get("corrupt", False)), int(body.get("huge_line_bytes", 0))
         except (ValueError, KeyError, TypeError):
-            return web.json_response({"error": 'body: {"lines": n, "pad": bytes}'}, status=400)
+            return web.json_response({"error": 'body: {"lines": n, "pad": bytes, '
+                                               '"corrupt": bool, "huge_line_bytes": n}'},
+                                     status=400)
         filler = "x" * max(0, pad - 400)
         chunks = [_line({
             "id": f"batch_req_syn_{n}", "custom_id": f"synthetic-{n}_1",
@@ -426,6 +522,8 @@ class BatchApis:
                     "content": summary_json(f"synthetic {n} {filler}", 0.97)}}],
                 "usage": {"prompt_tokens": 20, "completion_tokens": 20, "total_tokens": 40}}},
             "error": None}) for n in range(lines)]
+        if corrupt:
+            _corrupt(chunks, huge)
         batch = _Batch(id=f"batch_fake{next(self._ids)}", anthropic=False,
                        endpoint="/v1/chat/completions", requests=[], metadata={},
                        created=time.time(), expire=False, status="completed",
@@ -441,6 +539,7 @@ class BatchApis:
         for prefix in ("/v1", "/openai/v1"):  # OpenAI; Azure OpenAI's v1 API
             app.router.add_post(f"{prefix}/files", self.upload_file)
             app.router.add_get(f"{prefix}/files/{{file_id}}/content", self.file_content)
+            app.router.add_delete(f"{prefix}/files/{{file_id}}", self.delete_file)
             app.router.add_post(f"{prefix}/batches", self.create_openai)
             app.router.add_get(f"{prefix}/batches", self.list_openai)
             app.router.add_get(f"{prefix}/batches/{{batch_id}}", self.get_openai)
@@ -448,6 +547,7 @@ class BatchApis:
         app.router.add_post("/v1/messages/batches", self.create_anthropic)
         app.router.add_get("/v1/messages/batches", self.list_anthropic)
         app.router.add_get("/v1/messages/batches/{batch_id}", self.get_anthropic)
+        app.router.add_delete("/v1/messages/batches/{batch_id}", self.delete_anthropic)
         app.router.add_post("/v1/messages/batches/{batch_id}/cancel", self.cancel_anthropic)
         app.router.add_get("/v1/messages/batches/{batch_id}/results", self.results_anthropic)
         app.router.add_route("*", "/admin/batches", self.admin)
@@ -464,6 +564,18 @@ class BatchApis:
 
 def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _corrupt(lines: list[bytes], huge: int) -> None:
+    """The first line cut off mid-JSON (its custom_id still readable), and the second
+    padded to ``huge`` bytes (0: left as it is): what a results file may hold that calmq
+    must survive."""
+    if lines:
+        lines[0] = lines[0][:len(lines[0]) // 2] + b"\n"
+    if len(lines) > 1 and huge > len(lines[1]):
+        head = lines[1].rstrip(b"\n")
+        # Inside the JSON (a string of padding in a field of its own): still one line.
+        lines[1] = head[:-1] + b',"padding":"' + b"x" * (huge - len(head)) + b'"}\n'
 
 
 async def _stream(request: web.Request, chunks: list[bytes]) -> web.StreamResponse:

@@ -12,8 +12,8 @@ from typing import Any, Final
 
 from aiohttp import web
 
-__all__ = ["BadRequest", "Call", "format_seconds", "invoice_json", "parse_call",
-           "result_json", "summary_json", "vector"]
+__all__ = ["BadRequest", "Call", "draft_text", "format_seconds", "invoice_json", "parse_call",
+           "result_json", "step_mode", "summary_json", "tokens_of", "vector"]
 
 SUCCESS_CONFIDENCE: Final = 0.97
 MALFORMED_TEXT: Final = "Sorry, here is a summary without JSON"
@@ -21,6 +21,8 @@ REFUSAL_TEXT: Final = "I can't help with that"
 JOB_HEADER: Final = "X-Calmq-Job-Id"
 _SUMMARY_WORDS: Final = 12
 _DEFAULT_FAIL_TIMES: Final = 2
+_DEFAULT_DRAFT_TOKENS: Final = 60
+_MAX_DRAFT_TOKENS: Final = 20_000
 _EMBEDDING_DIMENSIONS: Final = 8
 
 
@@ -49,6 +51,16 @@ class Call:
 
     # The output's JSON schema, when the request sent one (response_format / output_config).
     schema: dict[str, Any] | None = None
+    # Streamed (``stream: true``), and with OpenAI's ``stream_options.include_usage``.
+    stream: bool = False
+    include_usage: bool = False
+    # The system prompt asks for a plain-text draft (calmq/workflows/draft.py): answer
+    # ``tokens`` words of prose instead of a summary.
+    draft: bool = False
+    tokens: int = _DEFAULT_DRAFT_TOKENS
+    # Per-call stream pace (input ``ttft_ms``, ``tokens_per_second``); None: the settings'.
+    ttft_seconds: float | None = None
+    tokens_per_second: float | None = None
 
 
 def _text_of(content: Any) -> str:
@@ -121,11 +133,21 @@ def parse_call(body: Any, request: web.Request, *, anthropic: bool) -> Call:
         if not isinstance(mode, str):
             raise BadRequest("step input field 'mode' must be a string", "invalid_mode")
         raw_text = step.get("text", "")
+        raw_text = step.get("prompt", raw_text) if "text" not in step else raw_text
         text = raw_text if isinstance(raw_text, str) else json.dumps(raw_text)
         fail_times = _non_negative_int(step, "fail_times", _DEFAULT_FAIL_TIMES)
         delay_ms = _non_negative_int(step, "delay_ms", 0)
+        tokens = min(_non_negative_int(step, "tokens", _DEFAULT_DRAFT_TOKENS),
+                     _MAX_DRAFT_TOKENS) or 1
+        ttft_ms = step.get("ttft_ms")
+        ttft = _non_negative_int(step, "ttft_ms", 0) / 1000 if ttft_ms is not None else None
+        rate = step.get("tokens_per_second")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)
+                                 or rate <= 0):
+            raise BadRequest("step input field 'tokens_per_second' must be a positive number")
     else:
         mode, text, fail_times, delay_ms = "success", last_user, _DEFAULT_FAIL_TIMES, 0
+        tokens, ttft, rate = _DEFAULT_DRAFT_TOKENS, None, None
 
     model = body.get("model")
     schema = _schema_of(body, anthropic=anthropic)
@@ -141,6 +163,14 @@ def parse_call(body: Any, request: web.Request, *, anthropic: bool) -> Call:
         max_tokens=max_tokens,
         invoice="invoice fields" in system_text.lower() or _asks_invoice(schema),
         schema=schema,
+        stream=body.get("stream") is True,
+        include_usage=body.get("stream") is True and isinstance(
+            body.get("stream_options"), dict) and body["stream_options"].get(
+            "include_usage") is True,
+        draft=schema is None and "plain-text draft" in system_text.lower(),
+        tokens=tokens,
+        ttft_seconds=ttft,
+        tokens_per_second=float(rate) if rate is not None else None,
     )
 
 
@@ -184,8 +214,26 @@ def invoice_json(text: str, confidence: float) -> str:
 
 
 def result_json(call: Call, confidence: float) -> str:
+    if call.draft:
+        return draft_text(call.text, call.tokens)
     return (invoice_json(call.text, confidence) if call.invoice
             else summary_json(call.text, confidence))
+
+
+def draft_text(text: str, tokens: int) -> str:
+    """``tokens`` words of prose from the prompt's words, in turn (deterministic): a word is
+    a token, as the fake counts them."""
+    words = text.split(maxsplit=64)[:64] or ["draft"]
+    return " ".join(words[n % len(words)] for n in range(tokens))
+
+
+def tokens_of(call: Call, content: str) -> list[str]:
+    """The answer as the model would write it, token by token: a draft's words (each after
+    its space), anything else in pieces of four characters (about a token of JSON)."""
+    if call.draft:
+        words = content.split(" ")
+        return [words[0], *(" " + w for w in words[1:])]
+    return [content[n:n + 4] for n in range(0, len(content), 4)] or [""]
 
 
 def summary_json(text: str, confidence: float) -> str:
@@ -207,3 +255,19 @@ def vector(text: str) -> list[float]:
 def format_seconds(seconds: float) -> str:
     return str(int(seconds)) if seconds == int(seconds) else f"{seconds:g}"
 
+
+
+def step_mode(body: Any) -> str | None:
+    """The ``mode`` of the step input a chat or message body's last user message holds (a
+    batch line's body), or None."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    text = _text_of(users[-1].get("content")) if users else ""
+    try:
+        step = json.loads(text) if text.lstrip().startswith("{") else None
+    except ValueError:
+        return None
+    mode = step.get("mode") if isinstance(step, dict) else None
+    return mode if isinstance(mode, str) else None

@@ -77,21 +77,26 @@ def _types() -> dict[str, Any]:
         from anthropic.types.message_create_params import (
             MessageCreateParamsNonStreaming as AnthropicMessage,
         )
+        from anthropic.types.message_create_params import (
+            MessageCreateParamsStreaming as AnthropicStream,
+        )
         from anthropic.types.messages.batch_create_params import (
             BatchCreateParams as AnthropicBatch,
         )
         from openai.types.batch_create_params import BatchCreateParams
         from openai.types.chat.completion_create_params import (
             CompletionCreateParamsNonStreaming,
+            CompletionCreateParamsStreaming,
         )
         from openai.types.embedding_create_params import EmbeddingCreateParams
         from openai.types.file_purpose import FilePurpose
     except ImportError as exc:  # pragma: no cover - the fake's extra is missing
         raise SdkMissing("the fake provider checks requests with the official SDKs: "
                          "pip install 'calmq[fake]' (openai and anthropic)") from exc
-    return {"chat": CompletionCreateParamsNonStreaming, "embeddings": EmbeddingCreateParams,
+    return {"chat": CompletionCreateParamsNonStreaming,
+            "chat_stream": CompletionCreateParamsStreaming, "embeddings": EmbeddingCreateParams,
             "batch": BatchCreateParams, "purpose": FilePurpose, "messages": AnthropicMessage,
-            "anthropic_batch": AnthropicBatch}
+            "messages_stream": AnthropicStream, "anthropic_batch": AnthropicBatch}
 
 
 def _unknown_or_type(problems: list[str], anthropic: bool) -> Refusal:
@@ -136,6 +141,10 @@ def warm() -> None:
                      "name": "w", "strict": True, "schema": {
                          "type": "object", "properties": {}, "required": [],
                          "additionalProperties": False}}}})
+    openai_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "stream_options": {"include_usage": True}})
+    anthropic_messages({"model": "m", "max_tokens": 1, "stream": True,
+                        "messages": [{"role": "user", "content": "x"}]})
     openai_embeddings({"model": "m", "input": ["x"]})
     openai_batch_create({"input_file_id": "f", "endpoint": "/v1/chat/completions",
                          "completion_window": "24h"})
@@ -230,11 +239,16 @@ def _response_format(body: dict[str, Any]) -> Refusal | None:
 
 
 def openai_chat(body: Any) -> Refusal | None:
-    """``POST /v1/chat/completions``: the SDK's ``CompletionCreateParamsNonStreaming`` and
-    the strict Structured Outputs rules."""
+    """``POST /v1/chat/completions``: the SDK's ``CompletionCreateParamsNonStreaming`` (or
+    ``CompletionCreateParamsStreaming`` for ``stream: true``) and the strict Structured
+    Outputs rules; ``stream_options`` without ``stream: true`` is refused, as OpenAI does."""
     if not isinstance(body, dict):
         return Refusal(400, "We could not parse the JSON body of your request.")
-    problems = check(body, _types()["chat"])
+    streamed = body.get("stream") is True
+    if not streamed and body.get("stream_options") is not None:
+        return Refusal(400, "The 'stream_options' parameter is only allowed when 'stream' is "
+                       "enabled.", param="stream_options")
+    problems = check(body, _types()["chat_stream" if streamed else "chat"])
     if problems:
         return _unknown_or_type(problems, anthropic=False)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
@@ -291,6 +305,8 @@ def openai_batch_line(item: Any, endpoint: str) -> str | None:
         return f"method must be POST and url the batch's endpoint {endpoint}"
     if not isinstance(item["custom_id"], str) or not item["custom_id"]:
         return "custom_id must be a non-empty string"
+    if isinstance(item["body"], dict) and item["body"].get("stream") is True:
+        return "a batch request cannot stream (stream: true)"
     refusal = (openai_chat(item["body"]) if endpoint == "/v1/chat/completions"
                else openai_embeddings(item["body"]))
     return refusal.message if refusal is not None else None
@@ -341,11 +357,13 @@ def supports_output_format(model: str) -> bool:
 
 
 def anthropic_messages(body: Any) -> Refusal | None:
-    """``POST /v1/messages``: the SDK's ``MessageCreateParamsNonStreaming`` and the
-    structured-outputs rules."""
+    """``POST /v1/messages``: the SDK's ``MessageCreateParamsNonStreaming`` (or
+    ``MessageCreateParamsStreaming`` for ``stream: true``) and the structured-outputs
+    rules."""
     if not isinstance(body, dict):
         return Refusal(400, "messages: the body must be a JSON object")
-    problems = check(body, _types()["messages"])
+    problems = check(body, _types()["messages_stream" if body.get("stream") is True
+                                    else "messages"])
     if problems:
         return _unknown_or_type(problems, anthropic=True)
     fmt = (body.get("output_config") or {}).get("format")

@@ -30,6 +30,7 @@ from calmq.tooling.fake_provider.calls import (
     format_seconds,
     parse_call,
     result_json,
+    tokens_of,
     vector,
 )
 from calmq.tooling.fake_provider.failures import (
@@ -48,7 +49,11 @@ __all__ = ["BATCH_HEADER", "Online"]
 BATCH_HEADER: Final = "X-Calmq-Fake-Batch"
 _JSON: Final = "application/json"
 # Modes whose 200 answer carries a result that satisfies the summary schema.
-_VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confidence"})
+_VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confidence",
+                                         "stream_break", "stream_error"})
+# Modes that fail the first fail_times calls of a job (counted on arrival).
+_COUNTED_MODES: Final = frozenset({"flaky", "stream_break", "stream_error"})
+_KEPT_STREAMS: Final = 5_000
 _KEPT_CALLS: Final = 20_000  # /admin/calls: the latest calls' arrival times
 _KEPT_REFUSALS: Final = 50
 
@@ -81,6 +86,8 @@ class Online:
         # (wall time, path, job, model, auth scheme, extra header names) per call.
         self._arrivals: deque[tuple[float, str, str, str, str, list[str]]] = deque(
             maxlen=_KEPT_CALLS)
+        # Streamed answers: job, arrival, first token and end (wall times), tokens, broken.
+        self._streams: deque[dict[str, Any]] = deque(maxlen=_KEPT_STREAMS)
 
     @property
     def _latency(self) -> float:
@@ -109,6 +116,17 @@ class Online:
             status, payload = openai_body(failure, model=model, **fields)
         return self._respond(status, payload, headers)
 
+    def batch_call_denied(self, request: web.Request, anthropic: bool) -> web.Response | None:
+        """A batch API call (files, batches) as the real API answers one without the key or
+        during an outage: the same refusal as a model call; None when it is served."""
+        _scheme, denied = self._credentials(request, anthropic)
+        if denied:
+            return self._fail(anthropic, FAILURES[denied])
+        if self._outage and time.monotonic() < self._outage_until:
+            kind = self._outage[next(self._outage_calls) % len(self._outage)]
+            return self._outage_failure(anthropic, kind, "")
+        return None
+
     def record_refusal(self, message: str) -> None:
         self.refused += 1
         self._refusals.append(message)
@@ -136,7 +154,8 @@ class Online:
 
     def _answer(self, call: Call, content: str, *, refusal: bool,
                 headers: dict[str, str] | None) -> web.Response:
-        completion_tokens = max(1, len(content) // 4)
+        completion_tokens = len(tokens_of(call, content)) if call.draft \
+            else max(1, len(content) // 4)
         number = next(self._ids)
         if call.anthropic:
             payload: dict[str, Any] = {
@@ -260,7 +279,8 @@ class Online:
 
         settings = self._settings
         content: str | None = None
-        if mode in ("success", "slow", "flaky", "timeout", "truncated"):
+        if mode in ("success", "slow", "flaky", "timeout", "truncated", "stream_break",
+                    "stream_error"):
             content = result_json(call, SUCCESS_CONFIDENCE)
         elif mode == "low_confidence":
             content = result_json(call, settings.low_confidence)
@@ -294,11 +314,13 @@ class Online:
                                    headers=headers)
 
         failing = False
-        if mode == "flaky":
+        if mode in _COUNTED_MODES:
             # Counted on arrival, so concurrent attempts of one job fail in arrival order.
             attempts = self._flaky_attempts.get(call.job_id, 0)
             self._flaky_attempts[call.job_id] = attempts + 1
             failing = attempts < call.fail_times
+        breaking = failing and mode in ("stream_break", "stream_error") and call.stream
+        failing = failing and mode == "flaky"
 
         delay = self._latency + call.delay_seconds
         if mode == "slow":
@@ -317,14 +339,78 @@ class Online:
                 limited["retry-after-ms"] = str(round(seconds * 1000))
             return self._fail(anthropic, FAILURES["rate_limited"], headers=limited,
                               seconds=format_seconds(seconds))
-        if mode in FAILURES:
-            return self._fail(anthropic, FAILURES[mode], model=call.model, headers=headers)
+        if mode in FAILURES or mode == "invalid_line":
+            return self._fail(anthropic, FAILURES.get(mode, FAILURES["bad_request"]),
+                              model=call.model, headers=headers)
         assert content is not None
-        if job_stats is not None and mode in _VALID_RESULT_MODES:
+        if job_stats is not None and mode in _VALID_RESULT_MODES and not breaking:
             job_stats[1] += 1
+        if call.stream:
+            return await self._stream(request, call, content, refusal=mode == "refusal",
+                                      headers=headers,
+                                      breaking=mode if breaking else None)
         if mode == "truncated":
             return await self._truncated(request, call, content)
         return self._answer(call, content, refusal=mode == "refusal", headers=headers)
+
+    async def _stream(self, request: web.Request, call: Call, content: str, *, refusal: bool,
+                      headers: dict[str, str] | None,
+                      breaking: str | None) -> web.StreamResponse:
+        """A streamed answer in the provider's own events, token by token: OpenAI's
+        ``chat.completion.chunk`` objects (the usage in a last chunk with no choices when
+        ``stream_options.include_usage`` asked for it) and ``data: [DONE]``; Anthropic's
+        ``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
+        ``content_block_stop``, ``message_delta``, ``message_stop``. ``breaking``
+        (``stream_break``: the connection is cut; ``stream_error``: the provider's error
+        event) ends it half way."""
+        settings = self._settings
+        tokens = tokens_of(call, content)
+        stop = "end_turn" if call.anthropic else "stop"
+        if call.max_tokens is not None and len(tokens) > call.max_tokens:
+            tokens = tokens[: call.max_tokens]
+            stop = "max_tokens" if call.anthropic else "length"
+        if refusal:
+            stop = "refusal" if call.anthropic else "stop"
+        number = next(self._ids)
+        record: dict[str, Any] = {"job": call.job_id, "at": time.time(), "first_token_at": None,
+                                  "ended_at": None, "tokens": 0, "broken": breaking}
+        self._streams.append(record)
+        self._status_counts[200] = self._status_counts.get(200, 0) + 1
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            **(headers or {})})
+        await resp.prepare(request)
+        writer = (_AnthropicEvents(call, number) if call.anthropic
+                  else _OpenAIEvents(call, number, refusal=refusal))
+        await resp.write(writer.start())
+        ttft = call.ttft_seconds if call.ttft_seconds is not None \
+            else settings.stream_ttft_ms / 1000
+        rate = call.tokens_per_second or settings.stream_tokens_per_second
+        await self._sleep(ttft)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        half = len(tokens) // 2
+        for n, token in enumerate(tokens):
+            if rate:
+                await self._sleep(began + n / rate - loop.time())
+            if breaking is not None and n == max(1, half):
+                record["ended_at"] = time.time()
+                if breaking == "stream_error":
+                    await resp.write(writer.error())
+                    await resp.write_eof()
+                    return resp
+                transport = request.transport
+                if transport is not None:  # cut: no last event, no end of the chunked body
+                    transport.close()
+                return resp
+            await resp.write(writer.delta(token))
+            if n == 0:
+                record["first_token_at"] = time.time()
+            record["tokens"] = n + 1
+        await resp.write(writer.end(stop, len(tokens)))
+        record["ended_at"] = time.time()
+        await resp.write_eof()
+        return resp
 
     def _check(self, request: web.Request, body: Any,
                anthropic: bool) -> conformance.Refusal | None:
@@ -444,6 +530,11 @@ class Online:
              "headers": extra}
             for at, path, job, model, scheme, extra in self._arrivals]})
 
+    async def handle_streams(self, request: web.Request) -> web.Response:
+        """GET /admin/streams: each recent streamed answer's job, arrival, first token and
+        end (Unix seconds, as this server wrote them), tokens sent and how it broke off."""
+        return web.json_response({"streams": list(self._streams)})
+
     async def handle_reset(self, request: web.Request) -> web.Response:
         self.calls = 0
         self._status_counts.clear()
@@ -452,6 +543,7 @@ class Online:
         self.refused = 0
         self._refusals.clear()
         self._arrivals.clear()
+        self._streams.clear()
         if self._limiter is not None:
             self._limiter.reset()
         return web.json_response({"ok": True})
@@ -504,3 +596,86 @@ def _anthropic_type(status: int) -> str:
             403: "permission_error", 404: "not_found_error", 413: "request_too_large",
             429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
             529: "overloaded_error"}.get(status, "api_error")
+
+
+def _sse(payload: dict[str, Any], event: str | None = None) -> bytes:
+    data = json.dumps(payload, separators=(",", ":"))
+    return (f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n").encode()
+
+
+class _OpenAIEvents:
+    """Chat Completions' stream: ``chat.completion.chunk`` objects, then ``[DONE]``."""
+
+    def __init__(self, call: Call, number: int, *, refusal: bool) -> None:
+        self.call = call
+        self.refusal = refusal
+        self.base: dict[str, Any] = {
+            "id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": call.model, "service_tier": "default",
+            "system_fingerprint": "fp_fake"}
+        if call.include_usage:
+            self.base["usage"] = None  # every chunk but the last, as OpenAI sends them
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _sse({**self.base, "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    def start(self) -> bytes:
+        return self._chunk({"role": "assistant", "content": "", "refusal": None})
+
+    def delta(self, token: str) -> bytes:
+        return self._chunk({"refusal": token} if self.refusal else {"content": token})
+
+    def error(self) -> bytes:
+        return _sse({"error": {"message": "The server had an error while processing your "
+                               "request. Sorry about that!", "type": "server_error",
+                               "param": None, "code": None}})
+
+    def end(self, stop: str, tokens: int) -> bytes:
+        out = self._chunk({}, stop)
+        if self.call.include_usage:
+            prompt = self.call.prompt_tokens
+            out += _sse({**self.base, "choices": [], "usage": {
+                "prompt_tokens": prompt, "completion_tokens": tokens,
+                "total_tokens": prompt + tokens,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                              "accepted_prediction_tokens": 0,
+                                              "rejected_prediction_tokens": 0}}})
+        return out + b"data: [DONE]\n\n"
+
+
+class _AnthropicEvents:
+    """Messages' stream: named events, each ``data`` carrying its ``type``."""
+
+    def __init__(self, call: Call, number: int) -> None:
+        self.call = call
+        self.number = number
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": f"msg_fake_{self.number}", "type": "message", "role": "assistant",
+            "model": self.call.model, "content": [], "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.call.prompt_tokens, "output_tokens": 1,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                      "service_tier": "standard"}}
+        return (_sse({"type": "message_start", "message": message}, "message_start")
+                + _sse({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}, "content_block_start")
+                + _sse({"type": "ping"}, "ping"))
+
+    def delta(self, token: str) -> bytes:
+        return _sse({"type": "content_block_delta", "index": 0,
+                     "delta": {"type": "text_delta", "text": token}}, "content_block_delta")
+
+    def error(self) -> bytes:
+        return _sse({"type": "error", "error": {"type": "overloaded_error",
+                                                "message": "Overloaded"}}, "error")
+
+    def end(self, stop: str, tokens: int) -> bytes:
+        return (_sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                + _sse({"type": "message_delta",
+                        "delta": {"stop_reason": stop, "stop_sequence": None},
+                        "usage": {"output_tokens": tokens}}, "message_delta")
+                + _sse({"type": "message_stop"}, "message_stop"))

@@ -23,6 +23,10 @@ FAILURE_MODES: Final[frozenset[str]] = frozenset(
         "overloaded",  # 529 overloaded_error (Anthropic; 503 in the OpenAI shape)
         "timeout",  # never answers within the step timeout (like slow, forever)
         "truncated",  # a 200 whose body is cut off mid-stream
+        # Streamed calls (a whole answer otherwise): the first fail_times calls of the job
+        # break off half way, the connection cut / with the provider's error event.
+        "stream_break",
+        "stream_error",
     }
 )
 
@@ -38,6 +42,10 @@ _CLASSIC_MODES: Final[frozenset[str]] = frozenset(
         "refusal",
         "bad_request",
         "unauthorized",
+        # a request the batch APIs' validation refuses: it fails its batch as a whole
+        # (OpenAI: the batch ends ``failed`` naming its line; Anthropic: the create is
+        # refused naming ``requests.N``); online it is a 400 like bad_request
+        "invalid_line",
     }
 )
 
@@ -68,6 +76,10 @@ class FakeProviderSettings(BaseModel):
     # Check every request against the official SDKs' request types and the providers'
     # documented rules (OpenAI's strict Structured Outputs), refusing what they refuse.
     check_requests: bool = True
+    # Streamed answers: the time before the first token, and the pace after it (0: as fast
+    # as the connection takes them); a call's input ttft_ms / tokens_per_second override.
+    stream_ttft_ms: int = Field(default=0, ge=0)
+    stream_tokens_per_second: float = Field(default=0.0, ge=0)
     # When set, every call must carry this key (Bearer, api-key or x-api-key), as a real
     # provider's 401 for a wrong key; empty: any key (or none) is taken.
     api_key: str = ""

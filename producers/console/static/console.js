@@ -58,10 +58,34 @@
       }).catch(function () { /* the next event tries again */ });
       return pending;
     }
+    // A streamed step's text (output.delta events; reset: a new attempt starts over),
+    // kept for the tab so it is still shown after the reload at the job's end.
+    var output = document.getElementById("output");
+    var outputKey = "calmq-output-" + id;
+    function showOutput(text, deltas) {
+      if (!output) { return; }
+      output.textContent = text;
+      output.dataset.deltas = String(deltas);
+      document.getElementById("output-section").hidden = !text && !deltas;
+      sessionStorage.setItem(outputKey, JSON.stringify({ text: text, deltas: deltas }));
+    }
+    var kept = JSON.parse(sessionStorage.getItem(outputKey) || "null");
+    if (kept) { showOutput(kept.text, kept.deltas); }
     if (!seen.length) { seen.push(timeline.dataset.status); }
     showSeen();
     if (timeline.dataset.terminal === "1" || !window.EventSource) { return; }
     var source = new EventSource("/v1/jobs/" + id + "/events?after=" + after);
+    source.addEventListener("output.delta", function (ev) {
+      if (!output) { return; }
+      var delta = JSON.parse(ev.data);
+      var text = output.textContent;
+      // A page opened mid-stream gets the text so far first; a delta already shown (the
+      // stream reconnected) is not added twice.
+      if (delta.offset === text.length) {
+        showOutput(text + delta.text, Number(output.dataset.deltas) + 1);
+      }
+    });
+    source.addEventListener("reset", function () { showOutput("", 0); });
     timeline.dataset.types.split(" ").forEach(function (type) {
       source.addEventListener(type, catchUp);
     });

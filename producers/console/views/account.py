@@ -7,15 +7,15 @@ from aiohttp import web
 from calmq.errors import ContractError
 from calmq.producers.console.forms import text
 from calmq.producers.console.session import (
-    COOKIE,
     CSRF_COOKIE,
     Page,
     guard,
     new_login_token,
+    open_session,
     redirect,
     safe_next,
     set_cookie,
-    signed_in,
+    sign_out,
 )
 from calmq.producers.console.templates import render
 from calmq.producers.console.views.common import Route
@@ -45,19 +45,18 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
         key = text(form, "api_key", label="the API key")
     except ContractError as exc:
         return _sign_in_page(request, new_login_token(), exc.message, exc.status)
-    if not await signed_in(request, key):
+    response = redirect(safe_next(request.query.get("next")))
+    if not key or not await open_session(request, response, key):
         return _sign_in_page(request, new_login_token(),
                              "that API key is unknown or revoked", 401)
-    response = redirect(safe_next(request.query.get("next")))
-    set_cookie(request, response, COOKIE, key)
     response.del_cookie(CSRF_COOKIE, path="/console/sign-in")
     return response
 
 
 @guard()
-async def sign_out(request: web.Request, page: Page) -> web.StreamResponse:
+async def leave(request: web.Request, page: Page) -> web.StreamResponse:
     response = redirect("/console/sign-in")
-    response.del_cookie(COOKIE, path="/")
+    await sign_out(request, response)
     return response
 
 
@@ -70,5 +69,5 @@ ROUTES: tuple[Route, ...] = (
     ("GET", "/console/", index),
     ("GET", "/console/sign-in", sign_in_form),
     ("POST", "/console/sign-in", sign_in),
-    ("POST", "/console/sign-out", sign_out),
+    ("POST", "/console/sign-out", leave),
 )
