@@ -282,6 +282,19 @@ class Settings(BaseSettings):
                     "ones drop off); job.dead_lettered carries them")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
+    history_partition_hours: float = Field(
+        default=24.0, ge=1 / 60, le=24 * 31,
+        description="width of each time partition of job_events and job_attempts that the "
+                    "housekeeping makes from now on (partitions already made keep theirs); "
+                    "retention drops a partition whole once every job with history in it is "
+                    "past retention")
+    history_partitions_ahead: int = Field(
+        default=3, ge=1, le=60,
+        description="how many partitions of job_events and job_attempts the housekeeping "
+                    "keeps made ahead of now (the API's retention sweep and every worker's "
+                    "and `calmq reaper`'s housekeeping, each every few minutes): an insert "
+                    "finds no partition only after that many partition widths without any "
+                    "of them running")
     accept_batch_max: int = Field(default=256, ge=1)
     webhook_dispatcher: bool = True  # deliver callbacks from inside the API process
     webhook_allow_private: bool = False  # let callback_url reach loopback/private addresses

@@ -20,6 +20,7 @@ from collections import Counter
 
 from calmq.budget import TenantQuota
 from calmq.data import Store
+from calmq.data.partitions import HistoryPartitions
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
@@ -32,8 +33,8 @@ from calmq.spending import SpendCaps, spend_caps_from_settings
 from calmq.supervision import Lifecycle, Supervisor
 from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["POISON_ERROR", "Reaper", "schedule_quota_release", "schedule_reaper",
-           "schedule_spend_release"]
+__all__ = ["POISON_ERROR", "Reaper", "schedule_history_partitions", "schedule_quota_release",
+           "schedule_reaper", "schedule_spend_release"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,24 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                critical=True)
 
 
+def schedule_history_partitions(side: Supervisor, store: Store, settings: Settings, *,
+                                interval: float = 300.0) -> None:
+    """Every ``interval``: make the time partitions of job_events and job_attempts that the
+    next ``history_partitions_ahead`` widths need (calmq.data.partitions). Every worker,
+    `calmq reaper` and the API's retention sweep run it: an insert whose time has no
+    partition fails, so any one of them keeps the history writable. A pass that finds the
+    partitions made (nearly always) reads the catalog and returns."""
+    partitions = HistoryPartitions(store)
+
+    async def make() -> None:
+        made = await partitions.make_ahead(settings.history_partition_hours,
+                                           settings.history_partitions_ahead)
+        if made:
+            log.info("made %d partitions of the job history ahead of time", made)
+
+    side.every("history-partitions", interval, make, critical=True)
+
+
 def schedule_spend_release(side: Supervisor, caps: SpendCaps, *,
                            first_after: float = 0.0) -> None:
     """Every ``spend_cap_refresh_seconds``: re-publish the jobs that waited past a spend cap
@@ -178,6 +197,7 @@ class Reaper:
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).
         schedule_spend_release(life.side, spend_caps_from_settings(s, SpendLedger(store)))
+        schedule_history_partitions(life.side, store, s)
 
     async def tick(self) -> None:
         return None

@@ -36,6 +36,7 @@ from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import (
+    schedule_history_partitions,
     schedule_quota_release,
     schedule_reaper,
     schedule_spend_release,
@@ -167,6 +168,7 @@ class Worker:
                         sweeper_grace_seconds=s.sweeper_grace_seconds,
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         schedule_spend_release(life.side, spend, first_after=interval)
+        schedule_history_partitions(life.side, store, s)
         if provider.quota is not None:  # else: the spend pass releases stale waits
             schedule_quota_release(life.side, ledger, provider.quota)
         if s.consumer_lag_interval_seconds > 0:

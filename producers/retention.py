@@ -9,15 +9,26 @@ responses, webhook URLs and errors, idempotency keys, unpublished events), keepi
 times, statuses and token/cost numbers for audit and accounting. Objects first: if the
 process dies in between, the row still names them and the next purge finishes the work;
 the reverse order could leave objects nobody points at.
+
+The retention sweep does the same for every terminal job past retention, a batch of a
+thousand at a time (one statement per table for the batch), except for the history rows:
+job_events and job_attempts are partitioned by time, and a partition is dropped whole once
+every job with history in it is past retention (calmq.data.partitions). The sweep also makes
+the partitions ahead of now that inserts will need.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import time
 import uuid
+from functools import cache
+
+from prometheus_client import Counter
 
 from calmq.data import Database
-from calmq.data.retention import Retention
+from calmq.data.partitions import HistoryPartitions
+from calmq.data.retention import ExpiredJob, JobData, Retention
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL
 from calmq.objects import ObjectStore
@@ -25,7 +36,18 @@ from calmq.producers.uploads import delete_folder, delete_object, object_uri, te
 from calmq.settings import Settings
 from calmq.workflows.progress import artifact_key
 
-__all__ = ["Sweeper", "purge"]
+__all__ = ["Sweeper", "delete_objects", "purge", "retention_counters"]
+
+
+@cache
+def retention_counters() -> tuple[Counter, Counter]:
+    """(jobs retired, history partitions dropped) by the retention sweep."""
+    return (Counter("calmq_retention_jobs_retired_total",
+                    "Terminal jobs past retention whose objects were deleted and record "
+                    "redacted by the retention sweep"),
+            Counter("calmq_retention_partitions_dropped_total",
+                    "Time partitions of job_events and job_attempts dropped whole by "
+                    "retention"))
 
 async def purge(db: Database, objects: ObjectStore, settings: Settings,
                 tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
@@ -39,6 +61,14 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
                             code="job_not_terminal", status=409)
     # A repeat is not skipped: it finishes a purge that died half way, or one made before
     # deletion covered every table and object (the work is idempotent).
+    await delete_objects(objects, settings, tenant_id, job_id, job)
+    await retention.redact(tenant_id, job_id)
+
+
+async def delete_objects(objects: ObjectStore, settings: Settings, tenant_id: uuid.UUID,
+                         job_id: uuid.UUID, job: JobData) -> None:
+    """Every object of the job: its input, artifact and what its step outputs name, each
+    step's and attempt's artifact, and its steps' folder."""
     # Only objects inside the tenant's own prefix: an input_ref is checked at submit, but
     # a purge must never be the way to delete something else.
     uris = job.object_uris()
@@ -54,30 +84,66 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
         if tenant_owns(settings.object_store_url, tenant_id, uri):
             await delete_object(objects, uri)
     await delete_folder(objects, f"{tenant_id}/{job_id}")  # StepContext.object_key's folder
-    await retention.redact(tenant_id, job_id)
 
 
 class Sweeper:
-    """Retention: old idempotency keys and old terminal jobs' data, one ``sweep`` a pass."""
+    """Retention: old idempotency keys, old terminal jobs' data and the history partitions
+    past retention, one ``sweep`` a pass (every ``interval`` seconds, in the API)."""
+
+    # Jobs a batch reads and redacts in one transaction, and how many of a batch's jobs have
+    # their objects deleted at once (each deletion waits on the store: a file system call or
+    # an S3 request).
+    BATCH = 1000
+    OBJECT_DELETES = 16
 
     def __init__(self, settings: Settings, db: Database, objects: ObjectStore,
                  interval: float = 60.0) -> None:
         self._settings = settings
         self._db = db
         self._retention = Retention(db)
+        self._partitions = HistoryPartitions(db)
         self._objects = objects
         self.interval = interval  # between sweeps, run as a side task (calmq.supervision)
+        # A pass goes on while jobs past retention remain, up to this long: retention keeps
+        # pace with any intake the database takes, and one pass never holds the loop for ever.
+        self.pass_seconds = 10 * interval
 
-    async def sweep(self, limit: int = 500) -> dict[str, int]:
-        """One pass; returns how many keys were pruned and jobs purged."""
+    async def sweep(self) -> dict[str, int]:
+        """One pass; returns how many keys were pruned, jobs purged, partitions made and
+        partitions dropped."""
         keys = await self._retention.prune_idempotency_keys(
             self._settings.idempotency_retention_seconds)
+        # Partitions ahead first: an insert that finds none fails.
+        made = await self._partitions.make_ahead(self._settings.history_partition_hours,
+                                                 self._settings.history_partitions_ahead)
+        purged = dropped = 0
+        retention = self._settings.job_retention_seconds
+        if retention > 0:
+            purged = await self._retire_jobs(retention)
+            dropped = len(await self._partitions.retire(retention))
+        retired, gone = retention_counters()
+        retired.inc(purged)
+        gone.inc(dropped)
+        return {"idempotency_keys": keys, "jobs": purged, "partitions_made": made,
+                "partitions_dropped": dropped}
+
+    async def _retire_jobs(self, retention: float) -> int:
+        """Batches of jobs past retention: objects deleted, then the rows redacted."""
         purged = 0
-        if self._settings.job_retention_seconds > 0:
-            expired = await self._retention.expired_jobs(self._settings.job_retention_seconds,
-                                                         limit)
-            for tenant_id, job_id in expired:
-                with contextlib.suppress(NotFound, ContractError):
-                    await purge(self._db, self._objects, self._settings, tenant_id, job_id)
-                    purged += 1
-        return {"idempotency_keys": keys, "jobs": purged}
+        deadline = time.monotonic() + self.pass_seconds
+        room = asyncio.Semaphore(self.OBJECT_DELETES)
+
+        async def objects_of(job: ExpiredJob) -> None:
+            async with room:
+                await delete_objects(self._objects, self._settings, job.tenant_id,
+                                     job.job_id, job.data)
+
+        while time.monotonic() < deadline:
+            batch = await self._retention.expired(retention, self.BATCH)
+            if not batch:
+                break
+            await asyncio.gather(*(objects_of(job) for job in batch))
+            purged += await self._retention.redact_expired([job.job_id for job in batch])
+            if len(batch) < self.BATCH:
+                break
+        return purged

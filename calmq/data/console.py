@@ -14,6 +14,8 @@ counters are fed from (jobs, job_events, job_attempts, budget_buckets), so the p
 
 from __future__ import annotations
 
+import json
+import math
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +25,7 @@ from calmq.data.database import Database
 from calmq.data.jobs import HistoryEvent
 
 __all__ = ["PREVIEW_CHARS", "ConsoleJob", "ConsoleReads", "JobPage", "JobQuery", "Overview",
-           "QueuedReview", "Review"]
+           "QueuedReview", "Review", "search_terms"]
 
 # The most of a job's input a page shows (and reads).
 PREVIEW_CHARS = 4096
@@ -132,6 +134,32 @@ class Overview:
     review_cap_held: dict[str, int] | None = None
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def search_terms(search: str | None) -> dict[str, Any]:
+    """The console search's index-backed terms (console_jobs): the id range that a job id
+    prefix covers (``id_low``, ``id_high``; None when ``search`` is no hexadecimal id
+    prefix), and a JSON path matching a metadata value equal to ``search`` (a string, or a
+    number that reads the same), served by the GIN index jobs_metadata."""
+    if search is None:
+        return {"id_low": None, "id_high": None, "metadata_path": None}
+    digits = search.strip().lower().replace("-", "")
+    low = high = None
+    if 0 < len(digits) <= 32 and set(digits) <= _HEX:
+        low = str(uuid.UUID(digits.ljust(32, "0")))
+        high = str(uuid.UUID(digits.ljust(32, "f")))
+    matches = [f"@ == {json.dumps(search)}"]
+    try:
+        number = float(search)
+    except ValueError:
+        number = None
+    if number is not None and math.isfinite(number):
+        matches.append(f"@ == {json.dumps(int(number) if number.is_integer() else number)}")
+    return {"id_low": low, "id_high": high,
+            "metadata_path": f"$.* ? ({' || '.join(matches)})"}
+
+
 class ConsoleReads:
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -142,7 +170,8 @@ class ConsoleReads:
             return list(await cur.fetchall())
 
     async def jobs(self, query: JobQuery) -> list[ConsoleJob]:
-        params = {f: getattr(query, f) for f in JobQuery.__dataclass_fields__}
+        params: dict[str, Any] = {f: getattr(query, f) for f in JobQuery.__dataclass_fields__}
+        params.update(search_terms(query.search))
         return [ConsoleJob(**r) for r in await self._rows("console_jobs", params)]
 
     async def reviews(self, tenant_id: uuid.UUID | None, limit: int = 100) -> list[QueuedReview]:

@@ -2,6 +2,12 @@
 what is past its retention (old terminal jobs, old idempotency keys). The order of work
 (objects first, then the rows) is calmq.producers.retention's.
 
+Two ways, one coverage: a purge on request (``redact``: DELETE /v1/jobs/{id}, a tenant's
+deletion) clears one job everywhere at once, its history rows included; the retention sweep
+(``expired`` then ``redact_expired``) clears a batch of jobs past retention with one
+statement per table, and leaves their history rows to go whole with their time partitions
+(calmq.data.partitions), which it drops once every job in them is past retention.
+
 ``COVERAGE`` says, for every table that holds a job's or a tenant's data, what a purge does
 to it. tests/integration/test_deletion_coverage.py reads the database's catalog and fails
 when a table with a ``job_id`` or ``tenant_id`` column is missing here: a new table must be
@@ -17,7 +23,7 @@ from typing import Any
 
 from calmq.data.database import Database
 
-__all__ = ["COVERAGE", "JobData", "Retention"]
+__all__ = ["COVERAGE", "ExpiredJob", "JobData", "Retention"]
 
 # table -> how a purge handles it. "deleted": the job's rows go; "redacted: ...": those
 # columns are cleared, the rest (ids, times, statuses, token and cost numbers: accounting
@@ -25,9 +31,11 @@ __all__ = ["COVERAGE", "JobData", "Retention"]
 COVERAGE: dict[str, str] = {
     "jobs": "redacted: input, input_ref, metadata, callback_url, artifact, error message, "
             "errors (kept: ids, workflow, status, step, attempts, times, tokens, cost)",
-    "job_events": "redacted: detail (kept: type, time, attempt: the history's shape)",
-    "job_attempts": "redacted: error_message (kept: worker, times, outcome, error code and "
-                    "class, model calls, tokens, cost)",
+    "job_events": "redacted by a purge: detail (kept: type, time, attempt: the history's "
+                  "shape); past retention the rows go with their time partition",
+    "job_attempts": "redacted by a purge: error_message (kept: worker, times, outcome, error "
+                    "code and class, model calls, tokens, cost); past retention the rows go "
+                    "with their time partition",
     "job_attempts_redriven": "redacted: record.error_message (kept: the rest of the record)",
     "step_outputs": "redacted: output, model_output (kept: state, confidence, reviewer, times)",
     "side_effects": "redacted: response (kept: key, state, calls, times)",
@@ -97,6 +105,35 @@ class JobData:
         return found
 
 
+# The statements of calmq/sql/retention.sql that clear a batch of jobs past retention, in
+# order, after retention_redact_jobs (in its transaction). Not job_events and job_attempts:
+# their partitions are dropped whole.
+_BATCH_REDACTIONS = (
+    "retention_redact_many_redriven",
+    "retention_redact_many_step_outputs",
+    "retention_redact_many_side_effects",
+    "retention_redact_many_webhook_attempts",
+    "retention_redact_many_webhooks",
+    "retention_delete_many_idempotency_keys",
+    "retention_delete_many_outputs",
+    "retention_delete_many_outbox",
+    "retention_redact_many_batch_jobs",
+    "retention_many_batches_due",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredJob:
+    """A terminal job past retention, as the retention sweep reads it: its data, and its
+    lifetime (the history partitions its attempts may lie in)."""
+
+    tenant_id: uuid.UUID
+    job_id: uuid.UUID
+    data: JobData
+    created_at: datetime
+    updated_at: datetime
+
+
 class Retention:
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -136,12 +173,48 @@ class Retention:
                                      {"retention_seconds": retention_seconds})
             return cur.rowcount
 
-    async def expired_jobs(
-        self, retention_seconds: float, limit: int
-    ) -> list[tuple[uuid.UUID, uuid.UUID]]:
-        """``(tenant_id, job_id)`` of terminal jobs past retention that still hold data."""
+    async def expired(self, retention_seconds: float, limit: int) -> list[ExpiredJob]:
+        """Up to ``limit`` terminal jobs past retention that still hold data, oldest first,
+        each with what its purge reads (three statements for the whole batch)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["retention_expired_jobs"],
                                      {"retention_seconds": retention_seconds, "limit": limit})
             rows = await cur.fetchall()
-        return [(r["tenant_id"], r["id"]) for r in rows]
+            if not rows:
+                return []
+            ids = [r["id"] for r in rows]
+            cur = await conn.execute(self._db.q["retention_jobs_documents"], {"ids": ids})
+            outputs = await cur.fetchall()
+            cur = await conn.execute(self._db.q["retention_jobs_attempt_versions"], {
+                "ids": ids, "since": min(r["created_at"] for r in rows),
+                "until": max(r["updated_at"] for r in rows)})
+            versions = await cur.fetchall()
+        steps: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
+        documents: dict[uuid.UUID, list[Any]] = {i: [] for i in ids}
+        for o in outputs:
+            steps[o["job_id"]].append(o["step"])
+            documents[o["job_id"]] += [o["output"], o["model_output"]]
+        attempts: dict[uuid.UUID, list[tuple[str, int]]] = {i: [] for i in ids}
+        for a in versions:
+            attempts[a["job_id"]].append((a["step"], int(a["lease_version"])))
+        return [ExpiredJob(r["tenant_id"], r["id"],
+                           JobData(r["status"], r["input_ref"], r["artifact"], r["redacted_at"],
+                                   steps=steps[r["id"]], attempts=attempts[r["id"]],
+                                   documents=documents[r["id"]]),
+                           r["created_at"], r["updated_at"])
+                for r in rows]
+
+    async def redact_expired(self, job_ids: list[uuid.UUID]) -> int:
+        """Clear the data of terminal jobs past retention (``expired``; their objects deleted
+        first) in one transaction, every table of ``COVERAGE`` but the history, whose
+        partitions go whole; returns how many jobs were redacted."""
+        params = {"ids": job_ids}
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["retention_redact_jobs"], params)
+            redacted = [r["id"] for r in await cur.fetchall()]
+            if redacted:
+                for name in _BATCH_REDACTIONS:
+                    await conn.execute(self._db.q[name], {
+                        "ids": [str(i) for i in redacted] if name.endswith("outbox")
+                        else redacted})
+        return len(redacted)

@@ -39,7 +39,7 @@ WITH input AS (
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
-    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd, j.created_at
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
                               error_code = i.error ->> 'code',
@@ -50,7 +50,9 @@ WITH input AS (
                               output_tokens = a.output_tokens + i.output_tokens,
                               cost_usd = a.cost_usd + i.cost_usd
     FROM input i JOIN moved m ON m.id = i.job_id
+    -- the attempt's partitions: from its job's creation on (jobs.sql, job_events)
     WHERE a.job_id = i.job_id AND a.step = i.step AND a.attempt = i.attempt
+      AND a.started_at >= m.created_at
 ), events AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT i.job_id, i.event_type, i.attempt, i.event_detail

@@ -45,13 +45,14 @@ WITH job AS (
                     output_tokens = output_tokens + %(output_tokens)s,
                     cost_usd = cost_usd + %(cost_usd)s
     WHERE id = %(job_id)s
-    RETURNING id, step, attempt
+    RETURNING id, step, attempt, created_at
 )
 UPDATE job_attempts a SET model_calls = a.model_calls + %(model_calls)s,
                           input_tokens = a.input_tokens + %(input_tokens)s,
                           output_tokens = a.output_tokens + %(output_tokens)s,
                           cost_usd = a.cost_usd + %(cost_usd)s
-FROM job WHERE a.job_id = job.id AND a.step = job.step AND a.attempt = job.attempt;
+FROM job WHERE a.job_id = job.id AND a.step = job.step AND a.attempt = job.attempt
+  AND a.started_at >= job.created_at;  -- its partitions: from the job's creation on
 
 -- name: budget_bucket
 -- paused_until is -infinity when never paused, which Python datetimes cannot hold: NULL.

@@ -4,7 +4,10 @@
 -- name: console_jobs
 -- Newest first, with every filter optional (priority: interactive or bulk; lane: online
 -- or batch, migration 0014; any other value matches nothing).
--- search: a job id (or its first characters) or a metadata value, exactly.
+-- search: a job id (or its first characters) or a metadata value, exactly. Both arms are
+-- index-backed (calmq.data.console.search_terms): the id prefix as a range of the primary
+-- key, the value as a JSON path on the GIN index jobs_metadata (migration 0031), so a
+-- search never reads a tenant's jobs one by one.
 SELECT j.id, t.name AS tenant, j.workflow, j.status, j.priority, j.lane, j.pool, j.step,
        j.attempt, j.created_at, j.updated_at, j.metadata
 FROM jobs j JOIN tenants t ON t.id = j.tenant_id
@@ -17,9 +20,8 @@ WHERE (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
   AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
   AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
   AND (%(search)s::text IS NULL
-       OR j.id::text LIKE %(search)s::text || '%%'
-       OR EXISTS (SELECT 1 FROM jsonb_each_text(j.metadata) m
-                  WHERE m.value = %(search)s::text))
+       OR (j.id >= %(id_low)s::uuid AND j.id <= %(id_high)s::uuid)
+       OR j.metadata @? %(metadata_path)s::jsonpath)
 ORDER BY j.created_at DESC, j.id DESC
 LIMIT %(limit)s;
 
@@ -67,7 +69,7 @@ WHERE id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s:
 -- name: console_job_events
 -- A job's history after event %(after)s (0: all of it), oldest first.
 SELECT id, type, at, attempt, detail FROM job_events
-WHERE job_id = %(id)s AND id > %(after)s
+WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s) AND id > %(after)s
 ORDER BY id
 LIMIT %(limit)s;
 
@@ -76,7 +78,7 @@ LIMIT %(limit)s;
 -- then the archived rounds, oldest first.
 SELECT round, record FROM (
     SELECT 0 AS round, 1 AS ord, to_jsonb(a) - 'job_id' AS record, a.started_at
-    FROM job_attempts a WHERE a.job_id = %(id)s
+    FROM job_attempts a WHERE a.job_id = %(id)s AND a.started_at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
     UNION ALL
     SELECT round, 0 AS ord, record, (record->>'started_at')::timestamptz
     FROM job_attempts_redriven WHERE job_id = %(id)s
@@ -141,4 +143,5 @@ ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap, updated_by = EXCLUDED.updat
 
 -- name: console_last_event
 -- The id of the job's newest history entry: the console's SSE resumes after it.
-SELECT coalesce(max(id), 0) AS id FROM job_events WHERE job_id = %(id)s;
+SELECT coalesce(max(id), 0) AS id FROM job_events
+WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s);

@@ -62,7 +62,7 @@ WHERE j.id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_i
 -- then the archived rounds, oldest first.
 SELECT round, record FROM (
     SELECT 0 AS round, 1 AS ord, to_jsonb(a) - 'job_id' AS record, a.started_at
-    FROM job_attempts a WHERE a.job_id = %(id)s
+    FROM job_attempts a WHERE a.job_id = %(id)s AND a.started_at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
     UNION ALL
     SELECT round, 0 AS ord, record, (record->>'started_at')::timestamptz
     FROM job_attempts_redriven WHERE job_id = %(id)s
@@ -70,7 +70,9 @@ SELECT round, record FROM (
 ORDER BY ord, round, started_at;
 
 -- name: dlq_events
-SELECT type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
+SELECT type, at, attempt, detail FROM job_events
+WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
+ORDER BY id;
 
 -- name: dlq_requeue
 -- The redrive itself, guarded by status: a job that is no longer a dead letter (redriven
@@ -87,9 +89,11 @@ WITH requeued AS (
     RETURNING *
 ), round AS (
     SELECT count(*) + 1 AS n FROM job_events
-    WHERE job_id = %(id)s AND type = 'redriven' AND EXISTS (SELECT 1 FROM requeued)
+    WHERE job_id = %(id)s AND at >= (SELECT created_at FROM requeued)
+      AND type = 'redriven'
 ), archived AS (
-    DELETE FROM job_attempts a USING requeued r WHERE a.job_id = r.id
+    DELETE FROM job_attempts a USING requeued r
+    WHERE a.job_id = r.id AND a.started_at >= r.created_at
     RETURNING a.*
 ), kept AS (
     INSERT INTO job_attempts_redriven (job_id, round, step, attempt, record)

@@ -79,7 +79,12 @@ SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events
-SELECT id, type, at, attempt, detail FROM job_events WHERE job_id = %(id)s ORDER BY id;
+-- A job's history lies in the time partitions from its creation on (no event is older than
+-- its job), so each read of one job's job_events or job_attempts rows names that bound: the
+-- partitions before it are never opened (issue 32; docs/explanation/database-at-scale.md).
+SELECT h.id, h.type, h.at, h.attempt, h.detail FROM job_events h
+WHERE h.job_id = %(id)s AND h.at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
+ORDER BY h.id;
 
 -- name: list_jobs
 -- Newest first; the cursor is the (created_at, id) of the last row of the previous page,
@@ -130,8 +135,10 @@ WHERE (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
 SELECT tenant_id FROM jobs WHERE id = %(id)s;
 
 -- name: job_events_after
-SELECT id, type, at, attempt, detail FROM job_events
-WHERE job_id = %(id)s AND id > %(after)s ORDER BY id;
+SELECT h.id, h.type, h.at, h.attempt, h.detail FROM job_events h
+WHERE h.job_id = %(id)s AND h.at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
+  AND h.id > %(after)s
+ORDER BY h.id;
 
 -- name: job_status
 SELECT status, input_ref, artifact, redacted_at FROM jobs
@@ -155,7 +162,7 @@ WITH target AS (
                AND NOT (attempt >= max_attempts AND NOT EXISTS (
                    SELECT 1 FROM job_attempts a
                    WHERE a.job_id = jobs.id AND a.step = jobs.step AND a.attempt = jobs.attempt
-                     AND a.outcome = 'released'))))
+                     AND a.started_at >= jobs.created_at AND a.outcome = 'released'))))
     ORDER BY id
     FOR UPDATE
 ), claimed AS (
@@ -167,9 +174,12 @@ WITH target AS (
     FROM target t WHERE j.id = t.id
     RETURNING {{job_row}}, t.old_status
 ), attempts AS (
+    -- A claim moves the attempt number on, so (job, step, attempt) is new: the two statements
+    -- that take an attempt back (provider_hand_back, dlq_requeue) delete or archive its row.
+    -- (No ON CONFLICT: job_attempts is partitioned by started_at, and a unique index of a
+    -- partitioned table must hold its partition key.)
     INSERT INTO job_attempts (job_id, step, attempt, worker, started_at, lease_version)
     SELECT id, step, attempt, %(worker)s, now(), lease_version FROM claimed
-    ON CONFLICT (job_id, step, attempt) DO NOTHING
 ), history AS (
     -- One INSERT, ordered: two data-modifying CTEs run in no set order, and the history
     -- (read in id order) then said running before requeued_after_restart now and then.
@@ -222,11 +232,12 @@ WITH mine AS (
     FROM mine m
     WHERE j.id = m.id AND j.lease_version = m.lease_version
       AND j.lease_owner = %(worker)s AND j.status = 'running'
-    RETURNING j.id, j.step, j.attempt
+    RETURNING j.id, j.step, j.attempt, j.created_at
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = 'released'
     FROM released r
-    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt AND a.finished_at IS NULL
+    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt
+      AND a.started_at >= r.created_at AND a.finished_at IS NULL
 )
 SELECT id FROM released;
 
@@ -244,7 +255,7 @@ WITH poisoned AS (
       AND NOT EXISTS (
           SELECT 1 FROM job_attempts a
           WHERE a.job_id = j.id AND a.step = j.step AND a.attempt = j.attempt
-            AND a.outcome = 'released')
+            AND a.started_at >= j.created_at AND a.outcome = 'released')
     ORDER BY j.lease_expires_at
     LIMIT %(limit)s
     FOR UPDATE OF j SKIP LOCKED
@@ -267,7 +278,8 @@ WITH poisoned AS (
                               error_class = %(error)s::jsonb ->> 'class',
                               error_message = %(error)s::jsonb ->> 'message'
     FROM dead d
-    WHERE a.job_id = d.id AND a.step = d.step AND a.attempt = d.attempt AND a.finished_at IS NULL
+    WHERE a.job_id = d.id AND a.step = d.step AND a.attempt = d.attempt
+      AND a.started_at >= d.created_at AND a.finished_at IS NULL
 )
 SELECT * FROM dead;
 
@@ -281,7 +293,7 @@ WITH expired AS (
       AND NOT (attempt >= max_attempts AND NOT EXISTS (
           SELECT 1 FROM job_attempts a
           WHERE a.job_id = jobs.id AND a.step = jobs.step AND a.attempt = jobs.attempt
-            AND a.outcome = 'released'))
+            AND a.started_at >= jobs.created_at AND a.outcome = 'released'))
     ORDER BY lease_expires_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -298,7 +310,8 @@ WITH expired AS (
 ), abandoned AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = 'abandoned'
     FROM requeued r
-    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt AND a.finished_at IS NULL
+    WHERE a.job_id = r.id AND a.step = r.step AND a.attempt = r.attempt
+      AND a.started_at >= r.created_at AND a.finished_at IS NULL
 )
 SELECT * FROM requeued;
 
@@ -327,7 +340,7 @@ WITH stranded AS (
                ELSE GREATEST(j.updated_at, COALESCE(
                    (SELECT e.at + make_interval(secs => (e.detail ->> 'delay_seconds')::float8)
                     FROM job_events e
-                    WHERE e.job_id = j.id AND e.type = 'retry_scheduled'
+                    WHERE e.job_id = j.id AND e.at >= j.created_at AND e.type = 'retry_scheduled'
                     ORDER BY e.id DESC LIMIT 1),
                    j.updated_at + make_interval(secs => %(longest_tier_seconds)s)))
           END < now() - make_interval(secs => %(grace_seconds)s)

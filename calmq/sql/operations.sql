@@ -3,12 +3,15 @@
 -- name: ops_jobs_in_flight
 -- Jobs a worker holds (running with a lease) and jobs waiting for one, per pool and
 -- priority, i.e. per work topic. Both sets are small and covered by partial indexes
--- (jobs_running, jobs_waiting), so this is no scan of the whole table.
-SELECT pool, priority,
-       count(*) FILTER (WHERE status = 'running') AS in_flight,
-       count(*) FILTER (WHERE status IN ('queued', 'retrying')) AS waiting
-FROM jobs
-WHERE status IN ('running', 'queued', 'retrying')
+-- (jobs_running, jobs_waiting), so this is no scan of the whole table: one arm per index,
+-- as the planner uses a partial index only for a condition that implies its own (one
+-- `status IN (all three)` matches neither, and read the whole table).
+SELECT pool, priority, sum(in_flight)::bigint AS in_flight, sum(waiting)::bigint AS waiting
+FROM (SELECT pool, priority, count(*) AS in_flight, 0::bigint AS waiting
+      FROM jobs WHERE status = 'running' GROUP BY pool, priority
+      UNION ALL
+      SELECT pool, priority, 0::bigint, count(*)
+      FROM jobs WHERE status IN ('queued', 'retrying') GROUP BY pool, priority) arms
 GROUP BY pool, priority;
 
 -- name: ops_budget_buckets
@@ -27,7 +30,10 @@ ORDER BY b.provider, b.model;
 -- Tokens and model calls per tenant and priority of the attempts that are still running or
 -- finished within the window: the use the provider's sliding minute still counts. An
 -- attempt's tokens are its total, so a long attempt that started before the window counts
--- whole (an upper bound, never an undercount).
+-- whole (an upper bound, never an undercount). Attempts that started more than two days
+-- before the window are left out: job_attempts is partitioned by start time, and this bound
+-- keeps the read to the newest partitions (an attempt runs for minutes; a batch-lane attempt
+-- waits for its provider batch at most a day).
 SELECT t.name AS tenant, j.priority,
        count(*) AS attempts,
        coalesce(sum(a.model_calls), 0)::bigint AS model_calls,
@@ -36,8 +42,10 @@ SELECT t.name AS tenant, j.priority,
 FROM job_attempts a
 JOIN jobs j ON j.id = a.job_id
 JOIN tenants t ON t.id = j.tenant_id
-WHERE a.finished_at IS NULL
-   OR a.finished_at >= clock_timestamp() - make_interval(secs => %(window_seconds)s)
+WHERE a.started_at >= clock_timestamp() - make_interval(secs => %(window_seconds)s)
+                      - interval '2 days'
+  AND (a.finished_at IS NULL
+       OR a.finished_at >= clock_timestamp() - make_interval(secs => %(window_seconds)s))
 GROUP BY t.name, j.priority
 ORDER BY t.name, j.priority;
 

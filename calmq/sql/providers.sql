@@ -61,7 +61,7 @@ SELECT pg_notify('calmq_providers', %(payload)s);
 -- dropped, waiting with reason provider_blocked (the release writes a fresh job.requested).
 -- Only while the attempt still holds the job (its lease version and owner).
 WITH held AS (
-    SELECT id, step, attempt FROM jobs
+    SELECT id, step, attempt, created_at FROM jobs
     WHERE id = %(id)s AND lease_version = %(lease_version)s AND lease_owner = %(worker)s
       AND status = 'running'
     FOR UPDATE
@@ -70,10 +70,11 @@ WITH held AS (
                       lease_owner = NULL, lease_expires_at = NULL,
                       waiting_reason = 'provider_blocked', updated_at = now()
     FROM held WHERE j.id = held.id
-    RETURNING j.id, held.step, held.attempt
+    RETURNING j.id, held.step, held.attempt, held.created_at
 ), uncounted AS (
     DELETE FROM job_attempts a USING back
     WHERE a.job_id = back.id AND a.step = back.step AND a.attempt = back.attempt
+      AND a.started_at >= back.created_at
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'waiting', attempt - 1, %(detail)s::jsonb FROM back

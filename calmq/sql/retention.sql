@@ -30,6 +30,7 @@ WHERE s.job_id = %(id)s AND j.tenant_id = %(tenant_id)s;
 SELECT a.step, a.lease_version FROM job_attempts a
 JOIN jobs j ON j.id = a.job_id
 WHERE a.job_id = %(id)s AND j.tenant_id = %(tenant_id)s AND a.lease_version IS NOT NULL
+  AND a.started_at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
 UNION
 SELECT r.step, (r.record ->> 'lease_version')::bigint FROM job_attempts_redriven r
 JOIN jobs j ON j.id = r.job_id
@@ -42,12 +43,13 @@ WHERE r.job_id = %(id)s AND j.tenant_id = %(tenant_id)s
 -- fails when one is not.
 
 -- name: retention_redact_events
-UPDATE job_events SET detail = '{}' WHERE job_id = %(id)s;
+UPDATE job_events SET detail = '{}' WHERE job_id = %(id)s AND at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s);
 
 -- name: retention_redact_attempts
 -- The error message may quote the input or the model's answer; code and class are calmq's.
 UPDATE job_attempts SET error_message = NULL
-WHERE job_id = %(id)s AND error_message IS NOT NULL;
+WHERE job_id = %(id)s AND started_at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
+  AND error_message IS NOT NULL;
 
 -- name: retention_redact_redriven
 UPDATE job_attempts_redriven SET record = record || '{"error_message": null}'
@@ -90,12 +92,98 @@ DELETE FROM job_outputs WHERE job_id = %(id)s;
 DELETE FROM outbox WHERE aggregateid = %(id)s::text;
 
 -- name: retention_expired_jobs
--- Terminal jobs past retention that still hold data, for the retention sweep.
-SELECT id, tenant_id FROM jobs
+-- Terminal jobs past retention (ended more than %(retention_seconds)s ago) that still hold
+-- data, oldest created first, with what a purge of each reads before it deletes objects.
+-- jobs_unredacted (created_at) walks them: a job is never older by updated_at than by
+-- created_at, so the walk stops at the retention ago; the few it passes over (created long
+-- ago, ended lately) stay for a later pass. Its first entry is also where the history's
+-- retention horizon stands (partitions.sql, history_horizon).
+SELECT id, tenant_id, status, input_ref, artifact, redacted_at, created_at, updated_at
+FROM jobs
 WHERE redacted_at IS NULL AND status IN ('completed', 'dead_letter', 'cancelled')
+  AND created_at < now() - make_interval(secs => %(retention_seconds)s)
   AND updated_at < now() - make_interval(secs => %(retention_seconds)s)
-ORDER BY updated_at
+ORDER BY created_at
 LIMIT %(limit)s;
+
+-- name: retention_jobs_documents
+-- retention_job_documents for a batch of jobs the sweep chose (no tenant check: the sweep
+-- read them from jobs itself).
+SELECT job_id, step, output, model_output FROM step_outputs
+WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_jobs_attempt_versions
+-- retention_job_attempt_versions for a batch: every attempt of a job started between its
+-- creation and its end, so the partitions read are those of the batch's lifetimes.
+SELECT a.job_id, a.step, a.lease_version FROM job_attempts a
+WHERE a.job_id = ANY(%(ids)s::uuid[]) AND a.lease_version IS NOT NULL
+  AND a.started_at >= %(since)s AND a.started_at <= %(until)s
+UNION
+SELECT r.job_id, r.step, (r.record ->> 'lease_version')::bigint FROM job_attempts_redriven r
+WHERE r.job_id = ANY(%(ids)s::uuid[]) AND r.record ->> 'lease_version' IS NOT NULL;
+
+-- The retention sweep's redaction of a batch, in one transaction: the statements above for
+-- one job, for many at once (one plan and one pass over each table per batch, not per job).
+-- job_events and job_attempts are not touched: their time partitions go whole once every
+-- job in them is past retention (calmq.data.partitions). A purge on request (DELETE
+-- /v1/jobs/{id}, a tenant's deletion) redacts those rows at once, statement by statement.
+
+-- name: retention_redact_jobs
+UPDATE jobs SET input = NULL, input_ref = NULL, metadata = '{}', callback_url = NULL,
+                artifact = NULL,
+                error = CASE WHEN error IS NULL THEN NULL
+                             ELSE jsonb_build_object('code', error->'code', 'class',
+                                                     error->'class', 'message', 'redacted') END,
+                errors = '[]',
+                -- the job's times stay: its end is what retention counted from
+                redacted_at = now()
+WHERE id = ANY(%(ids)s::uuid[]) AND redacted_at IS NULL
+  AND status IN ('completed', 'dead_letter', 'cancelled')
+RETURNING id;
+
+-- name: retention_redact_many_redriven
+UPDATE job_attempts_redriven SET record = record || '{"error_message": null}'
+WHERE job_id = ANY(%(ids)s::uuid[]) AND record->>'error_message' IS NOT NULL;
+
+-- name: retention_redact_many_step_outputs
+UPDATE step_outputs SET output = '{}', model_output = NULL WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_redact_many_side_effects
+UPDATE side_effects SET response = NULL
+WHERE job_id = ANY(%(ids)s::uuid[]) AND response IS NOT NULL;
+
+-- name: retention_redact_many_webhook_attempts
+UPDATE webhook_attempts SET error = NULL
+WHERE error IS NOT NULL
+  AND delivery_id IN (SELECT id FROM webhook_deliveries WHERE job_id = ANY(%(ids)s::uuid[]));
+
+-- name: retention_redact_many_webhooks
+UPDATE webhook_deliveries
+SET url = '', status = CASE WHEN status = 'pending' THEN 'failed' ELSE status END,
+    finished_at = COALESCE(finished_at, now())
+WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_delete_many_idempotency_keys
+DELETE FROM idempotency_keys WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_delete_many_outbox
+-- One pass over the outbox (a queue: what the relay has not pruned yet) for the batch.
+DELETE FROM outbox WHERE aggregateid = ANY(%(ids)s::text[]);
+
+-- name: retention_redact_many_batch_jobs
+UPDATE batch_jobs SET request = '{}'::jsonb
+WHERE job_id = ANY(%(ids)s::uuid[]) AND request <> '{}'::jsonb;
+
+-- name: retention_delete_many_outputs
+-- retention_delete_outputs for the batch: streamed steps' chunks and compacted text.
+WITH chunks AS (DELETE FROM job_output_chunks WHERE job_id = ANY(%(ids)s::uuid[]))
+DELETE FROM job_outputs WHERE job_id = ANY(%(ids)s::uuid[]);
+
+-- name: retention_many_batches_due
+-- retention_batches_due for the batch: their provider batches looked at by a poller at once.
+UPDATE provider_batches SET next_poll_at = now()
+WHERE key IN (SELECT batch_key FROM batch_jobs WHERE job_id = ANY(%(ids)s::uuid[]))
+  AND (state IN ('creating', 'submitted') OR files_deleted_at IS NULL);
 
 -- name: retention_prune_idempotency_keys
 DELETE FROM idempotency_keys

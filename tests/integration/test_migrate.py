@@ -121,10 +121,13 @@ def test_two_concurrent_migrations_both_succeed_and_apply_each_migration_once(
                  for _ in range(2)]
         try:
             def both_waiting() -> bool:
+                # A migrator that found the lock taken asks for it again and again
+                # (pg_try_advisory_lock: calmq.data.migrations says why it never blocks in
+                # pg_advisory_lock); one whose last statement was that ask is waiting.
                 row = holder.execute(
-                    "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
-                    " WHERE l.locktype = 'advisory' AND NOT l.granted"
-                    " AND d.datname = current_database()").fetchone()
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND pid <> pg_backend_pid() AND query LIKE '%pg_try_advisory_lock%'"
+                ).fetchone()
                 return row is not None and row[0] == 2
 
             wait_for(both_waiting, timeout=30, what="both migrations waiting on the lock")

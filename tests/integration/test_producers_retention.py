@@ -49,8 +49,9 @@ def test_sweep_forgets_old_keys_and_purges_old_jobs(stack: StackState) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE idempotency_keys SET created_at = now() - interval '2 hours' "
                      "WHERE job_id = %s", (first,))
-        conn.execute("UPDATE jobs SET updated_at = now() - interval '8 days' WHERE id = %s",
-                     (first,))
+        # Ended (and so created) more than a retention ago.
+        conn.execute("UPDATE jobs SET created_at = now() - interval '9 days', "
+                     "updated_at = now() - interval '8 days' WHERE id = %s", (first,))
 
     swept = asyncio.run(_sweep(stack))
     assert swept["idempotency_keys"] >= 1

@@ -99,6 +99,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.producers.api
     import calmq.producers.backlog
     import calmq.producers.intake
+    import calmq.producers.retention
     import calmq.producers.routes.jobs
     import calmq.providers
     import calmq.relay.cdc
@@ -118,6 +119,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.relay.cdc._metrics()
     calmq.relay.publisher._rejected_total()
     calmq.retrying._retries()
+    calmq.producers.retention.retention_counters()
     calmq.supervision._failures()
     calmq.reviews._review_wait()
     calmq.spending._held_gauge()

@@ -9,6 +9,7 @@ import uuid
 import pytest
 from multidict import MultiDict
 
+from calmq.data.console import search_terms
 from calmq.data.tenants import ROLES, Tenant, parse_roles
 from calmq.errors import ContractError
 from calmq.producers.console.charts import bars
@@ -107,3 +108,18 @@ def test_a_chart_is_an_accessible_svg_with_its_numbers() -> None:
     assert "<title>Tokens per hour</title>" in svg
     assert "tokens: 5, 10" in svg
     assert 'class="limit"' in svg
+
+
+def test_search_terms_cover_an_id_prefix_and_a_metadata_value() -> None:
+    """A hexadecimal prefix (dashes ignored) becomes the id range it covers; any search
+    becomes a JSON path equal to it as text, and as a number when it reads as one."""
+    terms = search_terms("5CA1E-0")
+    assert (terms["id_low"], terms["id_high"]) == ("5ca1e000-0000-0000-0000-000000000000",
+                                                   "5ca1e0ff-ffff-ffff-ffff-ffffffffffff")
+    assert terms["metadata_path"] == '$.* ? (@ == "5CA1E-0")'
+    word = search_terms('order "7"')
+    assert (word["id_low"], word["id_high"]) == (None, None)
+    assert word["metadata_path"] == '$.* ? (@ == "order \\"7\\"")'
+    assert search_terms("12")["metadata_path"] == '$.* ? (@ == "12" || @ == 12)'
+    assert search_terms("inf")["metadata_path"] == '$.* ? (@ == "inf")'
+    assert search_terms(None) == {"id_low": None, "id_high": None, "metadata_path": None}
