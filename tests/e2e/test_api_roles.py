@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from calmq.tooling.devstack import StackState
-from tests.support.api import Api
+from tests.support.api import Api, console_session
 from tests.support.cli import calmq
 
 pytestmark = pytest.mark.e2e
@@ -75,11 +75,13 @@ def test_the_cli_lists_roles_and_makes_platform_keys(stack: StackState) -> None:
 
 
 def test_the_console_cookie_reads_but_never_acts_on_v1(stack: StackState) -> None:
+    """A signed-in console's cookie reads /v1 (GET) but cannot cancel or submit: 401."""
     name = f"roles-{uuid.uuid4().hex[:8]}"
     key = _key(stack, "create", name)
     url = stack.env["CALMQ_API_URL"]
     job = Api(url, key).submit({"text": "cookie", "mode": "success"})
-    cookie = {"Cookie": f"calmq_console={key}"}
+    # The cookie a console sign-in sets: a session token of its own, never the key.
+    cookie = {"Cookie": f"calmq_console={console_session(url, key)}"}
 
     def call(method: str, path: str) -> int:
         req = urllib.request.Request(url + path, method=method, headers=cookie,
