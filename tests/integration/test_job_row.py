@@ -42,6 +42,7 @@ SETUP: dict[str, dict[str, Any]] = {
     "release_quota_jobs": {"status": "queued", "waiting_reason": "token_quota"},
     "release_review_cap_holds": {"status": "queued", "review_cap_held_at": LONG_AGO},
     "batch_pending_jobs": {"status": "running"},
+    "batch_hand_back": {"status": "running", "waiting_reason": "provider_blocked"},
     "provider_release_jobs": {"status": "queued", "waiting_reason": "provider_blocked"},
 }
 
@@ -55,7 +56,8 @@ def _params(query: str, job_id: uuid.UUID, tenant_id: uuid.UUID, key: uuid.UUID
         "keep_errors": 20, "grace_seconds": 1.0, "longest_tier_seconds": 1.0,
         "held_bulk": [], "held_all": [], "fleet_bulk": False, "fleet_all": False,
         "stale_seconds": 1.0, "tenant_id": tenant_id, "key": key,
-        "owner": f"batch:{key}", "custom_ids": None, "workflows": ["summarize"]}
+        "owner": f"batch:{key}", "custom_ids": None, "workflows": ["summarize"],
+        "waiting_reason": "provider_blocked", "detail": Jsonb({"reason": "provider_blocked"})}
     wanted = set(re.findall(r"%\((\w+)\)s", query))
     unknown = wanted - set(values)
     assert not unknown, f"no test value for {sorted(unknown)}"
@@ -75,7 +77,7 @@ def _returned(conn: psycopg.Connection[Any], name: str, query: str
            "trace_parent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
            "created_at": LONG_AGO, "updated_at": LONG_AGO, "lease_version": 5,
            "lane": "batch", **setup}
-    if name == "batch_pending_jobs":
+    if name in ("batch_pending_jobs", "batch_hand_back"):
         job["lease_owner"] = f"batch:{key}"
     with conn.transaction(force_rollback=True):
         conn.execute("INSERT INTO tenants (id, name) VALUES (%s, %s)",
@@ -83,7 +85,7 @@ def _returned(conn: psycopg.Connection[Any], name: str, query: str
         columns = ", ".join(job)
         marks = ", ".join(f"%({c})s" for c in job)
         conn.execute(f"INSERT INTO jobs ({columns}) VALUES ({marks})", job)
-        if name == "batch_pending_jobs":
+        if name in ("batch_pending_jobs", "batch_hand_back"):
             conn.execute(
                 "INSERT INTO provider_batches (key, provider, model, endpoint, pool,"
                 " request_count, input_bytes, enqueued_tokens) VALUES"
@@ -123,7 +125,9 @@ def test_the_statement_returns_every_job_field_with_the_jobs_values(
     assert [n for n in wanted if n not in names] == [], name
     assert row is not None, f"{name} did not return the job set up for it"
     got = Job.from_row({n: row[n] for n in wanted})
-    moved = {"attempt", "lease_version"} if name == "claim_jobs" else set()
+    # The claim moves attempt and lease_version on; a hand-back takes the attempt back.
+    moved = {"claim_jobs": {"attempt", "lease_version"},
+             "batch_hand_back": {"attempt"}}.get(name, set())
     for field in wanted:
         # (a field this test does not set yet is held to being returned, above)
         if field in moved or field not in job or field in ("old_status", "created_at",
