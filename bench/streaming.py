@@ -10,8 +10,11 @@ Time to first token through calmq is the client's first ``output.delta`` minus t
 sent the submit; the fake's own is its first token minus the call's arrival. Everything runs
 on one machine, one clock, so the two are compared job by job: ``added`` (calmq's minus the
 fake's, target ≤ 50 ms at p95) splits into ``before_call`` (submit → the call reaches the
-provider: accept, relay, claim) and ``delivery`` (the provider's first token → the client:
-gateway, chunk write + NOTIFY, the API's listener, SSE).
+provider: accept, relay, claim) and ``delivery`` (the provider's first token → the client),
+and delivery into ``delivery_worker`` (→ the first chunk's group write begins: the worker
+reading the provider's stream) and ``delivery_api`` (→ the client: commit, NOTIFY, the
+API's listener, SSE, the client's read; the chunk rows' times are read twice a second
+while the run lasts).
 
 The same jobs run three times on one stack, a fresh worker each time:
 
@@ -30,6 +33,7 @@ not-streamed run's, over the streamed jobs; the bulk backlog is the same in each
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import urllib.request
 import uuid
@@ -91,11 +95,13 @@ def _p(values: list[float], q: float) -> float:
     return rounded(percentile(values, q), 1)
 
 
-def ttft_figures(timings: list[Timing], fake: dict[str, tuple[float, float]]
-                 ) -> dict[str, float]:
+def ttft_figures(timings: list[Timing], fake: dict[str, tuple[float, float]],
+                 written: dict[str, float] | None = None) -> dict[str, float]:
     """p50/p95 (ms) of the time to first token through calmq, the fake's own, and what
-    calmq added (split into before the call and delivery), over the jobs both sides saw."""
-    calmq, own, added, before, delivery = [], [], [], [], []
+    calmq added (split into before the call and delivery), over the jobs both sides saw.
+    With ``written`` (a job's first chunk's write, epoch seconds), delivery splits into
+    the worker's leg (first token → chunk written) and the rest (→ the client)."""
+    calmq, own, added, before, delivery, worker, api = [], [], [], [], [], [], []
     for t in timings:
         if t.first_delta is None or t.job_id not in fake:
             continue
@@ -105,9 +111,13 @@ def ttft_figures(timings: list[Timing], fake: dict[str, tuple[float, float]]
         added.append(calmq[-1] - own[-1])
         before.append((arrived - t.submitted) * 1000)
         delivery.append((t.first_delta - token) * 1000)
+        if written and t.job_id in written:
+            worker.append((written[t.job_id] - token) * 1000)
+            api.append((t.first_delta - written[t.job_id]) * 1000)
     figs: dict[str, float] = {"ttft_jobs_measured": len(added)}
+    legs = (("delivery_worker", worker), ("delivery_api", api)) if written else ()
     for name, values in (("ttft_added", added), ("ttft_calmq", calmq), ("ttft_fake", own),
-                         ("before_call", before), ("delivery", delivery)):
+                         ("before_call", before), ("delivery", delivery), *legs):
         figs[f"{name}_p50_ms"] = _p(values, 50)
         figs[f"{name}_p95_ms"] = _p(values, 95)
     figs["ttft_added_max_ms"] = _p(added, 100)
@@ -150,6 +160,33 @@ async def _clients(api: str, key: str, body: dict[str, Any], count: int) -> list
                                      timeout=timeout) as session:
         return list(await asyncio.gather(*(_follow(session, api, auth, body)
                                            for _ in range(count))))
+
+
+class _FirstChunks:
+    """Each job's first chunk's write time (the row's ``at``, the group write's start),
+    read every half second while the run lasts: a final job's chunks are compacted away."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.found: dict[str, float] = {}
+        self._rig = rig
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-first-chunks",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for job, at in self._rig.query(
+                    "SELECT job_id::text, extract(epoch FROM min(at)) FROM job_output_chunks "
+                    "WHERE seq = 1 GROUP BY job_id"):
+                self.found.setdefault(str(job), float(at))
+            if self._stop.wait(0.5):  # poll: a sampling interval, not a synchronisation
+                return
+
+    def close(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.found
 
 
 def _fake_streams(url: str) -> list[dict[str, Any]]:
@@ -205,9 +242,11 @@ def _run(rig: Rig, sampler: Sampler, log: Log, name: str, *, workflow: str,
     left = rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status <> "
                      "'completed'", (bulk_id,))[0][0]
     started = time.monotonic()
+    chunks = _FirstChunks(rig)
     timings = asyncio.run(_clients(api.url, key, {"workflow": workflow, "input": job_input,
                                                   "priority": "interactive"}, streams))
     followed_s = time.monotonic() - started
+    written = chunks.close()
     bulk_left = rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status <> "
                           "'completed'", (bulk_id,))[0][0]
     wait(lambda: completed(rig, bulk_id), load.ok, 120 + backlog / 20, f"{name}: bulk", log)
@@ -216,7 +255,7 @@ def _run(rig: Rig, sampler: Sampler, log: Log, name: str, *, workflow: str,
     rig.stop("worker")
     n = max(done, 1)
     figs: dict[str, Any] = {
-        **ttft_figures(timings, first_tokens(_fake_streams(fp.url))),
+        **ttft_figures(timings, first_tokens(_fake_streams(fp.url)), written),
         "streamed_jobs_completed": done, "bulk_jobs_completed": completed(rig, bulk_id),
         "bulk_left_when_streams_began": int(left),
         "bulk_left_when_streams_ended": int(bulk_left),
