@@ -296,3 +296,12 @@ def test_streaming_added_latency_is_compared_job_by_job() -> None:
     assert split["delivery_api_p50_ms"] == 89.0
     assert split["delivery_api_p95_ms"] == 98.0
     assert "delivery_api_p95_ms" not in figs
+
+
+def test_a_run_without_deltas_reports_no_time_to_first_token() -> None:
+    """The not-streamed baseline carries its CPU figures but no time-to-first-token keys,
+    rather than zeros that would read as a measurement."""
+    from bench.streaming import Timing, ttft_figures, without_ttft
+
+    figs = {**ttft_figures([Timing("j", 1.0)], {}), "worker_cpu_s": 1.5, "streams_ended": 1}
+    assert without_ttft(figs) == {"worker_cpu_s": 1.5, "streams_ended": 1}
