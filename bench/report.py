@@ -105,6 +105,8 @@ _HEADLINES: dict[str, list[str]] = {
     "longcalls": ["jobs_per_s", "jobs_per_s_vs_ideal", "worker_peak_rss_mb",
                   "worker_cpu_ms_per_job", "loop_lag_p99_ms", "lease_expiries",
                   "commit_lag_p99_s"],
+    "streaming": ["ttft_added_p50_ms", "ttft_added_p95_ms", "delivery_p95_ms",
+                  "worker_extra_cpu_ms_per_streamed_job", "api_extra_cpu_ms_per_streamed_job"],
 }
 
 

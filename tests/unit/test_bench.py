@@ -250,3 +250,58 @@ def test_no_bench_module_imports_another_ones_private_names() -> None:
 
     assert all(callable(run) for run in scenarios.SCENARIOS.values())
     assert set(scenarios.DEFAULT_SIZES) == set(scenarios.SCENARIOS)
+
+
+def test_streaming_scenario_is_registered_with_the_issues_size() -> None:
+    """calmq bench streaming runs by name with 200 streamed jobs by default, and its
+    added time to first token is a headline of the BENCHMARKS.md table."""
+    from bench import scenarios
+
+    assert scenarios.DEFAULT_SIZES["streaming"] == 200
+    assert "streaming" in scenarios.SCENARIOS
+    table = report.markdown_table([report.result(
+        "streaming", 1, {"ttft_added_p95_ms": 42.0}, {}, {})])
+    assert "| streaming | ttft_added_p95_ms | 42.0 |" in table
+
+
+def test_streaming_added_latency_is_compared_job_by_job() -> None:
+    """Time to first token through calmq (first delta minus submit) is compared with the
+    fake's own (first token minus arrival) per job, split into before the call and
+    delivery (and delivery at the first chunk's write when known); a job without a delta
+    or without the fake's record is left out."""
+    from bench.streaming import Timing, first_tokens, ttft_figures
+
+    timings = [Timing(f"j{n}", submitted=100.0, first_delta=100.0 + (400 + n) / 1000)
+               for n in range(20)]
+    timings += [Timing("no-delta", submitted=100.0), Timing("unknown", 100.0, 100.5)]
+    # The fake took each call 10 ms after its submit and wrote its first token 300 ms later;
+    # j0's first stream broke before a token, its second one counts.
+    streams = [{"job": f"j{n}", "at": 100.010, "first_token_at": 100.310} for n in range(20)]
+    streams.insert(0, {"job": "j0", "at": 100.005, "first_token_at": None})
+    streams.append({"job": "no-delta", "at": 100.0, "first_token_at": 100.3})
+    figs = ttft_figures(timings, first_tokens(streams))
+    assert figs["ttft_jobs_measured"] == 20
+    # calmq's times are 400..419 ms: nearest rank p50 is the 10th (409), p95 the 19th (418).
+    assert figs["ttft_calmq_p50_ms"] == 409.0
+    assert figs["ttft_calmq_p95_ms"] == 418.0
+    assert figs["ttft_fake_p95_ms"] == 300.0
+    assert figs["ttft_added_p50_ms"] == 109.0
+    assert figs["ttft_added_p95_ms"] == 118.0
+    assert figs["ttft_added_max_ms"] == 119.0
+    assert figs["before_call_p95_ms"] == 10.0
+    assert figs["delivery_p95_ms"] == 108.0
+    split = ttft_figures(timings, first_tokens(streams), {f"j{n}": 100.320 for n in range(20)})
+    # The first chunk's write 10 ms after the first token; the client 80..99 ms after that.
+    assert split["delivery_worker_p95_ms"] == 10.0
+    assert split["delivery_api_p50_ms"] == 89.0
+    assert split["delivery_api_p95_ms"] == 98.0
+    assert "delivery_api_p95_ms" not in figs
+
+
+def test_a_run_without_deltas_reports_no_time_to_first_token() -> None:
+    """The not-streamed baseline carries its CPU figures but no time-to-first-token keys,
+    rather than zeros that would read as a measurement."""
+    from bench.streaming import Timing, ttft_figures, without_ttft
+
+    figs = {**ttft_figures([Timing("j", 1.0)], {}), "worker_cpu_s": 1.5, "streams_ended": 1}
+    assert without_ttft(figs) == {"worker_cpu_s": 1.5, "streams_ended": 1}
