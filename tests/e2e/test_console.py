@@ -295,6 +295,9 @@ def test_a_streamed_jobs_text_appears_live_on_its_page(env: Env, owner: Any) -> 
     expect(owner.locator("#output")).not_to_have_attribute("data-deltas", "0")
     expect(owner.locator("#output-section")).to_be_visible()
     expect(owner.locator("#job-status")).to_have_text("completed", timeout=60_000)
+    # The page reloads itself for the result once the stream ends: wait for the page the
+    # server rendered after the end (a screenshot taken mid-reload never finishes).
+    expect(owner.locator('#timeline[data-terminal="1"]')).to_have_count(1, timeout=60_000)
     owner.wait_for_load_state()
     stored = owner.request.get(f"/console/jobs/{job_id}/artifact").json()["text"]
     expect(owner.locator("#output")).to_have_text(stored)
