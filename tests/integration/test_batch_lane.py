@@ -182,7 +182,8 @@ def test_batch_lane_jobs_end_as_the_same_jobs_online_at_half_the_cost(
     rows = _settled(env.db, online + batch, timeout=240)
     for n, (a, b) in enumerate(zip(online, batch, strict=True)):
         assert _outcome(rows[b]) == _outcome(rows[a]), (inputs[n], rows[a], rows[b],
-                                                        history(env.db, a))
+                                                        history(env.db, a),
+                                                        history(env.db, b))
         assert rows[b]["lane"] == "batch"
         assert rows[b]["input_tokens"] == rows[a]["input_tokens"]
         assert float(rows[b]["cost_usd"]) == pytest.approx(float(rows[a]["cost_usd"]) / 2, rel=1e-6)
