@@ -173,7 +173,10 @@ def test_batch_lane_jobs_end_as_the_same_jobs_online_at_half_the_cost(
     # make the attempt cap dead-letter a job as poison on one side only).
     env.procs.worker(pool, provider_url=fake, provider=provider,
                      **{**BASE, "lease_seconds": "20"})
-    _batcher(env, pool, fake, provider, lease_seconds="20")
+    # A provider window far longer than the run: a batch held past it would be requeued,
+    # and on a loaded machine that can cost a job its attempts on the batch side only.
+    _batcher(env, pool, fake, provider, lease_seconds="20",
+             batch_completion_window_seconds="300")
     count = JOBS if provider == "openai" else max(len(MODES), JOBS // 4)
     inputs = [{"text": f"ticket {n}: the printer is on fire", **MODES[n % len(MODES)]}
               for n in range(count)]
@@ -458,11 +461,23 @@ def test_a_refused_key_pauses_the_batch_lane_and_no_attempt_is_counted(
     once a probe call succeeds every job completes at its first attempt."""
     pool = _pool(env, "blkey")
     _batcher(env, pool, fake, provider_probe_seconds="1")
-    req = urllib.request.Request(fake + "/admin/outage", method="POST",
-                                 data=json.dumps({"seconds": 8, "statuses": [401]}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=10).close()
-    ids = _submit(env, pool, [{"text": f"key {n}"} for n in range(5)], lane="batch")
+
+    def outage(seconds: float) -> None:
+        req = urllib.request.Request(
+            fake + "/admin/outage", method="POST",
+            data=json.dumps({"seconds": seconds, "statuses": [401]}).encode(),
+            headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+
+    # The key stays refused until every job has been seen waiting for the provider (not
+    # for a fixed time: on a loaded machine the first pack may take longer than any).
+    outage(600)
+    try:
+        ids = _submit(env, pool, [{"text": f"key {n}"} for n in range(5)], lane="batch")
+        wait_for(lambda: all("waiting" in [e["type"] for e in history(env.db, i)]
+                             for i in ids), timeout=120, what="every job to wait for the key")
+    finally:
+        outage(0)
     rows = _settled(env.db, ids, timeout=120)
     for job_id, row in rows.items():
         events = history(env.db, job_id)

@@ -101,7 +101,7 @@ def test_every_builtin_workflow_completes_against_the_strict_fake(
                 "model": MODELS[shape], "embeddings_provider": "openai",
                 "embeddings_url": fake, "embeddings_model": "text-embedding-3-small",
                 "batch_max_age_seconds": "0.5", "batch_poll_interval_seconds": "0.3",
-                "batch_lease_seconds": "20", "batch_completion_window_seconds": "20",
+                "batch_lease_seconds": "20", "batch_completion_window_seconds": "300",
                 "batch_deadline_margin_seconds": "0"}
     env.procs.worker(pool, **settings)
     port = processes.free_port()
