@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,8 +92,14 @@ class BatchApis:
         # calmq does once it is collected) keeps the record of what was sent.
         self._made = 0
         self._sent: list[str] = []
-        self._ids = itertools.count(1)
         self._session: Any = None
+
+    @staticmethod
+    def _unique() -> str:
+        """The random part of a batch or file id. The real APIs' ids are unique for good
+        (``batch_6a1f...``, ``msgbatch_01...``): a counter restarted with each fake process
+        would hand a new fake's batch the id an earlier one's has in the same database."""
+        return secrets.token_hex(12)
 
     # -- OpenAI -------------------------------------------------------------------------
 
@@ -118,7 +124,7 @@ class BatchApis:
         if purpose != "batch" or not data:
             return _openai_error(400, "invalid_request_error",
                                  "send a multipart form with purpose=batch and a file")
-        file_id = f"file-fake{next(self._ids)}"
+        file_id = f"file-fake{self._unique()}"
         self._files[file_id] = (purpose, data)
         return web.json_response({"id": file_id, "object": "file", "bytes": len(data),
                                   "created_at": int(time.time()), "filename": name,
@@ -177,7 +183,7 @@ class BatchApis:
     def _failed(self, endpoint: str, file_id: str, metadata: dict[str, Any], line: int,
                 problem: str) -> dict[str, Any]:
         """A batch whose input file failed validation: status ``failed``, ``errors``."""
-        batch = _Batch(id=f"batch_fake{next(self._ids)}", anthropic=False, endpoint=endpoint,
+        batch = _Batch(id=f"batch_fake{self._unique()}", anthropic=False, endpoint=endpoint,
                        requests=[], metadata=dict(metadata), created=time.time(),
                        expire=False, status="failed", counts={}, ended=time.time(),
                        input_file_id=file_id, validation=[
@@ -376,7 +382,7 @@ class BatchApis:
         expire = self.expire_next > 0
         if expire:
             self.expire_next -= 1
-        batch = _Batch(id=f"{prefix}{next(self._ids)}", anthropic=anthropic,
+        batch = _Batch(id=f"{prefix}{self._unique()}", anthropic=anthropic,
                        endpoint=endpoint, requests=requests, metadata=metadata,
                        created=time.time(), expire=expire, corrupt=self.corrupt_next,
                        huge_line_bytes=self.huge_line_bytes)
@@ -457,10 +463,10 @@ class BatchApis:
         batch.output, batch.errors = output, errors
         if not batch.anthropic:
             if output:
-                batch.output_file_id = f"file-fake{next(self._ids)}"
+                batch.output_file_id = f"file-fake{self._unique()}"
                 self._files[batch.output_file_id] = ("batch_output", b"".join(output))
             if errors:
-                batch.error_file_id = f"file-fake{next(self._ids)}"
+                batch.error_file_id = f"file-fake{self._unique()}"
                 self._files[batch.error_file_id] = ("batch_output", b"".join(errors))
         batch.ended = time.time()
         batch.status = ("expired" if batch.expire else
@@ -524,11 +530,11 @@ class BatchApis:
             "error": None}) for n in range(lines)]
         if corrupt:
             _corrupt(chunks, huge)
-        batch = _Batch(id=f"batch_fake{next(self._ids)}", anthropic=False,
+        batch = _Batch(id=f"batch_fake{self._unique()}", anthropic=False,
                        endpoint="/v1/chat/completions", requests=[], metadata={},
                        created=time.time(), expire=False, status="completed",
                        counts={"succeeded": lines}, ended=time.time())
-        batch.output_file_id = f"file-fake{next(self._ids)}"
+        batch.output_file_id = f"file-fake{self._unique()}"
         self._files[batch.output_file_id] = ("batch_output", b"".join(chunks))
         self._batches[batch.id] = batch
         return web.json_response({**self._openai_view(batch),
