@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Generator
+import uuid
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from calmq.tooling.devstack import Stack, StackState
@@ -101,3 +103,23 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None
 
 def pytest_sessionfinish() -> None:
     _SHARED.stop()
+
+
+def _swap_db(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+@pytest.fixture
+def fresh_db(stack: StackState) -> Iterator[str]:
+    """A new, empty database on the stack's server, dropped after the test (for tests that
+    migrate or preload a database of their own)."""
+    admin = _swap_db(stack.env["CALMQ_DATABASE_URL"], "postgres")
+    name = f"fresh_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}".encode())
+    try:
+        yield _swap_db(admin, name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)".encode())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,24 +24,6 @@ pytestmark = pytest.mark.integration
 
 RETENTION = 7 * 86400.0
 
-
-def _swap_db(url: str, name: str) -> str:
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
-
-
-@pytest.fixture
-def fresh_db(stack: StackState) -> Iterator[str]:
-    """A new, empty database on the stack's server, dropped after the test."""
-    admin = _swap_db(stack.env["CALMQ_DATABASE_URL"], "postgres")
-    name = f"history_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}".encode())
-    try:
-        yield _swap_db(admin, name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)".encode())
 
 
 def _tenant(conn: psycopg.Connection[Any]) -> uuid.UUID:

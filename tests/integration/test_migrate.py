@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,31 +14,12 @@ import pytest
 
 from calmq import sql
 from calmq.data.migrations import LOCK_ID
-from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 ALL = [(v, n) for v, n, _ in sql.migrations()]
 
-
-def _swap_db(url: str, name: str) -> str:
-    base, _, _ = url.rpartition("/")
-    return f"{base}/{name}"
-
-
-@pytest.fixture
-def fresh_db(stack: StackState) -> Iterator[str]:
-    """A new, empty database on the stack's server, dropped after the test."""
-    admin = _swap_db(stack.env["CALMQ_DATABASE_URL"], "postgres")
-    name = f"migrate_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    try:
-        yield _swap_db(admin, name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def _env(url: str) -> dict[str, str]:
