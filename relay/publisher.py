@@ -11,7 +11,10 @@ otherwise hold back all the others (and a relay that crashes on it crashes again
 A record too large for Kafka (librdkafka's ``message.max.bytes``, refused at ``produce``, or
 the topic's ``max.message.bytes``, refused by the broker in the delivery report) is the
 row's fault in the same way: retrying it would resume from the same slot position forever
-and publish nothing for any tenant again. Such a row goes to ``calmq.dlq`` as a
+and publish nothing for any tenant again. The broker refuses a whole batch for its largest
+record, so a record refused in a delivery report is first sent again alone (after the
+records in flight): only one refused on its own is the row's fault. Such a row goes to
+``calmq.dlq`` as a
 ``job.dead_lettered`` naming the job, with the first ``_EXCERPT_BYTES`` of its payload and
 the error code ``record_too_large``; ``calmq_relay_rejected_total{code}`` counts every
 rejection and the ``CalmqRelayRejectedRecords`` alert fires on it.
@@ -24,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -81,6 +85,8 @@ class Publisher:
         # Rows Kafka refused as too large in a delivery report, to reject once reports are
         # served (producing from inside librdkafka's callback could block on a full queue).
         self._oversized: list[tuple[OutboxRow, Callable[[], None] | None, KafkaError]] = []
+        # Records refused in a batch with others: each is sent again on its own first.
+        self._resend: list[tuple[_Record, OutboxRow, Callable[[], None] | None]] = []
         self.rejected = 0  # rows routed to the DLQ because their payload or topic did not fit
         self._topics: set[str] = set()  # seen in the broker's metadata
         self._missing: dict[str, float] = {}  # topic -> when it was found missing
@@ -114,9 +120,9 @@ class Publisher:
         except ContractError as exc:
             self._reject(row, exc, on_ack, headers)
             return
+        record = _Record(topic, row.aggregateid.encode(), value, headers)
         try:
-            self._produce(topic, row.aggregateid.encode(), value, headers,
-                          self._reported(row, on_ack))
+            self._produce(record, self._reported(row, on_ack, record))
         except KafkaException as exc:
             error = exc.args[0]
             if error.code() not in _TOO_LARGE:
@@ -138,8 +144,8 @@ class Publisher:
               [("id", row.id.encode()), ("eventType", row.type.encode())]),
             ("calmq-error-code", exc.code.encode())]
         try:
-            self._produce(topics.DLQ, row.aggregateid.encode(), value, kept,
-                          self._reported(None, on_ack))
+            self._produce(_Record(topics.DLQ, row.aggregateid.encode(), value, kept),
+                          self._reported(None, on_ack, None))
         except KafkaException as err:
             raise self._infrastructure(topics.DLQ, err) from err
 
@@ -170,10 +176,12 @@ class Publisher:
         return self.topic_replacement.replace(ROUTED_BY_VALUE, route)
 
     def _reported(
-        self, row: OutboxRow | None, on_ack: Callable[[], None] | None
+        self, row: OutboxRow | None, on_ack: Callable[[], None] | None,
+        record: _Record | None,
     ) -> Callable[[KafkaError | None, Message], None]:
         """The delivery report of one record: ``on_ack`` once acked; a refusal as too large
-        of ``row`` (None: a rejection, never refused so) is rejected, any other fails."""
+        of ``row`` (None: a rejection, never refused so) is sent again alone (``record``) or,
+        sent alone already (None), rejected; any other refusal fails."""
         if row is None and on_ack is None:
             return self._on_delivery
 
@@ -182,27 +190,26 @@ class Publisher:
                 if on_ack is not None:
                     on_ack()
             elif row is not None and err.code() in _TOO_LARGE:
-                self._oversized.append((row, on_ack, err))
+                if record is not None:
+                    self._resend.append((record, row, on_ack))
+                else:
+                    self._oversized.append((row, on_ack, err))
             else:
                 self._failed.append(err)
 
         return report
 
     def _produce(
-        self,
-        topic: str,
-        key: bytes,
-        value: bytes,
-        headers: list[tuple[str, str | bytes | None]],
-        callback: Callable[[KafkaError | None, Message], None],
+        self, record: _Record, callback: Callable[[KafkaError | None, Message], None]
     ) -> None:
         try:
-            produce(self.producer, topic, key, value, headers=headers, on_delivery=callback)
+            produce(self.producer, record.topic, record.key, record.value,
+                    headers=record.headers, on_delivery=callback)
         except KafkaException as exc:
             # librdkafka refuses at once a topic its metadata says is gone (deleted since
             # _require_topic saw it): forget it, so the next row asks the broker again.
             if exc.args[0].code() in _NO_TOPIC:
-                self._topics.discard(topic)
+                self._topics.discard(record.topic)
             raise
 
     @staticmethod
@@ -210,10 +217,27 @@ class Publisher:
         return InfrastructureError(f"Kafka refused a record for {topic}: {exc}")
 
     def _reject_oversized(self) -> None:
-        """Reject the rows the broker refused as too large (reported since the last call)."""
-        while self._oversized:
-            row, on_ack, err = self._oversized.pop(0)
-            self._reject(row, _too_large(row, None, err), on_ack)
+        """Settle the rows the broker refused as too large (reported since the last call):
+        one refused in a batch is sent again alone, one refused alone is rejected."""
+        while self._resend or self._oversized:
+            if self._resend:
+                # The broker judged the batch by its largest record: the others in it were
+                # refused with it. Drained first, so this record travels in a batch alone.
+                self._drain()
+                resend, self._resend = self._resend, []
+                for record, row, on_ack in resend:
+                    try:
+                        self._produce(record, self._reported(row, on_ack, None))
+                    except KafkaException as exc:
+                        raise self._infrastructure(record.topic, exc) from exc
+                    self._drain()
+            while self._oversized:
+                row, on_ack, err = self._oversized.pop(0)
+                self._reject(row, _too_large(row, None, err), on_ack)
+
+    def _drain(self, timeout: float = 30.0) -> None:
+        if self.producer.flush(timeout):
+            raise InfrastructureError("records not acknowledged by Kafka in time")
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""
@@ -233,10 +257,20 @@ class Publisher:
             if remaining:
                 raise InfrastructureError(
                     f"{remaining} records not acknowledged by Kafka in time")
-            if not self._oversized:
+            if not self._oversized and not self._resend:
                 break
             self._reject_oversized()  # their rejections are flushed on the next turn
         self._raise_failed()
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """One record as produced: kept while it may have to be sent again alone."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, str | bytes | None]]
 
 
 def _rejection(row: OutboxRow, exc: ContractError, source_topic: str) -> dict[str, Any]:

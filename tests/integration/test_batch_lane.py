@@ -299,8 +299,13 @@ def test_kill_9_of_the_poller_while_batches_are_open_loses_nothing(
     assert statuses == {"completed": 60, "dead_letter": 60}
     sent = _custom_ids_at_fake(fake, ids)
     assert max(sent.values()) == 1
-    recorded = _batch_rows(env.db, pool)
-    assert {r["state"] for r in recorded} <= {"collected", "abandoned"}
+    # A batch is marked collected after its jobs' outcomes are written: waited for, not read
+    # at once.
+    def all_ended() -> list[dict[str, Any]] | None:
+        rows = _batch_rows(env.db, pool)
+        return rows if rows and {r["state"] for r in rows} <= {"collected", "abandoned"} else None
+
+    recorded = wait_for(all_ended, timeout=60, what="every batch collected or abandoned")
     assert len({r["provider_id"] for r in recorded}) == len(recorded)
 
 

@@ -119,25 +119,30 @@ def test_a_record_the_broker_refuses_as_too_large_goes_to_the_dlq(
     stack: StackState, dlq: TopicReader
 ) -> None:
     """A row within the producer's limit but over its topic's max.message.bytes is refused by
-    the broker; the relay rejects it to calmq.dlq and publishes the row after it."""
+    the broker; the relay rejects it to calmq.dlq and publishes the rows around it. Written in
+    one transaction, they reach the producer together and travel in one batch, which the broker
+    refuses as a whole: only the large row is the one at fault."""
     route = f"limits_{uuid.uuid4().hex[:10]}"
     topic = f"calmq.{route}"
     admin = AdminClient({"bootstrap.servers": stack.env["CALMQ_KAFKA_BOOTSTRAP"]})
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
                                   config={"max.message.bytes": "100000"})])[topic].result()
-    big_job, small_job = str(uuid.uuid4()), str(uuid.uuid4())
+    big_job = str(uuid.uuid4())
     big = {**event_payload(big_job, 0), "input_ref": "s3://b/" + "k" * 300_000}
-    small = event_payload(small_job, 0)
+    before = [event_payload(str(uuid.uuid4()), 0) for _ in range(10)]
+    after = [event_payload(str(uuid.uuid4()), 0) for _ in range(10)]
     with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
-        for job, body in ((big_job, big), (small_job, small)):
-            conn.execute(INSERT, (body["event_id"], route, job, "job.requested", Jsonb(body),
-                                  Jsonb({})))
+        for body in (*before, big, *after):
+            conn.execute(INSERT, (body["event_id"], route, body["job_id"], "job.requested",
+                                  Jsonb(body), Jsonb({})))
     work = TopicReader(stack.env["CALMQ_KAFKA_BOOTSTRAP"], topic)
     try:
-        work.wait_ids({str(small["event_id"])}, timeout=60)
+        work.wait_ids({str(b["event_id"]) for b in (*before, *after)}, timeout=60)
         headers, event = _dead_letter(stack, dlq, big_job)
         assert headers["calmq-error-code"] == "record_too_large"
         assert event["source_topic"] == topic
         assert str(big["event_id"]) not in work.ids()
+        rejected = {r.key for r in dlq.records if r.headers.get("calmq-error-code")}
+        assert not rejected & {str(b["job_id"]) for b in (*before, *after)}
     finally:
         work.close()
