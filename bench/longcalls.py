@@ -137,6 +137,10 @@ def longcalls(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
                                      * 1000, 1),
             "loop_lag_p50_ms": round(metrics.quantile("calmq_event_loop_lag_seconds", 0.5)
                                      * 1000, 1),
+            # The part of the loop lag that is the garbage collector (all generations).
+            "gc_pauses": int(metrics.value("calmq_gc_pause_seconds_count")),
+            "gc_pause_total_s": round(metrics.value("calmq_gc_pause_seconds_sum"), 2),
+            "gc_pause_p99_ms": round(metrics.quantile("calmq_gc_pause_seconds", 0.99) * 1000, 1),
             # Requeues of this run's jobs because a lease lapsed (the reaper's or a claim's).
             "lease_expiries": expired,
             "lease_expirations_reaped": int(metrics.value("calmq_lease_expirations_total")),

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import gc
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,18 +46,53 @@ def cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+# Collections are timed, not counted: young objects every _YOUNG_COLLECTION_SECONDS, all of
+# them every _FULL_COLLECTION_SECONDS (see _long_running).
+_YOUNG_COLLECTION_SECONDS = 0.1
+_FULL_COLLECTION_SECONDS = 60.0
+
+
 def _long_running() -> None:
     """Garbage collection for a service process, called once its modules are loaded.
 
     perf on a worker at ~700 jobs/s: 12 % of its CPU in the cyclic collector, which kept
     walking the tens of thousands of objects every import leaves behind. Those are frozen
-    (never scanned again), and the youngest generation is collected every 50,000
-    allocations instead of 700; the few cycles a job makes wait a little longer.
+    (never scanned again).
+
+    The collector stops the whole process for as long as it walks what it collects, and a
+    worker holding 5,000 calls keeps ~350,000 objects alive (each call's coroutines, frames,
+    cells), each living 8-40 s. Counted collections made that 100-300 ms pauses every few
+    seconds (``calmq bench longcalls``: loop lag p99 180-225 ms, against 50 ms): CPython
+    counts the young generation down on every deallocation, old objects' included, so at a
+    steady rate of calls it grew to 350,000 objects between collections; the middle
+    generation then walked the same calls again; and the interpreter collects everything
+    once a quarter more objects than the last full collection kept were promoted, which
+    such calls reach within seconds. So the interpreter's own collections are off, and a
+    thread collects the two young generations together every 0.1 s (survivors go straight
+    to the oldest one: each call is walked once, a few milliseconds' worth at a time) and
+    everything once a minute (what frees cycles that grew old: a failed attempt's traceback).
     """
     gc.collect()
     gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
+    gc.disable()
     _observe_gc_pauses()
+    threading.Thread(target=_collect, args=(_YOUNG_COLLECTION_SECONDS,
+                                            _FULL_COLLECTION_SECONDS),
+                     name="calmq-gc", daemon=True).start()
+
+
+def _collect(young_every: float, full_every: float,
+             stop: threading.Event | None = None) -> None:
+    """Collect the young generations every ``young_every`` s, all every ``full_every`` s,
+    until ``stop`` (never, in a service: the thread ends with the process)."""
+    stop = stop or threading.Event()
+    full_at = time.monotonic() + full_every
+    while not stop.wait(young_every):  # a timer: nothing else waits on this thread
+        if time.monotonic() >= full_at:
+            gc.collect()
+            full_at = time.monotonic() + full_every
+        else:
+            gc.collect(1)
 
 
 @functools.cache

@@ -107,6 +107,7 @@ class Stack:
         self.brokers = brokers
         self.standby = standby
         self.pooler = pooler
+        self._saving = threading.Lock()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -117,10 +118,14 @@ class Stack:
             return None
 
     def _save(self, state: StackState) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(state.to_json())
-        tmp.replace(self.state_file)
+        # Kafka and the registry start in threads, each saving as its part comes up: one at
+        # a time, or one thread's rename finds the other's temporary file gone (a bench run
+        # failed on it) and stack.json holds two documents.
+        with self._saving:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(state.to_json())
+            tmp.replace(self.state_file)
 
     def running(self) -> bool:
         state = self.state()
