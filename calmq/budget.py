@@ -500,7 +500,7 @@ class TenantTokens(Protocol):
     """Where tenants' token buckets live (calmq.data.budget.TenantTokenLedger)."""
 
     async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
-                   debt: bool = False) -> tuple[bool, float]: ...
+                   debt: float = 0.0) -> tuple[bool, float]: ...
 
     async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None: ...
 
@@ -539,13 +539,19 @@ class TenantQuota:
     buckets then serve the other tenants. With the database away the quota is not enforced
     (the shared budget still holds the provider's limit): metering a tenant must not stop
     every tenant's work.
+
+    Interactive calls may take the quota into debt, by at most ``interactive_debt_seconds``
+    of it: a tenant's bulk backlog does not hold its interactive work back, and a flood of
+    interactive work runs at the tenant's quota (after that much), not at the fleet's.
     """
 
     def __init__(self, ledger: TenantTokens, default_per_minute: int, *,
                  fleet_per_minute: int = 0, burst_seconds: float = 1.0,
                  refresh_seconds: float = 2.0, queue_seconds: float = 15.0,
+                 interactive_debt_seconds: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ledger = ledger
+        self.interactive_debt_seconds = interactive_debt_seconds
         self.share_per_minute = default_per_minute
         self.fleet_per_minute = fleet_per_minute
         self._active = 1
@@ -570,7 +576,8 @@ class TenantQuota:
         ``queue_seconds`` (None: no quota). The worker does not claim more of that tenant's
         jobs (they wait, and are released as the quota allows): claimed, they would hold
         the worker's in-flight room, and the Kafka partitions behind them, from every other
-        tenant."""
+        tenant. Its interactive jobs count against a room of this size of their own
+        (calmq.processors.admission.QuotaGate)."""
         per_minute = self._own.get(tenant_id, self.default_per_minute)
         return self.serves(per_minute, self.queue_seconds) if per_minute > 0 else None
 
@@ -600,9 +607,10 @@ class TenantQuota:
                       ) -> TenantHold | None:
         """Wait until the tenant's quota covers ``tokens``; None: no quota applies.
 
-        An interactive call never waits here: it takes its tokens even into debt, so a
-        tenant's own bulk backlog cannot hold its interactive work back (the shared buckets
-        still serve interactive first), and the tenant's bulk calls wait for the debt."""
+        An interactive call takes its tokens into debt, up to ``interactive_debt_seconds``
+        of the quota, so a tenant's own bulk backlog does not hold its interactive work back
+        (the shared buckets still serve interactive first) and the tenant's bulk calls wait
+        for the debt; past that bound it waits too, ahead of the tenant's bulk calls."""
         try:
             tenant_id = uuid.UUID(tenant)
         except ValueError:
@@ -612,6 +620,7 @@ class TenantQuota:
             return None
         rate = per_minute / 60
         cap = max(per_minute * self.burst_seconds / 60, 1.0)
+        debt = rate * self.interactive_debt_seconds if priority == "interactive" else 0.0
         self._avg_tokens = tokens if not self._avg_tokens else \
             0.9 * self._avg_tokens + 0.1 * tokens
         waited = False
@@ -620,7 +629,7 @@ class TenantQuota:
             while True:
                 try:
                     granted, wait = await self.ledger.take(
-                        tenant_id, tokens, rate, cap, debt=priority == "interactive")
+                        tenant_id, tokens, rate, cap, debt=debt)
                 except Exception as exc:  # noqa: BLE001 - fail open, see the class docstring
                     log.warning("the tenant token quota is unavailable: %s", exc)
                     return None
@@ -1074,7 +1083,8 @@ async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, u
                             int(limits.tokens_per_minute * share) if share < 1 else 0,
                             fleet_per_minute=limits.tokens_per_minute,
                             burst_seconds=s.budget_burst_seconds,
-                            queue_seconds=s.budget_queue_seconds)
+                            queue_seconds=s.budget_queue_seconds,
+                            interactive_debt_seconds=s.budget_interactive_debt_seconds)
     ledger = ProviderLedger(db)
 
     async def probe() -> object:

@@ -507,6 +507,11 @@ class Settings(BaseSettings):
     # tenants active in the last minute, never less than this share of it (a tenant row's
     # tokens_per_minute overrides it: `calmq tenants set-quota`). 1: no default quota.
     budget_tenant_share: float = Field(default=0.5, gt=0, le=1)
+    # How far a tenant's interactive calls may take its token quota into debt, in seconds of
+    # that quota: its bulk backlog never holds its interactive work back, and past this
+    # debt its interactive work waits for its quota too (ahead of its bulk), so no tenant
+    # takes the fleet's budget through the interactive priority.
+    budget_interactive_debt_seconds: float = Field(default=10.0, ge=0, le=600)
     # Spend caps in USD (0: none) for the whole fleet; a tenant's own are on its row
     # (`calmq tenants set-spend-cap`). Bulk work waits once spend reaches this fraction of a
     # cap, interactive work at the full cap, so interactive work is held last.

@@ -11,8 +11,9 @@ The gates a worker runs, in order:
 
 - ``SpendCapGate``: tenants (or the fleet) past a daily or monthly spend cap
   (calmq.spending); bulk work waits first.
-- ``QuotaGate``: a tenant's bulk jobs past what its token quota serves soon (the worker's
-  share of it: calmq.budget.TenantQuota.allowance); interactive work never waits here.
+- ``QuotaGate``: a tenant's jobs past what its token quota serves soon (the worker's share
+  of it: calmq.budget.TenantQuota.allowance); its interactive jobs count against a room of
+  their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
 - ``ReviewCapGate``: jobs that could end in review while their pool's pending reviews are at
   the reviewers' cap (calmq.data.review_caps).
 
@@ -54,7 +55,7 @@ class Occupancy(Protocol):
 
     def running(self, job_id: uuid.UUID) -> bool: ...
 
-    def held_by(self, tenant_id: uuid.UUID) -> int: ...
+    def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int: ...
 
 
 class Gate:
@@ -120,34 +121,44 @@ class SpendCapGate(Gate):
 
 
 class QuotaGate(Gate):
-    """A tenant's bulk jobs past what its token quota serves soon wait (``token_quota``):
-    this worker holds at most ``allowance(tenant)`` of them at once. Interactive work never
-    waits for the quota (nor at it: calmq.budget.TenantQuota.acquire), and bulk cannot crowd
-    it out."""
+    """A tenant's jobs past what its token quota serves soon wait (``token_quota``): this
+    worker holds at most ``allowance(tenant)`` of them at once. The tenant's interactive
+    jobs count only against each other (its bulk cannot crowd them out), its bulk jobs
+    against all it holds; an interactive flood waits all the same, and its calls wait at
+    the tenant's quota past their debt bound (calmq.budget.TenantQuota.acquire)."""
 
     name = "token_quota"
 
-    def __init__(self, allowance: Callable[[uuid.UUID], int | None], ledger: SpendLedger
-                 ) -> None:
+    def __init__(self, allowance: Callable[[uuid.UUID], int | None],
+                 ledger: SpendLedger) -> None:
         self.allowance = allowance
         self.ledger = ledger
 
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
-        taking: dict[uuid.UUID, int] = {}  # what each tenant holds with this batch's jobs
+        # What each tenant holds with this batch's jobs: all of them, the interactive ones.
+        taking: dict[uuid.UUID, int] = {}
+        taking_interactive: dict[uuid.UUID, int] = {}
         waiting: list[Request] = []
         for r in requests:
             tenant = r.tenant_id
-            if tenant is None or occupancy.running(r.job_id) or r.priority == "interactive":
+            if tenant is None or occupancy.running(r.job_id):
                 continue
             allowed = self.allowance(tenant)
             if allowed is None:
                 continue
             held = taking.setdefault(tenant, occupancy.held_by(tenant))
-            if held >= allowed:
+            if r.priority == "interactive":
+                mine = taking_interactive.setdefault(
+                    tenant, occupancy.held_by(tenant, "interactive"))
+                if mine >= allowed:
+                    waiting.append(r)
+                    continue
+                taking_interactive[tenant] = mine + 1
+            elif held >= allowed:
                 waiting.append(r)
-            else:
-                taking[tenant] = held + 1
+                continue
+            taking[tenant] = held + 1
         return await _hold(self.ledger, {self.name: waiting} if waiting else {})
 
 

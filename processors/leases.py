@@ -54,6 +54,7 @@ class Leases:
         self.lease_seconds = lease_seconds
         self._held: dict[uuid.UUID, _Held] = {}
         self._tenants: dict[uuid.UUID, int] = {}  # running attempts per tenant
+        self._interactive: dict[uuid.UUID, int] = {}  # of them, interactive ones
         # Attempts this process stopped itself (self-fencing): their messages are claimed
         # again once their lease is handed back.
         self._fenced: set[uuid.UUID] = set()
@@ -62,18 +63,18 @@ class Leases:
 
     def hold(self, job: Job, task: asyncio.Task[None], extended: float) -> None:
         self._held[job.id] = _Held(job, task, extended)
-        self._tenants[job.tenant_id] = self._tenants.get(job.tenant_id, 0) + 1
+        _count(self._tenants, job.tenant_id, 1)
+        if job.priority == "interactive":
+            _count(self._interactive, job.tenant_id, 1)
 
     def end(self, job_id: uuid.UUID) -> None:
         """The attempt ended (whatever its outcome)."""
         held = self._held.pop(job_id, None)
         if held is None:
             return
-        left = self._tenants.get(held.job.tenant_id, 1) - 1
-        if left > 0:
-            self._tenants[held.job.tenant_id] = left
-        else:
-            self._tenants.pop(held.job.tenant_id, None)
+        _count(self._tenants, held.job.tenant_id, -1)
+        if held.job.priority == "interactive":
+            _count(self._interactive, held.job.tenant_id, -1)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -86,9 +87,11 @@ class Leases:
         held = self._held.get(job_id)
         return held.job if held is not None else None
 
-    def held_by(self, tenant_id: uuid.UUID) -> int:
-        """How many of the tenant's jobs this process runs now."""
-        return self._tenants.get(tenant_id, 0)
+    def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int:
+        """How many of the tenant's jobs this process runs now (of ``priority``:
+        ``interactive``; None: all)."""
+        counts = self._interactive if priority == "interactive" else self._tenants
+        return counts.get(tenant_id, 0)
 
     def fenced(self, job_id: uuid.UUID) -> bool:
         return job_id in self._fenced
@@ -179,3 +182,11 @@ class Leases:
             except Exception:
                 log.exception("releasing %d leases failed", len(held))
         return len(held)
+
+
+def _count(counts: dict[uuid.UUID, int], tenant_id: uuid.UUID, by: int) -> None:
+    left = counts.get(tenant_id, 0) + by
+    if left > 0:
+        counts[tenant_id] = left
+    else:
+        counts.pop(tenant_id, None)

@@ -153,13 +153,13 @@ class TenantTokenLedger:
         self._db = db
 
     async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
-                   debt: bool = False) -> tuple[bool, float]:
-        """(granted, seconds to wait when not); ``debt``: granted always, counted all the
-        same."""
+                   debt: float = 0.0) -> tuple[bool, float]:
+        """(granted, seconds to wait when not); ``debt``: how many tokens below empty the
+        call may take the quota (an interactive call's bound), counted all the same."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["tenant_tokens_take"], {
                 "tenant_id": tenant_id, "need": need, "rate": rate, "cap": cap,
-                "debt": debt})
+                "debt": float(debt)})
             row = await cur.fetchone()
         assert row is not None
         return bool(row["granted"]), float(row["wait_seconds"])

@@ -63,9 +63,11 @@ SELECT provider, model, tokens_per_minute, requests_per_minute, token_rate, requ
 FROM budget_buckets WHERE provider = %(provider)s AND model = %(model)s;
 
 -- name: tenant_tokens_take
--- A tenant's token quota (migration 0012): take one call's estimate or say how long to wait.
+-- A tenant's token quota (migrations 0012, 0037): take one call's estimate, at most
+-- %(debt)s tokens into debt, or say how long to wait.
 SELECT granted, wait_seconds
-FROM calmq_tenant_tokens_take(%(tenant_id)s, %(need)s, %(rate)s, %(cap)s, %(debt)s);
+FROM calmq_tenant_tokens_take(%(tenant_id)s, %(need)s::float8, %(rate)s::float8,
+                              %(cap)s::float8, %(debt)s::float8);
 
 -- name: tenant_tokens_give_back
 -- What a call did not spend (a failed call: all of it) goes back, never above capacity.

@@ -185,3 +185,60 @@ def test_one_tenants_flood_waits_at_its_quota_and_another_tenant_still_gets_budg
             timeout=30, what="a waiting flood job to resume")
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats
+
+
+DEBT_SECONDS = 10  # CALMQ_BUDGET_INTERACTIVE_DEBT_SECONDS, the default
+
+
+@pytest.mark.timeout(240)
+def test_an_interactive_flood_waits_at_its_quota_and_another_tenants_bulk_gets_its_share(
+        stack: StackState, quota_fleet: tuple[Procs, str, str]) -> None:
+    """Tenant A submits 120 interactive jobs (half a minute of the fleet's quota), then
+    tenant B 8 bulk ones: B's finish within 20 s, since A's interactive calls wait at A's
+    quota once past their debt bound (10 s of it) and the worker holds no more of A's
+    interactive jobs than that quota serves soon (the rest wait, ``token_quota``). Before,
+    interactive calls never waited at a tenant's quota, and the shared buckets serve
+    interactive first: B's bulk waited behind A's whole flood."""
+    _procs, pool, provider_url = quota_fleet
+    database_url = stack.env["CALMQ_DATABASE_URL"]
+    flooder, _ = create_tenant_id(database_url, f"iflood-{uuid.uuid4().hex[:8]}")
+    other, _ = create_tenant_id(database_url, f"ibulk-{uuid.uuid4().hex[:8]}")
+    flood = submit(database_url, flooder, pool,
+                   [{"text": f"interactive flood job {i:04d} of the quota"}
+                    for i in range(FLOOD)], priority="interactive")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        wait_for(lambda: _completed_at(conn, flood), timeout=60,
+                 what="the flood's first completed job")
+        started = time.time()
+        few = submit(database_url, other, pool,
+                     [{"text": f"bulk job of another tenant {i:04d}"} for i in range(FEW)],
+                     priority="bulk")
+        wait_for(lambda: len(_completed_at(conn, few)) == FEW, timeout=90,
+                 what="the other tenant's bulk jobs")
+        finished = max(_completed_at(conn, few))
+        flood_done = len(_completed_at(conn, flood))
+        print(f"\nfigures: B's {FEW} bulk jobs done {finished - started:.1f} s after submit;"
+              f" A's interactive jobs done by then: {flood_done} of {FLOOD}")
+        assert finished - started <= 20, (finished - started, flood_done)
+        # Past its debt, A's calls run at its fair share (2 a second): from the moment B
+        # came, at most that rate plus the debt and a bucket.
+        row = conn.execute(
+            "SELECT count(*), extract(epoch FROM clock_timestamp()) - %s"
+            " FROM job_attempts a JOIN jobs j ON j.id = a.job_id WHERE j.tenant_id = %s"
+            " AND a.model_calls > 0 AND a.started_at > to_timestamp(%s)",
+            (started, flooder, started)).fetchone()
+        assert row is not None
+        calls, span = int(row[0]), float(row[1])
+        per_second = TOKENS_PER_MINUTE * SHARE / 60 / TOKENS_PER_JOB
+        print(f"figures: A's calls since B came: {calls} in {span:.1f} s"
+              f" (fair share {per_second:.1f}/s, debt bound {per_second * DEBT_SECONDS:.0f})")
+        assert calls <= per_second * (span + DEBT_SECONDS) * 1.1 + 3, (calls, span)
+        waited = conn.execute(
+            "SELECT count(DISTINCT job_id) FROM job_events WHERE type = 'waiting'"
+            " AND detail ->> 'reason' = 'token_quota' AND job_id = ANY(%s::uuid[])",
+            (flood,)).fetchone()
+        assert waited is not None
+        assert waited[0] > 0
+        print(f"figures: A's interactive jobs that waited unclaimed (token_quota): {waited[0]}")
+    stats = fake_stats(provider_url)
+    assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -17,6 +18,8 @@ from calmq.budget import TenantQuota
 from calmq.data.spending import Spend, SpendCap
 from calmq.errors import ContractError
 from calmq.objects import FileObjectStore, iter_chunks, read_bounded, stat_object
+from calmq.processors.admission import QuotaGate
+from calmq.processors.request import Request
 from calmq.spending import Holds, SpendCaps
 from calmq.workflows import ByReference
 from calmq.workflows.embed_document import chunk_stream, chunk_text
@@ -159,10 +162,12 @@ class _Tokens:
 
     def __init__(self) -> None:
         self.given_back: list[float] = []
+        self.debts: list[float] = []
 
     async def take(self, tenant_id: uuid.UUID, need: float, rate: float, cap: float, *,
-                   debt: bool = False) -> tuple[bool, float]:
-        return debt, 0.05
+                   debt: float = 0.0) -> tuple[bool, float]:
+        self.debts.append(debt)
+        return debt > 0, 0.05
 
     async def give_back(self, tenant_id: uuid.UUID, tokens: float, cap: float) -> None:
         self.given_back.append(tokens)
@@ -195,8 +200,58 @@ def test_a_tenants_allowance_is_what_its_quota_serves_soon() -> None:
         await asyncio.gather(*waiting, return_exceptions=True)
         assert quota.waiting(tenant) == 0
         assert TenantQuota(tokens, 0).allowance(tenant) is None
-        # An interactive call goes at once, into debt if need be.
+        # An interactive call goes at once, into debt if need be: at most 10 s of the
+        # quota (6000 a minute: 1000 tokens).
         assert await quota.acquire(str(tenant), 500, "interactive") is not None
+        assert tokens.debts[-1] == pytest.approx(1000)
+        assert set(tokens.debts[:-1]) == {0.0}  # bulk calls: none
+
+    asyncio.run(run())
+
+
+def test_interactive_jobs_have_a_room_of_their_own_and_a_flood_of_them_waits() -> None:
+    """A worker holds a tenant's jobs up to what its quota serves soon (2 at 6000 a minute,
+    10 s, 500-token calls): its interactive jobs count only against each other, so a bulk
+    backlog at the allowance leaves them room, and an interactive flood waits past it as
+    ``token_quota`` like a bulk one."""
+
+    class Held:
+        async def hold(self, ids: list[uuid.UUID], reason: str,
+                       detail: dict[str, Any]) -> list[uuid.UUID]:
+            assert reason == "token_quota"
+            return ids
+
+    class Holding:
+        def __init__(self, bulk: int, interactive: int) -> None:
+            self.bulk, self.interactive = bulk, interactive
+
+        def running(self, job_id: uuid.UUID) -> bool:
+            return False
+
+        def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int:
+            return self.interactive + (self.bulk if priority is None else 0)
+
+    quota = TenantQuota(_Tokens(), 6000, queue_seconds=10)
+    tenant = uuid.uuid4()
+    gate = QuotaGate(quota.allowance, Held())  # type: ignore[arg-type]
+
+    def requests(priority: str) -> list[Request]:
+        return [Request(((f"calmq.p.{priority}", 0), n), uuid.uuid4(), "s", "w", str(tenant),
+                        priority, None) for n in range(10)]
+
+    async def held(batch: list[Request], occupancy: Holding) -> set[uuid.UUID]:
+        async with contextlib.AsyncExitStack() as stack:
+            return await gate.hold(batch, occupancy, stack)
+
+    async def run() -> None:
+        flood = requests("interactive")
+        assert await held(flood, Holding(0, 0)) == {r.job_id for r in flood[2:]}
+        bulk = requests("bulk")
+        assert await held(bulk, Holding(0, 0)) == {r.job_id for r in bulk[2:]}
+        # The tenant's bulk at its allowance: its interactive work still has its room.
+        assert await held(flood, Holding(2, 0)) == {r.job_id for r in flood[2:]}
+        # Its interactive jobs count against its bulk: none of those fit beside 2 of them.
+        assert await held(bulk, Holding(0, 2)) == {r.job_id for r in bulk}
 
     asyncio.run(run())
 
