@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,63 @@ def _completed_at(conn: psycopg.Connection[Any], ids: list[str]) -> list[float]:
     return [float(r[0]) for r in rows]
 
 
+@dataclass
+class Flood:
+    """Tenant A's flood, then tenant B's few bulk jobs, as each flood test runs them."""
+
+    flooder: uuid.UUID
+    flood: list[str]
+    few: list[str]
+    started: float  # when B submitted
+    finished: float  # when B's last job completed
+
+
+def _flood_then_few(database_url: str, pool: str, priority: str) -> Flood:
+    """A submits FLOOD jobs of ``priority``; once one of them completed, B submits FEW bulk
+    jobs; returns once B's are all completed (within 90 s)."""
+    flooder, _ = create_tenant_id(database_url, f"flood-{uuid.uuid4().hex[:8]}")
+    other, _ = create_tenant_id(database_url, f"few-{uuid.uuid4().hex[:8]}")
+    flood = submit(database_url, flooder, pool,
+                   [{"text": f"{priority} flood job {i:04d} of the quota"}
+                    for i in range(FLOOD)], priority=priority)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        wait_for(lambda: _completed_at(conn, flood), timeout=60,
+                 what="the flood's first completed job")
+        started = time.time()
+        few = submit(database_url, other, pool,
+                     [{"text": f"other tenant job {i:04d} of the test"} for i in range(FEW)],
+                     priority="bulk")
+        wait_for(lambda: len(_completed_at(conn, few)) == FEW, timeout=90,
+                 what="the other tenant's jobs")
+        return Flood(flooder, flood, few, started, max(_completed_at(conn, few)))
+
+
+def _calls_since(conn: psycopg.Connection[Any], tenant: uuid.UUID, since: float
+                 ) -> tuple[int, float]:
+    """The tenant's model calls started after ``since`` (epoch s), and the seconds since."""
+    row = conn.execute(
+        "SELECT count(*), extract(epoch FROM clock_timestamp()) - %s"
+        " FROM job_attempts a JOIN jobs j ON j.id = a.job_id WHERE j.tenant_id = %s"
+        " AND a.model_calls > 0 AND a.started_at > to_timestamp(%s)",
+        (since, tenant, since)).fetchone()
+    assert row is not None
+    return int(row[0]), float(row[1])
+
+
+def _waited_for_quota(conn: psycopg.Connection[Any], ids: list[str]) -> int:
+    """How many of ``ids`` waited unclaimed at their tenant's quota."""
+    row = conn.execute(
+        "SELECT count(DISTINCT job_id) FROM job_events WHERE type = 'waiting'"
+        " AND detail ->> 'reason' = 'token_quota' AND job_id = ANY(%s::uuid[])",
+        (ids,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# A's fair share with two tenants active: half the fleet's 4 calls a second.
+PER_SECOND = TOKENS_PER_MINUTE * SHARE / 60 / TOKENS_PER_JOB
+
+
 @pytest.mark.timeout(240)
 def test_one_tenants_flood_waits_at_its_quota_and_another_tenant_still_gets_budget(
         stack: StackState, quota_fleet: tuple[Procs, str, str]) -> None:
@@ -134,54 +192,25 @@ def test_one_tenants_flood_waits_at_its_quota_and_another_tenant_still_gets_budg
     flood (31.8 s measured)."""
     _procs, pool, provider_url = quota_fleet
     database_url = stack.env["CALMQ_DATABASE_URL"]
-    flooder, _ = create_tenant_id(database_url, f"flood-{uuid.uuid4().hex[:8]}")
-    other, _ = create_tenant_id(database_url, f"few-{uuid.uuid4().hex[:8]}")
-    flood = submit(database_url, flooder, pool,
-                   [{"text": f"flood job number {i:04d} of the quota"} for i in range(FLOOD)],
-                   priority="bulk")
+    run = _flood_then_few(database_url, pool, "bulk")
+    assert run.finished - run.started <= 20, run.finished - run.started
     with psycopg.connect(database_url, autocommit=True) as conn:
-        wait_for(lambda: _completed_at(conn, flood), timeout=60,
-                 what="the flood's first completed job")
-        started = time.time()
-        few = submit(database_url, other, pool,
-                     [{"text": f"other tenant job {i:04d} of the test"} for i in range(FEW)],
-                     priority="bulk")
-        wait_for(lambda: len(_completed_at(conn, few)) == FEW, timeout=60,
-                 what="the other tenant's jobs")
-        finished = max(_completed_at(conn, few))
-        assert finished - started <= 20, finished - started
-
         # Alone, A had the whole fleet's quota; with B active (B counts for a minute after
         # its last call) A's fair share is half of it. A's calls from a moment after B
         # came (workers read the active tenants every 2 s): at most that rate, plus a bucket.
-        since = started + 3
-
-        def calls_since() -> tuple[int, float]:
-            row = conn.execute(
-                "SELECT count(*), extract(epoch FROM clock_timestamp()) - %s"
-                " FROM job_attempts a JOIN jobs j ON j.id = a.job_id WHERE j.tenant_id = %s"
-                " AND a.model_calls > 0 AND a.started_at > to_timestamp(%s)",
-                (since, flooder, since)).fetchone()
-            assert row is not None
-            return int(row[0]), float(row[1])
-
-        wait_for(lambda: calls_since()[0] >= 20, timeout=60, what="20 more flood calls")
-        calls, span = calls_since()
-        per_second = TOKENS_PER_MINUTE * SHARE / 60 / TOKENS_PER_JOB
-        assert calls <= per_second * span * 1.1 + 3, (calls, span)
+        since = run.started + 3
+        wait_for(lambda: _calls_since(conn, run.flooder, since)[0] >= 20, timeout=60,
+                 what="20 more flood calls")
+        calls, span = _calls_since(conn, run.flooder, since)
+        assert calls <= PER_SECOND * span * 1.1 + 3, (calls, span)
         # Some of A's jobs waited unclaimed with a visible reason, and resumed.
-        waited = conn.execute(
-            "SELECT count(DISTINCT job_id) FROM job_events WHERE type = 'waiting'"
-            " AND detail ->> 'reason' = 'token_quota' AND job_id = ANY(%s::uuid[])",
-            (flood,)).fetchone()
-        assert waited is not None
-        assert waited[0] > 0
+        assert _waited_for_quota(conn, run.flood) > 0
         assert conn.execute(
             "SELECT count(*) FROM job_events WHERE type = 'waiting'"
-            " AND job_id = ANY(%s::uuid[])", (few,)).fetchone() == (0,)
+            " AND job_id = ANY(%s::uuid[])", (run.few,)).fetchone() == (0,)
         wait_for(lambda: conn.execute(
             "SELECT count(*) FROM job_events WHERE type = 'resumed'"
-            " AND job_id = ANY(%s::uuid[])", (flood,)).fetchone()[0] > 0,  # type: ignore[index]
+            " AND job_id = ANY(%s::uuid[])", (run.flood,)).fetchone()[0] > 0,  # type: ignore[index]
             timeout=30, what="a waiting flood job to resume")
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats
@@ -198,47 +227,23 @@ def test_an_interactive_flood_waits_at_its_quota_and_another_tenants_bulk_gets_i
     quota once past their debt bound (10 s of it) and the worker holds no more of A's
     interactive jobs than that quota serves soon (the rest wait, ``token_quota``). Before,
     interactive calls never waited at a tenant's quota, and the shared buckets serve
-    interactive first: B's bulk waited behind A's whole flood."""
+    interactive first: B's bulk waited behind A's whole flood (31.9 s measured)."""
     _procs, pool, provider_url = quota_fleet
     database_url = stack.env["CALMQ_DATABASE_URL"]
-    flooder, _ = create_tenant_id(database_url, f"iflood-{uuid.uuid4().hex[:8]}")
-    other, _ = create_tenant_id(database_url, f"ibulk-{uuid.uuid4().hex[:8]}")
-    flood = submit(database_url, flooder, pool,
-                   [{"text": f"interactive flood job {i:04d} of the quota"}
-                    for i in range(FLOOD)], priority="interactive")
+    run = _flood_then_few(database_url, pool, "interactive")
     with psycopg.connect(database_url, autocommit=True) as conn:
-        wait_for(lambda: _completed_at(conn, flood), timeout=60,
-                 what="the flood's first completed job")
-        started = time.time()
-        few = submit(database_url, other, pool,
-                     [{"text": f"bulk job of another tenant {i:04d}"} for i in range(FEW)],
-                     priority="bulk")
-        wait_for(lambda: len(_completed_at(conn, few)) == FEW, timeout=90,
-                 what="the other tenant's bulk jobs")
-        finished = max(_completed_at(conn, few))
-        flood_done = len(_completed_at(conn, flood))
-        print(f"\nfigures: B's {FEW} bulk jobs done {finished - started:.1f} s after submit;"
-              f" A's interactive jobs done by then: {flood_done} of {FLOOD}")
-        assert finished - started <= 20, (finished - started, flood_done)
-        # Past its debt, A's calls run at its fair share (2 a second): from the moment B
-        # came, at most that rate plus the debt and a bucket.
-        row = conn.execute(
-            "SELECT count(*), extract(epoch FROM clock_timestamp()) - %s"
-            " FROM job_attempts a JOIN jobs j ON j.id = a.job_id WHERE j.tenant_id = %s"
-            " AND a.model_calls > 0 AND a.started_at > to_timestamp(%s)",
-            (started, flooder, started)).fetchone()
-        assert row is not None
-        calls, span = int(row[0]), float(row[1])
-        per_second = TOKENS_PER_MINUTE * SHARE / 60 / TOKENS_PER_JOB
-        print(f"figures: A's calls since B came: {calls} in {span:.1f} s"
-              f" (fair share {per_second:.1f}/s, debt bound {per_second * DEBT_SECONDS:.0f})")
-        assert calls <= per_second * (span + DEBT_SECONDS) * 1.1 + 3, (calls, span)
-        waited = conn.execute(
-            "SELECT count(DISTINCT job_id) FROM job_events WHERE type = 'waiting'"
-            " AND detail ->> 'reason' = 'token_quota' AND job_id = ANY(%s::uuid[])",
-            (flood,)).fetchone()
-        assert waited is not None
-        assert waited[0] > 0
-        print(f"figures: A's interactive jobs that waited unclaimed (token_quota): {waited[0]}")
+        flood_done = len(_completed_at(conn, run.flood))
+        print(f"\nfigures: B's {FEW} bulk jobs done {run.finished - run.started:.1f} s after"
+              f" submit; A's interactive jobs done by then: {flood_done} of {FLOOD}")
+        assert run.finished - run.started <= 20, (run.finished - run.started, flood_done)
+        # Past its debt, A's calls run at its fair share: from the moment B came, at most
+        # that rate plus the debt and a bucket.
+        calls, span = _calls_since(conn, run.flooder, run.started)
+        print(f"figures: A's calls since B came: {calls} in {span:.1f} s (fair share"
+              f" {PER_SECOND:.1f}/s, debt bound {PER_SECOND * DEBT_SECONDS:.0f} calls)")
+        assert calls <= PER_SECOND * (span + DEBT_SECONDS) * 1.1 + 3, (calls, span)
+        waited = _waited_for_quota(conn, run.flood)
+        print(f"figures: A's interactive jobs that waited unclaimed (token_quota): {waited}")
+        assert waited > 0
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats
