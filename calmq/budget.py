@@ -571,15 +571,23 @@ class TenantQuota:
             return 0
         return max(self.share_per_minute, self.fleet_per_minute // max(1, self._active))
 
-    def allowance(self, tenant_id: uuid.UUID) -> int | None:
+    def allowance(self, tenant_id: uuid.UUID, priority: str = "bulk") -> int | None:
         """How many of the tenant's jobs a worker should hold: what its quota serves within
         ``queue_seconds`` (None: no quota). The worker does not claim more of that tenant's
         jobs (they wait, and are released as the quota allows): claimed, they would hold
         the worker's in-flight room, and the Kafka partitions behind them, from every other
-        tenant. Its interactive jobs count against a room of this size of their own
-        (calmq.processors.admission.QuotaGate)."""
+        tenant. Its interactive jobs count against a room of their own
+        (calmq.processors.admission.QuotaGate): what the quota serves within its debt bound,
+        which is what they can take at once. Smaller than the bulk room, so a tenant alone
+        with an interactive flood leaves room for a second tenant's first jobs, whose first
+        call is what halves the first tenant's share."""
         per_minute = self._own.get(tenant_id, self.default_per_minute)
-        return self.serves(per_minute, self.queue_seconds) if per_minute > 0 else None
+        if per_minute <= 0:
+            return None
+        seconds = self.queue_seconds
+        if priority == "interactive" and self.interactive_debt_seconds > 0:
+            seconds = min(seconds, self.interactive_debt_seconds)
+        return self.serves(per_minute, seconds)
 
     def waiting(self, tenant_id: uuid.UUID) -> int:
         """The tenant's calls waiting for its quota in this process now."""

@@ -122,14 +122,14 @@ class SpendCapGate(Gate):
 
 class QuotaGate(Gate):
     """A tenant's jobs past what its token quota serves soon wait (``token_quota``): this
-    worker holds at most ``allowance(tenant)`` of them at once. The tenant's interactive
-    jobs count only against each other (its bulk cannot crowd them out), its bulk jobs
-    against all it holds; an interactive flood waits all the same, and its calls wait at
+    worker holds at most ``allowance(tenant, priority)`` of them at once. The tenant's
+    interactive jobs count only against each other (its bulk cannot crowd them out), its
+    bulk jobs against all it holds; an interactive flood waits all the same, and its calls wait at
     the tenant's quota past their debt bound (calmq.budget.TenantQuota.acquire)."""
 
     name = "token_quota"
 
-    def __init__(self, allowance: Callable[[uuid.UUID], int | None],
+    def __init__(self, allowance: Callable[[uuid.UUID, str], int | None],
                  ledger: SpendLedger) -> None:
         self.allowance = allowance
         self.ledger = ledger
@@ -144,11 +144,12 @@ class QuotaGate(Gate):
             tenant = r.tenant_id
             if tenant is None or occupancy.running(r.job_id):
                 continue
-            allowed = self.allowance(tenant)
+            interactive = r.priority == "interactive"
+            allowed = self.allowance(tenant, "interactive" if interactive else "bulk")
             if allowed is None:
                 continue
             held = taking.setdefault(tenant, occupancy.held_by(tenant))
-            if r.priority == "interactive":
+            if interactive:
                 mine = taking_interactive.setdefault(
                     tenant, occupancy.held_by(tenant, "interactive"))
                 if mine >= allowed:

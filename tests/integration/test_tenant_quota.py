@@ -245,5 +245,9 @@ def test_an_interactive_flood_waits_at_its_quota_and_another_tenants_bulk_gets_i
         waited = _waited_for_quota(conn, run.flood)
         print(f"figures: A's interactive jobs that waited unclaimed (token_quota): {waited}")
         assert waited > 0
+        wait_for(lambda: conn.execute(
+            "SELECT count(*) FROM job_events WHERE type = 'resumed'"
+            " AND job_id = ANY(%s::uuid[])", (run.flood,)).fetchone()[0] > 0,  # type: ignore[index]
+            timeout=30, what="a waiting interactive flood job to resume")
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats

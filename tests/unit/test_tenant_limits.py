@@ -231,9 +231,14 @@ def test_interactive_jobs_have_a_room_of_their_own_and_a_flood_of_them_waits() -
         def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int:
             return self.interactive + (self.bulk if priority is None else 0)
 
-    quota = TenantQuota(_Tokens(), 6000, queue_seconds=10)
+    quota = TenantQuota(_Tokens(), 6000, queue_seconds=10, interactive_debt_seconds=10)
     tenant = uuid.uuid4()
     gate = QuotaGate(quota.allowance, Held())  # type: ignore[arg-type]
+    # The interactive room is what the debt bound serves at once, never above the bulk one.
+    assert TenantQuota(_Tokens(), 6000, queue_seconds=10,
+                       interactive_debt_seconds=5).allowance(tenant, "interactive") == 1
+    assert TenantQuota(_Tokens(), 6000, queue_seconds=10,
+                       interactive_debt_seconds=0).allowance(tenant, "interactive") == 2
 
     def requests(priority: str) -> list[Request]:
         return [Request(((f"calmq.p.{priority}", 0), n), uuid.uuid4(), "s", "w", str(tenant),
