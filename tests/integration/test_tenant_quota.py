@@ -178,6 +178,14 @@ def _waited_for_quota(conn: psycopg.Connection[Any], ids: list[str]) -> int:
     return int(row[0])
 
 
+def _wait_resumed(conn: psycopg.Connection[Any], ids: list[str]) -> None:
+    """Wait (30 s at most) until one of ``ids`` that waited was re-published."""
+    wait_for(lambda: conn.execute(
+        "SELECT count(*) FROM job_events WHERE type = 'resumed'"
+        " AND job_id = ANY(%s::uuid[])", (ids,)).fetchone()[0] > 0,  # type: ignore[index]
+        timeout=30, what="a waiting flood job to resume")
+
+
 # A's fair share with two tenants active: half the fleet's 4 calls a second.
 PER_SECOND = TOKENS_PER_MINUTE * SHARE / 60 / TOKENS_PER_JOB
 
@@ -208,10 +216,7 @@ def test_one_tenants_flood_waits_at_its_quota_and_another_tenant_still_gets_budg
         assert conn.execute(
             "SELECT count(*) FROM job_events WHERE type = 'waiting'"
             " AND job_id = ANY(%s::uuid[])", (run.few,)).fetchone() == (0,)
-        wait_for(lambda: conn.execute(
-            "SELECT count(*) FROM job_events WHERE type = 'resumed'"
-            " AND job_id = ANY(%s::uuid[])", (run.flood,)).fetchone()[0] > 0,  # type: ignore[index]
-            timeout=30, what="a waiting flood job to resume")
+        _wait_resumed(conn, run.flood)
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats
 
@@ -245,9 +250,6 @@ def test_an_interactive_flood_waits_at_its_quota_and_another_tenants_bulk_gets_i
         waited = _waited_for_quota(conn, run.flood)
         print(f"figures: A's interactive jobs that waited unclaimed (token_quota): {waited}")
         assert waited > 0
-        wait_for(lambda: conn.execute(
-            "SELECT count(*) FROM job_events WHERE type = 'resumed'"
-            " AND job_id = ANY(%s::uuid[])", (run.flood,)).fetchone()[0] > 0,  # type: ignore[index]
-            timeout=30, what="a waiting interactive flood job to resume")
+        _wait_resumed(conn, run.flood)
     stats = fake_stats(provider_url)
     assert stats["status_counts"].get("429", 0) <= 0.01 * stats["calls"], stats
