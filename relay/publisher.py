@@ -236,8 +236,9 @@ class Publisher:
                 self._reject(row, _too_large(row, None, err), on_ack)
 
     def _drain(self, timeout: float = 30.0) -> None:
-        if self.producer.flush(timeout):
-            raise InfrastructureError("records not acknowledged by Kafka in time")
+        remaining = self.producer.flush(timeout)
+        if remaining:
+            raise InfrastructureError(f"{remaining} records not acknowledged by Kafka in time")
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve delivery reports (runs ``on_ack`` callbacks); raise if Kafka refused any."""
@@ -253,10 +254,7 @@ class Publisher:
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until Kafka acknowledged every record sent; raise if any was not."""
         while True:
-            remaining = self.producer.flush(timeout)
-            if remaining:
-                raise InfrastructureError(
-                    f"{remaining} records not acknowledged by Kafka in time")
+            self._drain(timeout)
             if not self._oversized and not self._resend:
                 break
             self._reject_oversized()  # their rejections are flushed on the next turn
