@@ -155,6 +155,11 @@ def longcalls(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
             "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3),
             "cpu_s_per_1000_jobs_worker": round(cpu_worker * 1000 / max(done, 1), 3),
             "pg_cpu_ms_per_job": round(phase.cpu.get("postgres", 0.0) * 1000 / max(done, 1), 3),
+            # Every process on the host while the worker drains: on two cores, the worker's
+            # loop waits for a core whenever these add up to nearly two.
+            "cpu_ms_per_job_by_process": {
+                name: round(seconds * 1000 / max(done, 1), 3)
+                for name, seconds in sorted(phase.cpu.items())},
         }
         versions = rig.versions
     res = result("longcalls", size, figures, {}, {}, versions,
