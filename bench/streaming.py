@@ -97,12 +97,20 @@ def _p(values: list[float], q: float) -> float:
 
 
 def ttft_figures(timings: list[Timing], fake: dict[str, tuple[float, float]],
-                 written: dict[str, float] | None = None) -> dict[str, float]:
+                 written: dict[str, float] | None = None,
+                 stages: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """p50/p95 (ms) of the time to first token through calmq, the fake's own, and what
     calmq added (split into before the call and delivery), over the jobs both sides saw.
     With ``written`` (a job's first chunk's write, epoch seconds), delivery splits into
-    the worker's leg (first token → chunk written) and the rest (→ the client)."""
+    the worker's leg (first token → chunk written) and the rest (→ the client). With
+    ``stages`` (a job's row written and its first claim, epoch seconds), before the call
+    splits into the intake (submit sent → the API's transaction), dispatch (→ claimed:
+    relay, Kafka, the worker's claim) and the worker's start (→ the call reaches the
+    provider)."""
     calmq, own, added, before, delivery, worker, api = [], [], [], [], [], [], []
+    intake: list[float] = []
+    dispatch: list[float] = []
+    start: list[float] = []
     for t in timings:
         if t.first_delta is None or t.job_id not in fake:
             continue
@@ -115,14 +123,33 @@ def ttft_figures(timings: list[Timing], fake: dict[str, tuple[float, float]],
         if written and t.job_id in written:
             worker.append((written[t.job_id] - token) * 1000)
             api.append((t.first_delta - written[t.job_id]) * 1000)
+        if stages and t.job_id in stages:
+            created, claimed = stages[t.job_id]
+            intake.append((created - t.submitted) * 1000)
+            dispatch.append((claimed - created) * 1000)
+            start.append((arrived - claimed) * 1000)
     figs: dict[str, float] = {"ttft_jobs_measured": len(added)}
     legs = (("delivery_worker", worker), ("delivery_api", api)) if written else ()
+    if stages:
+        legs = (*legs, ("before_call_intake", intake), ("before_call_dispatch", dispatch),
+                ("before_call_worker", start))
     for name, values in (("ttft_added", added), ("ttft_calmq", calmq), ("ttft_fake", own),
                          ("before_call", before), ("delivery", delivery), *legs):
         figs[f"{name}_p50_ms"] = _p(values, 50)
         figs[f"{name}_p95_ms"] = _p(values, 95)
     figs["ttft_added_max_ms"] = _p(added, 100)
     return figs
+
+
+def _stages(rig: Rig, tenant_id: str) -> dict[str, tuple[float, float]]:
+    """Each followed job's row write (the API's transaction time) and first claim."""
+    rows = rig.query(
+        """SELECT j.id::text, extract(epoch FROM j.created_at),
+                  (SELECT extract(epoch FROM min(e.at)) FROM job_events e
+                    WHERE e.job_id = j.id AND e.type = 'running')
+             FROM jobs j WHERE j.tenant_id = %s""", (tenant_id,))
+    return {job: (float(created), float(claimed)) for job, created, claimed in rows
+            if claimed is not None}
 
 
 # -- the clients --------------------------------------------------------------------------------
@@ -256,7 +283,8 @@ def _run(rig: Rig, sampler: Sampler, log: Log, name: str, *, workflow: str,
     rig.stop("worker")
     n = max(done, 1)
     figs: dict[str, Any] = {
-        **ttft_figures(timings, first_tokens(_fake_streams(fp.url)), written),
+        **ttft_figures(timings, first_tokens(_fake_streams(fp.url)), written,
+                       _stages(rig, tenant_id)),
         "streamed_jobs_completed": done, "bulk_jobs_completed": completed(rig, bulk_id),
         "bulk_left_when_streams_began": int(left),
         "bulk_left_when_streams_ended": int(bulk_left),
@@ -298,7 +326,11 @@ def streaming(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
         env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
                "CALMQ_WORKFLOW_MODULES": stream_workflows.__name__,
                # every follower is one tenant's stream in one API process
-               "CALMQ_API_STREAMS_PER_TENANT": "0"}
+               "CALMQ_API_STREAMS_PER_TENANT": "0",
+               # The worker sized for the burst: bulk calls keep their slots for the ~8 s
+               # the model takes, so interactive calls beyond the reserve (an eighth of the
+               # window by default, 36) would wait seconds for them to end.
+               "CALMQ_INTERACTIVE_RESERVE": str(size)}
         rig.calmq("api", env=env)
         rig.calmq("relay", env=env)
         _warm(rig, env, log)
@@ -314,7 +346,7 @@ def streaming(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]
     notify, alt = runs["notify"], runs["per_token"]
     base = without_ttft(runs["not_streamed"])
     figures = {**notify, **_extra(notify, base, size), "streams": size,
-               "bulk_backlog": backlog, "fake_ttft_ms": TTFT_MS,
+               "interactive_reserve": size, "bulk_backlog": backlog, "fake_ttft_ms": TTFT_MS,
                "fake_tokens_per_second": TOKENS_PER_SECOND, "fake_tokens": TOKENS,
                "target_ttft_added_p95_ms": 50}
     per_token = {**alt, **_extra(alt, base, size)}

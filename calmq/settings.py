@@ -356,6 +356,11 @@ class Settings(BaseSettings):
                             description="priorities a worker consumes, first ahead of the rest")
     concurrency: int = Field(default=256, ge=1, le=100_000,
                              description="call slots per worker process (model calls at once)")
+    interactive_reserve: int | None = Field(
+        default=None, ge=0, le=100_000,
+        description="call slots beyond concurrency that only interactive attempts may use, and"
+                    " as many more interactive jobs held claimed (default: an eighth of the"
+                    " in-flight window)")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
     sweeper_grace_seconds: float = Field(

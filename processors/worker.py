@@ -126,6 +126,9 @@ class Worker:
             max_in_flight=_claimed_bound(s.concurrency),
             commit_interval=s.commit_interval_ms / 1000,
             settling=lambda: self.pipeline.committer.pending,
+            # Bulk calls hold their slots for as long as the model takes: interactive work
+            # beyond this reserve waits for them to end (seconds each).
+            interactive_reserve=s.interactive_reserve,
         )
         codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)

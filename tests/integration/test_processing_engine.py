@@ -204,6 +204,38 @@ def test_interactive_jobs_overtake_bulk_when_the_worker_is_full(env: Env) -> Non
         assert env.finished(job_id)["status"] == "completed"
 
 
+def test_the_interactive_reserve_starts_a_burst_beside_a_worker_full_of_bulk_calls(
+    env: Env,
+) -> None:
+    """CALMQ_INTERACTIVE_RESERVE: with both call slots held by long bulk calls, four
+    interactive jobs all reach the provider while those calls still run (the default reserve
+    of such a worker, one, starts one and queues three behind the bulk calls)."""
+    pool = env.pool("reserve")
+    _proc, port = env.procs.worker(pool, **BASE, concurrency="2", interactive_reserve="4")
+    fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
+    bulk = env.submit(pool, *[{"text": f"bulk {i}", "mode": "success", "delay_ms": 20000}
+                              for i in range(4)], priority="bulk")
+    wait_for(lambda: metric(port, "calmq_worker_saturation") == 1.0, timeout=30,
+             what="both call slots held by bulk calls")
+    # 8 s calls: one at a time through a single reserved slot, the fourth would start
+    # 24 s after the first, long past the deadline below.
+    burst = env.submit(pool, *[{"text": f"now {i}", "mode": "success", "delay_ms": 8000}
+                               for i in range(4)])
+
+    def called(ids: list[str]) -> int:
+        by_job = fake_stats(fake)["by_job"]
+        return sum(1 for job_id in ids if by_job.get(job_id, {}).get("calls"))
+
+    wait_for(lambda: called(burst) == 4, timeout=6,
+             what="all four interactive calls started beside the bulk calls")
+    # Still beside them: the bulk calls (20 s) have not ended, two are still unstarted.
+    rows = job_rows(env.db, bulk).values()
+    assert sum(r["status"] == "completed" for r in rows) == 0
+    assert called(bulk) == 2
+    for job_id in burst:
+        assert env.finished(job_id)["status"] == "completed"
+
+
 def test_sigterm_finishes_in_flight_work_within_the_grace_period(env: Env) -> None:
     """SIGTERM: the worker stops fetching, finishes what it runs, commits and exits 0."""
     pool = env.pool("term")

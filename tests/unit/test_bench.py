@@ -296,6 +296,14 @@ def test_streaming_added_latency_is_compared_job_by_job() -> None:
     assert split["delivery_api_p50_ms"] == 89.0
     assert split["delivery_api_p95_ms"] == 98.0
     assert "delivery_api_p95_ms" not in figs
+    # Before the call, by stage: the row 2 ms after the submit, the claim 5 ms after it,
+    # the call 3 ms after the claim.
+    staged = ttft_figures(timings, first_tokens(streams), None,
+                          {f"j{n}": (100.002, 100.007) for n in range(20)})
+    assert staged["before_call_intake_p95_ms"] == 2.0
+    assert staged["before_call_dispatch_p95_ms"] == 5.0
+    assert staged["before_call_worker_p95_ms"] == 3.0
+    assert "before_call_intake_p95_ms" not in split
 
 
 def test_a_run_without_deltas_reports_no_time_to_first_token() -> None:
