@@ -213,22 +213,22 @@ def test_the_interactive_reserve_starts_a_burst_beside_a_worker_full_of_bulk_cal
     pool = env.pool("reserve")
     _proc, port = env.procs.worker(pool, **BASE, concurrency="2", interactive_reserve="4")
     fake = env.stack.env["CALMQ_FAKE_PROVIDER_URL"]
-    bulk = env.submit(pool, *[{"text": f"bulk {i}", "mode": "success", "delay_ms": 20000}
+    bulk = env.submit(pool, *[{"text": f"bulk {i}", "mode": "success", "delay_ms": 30000}
                               for i in range(4)], priority="bulk")
     wait_for(lambda: metric(port, "calmq_worker_saturation") == 1.0, timeout=30,
              what="both call slots held by bulk calls")
-    # 8 s calls: one at a time through a single reserved slot, the fourth would start
-    # 24 s after the first, long past the deadline below.
-    burst = env.submit(pool, *[{"text": f"now {i}", "mode": "success", "delay_ms": 8000}
+    # 12 s calls: one at a time through a single reserved slot, the second would start
+    # 12 s after the first, past the deadline below.
+    burst = env.submit(pool, *[{"text": f"now {i}", "mode": "success", "delay_ms": 12000}
                                for i in range(4)])
 
     def called(ids: list[str]) -> int:
         by_job = fake_stats(fake)["by_job"]
         return sum(1 for job_id in ids if by_job.get(job_id, {}).get("calls"))
 
-    wait_for(lambda: called(burst) == 4, timeout=6,
+    wait_for(lambda: called(burst) == 4, timeout=10,
              what="all four interactive calls started beside the bulk calls")
-    # Still beside them: the bulk calls (20 s) have not ended, two are still unstarted.
+    # Still beside them: the bulk calls (30 s) have not ended, two are still unstarted.
     rows = job_rows(env.db, bulk).values()
     assert sum(r["status"] == "completed" for r in rows) == 0
     assert called(bulk) == 2
