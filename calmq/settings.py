@@ -606,6 +606,9 @@ class Settings(BaseSettings):
     log_redact_fields: str = "*"
     queue_age_interval_seconds: float = Field(default=5.0, ge=0)
     consumer_lag_interval_seconds: float = Field(default=5.0, ge=0)
+    # Dead tuples, wraparound and the oldest transaction: slow-moving, and the statistics
+    # view grows with the history partitions, so a minute apart rather than five seconds.
+    table_health_interval_seconds: float = Field(default=60.0, ge=0)
 
     @field_validator("prices", "provider_extra_headers", "structured_outputs",
                      "embeddings_extra_headers", mode="before")

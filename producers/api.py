@@ -21,7 +21,7 @@ from psycopg_pool import PoolTimeout
 from calmq.data import Store
 from calmq.errors import CalmqError, ContractError
 from calmq.objects import ObjectStore, open_object_store
-from calmq.producers.backlog import QueueAge, SlotWatch, slot_gauges
+from calmq.producers.backlog import QueueAge, SlotWatch, TableWatch, slot_gauges, table_gauges
 from calmq.producers.console import add_console
 from calmq.producers.context import (
     AUTH_CACHE,
@@ -175,6 +175,7 @@ def build_app(
     # The slots on the same clock as the queue age: both are database-side gauges that must
     # keep moving when the part they describe (workers, the relay) is down.
     slots = SlotWatch(store, settings.queue_age_interval_seconds)
+    tables = TableWatch(store, settings.table_health_interval_seconds)
 
     # The side tasks: a failed pass is logged, counted and tried again; none of them stops
     # the API (accepting jobs matters more than any of them).
@@ -193,6 +194,9 @@ def build_app(
         if queue_age.interval > 0:
             side.every("queue-age", queue_age.interval, queue_age.sample)
             side.every("replication-slots", slots.interval, slots.sample)
+        table_gauges()
+        if tables.interval > 0:
+            side.every("table-health", tables.interval, tables.sample)
 
     async def stop_background(_app: web.Application) -> None:
         await side.stop()

@@ -1,4 +1,5 @@
-"""Database-side gauges the API samples: queue age and the replication slots' retained WAL.
+"""Database-side gauges the API samples: queue age, the replication slots' retained WAL and
+the tables' health (dead tuples, wraparound, the oldest transaction).
 
 Sampled from PostgreSQL by the API, not by workers or the relay: the API runs whether or not
 a pool has workers or a relay streams, and a pool whose workers are all down, or a slot whose
@@ -15,20 +16,36 @@ Slots: per replication slot of the database, the WAL the server keeps for it and
 process streams from it. A slot nobody streams from keeps WAL until the disk is full; the
 relay's own ``calmq_relay_slot_retained_wal_bytes`` cannot show that, because the relay is
 what is missing. A dropped slot's series are removed, not set to 0.
+
+Tables: dead tuples per table (partitions summed under their table) and their share, the
+age of the database's oldest unfrozen transaction ID, and the oldest open transaction's
+age, every ``CALMQ_TABLE_HEALTH_INTERVAL_SECONDS``. Autovacuum keeps the first two down on
+its own (migration 0029 tunes it for the hot tables); the alerts on them say when it cannot:
+a transaction left open, vacuum outpaced, or freezing behind on the way to wraparound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import cache
 
 from prometheus_client import Gauge
 
 from calmq.data import Database
-from calmq.data.observability import SlotState, queue_ages, replication_slots
+from calmq.data.observability import (
+    SlotState,
+    TableHealth,
+    TransactionAges,
+    queue_ages,
+    replication_slots,
+    table_health,
+    transaction_ages,
+)
 from calmq.jobs import Priority
 
-__all__ = ["QueueAge", "SlotWatch", "queue_age_gauge", "slot_gauges"]
+__all__ = ["QueueAge", "SlotWatch", "TableWatch", "queue_age_gauge", "slot_gauges",
+           "table_gauges"]
 
 
 @cache
@@ -49,6 +66,36 @@ def slot_gauges() -> tuple[Gauge, Gauge]:
                    "1 while a process streams from the replication slot, 0 when none does",
                    ["slot"])
     return retained, active
+
+
+@dataclass(frozen=True)
+class TableGauges:
+    dead: Gauge
+    dead_ratio: Gauge
+    xid_age: Gauge
+    oldest_transaction: Gauge
+    slot_xmin_age: Gauge
+
+
+@cache
+def table_gauges() -> TableGauges:
+    # Labels: the tables of calmq's schema (a fixed set; partitions are summed, not listed).
+    return TableGauges(
+        dead=Gauge("calmq_db_dead_tuples",
+                   "Dead tuples of a calmq table (partitions summed), as PostgreSQL's "
+                   "statistics estimate them", ["table"]),
+        dead_ratio=Gauge("calmq_db_dead_tuple_ratio",
+                         "Dead tuples over all tuples of a calmq table: what vacuum has not "
+                         "reclaimed yet", ["table"]),
+        xid_age=Gauge("calmq_db_xid_age",
+                      "Age in transactions of the database's oldest unfrozen transaction ID; "
+                      "PostgreSQL stops writes near 2^31"),
+        oldest_transaction=Gauge("calmq_db_oldest_transaction_seconds",
+                                 "How long the oldest open client transaction of the database "
+                                 "has run; vacuum keeps every row version since it began"),
+        slot_xmin_age=Gauge("calmq_db_replication_slot_xmin_age",
+                            "Age in transactions of the oldest xmin a replication slot holds "
+                            "back (0: none)"))
 
 
 class QueueAge:
@@ -96,3 +143,22 @@ class SlotWatch:
             active.labels(s.slot).set(1 if s.active else 0)
         self._seen = names
         return slots
+
+
+class TableWatch:
+    def __init__(self, db: Database, interval: float) -> None:
+        self._db = db
+        self.interval = interval  # between samples, taken by a side task; 0: never
+
+    async def sample(self) -> tuple[list[TableHealth], TransactionAges]:
+        """Read the tables' dead tuples and the transaction ages once and set the gauges."""
+        tables = await table_health(self._db)
+        ages = await transaction_ages(self._db)
+        gauges = table_gauges()
+        for t in tables:
+            gauges.dead.labels(t.table).set(t.dead)
+            gauges.dead_ratio.labels(t.table).set(t.dead_ratio)
+        gauges.xid_age.set(ages.xid_age)
+        gauges.oldest_transaction.set(ages.oldest_transaction_seconds)
+        gauges.slot_xmin_age.set(ages.slot_xmin_age)
+        return tables, ages

@@ -38,6 +38,8 @@ REQUIRED_ALERTS = {  # the concerns of the issues, each covered by at least one 
     "slot lag": "calmq_relay_slot_lag_seconds",
     "abandoned slot's WAL": "calmq_replication_slot_retained_wal_bytes",
     "429 rate": "calmq_model_calls_total",
+    "table bloat": "calmq_db_dead_tuple_ratio",
+    "transaction ID wraparound": "calmq_db_xid_age",
 }
 
 
@@ -125,6 +127,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.spending._held_gauge()
     calmq.producers.backlog.queue_age_gauge()
     calmq.producers.backlog.slot_gauges()
+    calmq.producers.backlog.table_gauges()
     for module in (calmq.processors.metrics, calmq.producers.api, calmq.producers.intake,
                    calmq.producers.routes.jobs,
                    calmq.processors.batcher):  # these define theirs at import
@@ -272,19 +275,36 @@ _HEALTHY_SAMPLES = [  # what a healthy install reports besides `up`, flat over 4
     _sample("calmq_model_calls_total", "0+60x40", provider="openai", model="gpt-4o-mini",
             outcome="ok", **_WORKER),
     _sample("calmq_poison_messages_total", "0x40", **_WORKER),
+    _sample("calmq_db_dead_tuple_ratio", "0.03x40", table="jobs", **_API),
+    _sample("calmq_db_dead_tuples", "600000x40", table="jobs", **_API),
+    _sample("calmq_db_dead_tuple_ratio", "0.5x40", table="tenants", **_API),
+    _sample("calmq_db_dead_tuples", "25x40", table="tenants", **_API),  # small: no alert
+    _sample("calmq_db_oldest_transaction_seconds", "2x40", **_API),
+    _sample("calmq_db_xid_age", "150000000+100000x40", **_API),
+]
+# The database's ill states, one scenario each: (series replaced, values, alert, its labels).
+_DATABASE_TROUBLE = [
+    (_sample("calmq_db_dead_tuple_ratio", "", table="jobs", **_API)[0], "0.03x4 0.35x36",
+     "CalmqTableBloat", {"table": "jobs"}),
+    (_sample("calmq_db_oldest_transaction_seconds", "", **_API)[0], "0+150x40",
+     "CalmqLongTransaction", {}),
+    (_sample("calmq_db_xid_age", "", **_API)[0], "900000000+10000000x40",
+     "CalmqTransactionIdWraparound", {}),
 ]
 
 
 def _scenario(name: str, parts: dict[str, str], fires: dict[str, dict[str, str]],
-              waiting: bool = False) -> dict[str, Any]:
+              waiting: bool = False, replace: dict[str, str] | None = None) -> dict[str, Any]:
     """A promtool test: ``parts`` maps each scraped part to its `up` values; every rule is
-    checked at 35 minutes, those in ``fires`` with the labels given, the rest silent."""
+    checked at 35 minutes, those in ``fires`` with the labels given, the rest silent.
+    ``replace`` gives some of the healthy samples other values."""
     series = [_scrape(part, v, "default" if part in ("worker", "batcher") else None)
               for part, v in parts.items()]
     for text, values in _HEALTHY_SAMPLES:
         # Jobs wait, and nobody takes them: the bulk queue ages.
         aging = waiting and text.startswith("calmq_queue_age_seconds") and "bulk" in text
-        series.append({"series": text, "values": "0+10x40" if aging else values})
+        given = (replace or {}).get(text, values)
+        series.append({"series": text, "values": "0+10x40" if aging else given})
     tests = []
     for rule in _rules():
         labels = fires.get(rule["alert"])
@@ -320,6 +340,9 @@ def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Pa
     scenarios.append(_scenario(
         "no worker target while jobs wait", no_workers,
         {"CalmqWorkersAbsent": {"job": "calmq-worker"}}, waiting=True))
+    # The database: bloat on a large table, a transaction open for an hour, freezing behind.
+    for text, values, alert, labels in _DATABASE_TROUBLE:
+        scenarios.append(_scenario(alert, healthy, {alert: labels}, replace={text: values}))
     # The rules as written, without their annotations: promtool compares an alert's
     # annotations too, and those are prose (test_rules_are_well_formed checks them).
     doc = yaml.safe_load(RULES.read_text())
@@ -332,7 +355,7 @@ def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Pa
     done = subprocess.run([promtool, "test", "rules", "tests.yml"], cwd=tmp_path,
                           check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(scenarios) == 1 + 2 * len(absent) + 3
+    assert len(scenarios) == 1 + 2 * len(absent) + 3 + len(_DATABASE_TROUBLE)
 
 
 def test_the_documented_table_lists_every_alert() -> None:
