@@ -51,7 +51,8 @@ def _http_ok(url: str) -> bool:
 class Rig:
     """Start the infrastructure (PostgreSQL, Kafka, registry) and any processes on top."""
 
-    def __init__(self, *, partitions: int = 8, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, *, partitions: int = 8, log: Callable[[str], None] | None = None,
+                 postgres_settings: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="calmq-bench-"))
         self.partitions = partitions
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -77,7 +78,8 @@ class Rig:
         self.pgbouncer = os.environ.get("BENCH_PGBOUNCER", "") not in ("", "0")
         self.stack = Stack(self.dir, environ=environ, postgres_settings={
             "shared_preload_libraries": "pg_stat_statements",
-            "pg_stat_statements.track": "all", "track_functions": "all"},
+            "pg_stat_statements.track": "all", "track_functions": "all",
+            **(postgres_settings or {})},
             pooler=self.pgbouncer)
         self.state: StackState | None = None
         self.procs: dict[str, Proc] = {}
@@ -122,6 +124,27 @@ class Rig:
         """The database itself (behind PgBouncer too: the rig's reads and the baselines)."""
         env = self.env
         return env.get("CALMQ_DIRECT_DATABASE_URL") or env["CALMQ_DATABASE_URL"]
+
+    def add_database(self, name: str) -> str:
+        """Another database on the same server, migrated; returns its URL. The server, its
+        settings and its cache are shared, so a scenario can compare two databases' figures
+        in one run (bench/scale.py: an empty one and a preloaded one)."""
+        from calmq.data.migrations import migrate
+
+        first = self.database_url
+        with psycopg.connect(first, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}".encode())
+        url = first.rsplit("/", 1)[0] + "/" + name
+        migrate(url)
+        return url
+
+    def use_database(self, url: str, relay_slot: str) -> None:
+        """Point the services started from now on, and the rig's own reads, at ``url``; its
+        relay gets a slot of its own (slot names are the server's, not a database's)."""
+        assert self.state is not None
+        assert not self.pgbouncer  # PgBouncer names one database
+        self.state.env["CALMQ_DATABASE_URL"] = url
+        self.state.env["CALMQ_RELAY_SLOT"] = relay_slot
 
     @property
     def bootstrap(self) -> str:

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_SIZES", "DISPATCH_RUNS", "SCENARIOS", "NotBuiltError", "run_
 # budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
                  "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
-                 "logical_messages": 50_000, "streaming": 200}
+                 "logical_messages": 50_000, "streaming": 200, "scale": 20_000_000}
 
 
 def _lazy(module: str, function: str) -> Callable[..., dict[str, Any]]:
@@ -51,13 +51,17 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "logical_messages": _lazy("logical_messages", "logical_messages"),
     # time to first token through calmq, streaming's CPU, and a transport beside it
     "streaming": _lazy("streaming", "streaming"),
+    # month six: an empty and a preloaded database side by side, then a steady run
+    "scale": _lazy("scale", "scale"),
 }
 
 
 def run_scenario(name: str, size: int | None = None, *, log: Log = stderr,
-                 profile_dir: Path | None = None, runs: int = DISPATCH_RUNS) -> dict[str, Any]:
+                 profile_dir: Path | None = None, runs: int = DISPATCH_RUNS,
+                 steady_seconds: float | None = None) -> dict[str, Any]:
     """Run one scenario and return its result; raises NotBuiltError for one not built yet.
-    ``runs``: how many times e2e runs its dispatch pass (the target is the median run)."""
+    ``runs``: how many times e2e runs its dispatch pass (the target is the median run);
+    ``steady_seconds``: scale's steady run (default: 30 minutes, a minute for a smoke size)."""
     if name not in SCENARIOS:
         raise NotBuiltError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     size = size or DEFAULT_SIZES[name]
@@ -65,8 +69,9 @@ def run_scenario(name: str, size: int | None = None, *, log: Log = stderr,
     sampler = Sampler()
     try:
         log(f"bench {name} (size {size})")
+        extra = {} if steady_seconds is None else {"steady_seconds": steady_seconds}
         res = SCENARIOS[name](size, log=log, sampler=sampler, profile_dir=profile_dir,
-                              runs=runs)
+                              runs=runs, **extra)
     finally:
         sampler.close()
     res["machine"] = info

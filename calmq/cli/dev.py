@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -121,8 +122,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.size is not None and args.size < 1:
             raise UsageError(f"--size must be 1 or more, not {args.size}")
         size = int(args.size) if args.size else None
-        result = (run_scenario(args.scenario, size, runs=int(args.runs)) if args.runs
-                  else run_scenario(args.scenario, size))
+        steady = getattr(args, "steady_minutes", None)
+        if steady is not None and steady <= 0:
+            raise UsageError(f"--steady-minutes must be above 0, not {steady}")
+        kw: dict[str, Any] = {} if steady is None else {"steady_seconds": steady * 60}
+        if args.runs:
+            kw["runs"] = int(args.runs)
+        result = run_scenario(args.scenario, size, **kw)
     except NotBuiltError as exc:
         print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
         return 2
@@ -178,9 +184,11 @@ def register(command: Command, flags: Flags) -> None:
     p = command("bench", cmd_bench, "run a benchmark scenario")
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
                                         "priority", "longcalls", "batch",
-                                        "logical_messages", "streaming"],
+                                        "logical_messages", "streaming", "scale"],
                    help="the scenario (docs/how-to/benchmarks.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")
     option(p, "--runs", type=int,
            help="e2e: run the dispatch pass this many times (default 5; the median counts)")
+    option(p, "--steady-minutes", type=float,
+           help="scale: the steady run's length (default 30; 1 below a million jobs)")

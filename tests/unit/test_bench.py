@@ -194,6 +194,24 @@ def test_bench_rejects_runs_or_size_below_one(argv: list[str],
     assert "must be 1 or more" in capsys.readouterr().err
 
 
+def test_scale_is_registered_at_the_issues_size_and_checks_its_steady_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq bench scale` preloads 20 M jobs by default; --steady-minutes 0 is a usage error
+    before a stack starts; its headline figures and their ratios to the empty database are
+    in the BENCHMARKS.md table."""
+    from bench import scenarios
+
+    assert scenarios.DEFAULT_SIZES["scale"] == 20_000_000
+    assert main(["bench", "scale", "--size", "1000", "--steady-minutes", "0"]) == 2
+    assert "--steady-minutes must be above 0" in capsys.readouterr().err
+    table = report.markdown_table([report.result(
+        "scale", 1, {"jobs_per_s": 450.0, "dispatch_p99_ms": 30.0},
+        {"empty_database": {"jobs_per_s": 500.0, "dispatch_p99_ms": 25.0}},
+        {"jobs_per_s_vs_empty": 0.9, "dispatch_p99_ms_vs_empty": 1.2})])
+    assert "| scale | jobs_per_s | 450.0 | empty_database: 500.0 | empty: 0.900x |" in table
+    assert "| scale | dispatch_p99_ms | 30.0 | empty_database: 25.0 | empty: 1.200x |" in table
+
+
 def test_new_scenarios_are_registered_with_full_default_sizes() -> None:
     """priority and longcalls run by name with the issue's sizes as their defaults, and their
     headline figures are in the BENCHMARKS.md table."""

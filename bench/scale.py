@@ -1,0 +1,450 @@
+"""The scale scenario (month six): calmq on an empty database and on one preloaded with
+months of a fleet's jobs, in one run, on one PostgreSQL server.
+
+Two databases of the same server (same settings, same cache, same disk): ``calmq`` stays
+empty and is measured first; then ``calmq_scale`` is preloaded (bench/preload.py: ``size``
+jobs over 30 days, 50 tenants on a Zipf tail, their events, attempts, dead letters and
+reviews) while no calmq process runs and no replication slot exists, so the load's WAL is
+nobody's to decode, and measured once autovacuum has finished with the load. On each:
+
+- ``e2e``: jobs through API, relay and worker from 64 connections (jobs/s), PostgreSQL's CPU
+  per job over that pass, and accept→dispatch p50/p99 at a paced rate (the median of the
+  dispatch runs, as the e2e scenario): 500 jobs/s, or half the empty database's e2e rate
+  where that is less (a rate the host cannot carry measures a queue's growth), the same
+  rate for both databases;
+
+and on the preloaded one:
+
+- reads over HTTP, p50/p99: ``GET /v1/jobs/{id}``, the first page of ``GET /v1/jobs`` and of
+  ``?status=dead_letter`` for the largest tenant and a small one, the console's overview,
+  job list and metadata search (signed in as the largest tenant);
+- ``calmq dlq summary`` (the CLI, wall time) and the reaper's and sweeper's passes (their
+  statements through the data layer, as the processes run them);
+- a steady run: intake at 500 jobs/s for ``steady_seconds`` (30 minutes by default, a minute
+  for a smoke size) while the API's retention sweep retires the jobs past 20 days: jobs
+  retired per second beside the intake, and the tables' sizes and dead tuples before and
+  after.
+
+The targets (issue "month six") are computed into ``ratios`` and ``targets``; what limits a
+missed one is for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+import uuid
+from typing import Any
+
+import aiohttp
+import psycopg
+
+from bench import loadgen
+from bench.common import (
+    DISPATCH_RUNS,
+    E2E_CONCURRENCY,
+    Log,
+    calmq_span,
+    completed,
+    count_completed,
+    dispatch_ms,
+    job_body,
+    process_costs,
+    ratio,
+    rounded,
+    wait,
+)
+from bench.loadgen import percentile
+from bench.preload import preload, tenant_names
+from bench.procs import Sampler
+from bench.report import result
+from bench.rig import Rig
+from bench.scrape import scrape
+
+__all__ = ["scale"]
+
+INTAKE_RATE = 500.0  # the steady run's intake, jobs/s
+DISPATCH_RATE = 500.0
+DISPATCH_SECONDS = 5.0
+RETENTION_DAYS = 20  # of the preload's 30: a third of the preloaded jobs are past it
+READS = 200  # requests per read measured
+FULL_STEADY_SECONDS = 1800.0
+SMOKE_STEADY_SECONDS = 60.0
+SMOKE_BELOW = 1_000_000  # a smaller preload is a smoke run: a one-minute steady run
+E2E_JOBS = 5000
+# Bulk loads: WAL and checkpoints sized so the preload is not a checkpoint storm.
+_LOAD_SETTINGS = {"max_wal_size": "8GB", "checkpoint_timeout": "30min"}
+
+
+# -- the database's own figures -------------------------------------------------------------------
+
+_TABLES = """
+SELECT root.relname AS name,
+       sum(pg_relation_size(s.relid))::bigint AS heap_bytes,
+       sum(pg_indexes_size(s.relid))::bigint AS index_bytes,
+       sum(COALESCE(pg_total_relation_size(c.reltoastrelid), 0))::bigint AS toast_bytes,
+       sum(s.n_live_tup)::bigint AS live, sum(s.n_dead_tup)::bigint AS dead
+FROM pg_stat_user_tables s
+JOIN pg_class c ON c.oid = s.relid
+JOIN pg_class root ON root.oid = COALESCE(pg_partition_root(s.relid), s.relid)
+WHERE root.relname IN ('jobs', 'job_events', 'job_attempts', 'outbox', 'step_outputs',
+                       'idempotency_keys', 'job_outputs')
+GROUP BY root.relname ORDER BY root.relname
+"""
+
+
+def _tables(url: str) -> dict[str, dict[str, Any]]:
+    """Heap, index and TOAST bytes, live and dead tuples and the dead ratio of the growing
+    tables (partitions summed under their table)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(_TABLES).fetchall()
+    out = {}
+    for name, heap, index, toast, live, dead in rows:
+        total = int(live) + int(dead)
+        out[str(name)] = {"heap_mb": rounded(int(heap) / 2**20), "index_mb":
+                          rounded(int(index) / 2**20), "toast_mb": rounded(int(toast) / 2**20),
+                          "live": int(live), "dead": int(dead),
+                          "dead_ratio": round(int(dead) / total, 4) if total else 0.0}
+    return out
+
+
+def _database_mb(url: str) -> float:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+    return rounded(int(row[0]) / 2**20) if row else 0.0
+
+
+def _autovacuum_quiet(url: str, log: Log, within: float = 900.0) -> None:
+    """Wait (up to ``within`` seconds) until no autovacuum worker runs: after a bulk load
+    autovacuum analyzes and freezes for a while, and that work belongs to no phase."""
+    deadline = time.monotonic() + within
+    busy: list[tuple[Any, ...]] = []
+    while time.monotonic() < deadline:
+        with psycopg.connect(url, autocommit=True) as conn:
+            busy = conn.execute("SELECT query FROM pg_stat_activity"
+                                " WHERE backend_type = 'autovacuum worker'").fetchall()
+        if not busy:
+            return
+        time.sleep(5)  # polling under a deadline
+    log(f"  autovacuum still busy after {within:.0f} s: {[r[0] for r in busy]}")
+
+
+# -- the e2e pass ---------------------------------------------------------------------------------
+
+def _services(rig: Rig, fake_url: str, *, retention_days: float = 0) -> dict[str, str]:
+    """API, relay and worker on the rig's current database; returns their env."""
+    env = {"CALMQ_FAKE_PROVIDER_URL": fake_url,
+           "CALMQ_JOB_RETENTION_SECONDS": str(retention_days * 86400)}
+    rig.calmq("api", env=env)
+    rig.calmq("relay", env=env)
+    rig.calmq("worker", env=env)
+    return env
+
+
+def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
+         dispatch_rate: float | None = None) -> dict[str, Any]:
+    """The e2e pass, then the dispatch runs at ``dispatch_rate`` (None: half the e2e rate
+    just measured, at most DISPATCH_RATE: a paced rate the stack can carry, or the figure
+    is a queue's growth, not dispatch)."""
+    url = f"{rig.procs['api'].url}/v1/jobs"
+    warm_id, key = rig.tenant(f"bench-warm-{label}-{uuid.uuid4().hex[:6]}")
+    asyncio.run(loadgen.closed_loop(url, job_body(), {"Authorization": f"Bearer {key}"},
+                                    total=200, concurrency=16))
+    wait(lambda: completed(rig, warm_id), 200, 120, f"{label}: warm-up jobs", log)
+
+    tenant_id, key = rig.tenant(f"bench-e2e-{label}-{uuid.uuid4().hex[:6]}")
+    own = ["api", "relay", "worker"]
+    log(f"  {label}: {jobs} jobs end to end from {E2E_CONCURRENCY} connections")
+    phase = sampler.phase({**rig.pids(*own, "fake-provider"), **rig.infra_pids()})
+    load = asyncio.run(loadgen.closed_loop(url, job_body(), {"Authorization": f"Bearer {key}"},
+                                           total=jobs, concurrency=E2E_CONCURRENCY))
+    wait(lambda: completed(rig, tenant_id), load.ok, 60 + jobs / 50, f"{label}: e2e jobs", log)
+    sampler.end(phase)
+    done, _first, last = calmq_span(rig, tenant_id)
+    costs = process_costs(phase, own, done)
+
+    jobs_per_s = done / max(last - load.started_at, 1e-3)
+    rate = dispatch_rate or min(DISPATCH_RATE, round(jobs_per_s / 2))
+    p50s, p99s = [], []
+    for n in range(runs):
+        lat_id, lat_key = rig.tenant(f"bench-dispatch-{label}-{uuid.uuid4().hex[:6]}")
+        log(f"  {label}: accept→dispatch at {rate:.0f} jobs/s for "
+            f"{DISPATCH_SECONDS:.0f} s (run {n + 1} of {runs})")
+        fixed = asyncio.run(loadgen.open_loop(url, job_body(),
+                                              {"Authorization": f"Bearer {lat_key}"},
+                                              rate=rate, seconds=DISPATCH_SECONDS))
+        wait(count_completed(rig, lat_id), fixed.ok, 60, f"{label}: dispatch jobs", log)
+        ms = dispatch_ms(rig, lat_id)
+        p50s.append(percentile(ms, 50))
+        p99s.append(percentile(ms, 99))
+    mid = (runs - 1) // 2
+    return {"jobs_per_s": rounded(jobs_per_s), "completed": done, "dispatch_rate": rate,
+            "submit_errors": sum(load.errors.values()),
+            "dispatch_p50_ms": rounded(sorted(p50s)[mid], 2),
+            "dispatch_p99_ms": rounded(sorted(p99s)[mid], 2),
+            "pg_cpu_ms_per_job": costs.get("pg_cpu_ms_per_job", 0.0),
+            "cpu_s_per_1000_jobs": costs["cpu_s_per_1000_jobs"]}
+
+
+# -- reads ----------------------------------------------------------------------------------------
+
+async def _timed(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                 n: int) -> dict[str, float]:
+    took = []
+    for _ in range(n):
+        t = time.perf_counter()
+        async with session.get(url, headers=headers, allow_redirects=False) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET {url} answered {resp.status}")
+        took.append((time.perf_counter() - t) * 1000)
+    return {"p50_ms": rounded(percentile(took, 50), 2), "p99_ms": rounded(percentile(took, 99), 2)}
+
+
+async def _console_cookie(session: aiohttp.ClientSession, base: str, key: str) -> str:
+    """Sign in to the console as a browser does (the form's CSRF cookie and token)."""
+    async with session.get(f"{base}/console/sign-in") as resp:
+        page = await resp.text()
+    match = re.search(r'name="csrf" value="([^"]+)"', page)
+    if match is None:
+        raise RuntimeError("the console's sign-in form has no CSRF token")
+    async with session.post(f"{base}/console/sign-in", allow_redirects=False,
+                            data={"csrf": match.group(1), "api_key": key}) as resp:
+        if resp.status != 303:
+            raise RuntimeError(f"console sign-in answered {resp.status}")
+    cookie = session.cookie_jar.filter_cookies(base).get("calmq_console")  # type: ignore[arg-type]
+    if cookie is None:
+        raise RuntimeError("console sign-in set no session cookie")
+    return str(cookie.value)
+
+
+async def _reads(base: str, big_key: str, small_key: str, ids: list[str],
+                 value: str) -> dict[str, Any]:
+    big = {"Authorization": f"Bearer {big_key}"}
+    small = {"Authorization": f"Bearer {small_key}"}
+    out: dict[str, Any] = {}
+    # unsafe: keep cookies of an IP address host (the API listens on 127.0.0.1)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s:
+        took = []
+        for job_id in ids:
+            t = time.perf_counter()
+            async with s.get(f"{base}/v1/jobs/{job_id}", headers=big) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"GET /v1/jobs/{job_id} answered {resp.status}")
+            took.append((time.perf_counter() - t) * 1000)
+        out["get_job"] = {"p50_ms": rounded(percentile(took, 50), 2),
+                          "p99_ms": rounded(percentile(took, 99), 2)}
+        out["list_largest"] = await _timed(s, f"{base}/v1/jobs?limit=50", big, READS)
+        out["list_small"] = await _timed(s, f"{base}/v1/jobs?limit=50", small, READS)
+        out["list_dead_letter_largest"] = await _timed(
+            s, f"{base}/v1/jobs?status=dead_letter&limit=50", big, READS)
+        out["list_dead_letter_small"] = await _timed(
+            s, f"{base}/v1/jobs?status=dead_letter&limit=50", small, READS)
+        cookie = await _console_cookie(s, base, big_key)
+        session = {"Cookie": f"calmq_console={cookie}"}
+        out["console_overview"] = await _timed(s, f"{base}/console/overview", session, READS)
+        out["console_jobs"] = await _timed(s, f"{base}/console/jobs", session, READS)
+        out["console_search_value"] = await _timed(
+            s, f"{base}/console/jobs?q={urllib.parse.quote(value)}", session, READS)
+    return out
+
+
+def _read_targets(url: str) -> tuple[list[str], str]:
+    """Job ids of the largest preloaded tenant (its newest 5,000, 200 picked) and a
+    metadata value of one of its jobs (the console's search)."""
+    import random
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT j.id, j.metadata->>'order' FROM jobs j JOIN tenants t ON t.id = j.tenant_id"
+            " WHERE t.name = %s ORDER BY j.created_at DESC LIMIT 5000",
+            (tenant_names()[0],)).fetchall()
+    rng = random.Random(32)
+    return [str(rng.choice(rows)[0]) for _ in range(READS)], str(rows[0][1])
+
+
+def _dlq_summary(rig: Rig) -> dict[str, float]:
+    """`calmq dlq summary` for all tenants, wall time of the CLI (3 runs: min and max)."""
+    took = []
+    for _ in range(3):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "calmq.cli", "dlq", "summary", "--json"],
+                       env=rig.child_env(), check=True, capture_output=True, timeout=600)
+        took.append(time.perf_counter() - t)
+    return {"min_s": rounded(min(took), 3), "max_s": rounded(max(took), 3)}
+
+
+async def _housekeeping(url: str) -> dict[str, Any]:
+    """The reaper's and sweeper's passes as the processes run them (processors/reaper.py):
+    their statements through the data layer, 20 passes each, p50/p99."""
+    from calmq.data import Store
+    from calmq.processors.reaper import POISON_ERROR
+
+    store = Store(url, max_size=2)
+    await store.open()
+    try:
+        passes = {
+            "reaper_poisoned": lambda: store.jobs.dead_letter_poisoned(POISON_ERROR),
+            "reaper_expired_leases": store.jobs.reap_expired_leases,
+            "sweeper_stranded": lambda: store.jobs.sweep_stranded(300.0, 3600.0),
+        }
+        out: dict[str, Any] = {}
+        for name, run in passes.items():
+            took = []
+            for _ in range(20):
+                t = time.perf_counter()
+                await run()
+                took.append((time.perf_counter() - t) * 1000)
+            out[name] = {"p50_ms": rounded(percentile(took, 50), 2),
+                         "p99_ms": rounded(percentile(took, 99), 2)}
+        return out
+    finally:
+        await store.close()
+
+
+# -- the steady run -------------------------------------------------------------------------------
+
+def _retired(api_url: str) -> float:
+    return scrape(api_url).value("calmq_retention_jobs_retired_total")
+
+
+def _past_retention(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM jobs WHERE redacted_at IS NULL"
+            " AND status IN ('completed', 'dead_letter', 'cancelled')"
+            " AND created_at < now() - make_interval(days => %(d)s)"
+            " AND updated_at < now() - make_interval(days => %(d)s)",
+            {"d": RETENTION_DAYS}).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _steady(rig: Rig, fake_url: str, seconds: float, sampler: Sampler,
+            log: Log) -> dict[str, Any]:
+    """Intake at INTAKE_RATE for ``seconds`` beside the API's retention sweep."""
+    url = rig.database_url
+    rig.stop("api")
+    rig.calmq("api", env={"CALMQ_FAKE_PROVIDER_URL": fake_url,
+                          "CALMQ_JOB_RETENTION_SECONDS": str(RETENTION_DAYS * 86400)})
+    api = rig.procs["api"].url
+    before = _tables(url)
+    eligible = _past_retention(url)
+    tenant_id, key = rig.tenant(f"bench-steady-{uuid.uuid4().hex[:6]}")
+    log(f"  steady: {INTAKE_RATE:.0f} jobs/s for {seconds:.0f} s beside retention "
+        f"({eligible} jobs past {RETENTION_DAYS} days)")
+    retired0 = _retired(api)  # since the API's start: its sweep began then
+    own = ["api", "relay", "worker"]
+    phase = sampler.phase({**rig.pids(*own, "fake-provider"), **rig.infra_pids()})
+    t0 = time.monotonic()
+    load = asyncio.run(loadgen.open_loop(f"{api}/v1/jobs", job_body(),
+                                         {"Authorization": f"Bearer {key}"},
+                                         rate=INTAKE_RATE, seconds=seconds))
+    retired = _retired(api) - retired0
+    window = time.monotonic() - t0
+    # A host slower than the intake leaves a backlog: its drain is waited for, not timed.
+    done = wait(count_completed(rig, tenant_id), load.ok, 120 + load.ok / 100, "steady jobs",
+                log)
+    sampler.end(phase)
+    after = _tables(url)
+    left = _past_retention(url)
+    return {"seconds": rounded(window), "intake_per_s": rounded(load.rate),
+            "submitted": load.ok, "submit_errors": sum(load.errors.values()),
+            "completed": done, "retired": int(retired),
+            "retired_before_intake": int(retired0),
+            "retired_per_s": rounded(retired / max(window, 1e-3)),
+            "past_retention_before": eligible, "past_retention_after": left,
+            "pg_cpu_ms_per_job": process_costs(phase, own, max(done, 1)).get(
+                "pg_cpu_ms_per_job", 0.0),
+            "tables_before": before, "tables_after": after}
+
+
+# -- the scenario ---------------------------------------------------------------------------------
+
+def scale(size: int, log: Log, sampler: Sampler, runs: int = DISPATCH_RUNS,
+          steady_seconds: float | None = None, **_: Any) -> dict[str, Any]:
+    steady = steady_seconds if steady_seconds is not None else (
+        FULL_STEADY_SECONDS if size >= SMOKE_BELOW else SMOKE_STEADY_SECONDS)
+    runs = max(1, min(runs, 3))  # three dispatch runs a database: the median is what counts
+    with Rig(log=log, postgres_settings=_LOAD_SETTINGS) as rig:
+        empty_url = rig.database_url
+        full_url = rig.add_database("calmq_scale")
+        # The fake answers without checking each request against the SDKs' types: the
+        # check costs CPU per call on the same two cores, which this scenario does not
+        # measure (tests/integration/test_provider_shapes.py does).
+        fake = rig.calmq("fake-provider", "--no-check-requests").url
+        _services(rig, fake)
+        empty = _e2e(rig, "empty", E2E_JOBS, runs, sampler, log)
+        for name in ("api", "relay", "worker"):
+            rig.stop(name)
+        with psycopg.connect(empty_url, autocommit=True) as conn:  # its WAL is kept otherwise
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                         " WHERE database = current_database()")
+
+        # Loaded with no slot on the server, so the load's WAL is nobody's to decode.
+        log(f"  preloading {size} jobs into calmq_scale")
+        t = time.monotonic()
+        loaded = preload(full_url, size, log=log)
+        preload_s = time.monotonic() - t
+        preloaded_mb = _database_mb(full_url)
+        _autovacuum_quiet(full_url, log)
+
+        rig.use_database(full_url, "calmq_scale_outbox")
+        _services(rig, fake)
+        full = _e2e(rig, "preloaded", E2E_JOBS, runs, sampler, log,
+                    dispatch_rate=empty["dispatch_rate"])
+        names = tenant_names()
+        from calmq.data import tenants
+
+        big_key = tenants.add_key(full_url, names[0])
+        small_key = tenants.add_key(full_url, names[-1])
+        ids, value = _read_targets(full_url)
+        log("  preloaded: reads over HTTP, the DLQ summary and housekeeping passes")
+        reads = asyncio.run(_reads(rig.procs["api"].url, big_key, small_key, ids, value))
+        dlq = _dlq_summary(rig)
+        housekeeping = asyncio.run(_housekeeping(full_url))
+        steady_run = _steady(rig, fake, steady, sampler, log)
+        versions = rig.versions
+
+    first_pages = [reads[k]["p99_ms"] for k in ("list_largest", "console_jobs")]
+    after = steady_run["tables_after"]
+    hot = {t: after[t]["dead_ratio"] for t in ("jobs", "job_events", "job_attempts", "outbox")
+           if t in after}
+    targets = {
+        "e2e_jobs_per_s_vs_empty_ge_0.9": ratio(full["jobs_per_s"], empty["jobs_per_s"]) >= 0.9,
+        "dispatch_p99_vs_empty_le_1.2":
+            ratio(full["dispatch_p99_ms"], empty["dispatch_p99_ms"]) <= 1.2,
+        "largest_first_page_p99_le_50_ms": max(first_pages) <= 50,
+        "pg_cpu_per_job_vs_empty_le_1.1":
+            ratio(full["pg_cpu_ms_per_job"], empty["pg_cpu_ms_per_job"]) <= 1.1,
+        "retention_retires_at_least_intake":
+            steady_run["retired_per_s"] >= steady_run["intake_per_s"],
+        "hot_tables_dead_ratio_le_0.2": max(hot.values(), default=0.0) <= 0.2,
+    }
+    figures = {
+        "preloaded_jobs": loaded.jobs, "preload_s": rounded(preload_s),
+        "preload_jobs_per_s": rounded(loaded.jobs / max(preload_s, 1e-3)),
+        "preloaded_database_mb": preloaded_mb,
+        "jobs_per_s": full["jobs_per_s"], "dispatch_p50_ms": full["dispatch_p50_ms"],
+        "dispatch_p99_ms": full["dispatch_p99_ms"],
+        "pg_cpu_ms_per_job": full["pg_cpu_ms_per_job"],
+        "reads": reads, "dlq_summary": dlq, "housekeeping": housekeeping,
+        "steady": steady_run, "hot_tables_dead_ratio_after": hot,
+        "targets": targets, "preload": loaded.as_dict(), "preloaded_e2e": full,
+    }
+    res = result("scale", size, figures, {"empty_database": empty}, {
+        "jobs_per_s_vs_empty": ratio(full["jobs_per_s"], empty["jobs_per_s"]),
+        "dispatch_p99_ms_vs_empty": ratio(full["dispatch_p99_ms"], empty["dispatch_p99_ms"]),
+        "pg_cpu_ms_per_job_vs_empty": ratio(full["pg_cpu_ms_per_job"],
+                                         empty["pg_cpu_ms_per_job"]),
+        "retired_per_s_vs_intake": ratio(steady_run["retired_per_s"],
+                                         steady_run["intake_per_s"]),
+    }, versions, extra_versions={"load_generator": loadgen.NAME})
+    res["steady_seconds"] = steady
+    json.dumps(res)  # every figure is plain JSON (the CLI prints it)
+    return res
