@@ -355,6 +355,7 @@ def _steady(rig: Rig, fake_url: str, seconds: float, sampler: Sampler,
     left = _past_retention(url)
     return {"seconds": rounded(window), "intake_per_s": rounded(load.rate),
             "submitted": load.ok, "submit_errors": sum(load.errors.values()),
+            "submit_error_kinds": dict(load.errors),  # status codes, or the client's error
             "completed": done, "retired": int(retired),
             "retired_before_intake": int(retired0),
             "retired_per_s": rounded(retired / max(window, 1e-3)),
