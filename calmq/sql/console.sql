@@ -88,12 +88,23 @@ LIMIT %(limit)s;
 
 -- name: console_backlog
 -- Unfinished jobs per pool, priority, lane and status, and how long the oldest has waited in
--- it (the queue age of calmq_queue_age_seconds, for queued and retrying).
+-- it (the queue age of calmq_queue_age_seconds, for queued and retrying). One arm per
+-- partial index (jobs_waiting, jobs_running, jobs_awaiting_review): a single `status IN`
+-- of all four statuses implies none of their predicates, and PostgreSQL read all of jobs
+-- for it (1.4 s at 3 M jobs).
 SELECT pool, priority, lane, status, count(*) AS jobs,
        GREATEST(0, extract(epoch FROM now() - min(updated_at)))::float8 AS oldest_seconds
-FROM jobs
-WHERE status IN ('queued', 'retrying', 'running', 'awaiting_review')
-  AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+FROM (SELECT pool, priority, lane, status, updated_at FROM jobs
+      WHERE status IN ('queued', 'retrying')
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+      UNION ALL
+      SELECT pool, priority, lane, status, updated_at FROM jobs
+      WHERE status = 'running'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+      UNION ALL
+      SELECT pool, priority, lane, status, updated_at FROM jobs
+      WHERE status = 'awaiting_review'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)) unfinished
 GROUP BY 1, 2, 3, 4
 ORDER BY 1, 2, 3, 4;
 

@@ -57,3 +57,31 @@ def test_read_needs_no_sequential_scan_of_a_growing_table(stack: StackState, nam
                             _params(statement, tenant)).fetchall()
     plan = "\n".join(r[0] for r in rows)
     assert _sequential_scans(plan) == set(), plan
+
+
+# Reads of the unfinished jobs only: they must reach jobs through the partial indexes of
+# unfinished jobs, never through an index of every job (a tenant's, by creation), which
+# the test above lets pass and which reads a whole tenant's months of jobs.
+UNFINISHED_READS = ("console_backlog", "ops_jobs_in_flight")
+UNFINISHED_INDEXES = {"jobs_waiting", "jobs_running", "jobs_awaiting_review", "jobs_leased",
+                      "jobs_review_deadline", "jobs_review_cap_held", "jobs_waiting_reason"}
+
+
+@pytest.mark.parametrize("name", UNFINISHED_READS)
+def test_reads_of_unfinished_jobs_use_only_their_partial_indexes(stack: StackState, name: str
+                                                                 ) -> None:
+    """console_backlog and ops_jobs_in_flight, for every tenant (the platform's console and
+    the CLI), read jobs only through partial indexes of unfinished jobs (seq scans priced
+    out). For one tenant the planner may take the tenant's own index where its statistics
+    say the tenant has fewer jobs than are waiting: a cost choice bounded either way."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    statement = sql.queries()[name]
+    with psycopg.connect(url) as conn:
+        conn.execute("SET enable_seqscan = off")
+        params = {**_params(statement, uuid.uuid4()), "tenant_id": None}
+        rows = conn.execute(b"EXPLAIN " + statement.encode(), params).fetchall()
+    plan = "\n".join(r[0] for r in rows)
+    used = set(re.findall(r"Index (?:Only )?Scan (?:Backward )?(?:using|on) (jobs_\w+)", plan))
+    assert used, plan
+    assert used <= UNFINISHED_INDEXES, plan
+    assert "Seq Scan on jobs " not in plan + " ", plan
