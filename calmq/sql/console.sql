@@ -91,7 +91,7 @@ LIMIT %(limit)s;
 -- it (the queue age of calmq_queue_age_seconds, for queued and retrying). One arm per
 -- partial index (jobs_waiting, jobs_running, jobs_awaiting_review): a single `status IN`
 -- of all four statuses implies none of their predicates, and PostgreSQL read all of jobs
--- for it (1.4 s at 3 M jobs).
+-- for it (476 ms for the largest tenant at 1 M jobs).
 SELECT pool, priority, lane, status, count(*) AS jobs,
        GREATEST(0, extract(epoch FROM now() - min(updated_at)))::float8 AS oldest_seconds
 FROM (SELECT pool, priority, lane, status, updated_at FROM jobs
