@@ -30,7 +30,8 @@ from bench.skip_locked import QUERIES as SKIP_LOCKED
 __all__ = [
     "DISPATCH_RUNS", "E2E_CONCURRENCY", "PY", "RELAY_ROUTE", "RELAY_TOPIC", "Log",
     "NotBuiltError", "calmq_span", "completed", "copy_outbox", "count_completed",
-    "create_topic", "dispatch_ms", "high_watermark", "hot_share", "job_body", "oneshot",
+    "create_topic", "dispatch_ms", "dispatch_runs", "high_watermark", "hot_share", "job_body",
+    "oneshot",
     "outbox_rows", "pg_ratio", "process_costs", "ratio", "relay_mode", "rounded",
     "skip_locked_drain", "skip_locked_last_id", "skip_locked_schema", "skip_locked_span",
     "stderr", "wait", "write_statements",
@@ -40,6 +41,8 @@ PY = sys.executable
 E2E_CONCURRENCY = 64
 # The dispatch target holds for the median of five consecutive passes (issue 21).
 DISPATCH_RUNS = 5
+DISPATCH_RATE = 500.0  # jobs/s of a dispatch pass, for DISPATCH_SECONDS
+DISPATCH_SECONDS = 5.0
 
 
 class NotBuiltError(Exception):
@@ -274,6 +277,34 @@ def write_statements(path: Path, scenario: str, res: dict[str, Any]) -> None:
 
 def count_completed(rig: Rig, tenant_id: str) -> Callable[[], int]:
     return lambda: completed(rig, tenant_id)
+
+
+def dispatch_runs(rig: Rig, url: str, runs: int, log: Log, *, rate: float = DISPATCH_RATE,
+                  label: str = "calmq") -> dict[str, Any]:
+    """The accept→dispatch pass at ``rate`` jobs/s, ``runs`` times back to back (a tenant
+    each); every run's p50/p99 and the median run's, which is what the target is held to."""
+    passes: list[dict[str, float]] = []
+    for n in range(runs):
+        lat_id, key = rig.tenant(f"bench-dispatch-{uuid.uuid4().hex[:6]}")
+        log(f"  {label}: accept→dispatch at {rate:.0f} jobs/s for "
+            f"{DISPATCH_SECONDS:.0f} s (run {n + 1} of {runs})")
+        fixed = asyncio.run(loadgen.open_loop(url, job_body(),
+                                              {"Authorization": f"Bearer {key}"},
+                                              rate=rate, seconds=DISPATCH_SECONDS))
+        wait(count_completed(rig, lat_id), fixed.ok, 60, "dispatch jobs", log)
+        dispatch = dispatch_ms(rig, lat_id)
+        passes.append({"p50_ms": rounded(loadgen.percentile(dispatch, 50), 2),
+                       "p99_ms": rounded(loadgen.percentile(dispatch, 99), 2),
+                       "rate": rounded(fixed.rate)})
+    p50s = sorted(p["p50_ms"] for p in passes)
+    p99s = sorted(p["p99_ms"] for p in passes)
+    mid = (len(passes) - 1) // 2
+    return {"dispatch_p50_ms": p50s[mid], "dispatch_p99_ms": p99s[mid],
+            "dispatch_rate_achieved": rounded(min(p["rate"] for p in passes)),
+            "dispatch_runs": len(passes),
+            "dispatch_runs_meeting_target": sum(1 for p in passes if p["p50_ms"] <= 15
+                                                and p["p99_ms"] <= 60),
+            "dispatch_each_run": passes}
 
 
 def skip_locked_drain(rig: Rig, size: int, env: dict[str, str], sampler: Sampler, log: Log,

@@ -21,9 +21,8 @@ from bench.common import (
     Log,
     calmq_span,
     completed,
-    count_completed,
     create_topic,
-    dispatch_ms,
+    dispatch_runs,
     hot_share,
     job_body,
     oneshot,
@@ -42,10 +41,6 @@ from bench.loadgen import percentile
 from bench.procs import Sampler
 from bench.report import result
 from bench.rig import Rig
-
-DISPATCH_RATE = 500.0
-DISPATCH_SECONDS = 5.0
-
 
 # -- database work per job ---------------------------------------------------------------------
 
@@ -92,32 +87,6 @@ def _profile_pass(rig: Rig, url: str, size: int, sampler: Sampler, profile_dir: 
                        profile_dir / "e2e-profile.md")
 
 
-def _dispatch_runs(rig: Rig, url: str, runs: int, log: Log) -> dict[str, Any]:
-    """The accept→dispatch pass ``runs`` times back to back (a tenant each); every run's
-    p50/p99 and the median run's, which is what the target is held to."""
-    passes: list[dict[str, float]] = []
-    for n in range(runs):
-        lat_id, key = rig.tenant(f"bench-dispatch-{uuid.uuid4().hex[:6]}")
-        log(f"  calmq: accept→dispatch at {DISPATCH_RATE:.0f} jobs/s for "
-            f"{DISPATCH_SECONDS:.0f} s (run {n + 1} of {runs})")
-        fixed = asyncio.run(loadgen.open_loop(url, job_body(),
-                                              {"Authorization": f"Bearer {key}"},
-                                              rate=DISPATCH_RATE, seconds=DISPATCH_SECONDS))
-        wait(count_completed(rig, lat_id), fixed.ok, 60, "dispatch jobs", log)
-        dispatch = dispatch_ms(rig, lat_id)
-        passes.append({"p50_ms": rounded(percentile(dispatch, 50), 2),
-                       "p99_ms": rounded(percentile(dispatch, 99), 2), "rate": rounded(fixed.rate)})
-    p50s = sorted(p["p50_ms"] for p in passes)
-    p99s = sorted(p["p99_ms"] for p in passes)
-    mid = (len(passes) - 1) // 2
-    return {"dispatch_p50_ms": p50s[mid], "dispatch_p99_ms": p99s[mid],
-            "dispatch_rate_achieved": rounded(min(p["rate"] for p in passes)),
-            "dispatch_runs": len(passes),
-            "dispatch_runs_meeting_target": sum(1 for p in passes if p["p50_ms"] <= 15
-                                                and p["p99_ms"] <= 60),
-            "dispatch_each_run": passes}
-
-
 def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         runs: int = DISPATCH_RUNS, **_: Any) -> dict[str, Any]:
     with Rig(log=log) as rig:
@@ -146,7 +115,7 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         jobs_per_s = done / max(last - load.started_at, 1e-3)
         statements = rig.statements(done)
 
-        dispatch = _dispatch_runs(rig, url, max(1, runs), log)
+        dispatch = dispatch_runs(rig, url, max(1, runs), log)
         figures = {"jobs_per_s": rounded(jobs_per_s),
                    "dispatch_p50_ms": dispatch["dispatch_p50_ms"],
                    "dispatch_p99_ms": dispatch["dispatch_p99_ms"], "completed": done,

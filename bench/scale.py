@@ -46,13 +46,14 @@ import psycopg
 
 from bench import loadgen
 from bench.common import (
+    DISPATCH_RATE,
     DISPATCH_RUNS,
     E2E_CONCURRENCY,
     Log,
     calmq_span,
     completed,
     count_completed,
-    dispatch_ms,
+    dispatch_runs,
     job_body,
     process_costs,
     ratio,
@@ -69,8 +70,6 @@ from bench.scrape import scrape
 __all__ = ["scale"]
 
 INTAKE_RATE = 500.0  # the steady run's intake, jobs/s
-DISPATCH_RATE = 500.0
-DISPATCH_SECONDS = 5.0
 RETENTION_DAYS = 20  # of the preload's 30: a third of the preloaded jobs are past it
 READS = 200  # requests per read measured
 FULL_STEADY_SECONDS = 1800.0
@@ -170,23 +169,12 @@ def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
 
     jobs_per_s = done / max(last - load.started_at, 1e-3)
     rate = dispatch_rate or min(DISPATCH_RATE, round(jobs_per_s / 2))
-    p50s, p99s = [], []
-    for n in range(runs):
-        lat_id, lat_key = rig.tenant(f"bench-dispatch-{label}-{uuid.uuid4().hex[:6]}")
-        log(f"  {label}: accept→dispatch at {rate:.0f} jobs/s for "
-            f"{DISPATCH_SECONDS:.0f} s (run {n + 1} of {runs})")
-        fixed = asyncio.run(loadgen.open_loop(url, job_body(),
-                                              {"Authorization": f"Bearer {lat_key}"},
-                                              rate=rate, seconds=DISPATCH_SECONDS))
-        wait(count_completed(rig, lat_id), fixed.ok, 60, f"{label}: dispatch jobs", log)
-        ms = dispatch_ms(rig, lat_id)
-        p50s.append(percentile(ms, 50))
-        p99s.append(percentile(ms, 99))
-    mid = (runs - 1) // 2
+    dispatch = dispatch_runs(rig, url, runs, log, rate=rate, label=label)
     return {"jobs_per_s": rounded(jobs_per_s), "completed": done, "dispatch_rate": rate,
             "submit_errors": sum(load.errors.values()),
-            "dispatch_p50_ms": rounded(sorted(p50s)[mid], 2),
-            "dispatch_p99_ms": rounded(sorted(p99s)[mid], 2),
+            "dispatch_p50_ms": dispatch["dispatch_p50_ms"],
+            "dispatch_p99_ms": dispatch["dispatch_p99_ms"],
+            "dispatch_each_run": dispatch["dispatch_each_run"],
             "pg_cpu_ms_per_job": costs.get("pg_cpu_ms_per_job", 0.0),
             "cpu_s_per_1000_jobs": costs["cpu_s_per_1000_jobs"]}
 
