@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+import pytest_asyncio
 
+from calmq.data import Database
 from calmq.tooling.devstack import Stack, StackState
 
 FIXTURE = "secured_stack"
@@ -123,3 +125,12 @@ def fresh_db(stack: StackState) -> Iterator[str]:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)".encode())
+
+
+@pytest_asyncio.fixture
+async def db(stack: StackState) -> AsyncIterator[Database]:
+    """A data-layer handle on the stack's database, for tests that call calmq.data directly."""
+    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=4)
+    await db.open()
+    yield db
+    await db.close()

@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-
-import pytest_asyncio
 
 from calmq.budget import BucketLimits, TokenBudget
 from calmq.data import Database
 from calmq.data.budget import BudgetLedger
-from calmq.tooling.devstack import StackState
 
 # 600 requests a minute: a 10-request bucket, 2 of them held for interactive.
 LIMITS = BucketLimits(tokens_per_minute=0, requests_per_minute=600, interactive_share=0.2,
                       burst_seconds=1.0, lease_seconds=0.5)
-
-
-@pytest_asyncio.fixture
-async def db(stack: StackState) -> AsyncIterator[Database]:
-    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=4)
-    await db.open()
-    yield db
-    await db.close()
 
 
 async def _bucket(db: Database, limits: BucketLimits = LIMITS) -> str:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import psycopg
 import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from calmq.data import Database
@@ -47,14 +46,6 @@ def abandoned_slot(stack: StackState) -> Iterator[str]:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
                          " WHERE slot_name = %s", (name,))
-
-
-@pytest_asyncio.fixture
-async def db(stack: StackState) -> AsyncIterator[Database]:
-    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=2)
-    await db.open()
-    yield db
-    await db.close()
 
 
 def _api_samples(stack: StackState) -> dict[tuple[str, str], float]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import psycopg
 import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from calmq.data import Database
@@ -19,14 +18,6 @@ from calmq.tooling.devstack import StackState
 from tests.support.waiting import wait_for_async
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_asyncio.fixture
-async def db(stack: StackState) -> AsyncIterator[Database]:
-    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=2)
-    await db.open()
-    yield db
-    await db.close()
 
 
 @pytest.fixture

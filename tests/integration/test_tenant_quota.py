@@ -14,14 +14,13 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-import pytest_asyncio
 
 from calmq.budget import BucketLimits, BudgetedProvider, TenantQuota, TokenBudget
 from calmq.data import Database
@@ -33,14 +32,6 @@ from tests.support.waiting import wait_for
 from tests.support.workers import Procs, create_pool_topics, create_tenant_id, fake_stats, submit
 
 pytestmark = pytest.mark.integration
-
-
-@pytest_asyncio.fixture
-async def db(stack: StackState) -> AsyncIterator[Database]:
-    db = Database(stack.env["CALMQ_DATABASE_URL"], min_size=1, max_size=4)
-    await db.open()
-    yield db
-    await db.close()
 
 
 async def test_a_refused_call_gives_its_reservation_back(stack: StackState, db: Database
