@@ -9,13 +9,20 @@
 -- no longer the job's (a reaper, a cancel or a newer claim took the job, by another worker
 -- or by the same worker id) is a no-op for that job. Returns the ids of the jobs it moved.
 WITH input AS (
-    SELECT *
+    -- Each row carries its job's created_at: the lower bound of its attempt's partitions.
+    -- attempt_rows joins job_attempts to this CTE alone, so that bound is a parameter of
+    -- the partitions' scan and prunes them at run time; compared with moved's created_at
+    -- (a second relation) it was a join filter, and every finish probed the index of
+    -- every day's partition of the retention (33 at 30 days: 1.0 ms of statement time per
+    -- job at 3 M jobs, against 0.35 ms on an empty database).
+    SELECT r.*, k.created_at
     FROM jsonb_to_recordset(%(rows)s::jsonb)
          AS r(job_id uuid, worker text, step text, attempt integer, lease_version bigint,
               status text,
               event_type text, outcome text, event_detail jsonb, artifact jsonb, error jsonb,
               next_step text, reset_attempt boolean, outbox jsonb, model_calls integer,
               input_tokens bigint, output_tokens bigint, cost_usd float8, ord bigint)
+         JOIN jobs k ON k.id = r.job_id
 ), target AS (
     SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id
     WHERE j.lease_owner = i.worker AND j.status = 'running'
@@ -39,7 +46,7 @@ WITH input AS (
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
-    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd, j.created_at
+    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
                               error_code = i.error ->> 'code',
@@ -52,7 +59,7 @@ WITH input AS (
     FROM input i JOIN moved m ON m.id = i.job_id
     -- the attempt's partitions: from its job's creation on (jobs.sql, job_events)
     WHERE a.job_id = i.job_id AND a.step = i.step AND a.attempt = i.attempt
-      AND a.started_at >= m.created_at
+      AND a.started_at >= i.created_at
 ), events AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT i.job_id, i.event_type, i.attempt, i.event_detail

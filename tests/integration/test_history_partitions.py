@@ -5,15 +5,18 @@ retention."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from calmq import sql
 from calmq.data import Store
+from calmq.data.attempts import Finish
 from calmq.data.migrations import apply_pending
 from calmq.objects import open_object_store
 from calmq.producers.retention import Sweeper
@@ -165,3 +168,50 @@ def test_retention_drops_a_partition_once_every_job_in_it_is_past_retention(
                                 " AND redacted_at IS NOT NULL AND input IS NULL",
                                 ([expired, recent],)).fetchone()
         assert redacted == (2,)
+
+
+def test_a_finish_reads_only_the_attempt_partitions_from_its_jobs_creation_on(
+        fresh_db: str) -> None:
+    """finish_attempts closes the attempt row through the partitions that can hold it (from
+    its job's creation on), pruned at run time: with ten days of partitions, the older ones
+    are never scanned. (Compared with a bound from a second relation, the bound was a join
+    filter, and every finish probed every day's partition of the retention.)"""
+    apply_pending(fresh_db)
+    now = datetime.now(UTC)
+    first_day = (now - timedelta(days=10)).replace(hour=0, minute=0, second=0, microsecond=0)
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        for part in _partitions(conn):
+            conn.execute(f"DROP TABLE {part}".encode())
+        for parent in ("job_events", "job_attempts"):
+            conn.execute(
+                f"CREATE TABLE {parent}_{first_day:%Y%m%d}_0000 PARTITION OF {parent}"
+                f" FOR VALUES FROM ('{first_day.isoformat()}') TO"
+                f" ('{(first_day + timedelta(days=1)).isoformat()}')".encode())
+        conn.execute("SELECT calmq_history_partitions(interval '2 days', interval '1 day')")
+        tenant = _tenant(conn)
+        job = _job(conn, tenant, status="running", created=now - timedelta(minutes=5),
+                   updated=now)
+        conn.execute("UPDATE jobs SET lease_owner = 'w1', lease_version = 1, attempt = 2,"
+                     " lease_expires_at = now() + interval '1 minute' WHERE id = %s", (job,))
+        conn.execute("INSERT INTO job_attempts (job_id, step, attempt, worker, started_at,"
+                     " lease_version) VALUES (%s, 'summarize', 2, 'w1', now(), 1)", (job,))
+
+    finish = Finish(job_id=job, worker="w1", step="summarize", attempt=2, status="completed",
+                    event_type="completed", outcome="succeeded", lease_version=1)
+    with psycopg.connect(fresh_db) as conn:  # rolled back: EXPLAIN ANALYZE runs it
+        rows = conn.execute(b"EXPLAIN (ANALYZE, COSTS OFF) "
+                            + sql.queries()["finish_attempts"].encode(),
+                            {"rows": Jsonb([finish.row(0)]), "keep_errors": 10}).fetchall()
+        plan = "\n".join(r[0] for r in rows)
+        outcome = conn.execute("SELECT outcome FROM job_attempts WHERE job_id = %s"
+                               " AND attempt = 2", (job,)).fetchone()
+        conn.rollback()
+    assert outcome == ("succeeded",), plan  # the attempt row was found and closed
+    scans = dict(re.findall(r"Scan (?:using \w+ )?on job_attempts_(\d{8})_0000 \w+"
+                            r"[^\n]*?(never executed|actual)", plan))
+    assert len(scans) >= 12, plan  # the ten days behind, today and the days ahead
+    job_day = f"{now - timedelta(minutes=5):%Y%m%d}"
+    scanned = {day for day, how in scans.items() if how == "actual"}
+    assert scanned, plan
+    assert min(scanned) >= job_day, plan
+    assert f"{now:%Y%m%d}" in scanned, plan
