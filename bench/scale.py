@@ -133,6 +133,61 @@ def _autovacuum_quiet(url: str, log: Log, within: float = 900.0) -> None:
     log(f"  autovacuum still busy after {within:.0f} s: {[r[0] for r in busy]}")
 
 
+# Where PostgreSQL's CPU per job goes besides the statements: WAL (full-page images are
+# what a random index insert into a big index costs after each checkpoint), blocks read
+# from outside shared buffers, and the maintenance that ran during the pass.
+_SERVER_COUNTERS = """
+SELECT (SELECT wal_records FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal),
+       (SELECT wal_bytes FROM pg_stat_wal),
+       (SELECT blks_read FROM pg_stat_database WHERE datname = current_database()),
+       (SELECT blks_hit FROM pg_stat_database WHERE datname = current_database()),
+       (SELECT num_done FROM pg_stat_checkpointer),
+       (SELECT coalesce(sum(autovacuum_count), 0) FROM pg_stat_user_tables),
+       (SELECT coalesce(sum(autoanalyze_count), 0) FROM pg_stat_user_tables)
+"""
+_COUNTER_NAMES = ("wal_records", "wal_fpi", "wal_bytes", "blocks_read", "blocks_hit",
+                  "checkpoints", "autovacuums", "autoanalyzes")
+
+
+def _server_counters(url: str) -> dict[str, float]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(_SERVER_COUNTERS).fetchone()
+    return {name: float(v or 0) for name, v in zip(_COUNTER_NAMES, row or (), strict=True)}
+
+
+def _per_job(before: dict[str, float], after: dict[str, float], jobs: int) -> dict[str, float]:
+    """Counters over a pass per job completed; maintenance runs and checkpoints as counts
+    (pg_stat_reset at the pass's start zeroes the per-table counts)."""
+    out: dict[str, float] = {}
+    for name in _COUNTER_NAMES:
+        if name in ("autovacuums", "autoanalyzes"):
+            out[name] = after[name]
+        elif name == "checkpoints":
+            out[name] = after[name] - before[name]
+        else:
+            out[f"{name}_per_job"] = round((after[name] - before[name]) / max(jobs, 1), 2)
+    return out
+
+
+def _statement_growth(empty: list[dict[str, Any]], full: list[dict[str, Any]],
+                      top: int = 10) -> list[dict[str, Any]]:
+    """The statements whose time per job grew most from the empty database to the
+    preloaded one (matched by their normalised text)."""
+    before = {row["query"]: row for row in empty}
+    rows = []
+    for row in full:
+        was = before.get(row["query"], {})
+        rows.append({"query": row["query"],
+                     "ms_per_job_empty": was.get("ms_per_job", 0.0),
+                     "ms_per_job_preloaded": row["ms_per_job"],
+                     "growth_ms_per_job": round(row["ms_per_job"] - was.get("ms_per_job", 0.0),
+                                                4),
+                     "wal_bytes_per_job_empty": was.get("wal_bytes_per_job", 0.0),
+                     "wal_bytes_per_job_preloaded": row["wal_bytes_per_job"]})
+    rows.sort(key=lambda r: r["growth_ms_per_job"], reverse=True)
+    return rows[:top]
+
+
 # -- the e2e pass ---------------------------------------------------------------------------------
 
 def _services(rig: Rig, fake_url: str, *, retention_days: float = 0) -> dict[str, str]:
@@ -159,6 +214,8 @@ def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
     tenant_id, key = rig.tenant(f"bench-e2e-{label}-{uuid.uuid4().hex[:6]}")
     own = ["api", "relay", "worker"]
     log(f"  {label}: {jobs} jobs end to end from {E2E_CONCURRENCY} connections")
+    rig.statements_reset()
+    server0 = _server_counters(rig.database_url)
     phase = sampler.phase({**rig.pids(*own, "fake-provider"), **rig.infra_pids()})
     load = asyncio.run(loadgen.closed_loop(url, job_body(), {"Authorization": f"Bearer {key}"},
                                            total=jobs, concurrency=E2E_CONCURRENCY))
@@ -166,6 +223,8 @@ def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
     sampler.end(phase)
     done, _first, last = calmq_span(rig, tenant_id)
     costs = process_costs(phase, own, done)
+    server = _per_job(server0, _server_counters(rig.database_url), done)
+    statements = rig.statements(done, top=25)
 
     jobs_per_s = done / max(last - load.started_at, 1e-3)
     rate = dispatch_rate or min(DISPATCH_RATE, round(jobs_per_s / 2))
@@ -176,7 +235,8 @@ def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
             "dispatch_p99_ms": dispatch["dispatch_p99_ms"],
             "dispatch_each_run": dispatch["dispatch_each_run"],
             "pg_cpu_ms_per_job": costs.get("pg_cpu_ms_per_job", 0.0),
-            "cpu_s_per_1000_jobs": costs["cpu_s_per_1000_jobs"]}
+            "cpu_s_per_1000_jobs": costs["cpu_s_per_1000_jobs"],
+            "pg_server_per_job": server, "pg_statements": statements}
 
 
 # -- reads ----------------------------------------------------------------------------------------
@@ -424,6 +484,7 @@ def scale(size: int, log: Log, sampler: Sampler, runs: int = DISPATCH_RUNS,
         "pg_cpu_ms_per_job": full["pg_cpu_ms_per_job"],
         "reads": reads, "dlq_summary": dlq, "housekeeping": housekeeping,
         "steady": steady_run, "hot_tables_dead_ratio_after": hot,
+        "statement_growth": _statement_growth(empty["pg_statements"], full["pg_statements"]),
         "targets": targets, "preload": loaded.as_dict(), "preloaded_e2e": full,
     }
     res = result("scale", size, figures, {"empty_database": empty}, {
