@@ -38,6 +38,8 @@ from typing import Any
 
 import psycopg
 
+from calmq.jobs import new_id
+
 __all__ = ["LAYOUTS", "Preloaded", "preload", "tenant_names"]
 
 LAYOUTS = ("partitioned", "legacy")
@@ -105,9 +107,10 @@ def _ts(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat(sep=" ")
 
 
-def _uuid(rng: random.Random) -> str:
-    h = f"{rng.getrandbits(128):032x}"
-    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-a{h[17:20]}-{h[20:]}"
+def _job_id(rng: random.Random, at: float) -> str:
+    """The id calmq gives a job created at ``at`` (time-ordered, calmq.jobs.new_id), from the
+    seeded generator."""
+    return str(new_id(at, entropy=rng.getrandbits(80)))
 
 
 def _pick(rng: random.Random, cumulative: list[float], items: list[Any]) -> Any:
@@ -149,7 +152,7 @@ def _day_rows(day_start: float, count: int, now: float, seed: int) -> _DayRows:
         workflow = _pick(rng, w_cum, w_items)
         if status == "awaiting_review" and (at < recent or workflow != "invoice"):
             status = "completed"  # a review waits days at most, and only the invoice's
-        job = _uuid(rng)
+        job = _job_id(rng, at)
         step = _FIRST_STEP[workflow]
         order = rng.randrange(10_000_000)
         metadata = (f'{{"order": "o-{order}", "customer": "c-{rng.randrange(5000)}",'

@@ -1,4 +1,5 @@
-"""The job: its statuses, the events of its history, and the legal moves between statuses.
+"""The job: its id, its statuses, the events of its history, and the legal moves between
+statuses.
 
 The state machine lives here, in one table (``MOVES``), so that the data layer, the workers
 and the API agree on it. docs/explanation/job-state-machine.md draws the same table.
@@ -6,6 +7,9 @@ and the API agree on it. docs/explanation/job-state-machine.md draws the same ta
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from enum import StrEnum
 
 __all__ = [
@@ -15,7 +19,30 @@ __all__ = [
     "Priority",
     "Status",
     "can_move",
+    "new_id",
 ]
+
+
+def new_id(at: float | None = None, *, entropy: int | None = None) -> uuid.UUID:
+    """A new job id: a version 7 UUID (RFC 9562), its first 48 bits the creation time in
+    Unix milliseconds (``at``, seconds; now by default), the other 74 free bits random.
+
+    Time-ordered on purpose. Every index keyed by the job id (jobs' primary key, each
+    history partition's (job_id, ...) index) then takes a new job's entries on its
+    right-hand pages, which stay in memory however many months of jobs lie to their left;
+    with random (version 4) ids each insert and each non-HOT update of a job touched a
+    random page of an index that grows with the table (17 blocks per job read from outside
+    shared buffers at 3 M jobs). The id is no secret: every read of a job is authorised by
+    its tenant, and the job's creation time is in its own record anyway.
+
+    ``entropy`` (80 bits; from os.urandom by default) is for a seeded load of past jobs.
+    """
+    ms = (time.time_ns() // 1_000_000 if at is None else int(at * 1000)) & (2**48 - 1)
+    bits = int.from_bytes(os.urandom(10), "big") if entropy is None else entropy
+    value = ms << 80 | bits & (2**80 - 1)
+    value = value & ~(0xF << 76) | 0x7 << 76  # version 7
+    value = value & ~(0x3 << 62) | 0x2 << 62  # the RFC 9562 variant
+    return uuid.UUID(int=value)
 
 
 class Status(StrEnum):

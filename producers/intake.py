@@ -29,6 +29,7 @@ from calmq.batching import Batcher
 from calmq.data import Idempotency, Store
 from calmq.data.jobs import NewJob, insert_jobs
 from calmq.errors import ContractError, InfrastructureError
+from calmq.jobs import new_id
 from calmq.workflows import Workflow
 
 __all__ = ["GroupCommit", "prepare", "refusal", "submit_keyed"]
@@ -59,7 +60,7 @@ def prepare(
     """
     first = workflow.steps[0]
     return NewJob(
-        id=job_id or uuid.uuid4(),
+        id=job_id or new_id(),
         tenant_id=tenant_id,
         workflow=workflow.name,
         workflow_version=workflow.version,
