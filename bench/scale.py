@@ -182,6 +182,9 @@ def _statement_growth(empty: list[dict[str, Any]], full: list[dict[str, Any]],
                      "ms_per_job_preloaded": row["ms_per_job"],
                      "growth_ms_per_job": round(row["ms_per_job"] - was.get("ms_per_job", 0.0),
                                                 4),
+                     "plan_ms_per_job_empty": was.get("plan_ms_per_job", 0.0),
+                     "plan_ms_per_job_preloaded": row.get("plan_ms_per_job", 0.0),
+                     "blocks_read_per_job_preloaded": row.get("blocks_read_per_job", 0.0),
                      "wal_bytes_per_job_empty": was.get("wal_bytes_per_job", 0.0),
                      "wal_bytes_per_job_preloaded": row["wal_bytes_per_job"]})
     rows.sort(key=lambda r: r["growth_ms_per_job"], reverse=True)
