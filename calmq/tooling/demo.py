@@ -112,4 +112,4 @@ def _journey(view: dict[str, Any], _started: float) -> str:
         f"{e['type']} (+{(datetime.fromisoformat(e['at']) - t0).total_seconds() * 1000:.0f} ms)"
         for e in events
     )
-    return f"  job {view['job_id'][:8]} [{view['status']}]: {steps}"
+    return f"  job {view['job_id']} [{view['status']}]: {steps}"

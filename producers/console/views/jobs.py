@@ -95,7 +95,7 @@ async def job_page(request: web.Request, page: Page) -> web.StreamResponse:
     view = await ConsoleData.of(request).job_view(page.scope, ident)
     job = view.job
     return render(
-        "job.html", title=f"Job {str(ident)[:8]}", page=page, current="jobs", job=job,
+        "job.html", title=f"Job {ident}", page=page, current="jobs", job=job,
         view=view, terminal=job.status in TERMINAL,
         event_types=" ".join(t.value for t in EventType),
         held_for_review_cap=job.status == "queued" and held_for_review_cap(view.events),

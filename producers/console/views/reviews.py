@@ -54,7 +54,7 @@ async def _review_form(request: web.Request, page: Page, review: Review, error: 
                                                                          review.input_ref):
         input_preview = await data.preview(review.input_ref, None)
     return render(
-        "review.html", status, title=f"Review {str(review.id)[:8]}", page=page,
+        "review.html", status, title=f"Review {review.id}", page=page,
         current="reviews", review=review, error=error, input_preview=input_preview,
         left=None if left is None else ("overdue" if left < 0 else left),
         fields=[(name, kind, field_text(kind, value), value, required)
