@@ -273,7 +273,9 @@ def test_watch_a_job_go_queued_running_completed_live(env: Env, owner: Any) -> N
     assert job_id in [j["job_id"] for j in body["jobs"]]
     assert all(j["priority"] == "bulk" and j["lane"] == "online" for j in body["jobs"])
     assert owner.request.get("/console/jobs.json?lane=batch").json() == {"jobs": []}
-    found = owner.request.get(f"/console/jobs.json?q={job_id[:8]}").json()["jobs"]
+    # A job id begins with its creation time (version 7): the jobs of the same minute share
+    # its first eight characters, so the prefix reaches into its random bits.
+    found = owner.request.get(f"/console/jobs.json?q={job_id[:23]}").json()["jobs"]
     assert [j["job_id"] for j in found] == [job_id]
 
 
