@@ -236,12 +236,15 @@ class Rig:
         assert row is not None
         return str(row[0]), key
 
-    def statements_reset(self) -> None:
-        """Clear pg_stat_statements (and the table counters), so what follows is one phase."""
+    def statements_reset(self, *, tables: bool = True) -> None:
+        """Clear pg_stat_statements (and, with ``tables``, the table counters), so what
+        follows is one phase. Not the table counters where their live and dead tuples are
+        read later: pg_stat_reset zeroes those too (and autovacuum schedules by them)."""
         with psycopg.connect(self.database_url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             conn.execute("SELECT pg_stat_statements_reset()")
-            conn.execute("SELECT pg_stat_reset()")
+            if tables:
+                conn.execute("SELECT pg_stat_reset()")
 
     def statements(self, jobs: int, top: int = 12) -> list[dict[str, Any]]:
         """The heaviest statements since the last reset: execution ms per job, calls per job
