@@ -109,6 +109,20 @@ def test_partitioning_migration_keeps_the_history_of_an_existing_database(
         assert row == (True,)
 
 
+def _day_partitions_from(conn: psycopg.Connection[Any], day: datetime, ahead_days: int) -> None:
+    """A database whose history partitions reach back to ``day``: the migration's partitions
+    (empty here) give way to day partitions, made forward by the housekeeping's function."""
+    for part in _partitions(conn):
+        conn.execute(f"DROP TABLE {part}".encode())
+    for parent in ("job_events", "job_attempts"):
+        conn.execute(
+            f"CREATE TABLE {parent}_{day:%Y%m%d}_0000 PARTITION OF {parent}"
+            f" FOR VALUES FROM ('{day.isoformat()}') TO"
+            f" ('{(day + timedelta(days=1)).isoformat()}')".encode())
+    conn.execute("SELECT calmq_history_partitions(%s, interval '1 day')",
+                 (timedelta(days=ahead_days),))
+
+
 async def _sweep(url: str, objects_url: str) -> dict[str, int]:
     settings = Settings(database_url=url, object_store_url=objects_url,
                         job_retention_seconds=RETENTION)
@@ -131,16 +145,7 @@ def test_retention_drops_a_partition_once_every_job_in_it_is_past_retention(
     day = (now - timedelta(days=10)).replace(hour=0, minute=0, second=0, microsecond=0)
     old_part = f"job_events_{day:%Y%m%d}_0000"
     with psycopg.connect(fresh_db, autocommit=True) as conn:
-        # A database whose partitions reach back ten days: the migration's partitions (empty
-        # here) give way to day partitions, made forward by the housekeeping's function.
-        for part in _partitions(conn):
-            conn.execute(f"DROP TABLE {part}".encode())
-        for parent in ("job_events", "job_attempts"):
-            conn.execute(
-                f"CREATE TABLE {parent}_{day:%Y%m%d}_0000 PARTITION OF {parent}"
-                f" FOR VALUES FROM ('{day.isoformat()}') TO"
-                f" ('{(day + timedelta(days=1)).isoformat()}')".encode())
-        conn.execute("SELECT calmq_history_partitions(interval '3 days', interval '1 day')")
+        _day_partitions_from(conn, day, ahead_days=3)
         tenant = _tenant(conn)
         expired = _job(conn, tenant, status="completed", created=day + timedelta(hours=1),
                        updated=now - timedelta(days=8))
@@ -180,14 +185,7 @@ def test_a_finish_reads_only_the_attempt_partitions_from_its_jobs_creation_on(
     now = datetime.now(UTC)
     first_day = (now - timedelta(days=10)).replace(hour=0, minute=0, second=0, microsecond=0)
     with psycopg.connect(fresh_db, autocommit=True) as conn:
-        for part in _partitions(conn):
-            conn.execute(f"DROP TABLE {part}".encode())
-        for parent in ("job_events", "job_attempts"):
-            conn.execute(
-                f"CREATE TABLE {parent}_{first_day:%Y%m%d}_0000 PARTITION OF {parent}"
-                f" FOR VALUES FROM ('{first_day.isoformat()}') TO"
-                f" ('{(first_day + timedelta(days=1)).isoformat()}')".encode())
-        conn.execute("SELECT calmq_history_partitions(interval '2 days', interval '1 day')")
+        _day_partitions_from(conn, first_day, ahead_days=2)
         tenant = _tenant(conn)
         job = _job(conn, tenant, status="running", created=now - timedelta(minutes=5),
                    updated=now)
