@@ -18,6 +18,7 @@ pass a cap by what its in-flight attempts spend.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -94,15 +95,36 @@ class SpendCaps:
         self._clock = clock
         self._holds = Holds()
         self._read_at: float | None = None
+        self._reading: asyncio.Future[Holds] | None = None
+
+    def _read(self) -> asyncio.Future[Holds]:
+        """The read in flight, or a new one. One read at a time, and a caller that comes
+        while one is in flight waits for it: the holds read before it may predate a cap set
+        since (the release pass reads every interval, and under load its read takes longer
+        than the interval, so the previous holds were up to two reads old), and two reads
+        could land out of order."""
+        if self._reading is None:
+            self._read_at = self._clock()
+            reading = self._reading = asyncio.ensure_future(self.refresh())
+
+            def landed(done: asyncio.Future[Holds]) -> None:
+                self._reading = None
+                if not done.cancelled() and done.exception() is None:
+                    self._holds = done.result()
+
+            reading.add_done_callback(landed)
+        # A caller cancelled while waiting does not cancel the read the others wait for.
+        return asyncio.shield(self._reading)
 
     async def holds(self) -> Holds:
-        """The holds as last read, read again when older than the refresh interval. With
-        the database away the last ones read stand (the claim would fail anyway)."""
+        """The holds as last read, read again when older than the refresh interval (a read
+        in flight is waited for). With the database away the last ones read stand (the
+        claim would fail anyway)."""
         now = self._clock()
-        if self._read_at is None or now - self._read_at >= self.refresh_seconds:
-            self._read_at = now
+        if (self._reading is not None or self._read_at is None
+                or now - self._read_at >= self.refresh_seconds):
             try:
-                self._holds = await self.refresh()
+                return await self._read()
             except Exception as exc:  # noqa: BLE001 - keep the last holds read
                 log.warning("reading the spend caps failed: %s", exc)
         return self._holds
@@ -138,9 +160,10 @@ class SpendCaps:
         return Holds(bulk, every, fleet_bulk, fleet_every)
 
     async def release(self) -> int:
-        """Re-publish the waiting jobs no cap holds any more (fresh holds); how many."""
-        self._read_at = self._clock()
-        self._holds = holds = await self.refresh()
+        """Re-publish the waiting jobs no cap holds any more (holds from a read started
+        now, or the one in flight: it started after the holds that made the jobs wait);
+        how many."""
+        holds = await self._read()
         released = await self.ledger.release(
             held_bulk=list(holds.bulk), held_all=list(holds.every),
             fleet_bulk=holds.fleet_bulk is not None, fleet_all=holds.fleet_every is not None,

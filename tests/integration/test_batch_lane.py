@@ -87,9 +87,9 @@ def _pool(env: Env, name: str) -> str:
     return pool
 
 
-def _batcher(env: Env, pool: str, fake: str, provider: str = "openai",
-             **settings: str) -> Any:
-    port = processes.free_port()
+def _batcher(env: Env, pool: str, fake: str, provider: str = "openai", *,
+             port: int | None = None, **settings: str) -> Any:
+    port = port or processes.free_port()
     proc = env.procs.start("batcher", "batcher", "--pool", pool, "--metrics-port", str(port),
                            provider_url=fake, provider=provider, **{**LANE, **settings})
     # A deadline, not a pace: a process starts in seconds, but over 30 s on a loaded machine.
@@ -499,14 +499,21 @@ def test_a_capped_tenants_batch_lane_jobs_wait_before_packing_and_resume_when_ra
     waiting_reason spend_cap_daily, no attempt and nothing sent to the provider (half price
     is still spend); raising the cap releases them to the batch lane, where they complete."""
     pool = _pool(env, "blcap")
-    _batcher(env, pool, fake, spend_cap_refresh_seconds="0.2")
+    port = processes.free_port()
+    _batcher(env, pool, fake, port=port, spend_cap_refresh_seconds="0.2")
     name, tenant, _key = new_tenant(stack, "blcap")
     (first,) = _submit(env, pool, [{"text": "what the day costs"}], lane="batch",
                        tenant=tenant)
     spent = float(_settled(env.db, [first], timeout=120)[first]["cost_usd"])
     assert spent > 0
+    capped_before = metric(port, "calmq_spend_capped_tenants") or 0.0
     capped = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", f"{spent / 2:.12f}")
     assert capped.returncode == 0, capped.stderr
+    # A cap holds within spend_cap_refresh_seconds of being set: the jobs go in once the
+    # batcher has read it (a read of the caps can take longer than the interval on a
+    # loaded machine).
+    wait_for(lambda: (metric(port, "calmq_spend_capped_tenants") or 0.0) > capped_before,
+             timeout=60, what="the batcher to read the tenant's new cap")
     ids = _submit(env, pool, [{"text": f"over the cap {n}"} for n in range(3)], lane="batch",
                   tenant=tenant)
 

@@ -155,6 +155,49 @@ def test_the_fleet_cap_holds_every_tenant() -> None:
     assert _holds({}, {a: Spend(1, 1)}) == Holds()
 
 
+class _SlowLedger(_Ledger):
+    """A ledger whose spend read waits until let go: a read of the caps in flight."""
+
+    def __init__(self, caps: dict[uuid.UUID, SpendCap], spend: dict[uuid.UUID, Spend]) -> None:
+        super().__init__(caps, spend)
+        self.go = asyncio.Event()
+        self.reads = 0
+
+    async def spend(self) -> dict[uuid.UUID, Spend]:
+        self.reads += 1
+        await self.go.wait()
+        return self._spend
+
+    async def release(self, **holds: Any) -> list[Any]:
+        return []  # nothing waits
+
+
+def test_a_gate_waits_for_the_read_in_flight_rather_than_take_the_holds_before_it() -> None:
+    """A cap lowered just before a read started: a gate asking while that read is in flight gets
+    its holds (the read before it predates the cap), and the two share one read."""
+
+    async def run() -> None:
+        tenant = uuid.uuid4()
+        ledger = _SlowLedger({tenant: SpendCap(100, None)}, {tenant: Spend(5, 5)})
+        ledger.go.set()
+        reads: Any = ledger  # the reads of a SpendLedger
+        caps_ = SpendCaps(reads, fleet=_NO_CAP, bulk_fraction=0.9, refresh_seconds=60)
+        assert (await caps_.holds()).reason(tenant, "bulk") is None
+        ledger._caps = {tenant: SpendCap(1, None)}  # the cap is lowered
+        ledger.go.clear()
+        release = asyncio.create_task(caps_.release())  # the release pass starts a read
+        await asyncio.sleep(0)
+        gate = asyncio.create_task(caps_.holds())  # within the refresh interval
+        await asyncio.sleep(0)
+        assert not gate.done()  # it waits for the read in flight
+        ledger.go.set()
+        assert (await gate).reason(tenant, "bulk") == "spend_cap_daily"
+        assert ledger.reads == 2
+        assert await release == 0
+
+    asyncio.run(run())
+
+
 # -- the tenant token quota -----------------------------------------------------------------
 
 class _Tokens:
