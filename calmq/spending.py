@@ -2,8 +2,9 @@
 
 A tenant (a row's ``spend_cap_daily_usd`` / ``spend_cap_monthly_usd``) and the whole fleet
 (settings ``spend_cap_fleet_daily_usd`` / ``_monthly_usd``) may have a cap per UTC day and
-per UTC month. What was spent is summed from the attempts' recorded cost (retries and
-dead-lettered attempts included), read every ``spend_cap_refresh_seconds``.
+per UTC month. What was spent is the attempts' recorded cost (retries and dead-lettered
+attempts included), kept per tenant and day as it is written (calmq.data.spending), read
+every ``spend_cap_refresh_seconds``.
 
 Work past a cap is never dropped: a worker that polls a job of a capped tenant does not claim
 it; the job keeps its status (``queued`` for new work) with a ``waiting_reason`` and a

@@ -7,17 +7,33 @@ FROM tenants WHERE spend_cap_daily_usd IS NOT NULL OR spend_cap_monthly_usd IS N
 
 -- name: spend_by_tenant
 -- What each tenant spent this UTC day and this UTC month: the cost of the attempts that
--- started in the window (retries and dead-lettered attempts included). An attempt's cost is
--- written with its outcome, so calls in flight are counted when they end.
-SELECT j.tenant_id,
-       coalesce(sum(a.cost_usd) FILTER (
-           WHERE a.started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'),
-           0)::float8 AS day,
-       coalesce(sum(a.cost_usd), 0)::float8 AS month
-FROM job_attempts a JOIN jobs j ON j.id = a.job_id
-WHERE a.started_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-  AND a.cost_usd > 0
-GROUP BY j.tenant_id;
+-- started in the window (retries and dead-lettered attempts included), as spend_days and
+-- the deltas not folded into it yet hold it (migration 0038). An attempt's cost is written
+-- with its outcome, so calls in flight are counted when they end.
+SELECT tenant_id,
+       coalesce(sum(cost_usd) FILTER (WHERE day = (now() AT TIME ZONE 'UTC')::date),
+                0)::float8 AS day,
+       coalesce(sum(cost_usd), 0)::float8 AS month
+FROM (SELECT day, tenant_id, cost_usd FROM spend_days
+      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+      UNION ALL
+      SELECT day, tenant_id, cost_usd FROM spend_deltas
+      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date) spent
+GROUP BY tenant_id
+HAVING sum(cost_usd) > 0;
+
+-- name: fold_spend
+-- The deltas the attempts' trigger appended, added to their days (under the release pass's
+-- lock: one fold at a time). Deltas committed after this statement's snapshot stay for the
+-- next fold; a reader sees each delta in one place or the other, never both.
+WITH folded AS (
+    DELETE FROM spend_deltas RETURNING day, tenant_id, cost_usd
+)
+INSERT INTO spend_days (day, tenant_id, cost_usd)
+SELECT day, tenant_id, sum(cost_usd) FROM folded
+GROUP BY day, tenant_id
+ORDER BY day, tenant_id
+ON CONFLICT (day, tenant_id) DO UPDATE SET cost_usd = spend_days.cost_usd + excluded.cost_usd;
 
 -- name: hold_jobs
 -- Jobs of a tenant past a spend cap: they keep their status (queued, or retrying) and wait
