@@ -76,6 +76,14 @@ FULL_STEADY_SECONDS = 1800.0
 SMOKE_STEADY_SECONDS = 60.0
 SMOKE_BELOW = 1_000_000  # a smaller preload is a smoke run: a one-minute steady run
 E2E_JOBS = 5000
+# Jobs run before the e2e pass is measured, so that what it measures is a running fleet's
+# PostgreSQL work, not its connections' first executions: psycopg prepares a statement at
+# its 5th execution on a connection, and PostgreSQL plans the first 5 executions of a
+# prepared statement anew before it settles on a generic plan. The worker's 12 connections
+# need about 11 claims and 11 finishes each (some 80 jobs a call), about 12,000 jobs; with
+# 200, the pass's 5,000 jobs ran mostly on connections still planning every execution, and
+# a plan over 33 partitions a history table costs more than over 4 (the 20 M run's planning).
+WARM_JOBS = 15_000
 # Bulk loads: WAL and checkpoints sized so the preload is not a checkpoint storm.
 _LOAD_SETTINGS = {"max_wal_size": "8GB", "checkpoint_timeout": "30min"}
 
@@ -207,9 +215,11 @@ def _e2e(rig: Rig, label: str, jobs: int, runs: int, sampler: Sampler, log: Log,
     is a queue's growth, not dispatch)."""
     url = f"{rig.procs['api'].url}/v1/jobs"
     warm_id, key = rig.tenant(f"bench-warm-{label}-{uuid.uuid4().hex[:6]}")
-    asyncio.run(loadgen.closed_loop(url, job_body(), {"Authorization": f"Bearer {key}"},
-                                    total=200, concurrency=16))
-    wait(lambda: completed(rig, warm_id), 200, 120, f"{label}: warm-up jobs", log)
+    log(f"  {label}: {WARM_JOBS} warm-up jobs")
+    warm = asyncio.run(loadgen.closed_loop(url, job_body(), {"Authorization": f"Bearer {key}"},
+                                           total=WARM_JOBS, concurrency=E2E_CONCURRENCY))
+    wait(lambda: completed(rig, warm_id), warm.ok, 60 + WARM_JOBS / 50, f"{label}: warm-up jobs",
+         log)
 
     tenant_id, key = rig.tenant(f"bench-e2e-{label}-{uuid.uuid4().hex[:6]}")
     own = ["api", "relay", "worker"]
