@@ -53,6 +53,9 @@ COVERAGE: dict[str, str] = {
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",
+    "spend_days": "kept: the tenant's cost per UTC day (a sum, accounting), no job data",
+    "spend_deltas": "kept: cost changes per tenant and day waiting to be folded into "
+                    "spend_days (sums, accounting), no job data",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,
