@@ -56,6 +56,10 @@ COVERAGE: dict[str, str] = {
     "spend_days": "kept: the tenant's cost per UTC day (a sum, accounting), no job data",
     "spend_deltas": "kept: cost changes per tenant and day waiting to be folded into "
                     "spend_days (sums, accounting), no job data",
+    "spend_hours": "kept: the tenant's tokens and cost per UTC hour of the last 8 days "
+                   "(sums, the console's overview), no job data",
+    "spend_hour_deltas": "kept: token and cost changes per tenant and hour waiting to be "
+                         "folded into spend_hours (sums), no job data",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,

@@ -1,6 +1,7 @@
 """Spend caps as rows: the caps of tenants (columns of ``tenants``), what each tenant spent
 this day and month (``spend_days`` and the deltas not folded in yet, which a trigger on
-``job_attempts`` appends as attempts' cost is written; migration 0038), and the jobs that
+``job_attempts`` appends as attempts' cost is written; migration 0038; per hour, with
+tokens, for the console: ``spend_hours``, migration 0040), and the jobs that
 wait past a cap (``jobs.waiting_reason``, migration 0012). What is held when is
 calmq.spending's.
 """
@@ -68,9 +69,11 @@ class SpendLedger:
             row = await cur.fetchone()
             if row is None or not row["held"]:
                 return []
-            # The spend deltas folded into their days here: the one pass at a time in the
-            # fleet, so that spend_deltas stays a few seconds long.
+            # The spend deltas folded into their days and hours here: the one pass at a
+            # time in the fleet, so that the deltas stay a few seconds long.
             await conn.execute(self._db.q["fold_spend"])
+            await conn.execute(self._db.q["fold_spend_hours"])
+            await conn.execute(self._db.q["prune_spend_hours"])
             cur = await conn.execute(self._db.q["release_jobs"], {
                 "held_bulk": list(held_bulk), "held_all": list(held_all),
                 "fleet_bulk": fleet_bulk, "fleet_all": fleet_all,

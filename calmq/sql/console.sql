@@ -119,21 +119,46 @@ GROUP BY 1, 2
 ORDER BY 1;
 
 -- name: console_spend
--- Tokens and cost per hour of the last 24 (the attempts' usage, which the
--- calmq_tokens_total counters add up), and what of it went to attempts that failed
--- (retried) and to jobs that are dead letters now.
-SELECT date_trunc('hour', a.started_at) AS hour,
-       sum(a.input_tokens + a.output_tokens)::bigint AS tokens,
-       sum(a.cost_usd)::float8 AS cost_usd,
-       coalesce(sum(a.cost_usd) FILTER (WHERE a.outcome IS DISTINCT FROM 'completed'),
-                0)::float8 AS retry_cost_usd,
-       coalesce(sum(a.cost_usd) FILTER (WHERE j.status = 'dead_letter'), 0)::float8
-           AS dead_letter_cost_usd
-FROM job_attempts a JOIN jobs j ON j.id = a.job_id
-WHERE a.started_at >= now() - interval '24 hours'
-  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
-GROUP BY 1
-ORDER BY 1;
+-- Tokens and cost per UTC hour of the 24 up to now (the attempts' usage, which the
+-- calmq_tokens_total counters add up, kept per tenant and hour as it is written: spend_hours
+-- and the deltas not folded into it yet, migration 0040), what of it went to attempts that
+-- did not complete (retried), and what to jobs that are dead letters now: the attempts of
+-- the dead letters of the last 24 hours (a job dead-lettered earlier has no attempt in the
+-- window). Hours with neither tokens nor cost are left out.
+SELECT hour, sum(tokens)::bigint AS tokens, sum(cost_usd)::float8 AS cost_usd,
+       sum(retry_cost_usd)::float8 AS retry_cost_usd,
+       sum(dead_letter_cost_usd)::float8 AS dead_letter_cost_usd
+FROM (SELECT hour, tokens, cost_usd, retry_cost_usd, 0 AS dead_letter_cost_usd
+      FROM spend_hours
+      WHERE hour >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                    - interval '23 hours'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+      UNION ALL
+      SELECT hour, tokens, cost_usd, retry_cost_usd, 0 FROM spend_hour_deltas
+      WHERE hour >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                    - interval '23 hours'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+      UNION ALL
+      -- Per dead letter, its attempts in the window (an aggregate, so that PostgreSQL
+      -- probes each job's attempts by index, in the partitions from its creation on,
+      -- rather than hash all the window's attempts of every tenant).
+      SELECT a.hour, 0, 0, 0, a.cost_usd
+      FROM jobs j CROSS JOIN LATERAL (
+          SELECT date_trunc('hour', a.started_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                     AS hour, sum(a.cost_usd) AS cost_usd
+          FROM job_attempts a
+          WHERE a.job_id = j.id
+            AND a.started_at >= greatest(j.created_at,
+                                         date_trunc('hour', now() AT TIME ZONE 'UTC')
+                                         AT TIME ZONE 'UTC' - interval '23 hours')
+          GROUP BY 1) a
+      WHERE j.status = 'dead_letter'
+        AND j.updated_at >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                            - interval '23 hours'
+        AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)) spent
+GROUP BY hour
+HAVING sum(tokens) <> 0 OR sum(cost_usd) <> 0
+ORDER BY hour;
 
 -- name: console_budget
 -- The fleet's token budget per provider and model (calmq.budget), in tokens per minute.

@@ -35,6 +35,24 @@ GROUP BY day, tenant_id
 ORDER BY day, tenant_id
 ON CONFLICT (day, tenant_id) DO UPDATE SET cost_usd = spend_days.cost_usd + excluded.cost_usd;
 
+-- name: fold_spend_hours
+-- The hours' deltas the attempts' trigger appended (migration 0040), added to their hours,
+-- like fold_spend and in the same transaction.
+WITH folded AS (
+    DELETE FROM spend_hour_deltas RETURNING hour, tenant_id, tokens, cost_usd, retry_cost_usd
+)
+INSERT INTO spend_hours AS h (hour, tenant_id, tokens, cost_usd, retry_cost_usd)
+SELECT hour, tenant_id, sum(tokens), sum(cost_usd), sum(retry_cost_usd) FROM folded
+GROUP BY hour, tenant_id
+ORDER BY hour, tenant_id
+ON CONFLICT (hour, tenant_id) DO UPDATE
+    SET tokens = h.tokens + excluded.tokens, cost_usd = h.cost_usd + excluded.cost_usd,
+        retry_cost_usd = h.retry_cost_usd + excluded.retry_cost_usd;
+
+-- name: prune_spend_hours
+-- Hours no page shows any more (the console reads the last 24; the days stay in spend_days).
+DELETE FROM spend_hours WHERE hour < now() - interval '8 days';
+
 -- name: hold_jobs
 -- Jobs of a tenant past a spend cap: they keep their status (queued, or retrying) and wait
 -- with a reason instead of being claimed; the event says which cap (written when the reason
