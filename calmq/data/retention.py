@@ -60,6 +60,10 @@ COVERAGE: dict[str, str] = {
                    "(sums, the console's overview), no job data",
     "spend_hour_deltas": "kept: token and cost changes per tenant and hour waiting to be "
                          "folded into spend_hours (sums), no job data",
+    "finish_bins": "kept: the tenant's jobs finished and their cost per 5 minutes of the "
+                   "last 8 days (counts and sums, the console's overview), no job data",
+    "finish_bin_deltas": "kept: jobs finished per tenant and 5 minutes waiting to be folded "
+                         "into finish_bins (counts and sums), no job data",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,

@@ -1,7 +1,8 @@
 """Spend caps as rows: the caps of tenants (columns of ``tenants``), what each tenant spent
 this day and month (``spend_days`` and the deltas not folded in yet, which a trigger on
 ``job_attempts`` appends as attempts' cost is written; migration 0038; per hour, with
-tokens, for the console: ``spend_hours``, migration 0040), and the jobs that
+tokens, for the console: ``spend_hours``, migration 0040; the jobs finished per 5 minutes,
+``finish_bins``, migration 0042), and the jobs that
 wait past a cap (``jobs.waiting_reason``, migration 0012). What is held when is
 calmq.spending's.
 """
@@ -69,11 +70,14 @@ class SpendLedger:
             row = await cur.fetchone()
             if row is None or not row["held"]:
                 return []
-            # The spend deltas folded into their days and hours here: the one pass at a
-            # time in the fleet, so that the deltas stay a few seconds long.
+            # The deltas of spend and of finished jobs folded into their days, hours and
+            # bins here: the one pass at a time in the fleet, so that they stay a few
+            # seconds long.
             await conn.execute(self._db.q["fold_spend"])
             await conn.execute(self._db.q["fold_spend_hours"])
             await conn.execute(self._db.q["prune_spend_hours"])
+            await conn.execute(self._db.q["fold_finish_bins"])
+            await conn.execute(self._db.q["prune_finish_bins"])
             cur = await conn.execute(self._db.q["release_jobs"], {
                 "held_bulk": list(held_bulk), "held_all": list(held_all),
                 "fleet_bulk": fleet_bulk, "fleet_all": fleet_all,

@@ -109,22 +109,28 @@ GROUP BY 1, 2, 3, 4
 ORDER BY 1, 2, 3, 4;
 
 -- name: console_outcomes
--- Jobs finished per 5-minute bin of the last hour, by how they ended (the history's
--- completed and dead_lettered events: what calmq_jobs_completed_total counts).
-SELECT date_bin('5 minutes', e.at, 'epoch'::timestamptz) AS bin, e.type, count(*) AS jobs
-FROM job_events e JOIN jobs j ON j.id = e.job_id
-WHERE e.type IN ('completed', 'dead_lettered') AND e.at >= now() - interval '1 hour'
-  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+-- Jobs finished per 5-minute bin of the last hour (the 12 bins up to now), by how they ended:
+-- the history's completed and dead_lettered events (what calmq_jobs_completed_total
+-- counts), kept per tenant and bin as they are written (finish_bins and the deltas not
+-- folded into it yet, migration 0042).
+SELECT bin, type, sum(jobs)::bigint AS jobs
+FROM (SELECT bin, type, jobs FROM finish_bins
+      WHERE bin >= date_bin('5 minutes', now(), 'epoch'::timestamptz) - interval '55 minutes'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
+      UNION ALL
+      SELECT bin, type, jobs FROM finish_bin_deltas
+      WHERE bin >= date_bin('5 minutes', now(), 'epoch'::timestamptz) - interval '55 minutes'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)) finished
 GROUP BY 1, 2
+HAVING sum(jobs) <> 0
 ORDER BY 1;
 
 -- name: console_spend
 -- Tokens and cost per UTC hour of the 24 up to now (the attempts' usage, which the
 -- calmq_tokens_total counters add up, kept per tenant and hour as it is written: spend_hours
 -- and the deltas not folded into it yet, migration 0040), what of it went to attempts that
--- did not complete (retried), and what to jobs that are dead letters now: the attempts of
--- the dead letters of the last 24 hours (a job dead-lettered earlier has no attempt in the
--- window). Hours with neither tokens nor cost are left out.
+-- did not complete (retried), and what the jobs dead-lettered in the hour cost, every
+-- attempt of theirs (finish_bins, migration 0042). Hours with none of these are left out.
 SELECT hour, sum(tokens)::bigint AS tokens, sum(cost_usd)::float8 AS cost_usd,
        sum(retry_cost_usd)::float8 AS retry_cost_usd,
        sum(dead_letter_cost_usd)::float8 AS dead_letter_cost_usd
@@ -139,25 +145,16 @@ FROM (SELECT hour, tokens, cost_usd, retry_cost_usd, 0 AS dead_letter_cost_usd
                     - interval '23 hours'
         AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
       UNION ALL
-      -- Per dead letter, its attempts in the window (an aggregate, so that PostgreSQL
-      -- probes each job's attempts by index, in the partitions from its creation on,
-      -- rather than hash all the window's attempts of every tenant).
-      SELECT a.hour, 0, 0, 0, a.cost_usd
-      FROM jobs j CROSS JOIN LATERAL (
-          SELECT date_trunc('hour', a.started_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-                     AS hour, sum(a.cost_usd) AS cost_usd
-          FROM job_attempts a
-          WHERE a.job_id = j.id
-            AND a.started_at >= greatest(j.created_at,
-                                         date_trunc('hour', now() AT TIME ZONE 'UTC')
-                                         AT TIME ZONE 'UTC' - interval '23 hours')
-          GROUP BY 1) a
-      WHERE j.status = 'dead_letter'
-        AND j.updated_at >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-                            - interval '23 hours'
-        AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)) spent
+      SELECT date_trunc('hour', bin AT TIME ZONE 'UTC') AT TIME ZONE 'UTC', 0, 0, 0, cost_usd
+      FROM (SELECT bin, tenant_id, type, cost_usd FROM finish_bins
+            UNION ALL
+            SELECT bin, tenant_id, type, cost_usd FROM finish_bin_deltas) f
+      WHERE type = 'dead_lettered'
+        AND bin >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                   - interval '23 hours'
+        AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)) spent
 GROUP BY hour
-HAVING sum(tokens) <> 0 OR sum(cost_usd) <> 0
+HAVING sum(tokens) <> 0 OR sum(cost_usd) <> 0 OR sum(dead_letter_cost_usd) <> 0
 ORDER BY hour;
 
 -- name: console_budget

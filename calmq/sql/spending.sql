@@ -53,6 +53,23 @@ ON CONFLICT (hour, tenant_id) DO UPDATE
 -- Hours no page shows any more (the console reads the last 24; the days stay in spend_days).
 DELETE FROM spend_hours WHERE hour < now() - interval '8 days';
 
+-- name: fold_finish_bins
+-- The finished jobs the history trigger appended (migration 0042), added to their bins, like
+-- fold_spend and in the same transaction.
+WITH folded AS (
+    DELETE FROM finish_bin_deltas RETURNING bin, tenant_id, type, jobs, cost_usd
+)
+INSERT INTO finish_bins AS b (bin, tenant_id, type, jobs, cost_usd)
+SELECT bin, tenant_id, type, sum(jobs), sum(cost_usd) FROM folded
+GROUP BY bin, tenant_id, type
+ORDER BY bin, tenant_id, type
+ON CONFLICT (bin, tenant_id, type) DO UPDATE
+    SET jobs = b.jobs + excluded.jobs, cost_usd = b.cost_usd + excluded.cost_usd;
+
+-- name: prune_finish_bins
+-- Bins no page shows any more (the console reads the last 24 hours at most).
+DELETE FROM finish_bins WHERE bin < now() - interval '8 days';
+
 -- name: hold_jobs
 -- Jobs of a tenant past a spend cap: they keep their status (queued, or retrying) and wait
 -- with a reason instead of being claimed; the event says which cap (written when the reason

@@ -124,15 +124,14 @@ def test_the_spend_caps_read_what_the_months_attempts_cost_across_the_migration(
 
 
 # The definition the hourly rollup must agree with: the console's spend as it read the
-# attempts of the window before 0040, per UTC hour.
+# attempts of the window before 0040, per UTC hour (what dead-lettered jobs cost is
+# tests/integration/test_finish_bins.py's).
 _HOURS_FROM_ATTEMPTS = """
 SELECT date_trunc('hour', a.started_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS hour,
        sum(a.input_tokens + a.output_tokens)::bigint AS tokens,
        sum(a.cost_usd)::float8 AS cost_usd,
        coalesce(sum(a.cost_usd) FILTER (WHERE a.outcome IS DISTINCT FROM 'completed'),
-                0)::float8 AS retry_cost_usd,
-       coalesce(sum(a.cost_usd) FILTER (WHERE j.status = 'dead_letter'), 0)::float8
-           AS dead_letter_cost_usd
+                0)::float8 AS retry_cost_usd
 FROM job_attempts a JOIN jobs j ON j.id = a.job_id
 WHERE a.started_at >= date_trunc('hour', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
                       - interval '23 hours'
@@ -142,13 +141,12 @@ HAVING sum(a.input_tokens + a.output_tokens) <> 0 OR sum(a.cost_usd) <> 0
 ORDER BY 1
 """
 
-_Hours = list[tuple[datetime, int, float, float, float]]
+_Hours = list[tuple[datetime, int, float, float]]
 
 
 def _rounded(rows: Any) -> _Hours:
     return [(r["hour"], int(r["tokens"]), round(r["cost_usd"], 6),
-             round(r["retry_cost_usd"], 6), round(r["dead_letter_cost_usd"], 6))
-            for r in rows]
+             round(r["retry_cost_usd"], 6)) for r in rows]
 
 
 def _hours_from_attempts(url: str, tenant: uuid.UUID | None) -> _Hours:
@@ -183,9 +181,8 @@ def test_the_consoles_hours_read_what_the_attempts_used_across_the_migration(
         fresh_db: str) -> None:
     """A database before the hourly rollup (0040 and 0041 undone) holding attempts that
     completed, failed, belong to a dead letter or fall outside the 24 hours; usage written
-    between 0040 and 0041, a fold, then an outcome changed: the console's tokens, cost,
-    retry cost and dead-letter cost per hour stay what the attempts give, per tenant and
-    for the platform."""
+    between 0040 and 0041, a fold, then an outcome changed: the console's tokens, cost and
+    retry cost per hour stay what the attempts give, per tenant and for the platform."""
     apply_pending(fresh_db)
     migrations = {v: text for v, _, text in sql.migrations()}
     function_0038 = migrations[38][migrations[38].index("CREATE FUNCTION"):
@@ -222,7 +219,6 @@ def test_the_consoles_hours_read_what_the_attempts_used_across_the_migration(
 
     expected = {t: _hours_from_attempts(fresh_db, t) for t in (a, b, None)}
     assert sum(h[1] for h in expected[a]) == 180
-    assert sum(h[4] for h in expected[a]) == pytest.approx(0.2)
     assert sum(h[3] for h in expected[None]) == pytest.approx(0.3)
     assert sum(h[2] for h in expected[b]) == pytest.approx(0.5)
     for tenant in (a, b, None):

@@ -8,9 +8,8 @@
 -- share) to spend_hour_deltas, which the spend release pass folds into spend_hours. A table
 -- of its own rather than columns of spend_deltas: the release pass of the previous release
 -- folds (and deletes) every row of spend_deltas, and would drop the hours during a rolling
--- upgrade. The share spent on jobs that are dead letters now is not kept here: it follows
--- the job's status, which changes after the attempt; the console reads it from the dead
--- letters of the last 24 hours (an index range of jobs_dead_letters).
+-- upgrade. What dead-lettered jobs cost is not kept here: a job's dead-lettering comes after
+-- its attempts, and 0042 keeps it with the finished jobs.
 --
 -- Replacing the function and creating the tables takes no lock on job_attempts; 0041 writes
 -- the last day's hours from before this file without one.
