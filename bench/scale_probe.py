@@ -153,6 +153,10 @@ def reads(url: str, n: int = 200) -> dict[str, Any]:
             "console_search_id_prefix_largest": _timed(c, q["console_jobs"], fixed(
                 {**console, "tenant_id": big["id"], "search": prefix,
                  **search_terms(prefix)}), n),
+            "console_backlog_largest": _timed(c, q["console_backlog"], fixed(
+                {"tenant_id": big["id"]}), n),
+            "console_outcomes_largest": _timed(c, q["console_outcomes"], fixed(
+                {"tenant_id": big["id"]}), n),
             "console_spend_largest": _timed(c, q["console_spend"], fixed(
                 {"tenant_id": big["id"]}), n),
             "console_spend_all_tenants": _timed(c, q["console_spend"], fixed(
