@@ -367,14 +367,16 @@ def _finish(url: str, layout: str, day_starts: list[float], dropped: dict[str, s
     took["vacuum_analyze"] = time.monotonic() - t0
     log(f"  preload: attached in {took['attach']:.0f} s, vacuumed and analyzed in "
         f"{took['vacuum_analyze']:.0f} s")
-    # COPY fires no UPDATE trigger: the spend rollups (per day, migration 0038; per hour,
-    # 0040) are summed the way a database migrated to them from before is, by their
-    # backfills, so the caps and the console read what a database of this size holds (a
-    # database at a schema before them, as the migration probes load, has none to sum).
+    # COPY fires no trigger: the rollups (spend per day, migration 0038; per hour, 0040;
+    # finished jobs per 5 minutes, 0042) are summed the way a database migrated to them from
+    # before is, by their backfills, so the caps and the console read what a database of
+    # this size holds (a database at a schema before them, as the migration probes load,
+    # has none to sum).
     t0 = time.monotonic()
-    backfills = {v: text for v, _, text in sql.migrations() if v in (39, 41)}
+    rollups = ((39, "spend_days"), (41, "spend_hours"), (43, "finish_bins"))
+    backfills = {v: text for v, _, text in sql.migrations() if v in dict(rollups)}
     with psycopg.connect(url, autocommit=True) as conn:
-        for version, table in ((39, "spend_days"), (41, "spend_hours")):
+        for version, table in rollups:
             if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone() != (None,):
                 conn.execute(backfills[version].encode())
                 conn.execute(f"ANALYZE {table}".encode())
