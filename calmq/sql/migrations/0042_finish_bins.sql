@@ -47,24 +47,28 @@ BEGIN
     END LOOP;
     IF EXISTS (SELECT 1 FROM new_events
                WHERE type IN ('completed', 'dead_lettered', 'cancelled')) THEN
+        -- Each ended job read once, for its webhook delivery and its bin.
+        WITH ended AS MATERIALIZED (
+            SELECT e.id, e.job_id, e.type, e.at, j.tenant_id, j.callback_url, j.cost_usd
+            FROM new_events e
+            CROSS JOIN LATERAL (SELECT k.tenant_id, k.callback_url, k.cost_usd FROM jobs k
+                                WHERE k.id = e.job_id OFFSET 0) j
+            WHERE e.type IN ('completed', 'dead_lettered', 'cancelled')
+        ), binned AS (
+            INSERT INTO finish_bin_deltas (bin, tenant_id, type, jobs, cost_usd)
+            SELECT date_bin('5 minutes', at, 'epoch'::timestamptz), tenant_id, type,
+                   count(*), sum(cost_usd)
+            FROM ended
+            WHERE type IN ('completed', 'dead_lettered')
+            GROUP BY 1, 2, 3
+        )
         INSERT INTO webhook_deliveries (job_id, tenant_id, url, event_type, event_id)
-        SELECT j.id, j.tenant_id, j.callback_url, e.type, e.id
-        FROM new_events e
-        CROSS JOIN LATERAL (SELECT k.id, k.tenant_id, k.callback_url FROM jobs k
-                            WHERE k.id = e.job_id OFFSET 0) j
-        WHERE e.type IN ('completed', 'dead_lettered', 'cancelled')
-          AND j.callback_url IS NOT NULL;
-        IF FOUND THEN
+        SELECT job_id, tenant_id, callback_url, type, id
+        FROM ended
+        WHERE callback_url IS NOT NULL;
+        IF FOUND THEN  -- the webhook deliveries (the statement's own rows)
             PERFORM pg_notify('calmq_webhooks', '');
         END IF;
-        INSERT INTO finish_bin_deltas (bin, tenant_id, type, jobs, cost_usd)
-        SELECT date_bin('5 minutes', e.at, 'epoch'::timestamptz), j.tenant_id, e.type,
-               count(*), sum(j.cost_usd)
-        FROM new_events e
-        CROSS JOIN LATERAL (SELECT k.tenant_id, k.cost_usd FROM jobs k
-                            WHERE k.id = e.job_id OFFSET 0) j
-        WHERE e.type IN ('completed', 'dead_lettered')
-        GROUP BY 1, 2, 3;
     END IF;
     RETURN NULL;
 END
