@@ -153,10 +153,13 @@ SELECT (SELECT wal_records FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal),
        (SELECT blks_hit FROM pg_stat_database WHERE datname = current_database()),
        (SELECT num_done FROM pg_stat_checkpointer),
        (SELECT coalesce(sum(autovacuum_count), 0) FROM pg_stat_user_tables),
-       (SELECT coalesce(sum(autoanalyze_count), 0) FROM pg_stat_user_tables)
+       (SELECT coalesce(sum(autoanalyze_count), 0) FROM pg_stat_user_tables),
+       (SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass),
+       (SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass)
 """
 _COUNTER_NAMES = ("wal_records", "wal_fpi", "wal_bytes", "blocks_read", "blocks_hit",
-                  "checkpoints", "autovacuums", "autoanalyzes")
+                  "checkpoints", "autovacuums", "autoanalyzes", "jobs_updates",
+                  "jobs_hot_updates")
 
 
 def _server_counters(url: str) -> dict[str, float]:
@@ -168,6 +171,12 @@ def _server_counters(url: str) -> dict[str, float]:
 def _per_job(before: dict[str, float], after: dict[str, float], jobs: int) -> dict[str, float]:
     """Counters over a pass per job completed; maintenance runs and checkpoints as counts."""
     out: dict[str, float] = {}
+    # The share of the job rows' updates (claim, heartbeats, finish) that were HOT: no new
+    # index entry, the new version on the same page (issue 32 asks whether a narrower hot
+    # table would raise it).
+    updates = after["jobs_updates"] - before["jobs_updates"]
+    out["jobs_hot_update_share"] = round(
+        (after["jobs_hot_updates"] - before["jobs_hot_updates"]) / updates, 3) if updates else 0.0
     for name in _COUNTER_NAMES:
         if name in ("autovacuums", "autoanalyzes", "checkpoints"):
             out[name] = after[name] - before[name]
