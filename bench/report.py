@@ -107,6 +107,7 @@ _HEADLINES: dict[str, list[str]] = {
                   "commit_lag_p99_s"],
     "streaming": ["ttft_added_p50_ms", "ttft_added_p95_ms", "delivery_p95_ms",
                   "worker_extra_cpu_ms_per_streamed_job", "api_extra_cpu_ms_per_streamed_job"],
+    "happy_path": ["pg_cpu_ms_per_job", "wal_bytes_per_job", "jobs_per_s"],
     "scale": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms", "pg_cpu_ms_per_job",
               "preload_jobs_per_s"],
 }

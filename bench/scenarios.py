@@ -2,7 +2,7 @@
 
 A scenario lives in a module of its own (bench/accept.py, relay.py, e2e.py, slow.py,
 drain.py, budget.py, priority.py, longcalls.py, batch_lane.py, logical_messages.py,
-streaming.py); each
+happy_path.py, streaming.py, scale.py); each
 starts its own stack, runs calmq, then its baselines on the same broker and database, and
 returns one result of the one shape docs/how-to/benchmarks.md describes. What they share is
 bench/common.py. Modules are imported when their scenario runs, so `calmq bench e2e` loads
@@ -28,7 +28,8 @@ __all__ = ["DEFAULT_SIZES", "DISPATCH_RUNS", "SCENARIOS", "NotBuiltError", "run_
 # budget: more jobs than three minutes of quota can serve, so demand exceeds the budget.
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
                  "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
-                 "logical_messages": 50_000, "streaming": 200, "scale": 20_000_000}
+                 "logical_messages": 50_000, "happy_path": 20_000, "streaming": 200,
+                 "scale": 20_000_000}
 
 
 def _lazy(module: str, function: str) -> Callable[..., dict[str, Any]]:
@@ -49,6 +50,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     # the batch lane's three phases; an A/B of the outbox's write path
     "batch": _lazy("batch_lane", "batch"),
     "logical_messages": _lazy("logical_messages", "logical_messages"),
+    # an A/B of the ordinary path's history: event rows, or none
+    "happy_path": _lazy("happy_path", "happy_path"),
     # time to first token through calmq, streaming's CPU, and a transport beside it
     "streaming": _lazy("streaming", "streaming"),
     # month six: an empty and a preloaded database side by side, then a steady run

@@ -331,3 +331,33 @@ def test_a_run_without_deltas_reports_no_time_to_first_token() -> None:
 
     figs = {**ttft_figures([Timing("j", 1.0)], {}), "worker_cpu_s": 1.5, "streams_ended": 1}
     assert without_ttft(figs) == {"worker_cpu_s": 1.5, "streams_ended": 1}
+
+
+def test_happy_path_is_registered_and_its_cpu_ratio_is_a_headline() -> None:
+    """calmq bench happy_path runs by name (20,000 jobs by default) and BENCHMARKS.md's
+    table shows its PostgreSQL CPU per job against the history rows' baseline."""
+    from bench import scenarios
+
+    assert scenarios.DEFAULT_SIZES["happy_path"] == 20_000
+    assert "happy_path" in scenarios.SCENARIOS
+    table = report.markdown_table([report.result(
+        "happy_path", 1, {"pg_cpu_ms_per_job": 0.25},
+        {"history_rows": {"pg_cpu_ms_per_job": 0.3}},
+        {"pg_cpu_per_job_vs_history_rows": 0.833})])
+    assert "| happy_path | pg_cpu_ms_per_job | 0.250 | history_rows: 0.300 |" in table
+
+
+def test_the_scale_pass_reports_the_share_of_hot_updates_of_jobs() -> None:
+    """The e2e pass's server counters give the share of the job rows' updates that were
+    HOT, and the updates per job, from pg_stat_user_tables' two counters."""
+    from bench.scale import _per_job
+
+    before = dict.fromkeys(("wal_records", "wal_fpi", "wal_bytes", "blocks_read",
+                            "blocks_hit", "checkpoints", "autovacuums", "autoanalyzes",
+                            "jobs_updates", "jobs_hot_updates"), 0.0)
+    after = {**before, "jobs_updates": 2000.0, "jobs_hot_updates": 500.0, "autovacuums": 1.0}
+    out = _per_job(before, after, 1000)
+    assert out["jobs_hot_update_share"] == 0.25
+    assert out["jobs_updates_per_job"] == 2.0
+    assert out["autovacuums"] == 1.0
+    assert _per_job(before, before, 1000)["jobs_hot_update_share"] == 0.0
