@@ -330,10 +330,10 @@ def _pack_jobs(conn: psycopg.Connection[Any]) -> str | None:
     jobs at their final size (about 530 bytes), which are never updated again, and at 90 %
     every one of its pages kept about 1,200 bytes free: just room for one new queued job
     (about 250 bytes plus the reserve). The free space map then handed each new job of the
-    bench's e2e pass a different cold page of the preload (0.89 heap blocks read per job at
-    1.2 M jobs, 20 M: one per job), and left its claim and finish no room for a HOT update.
-    A page of finished jobs in a real database has no such reserve left: its rows grew
-    from queued (about 250 bytes) to completed in place, or moved out when the page was full.
+    bench's e2e pass a different cold page of the preload: 0.89 heap blocks read from
+    outside shared buffers per job on a 1.2 M preload, one per job at 20 M. A page of
+    finished jobs in a real database has no such reserve left: its rows grew from queued
+    (about 250 bytes) to completed in place, or moved out when the page was full.
     """
     row = conn.execute("SELECT option_value FROM pg_options_to_table("
                        "(SELECT reloptions FROM pg_class WHERE oid = 'jobs'::regclass)) "
