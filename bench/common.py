@@ -280,17 +280,18 @@ def count_completed(rig: Rig, tenant_id: str) -> Callable[[], int]:
 
 
 def dispatch_runs(rig: Rig, url: str, runs: int, log: Log, *, rate: float = DISPATCH_RATE,
-                  label: str = "calmq") -> dict[str, Any]:
-    """The accept→dispatch pass at ``rate`` jobs/s, ``runs`` times back to back (a tenant
-    each); every run's p50/p99 and the median run's, which is what the target is held to."""
+                  label: str = "calmq", seconds: float = DISPATCH_SECONDS) -> dict[str, Any]:
+    """The accept→dispatch pass at ``rate`` jobs/s for ``seconds``, ``runs`` times back to
+    back (a tenant each); every run's p50/p99 and the median run's, which is what the
+    target is held to."""
     passes: list[dict[str, float]] = []
     for n in range(runs):
         lat_id, key = rig.tenant(f"bench-dispatch-{uuid.uuid4().hex[:6]}")
-        log(f"  {label}: accept→dispatch at {rate:.0f} jobs/s for "
-            f"{DISPATCH_SECONDS:.0f} s (run {n + 1} of {runs})")
+        of = f" (run {n + 1} of {runs})" if runs > 1 else ""
+        log(f"  {label}: accept→dispatch at {rate:.0f} jobs/s for {seconds:.0f} s{of}")
         fixed = asyncio.run(loadgen.open_loop(url, job_body(),
                                               {"Authorization": f"Bearer {key}"},
-                                              rate=rate, seconds=DISPATCH_SECONDS))
+                                              rate=rate, seconds=seconds))
         wait(count_completed(rig, lat_id), fixed.ok, 60, "dispatch jobs", log)
         dispatch = dispatch_ms(rig, lat_id)
         passes.append({"p50_ms": rounded(loadgen.percentile(dispatch, 50), 2),

@@ -190,6 +190,7 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")
     option(p, "--runs", type=int,
-           help="e2e: run the dispatch pass this many times (default 5; the median counts)")
+           help="dispatch runs: e2e, this many (default 5; the median counts); scale, this "
+                "many a database, in pairs (default 8)")
     option(p, "--steady-minutes", type=float,
            help="scale: the steady run's length (default 30; 1 below a million jobs)")

@@ -361,3 +361,31 @@ def test_the_scale_pass_reports_the_share_of_hot_updates_of_jobs() -> None:
     assert out["jobs_updates_per_job"] == 2.0
     assert out["autovacuums"] == 1.0
     assert _per_job(before, before, 1000)["jobs_hot_update_share"] == 0.0
+
+
+def test_the_scale_dispatch_runs_take_turns_each_side_first_as_often() -> None:
+    """The two databases' dispatch runs come in adjacent pairs, every other pair reversed,
+    so a drift of the host over the runs falls on both: each side runs as often, and as
+    often first in a pair."""
+    from bench.scale import turns
+
+    assert turns(1) == ["empty", "preloaded"]
+    assert turns(3) == ["empty", "preloaded", "preloaded", "empty", "empty", "preloaded"]
+    order = turns(8)
+    assert order.count("empty") == order.count("preloaded") == 8
+    pairs = [order[i:i + 2] for i in range(0, len(order), 2)]
+    assert all(sorted(p) == ["empty", "preloaded"] for p in pairs)
+    assert [p[0] for p in pairs].count("empty") == 4
+
+
+def test_the_scale_dispatch_ratio_is_the_median_of_the_pairs_ratios() -> None:
+    """One pair whose run met a stall of the host does not move the ratio; a slower
+    preloaded side in every pair does."""
+    from bench.scale import paired_ratio
+
+    empty = [60.0, 62.0, 58.0, 61.0, 59.0]
+    assert paired_ratio(empty, [61.0, 60.0, 600.0, 62.0, 60.0]) == pytest.approx(1.017, abs=1e-3)
+    assert paired_ratio(empty, [e * 1.5 for e in empty]) == 1.5
+    assert paired_ratio([50.0, 100.0], [60.0, 100.0]) == 1.1  # an even count: the middle two
+    with pytest.raises(ValueError, match="longer"):  # runs that do not pair up
+        paired_ratio([1.0], [1.0, 2.0])
