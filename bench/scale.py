@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -72,7 +74,7 @@ from bench.report import result
 from bench.rig import Rig
 from bench.scrape import scrape
 
-__all__ = ["paired_ratio", "scale", "turns"]
+__all__ = ["paired_interval", "paired_ratio", "scale", "turns"]
 
 INTAKE_RATE = 500.0  # the steady run's intake, jobs/s
 RETENTION_DAYS = 20  # of the preload's 30: a third of the preloaded jobs are past it
@@ -99,7 +101,9 @@ DISPATCH_WARM_JOBS = 3000
 # running every part) moves it by 2-5x. In an A/A trial on one database, the ratio of two
 # sides' median runs ranged 0.20-4.87 with three runs a side and 0.71-1.44 with eight; the
 # median of eight paired ratios, 0.95-1.09 (bench/results/notes/2026-12-06-dispatch-aa.json).
-DISPATCH_PAIRS = 8
+# Eight pairs were not enough at 200,000 jobs: 0.37x and 1.79x in two runs; with 24 at 20 M
+# the median's 95 % bootstrap interval was 0.65-1.38 (paired_interval reports it).
+DISPATCH_PAIRS = 24
 DISPATCH_TURN_SECONDS = 10.0
 # The empty database's relay slot once the preload is in (the first one is dropped for it).
 EMPTY_SLOT = "calmq_empty_outbox"
@@ -294,10 +298,24 @@ def paired_ratio(empty: list[float], preloaded: list[float]) -> float:
     """The median over the pairs of preloaded / empty: each pair's two runs are next to
     each other, so what drifts over the runs falls on both of a pair's runs; the median
     sets aside the pairs where one run met a stall of the host."""
-    ratios = sorted(p / max(e, 1e-9) for e, p in zip(empty, preloaded, strict=True))
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return rounded(median, 3)
+    return rounded(statistics.median(_ratios(empty, preloaded)), 3)
+
+
+def paired_interval(empty: list[float], preloaded: list[float],
+                    resamples: int = 2000) -> tuple[float, float]:
+    """A 95 % bootstrap interval of ``paired_ratio``: the pairs resampled with replacement
+    (a fixed seed, so a result reads the same twice). How far the host's noise leaves the
+    ratio open: the target means little where the interval is wider than it."""
+    ratios = _ratios(empty, preloaded)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return (rounded(medians[int(resamples * 0.025)], 3),
+            rounded(medians[int(resamples * 0.975) - 1], 3))
+
+
+def _ratios(empty: list[float], preloaded: list[float]) -> list[float]:
+    return [p / max(e, 1e-9) for e, p in zip(empty, preloaded, strict=True)]
 
 
 def _drop_relay_slot(url: str, slot: str, log: Log, within: float = 30.0) -> None:
@@ -358,8 +376,9 @@ def _dispatch_turns(rig: Rig, fake_url: str, urls: dict[str, str], rate: float, 
         mid = (len(passes) - 1) // 2
         out[side] = {"dispatch_p50_ms": p50s[mid], "dispatch_p99_ms": p99s[mid],
                      "dispatch_rate": rate, "dispatch_each_run": passes}
-    out["p99_paired_ratio"] = paired_ratio([p["p99_ms"] for p in each["empty"]],
-                                           [p["p99_ms"] for p in each["preloaded"]])
+    p99s = [p["p99_ms"] for p in each["empty"]], [p["p99_ms"] for p in each["preloaded"]]
+    out["p99_paired_ratio"] = paired_ratio(*p99s)
+    out["p99_paired_interval"] = list(paired_interval(*p99s))
     out["p50_paired_ratio"] = paired_ratio([p["p50_ms"] for p in each["empty"]],
                                            [p["p50_ms"] for p in each["preloaded"]])
     return out
@@ -589,6 +608,7 @@ def scale(size: int, log: Log, sampler: Sampler, runs: int = DISPATCH_PAIRS,
         empty.update(dispatch["empty"])
         full.update(dispatch["preloaded"])
         full["dispatch_p99_paired_ratio"] = dispatch["p99_paired_ratio"]
+        full["dispatch_p99_paired_interval_95"] = dispatch["p99_paired_interval"]
         full["dispatch_p50_paired_ratio"] = dispatch["p50_paired_ratio"]
         _drop_relay_slot(empty_url, EMPTY_SLOT, log)  # no WAL kept through the steady run
         names = tenant_names()

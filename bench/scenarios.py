@@ -64,7 +64,7 @@ def run_scenario(name: str, size: int | None = None, *, log: Log = stderr,
                  steady_seconds: float | None = None) -> dict[str, Any]:
     """Run one scenario and return its result; raises NotBuiltError for one not built yet.
     ``runs``: how many dispatch runs (e2e: 5 by default, the target is the median run;
-    scale: 8 a database by default, in pairs);
+    scale: 24 a database by default, in pairs);
     ``steady_seconds``: scale's steady run (default: 30 minutes, a minute for a smoke size)."""
     if name not in SCENARIOS:
         raise NotBuiltError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")

@@ -191,6 +191,6 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--json", action="store_true", help="the result as one JSON object")
     option(p, "--runs", type=int,
            help="dispatch runs: e2e, this many (default 5; the median counts); scale, this "
-                "many a database, in pairs (default 8)")
+                "many a database, in pairs (default 24)")
     option(p, "--steady-minutes", type=float,
            help="scale: the steady run's length (default 30; 1 below a million jobs)")

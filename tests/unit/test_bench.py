@@ -389,3 +389,19 @@ def test_the_scale_dispatch_ratio_is_the_median_of_the_pairs_ratios() -> None:
     assert paired_ratio([50.0, 100.0], [60.0, 100.0]) == 1.1  # an even count: the middle two
     with pytest.raises(ValueError, match="longer"):  # runs that do not pair up
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_the_scale_dispatch_ratio_comes_with_its_bootstrap_interval() -> None:
+    """The interval holds the median, reads the same twice, and is wide where the pairs
+    disagree and narrow where they agree."""
+    from bench.scale import paired_interval, paired_ratio
+
+    empty = [60.0, 50.0, 70.0, 65.0, 55.0, 58.0, 62.0, 61.0]
+    noisy = [30.0, 120.0, 60.0, 140.0, 50.0, 70.0, 40.0, 90.0]
+    low, high = paired_interval(empty, noisy)
+    assert low <= paired_ratio(empty, noisy) <= high
+    assert paired_interval(empty, noisy) == (low, high)
+    steady = [e * 1.05 for e in empty]
+    s_low, s_high = paired_interval(empty, steady)
+    assert s_low == s_high == pytest.approx(1.05)
+    assert high - low > 0.5
