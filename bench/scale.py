@@ -62,6 +62,7 @@ from bench.common import (
     count_completed,
     dispatch_runs,
     job_body,
+    median_run,
     process_costs,
     ratio,
     rounded,
@@ -371,11 +372,7 @@ def _dispatch_turns(rig: Rig, fake_url: str, urls: dict[str, str], rate: float, 
         _switch(rig, fake_url, urls["preloaded"], FULL_SLOT, "preloaded", log)
     out: dict[str, Any] = {}
     for side, passes in each.items():
-        p50s = sorted(p["p50_ms"] for p in passes)
-        p99s = sorted(p["p99_ms"] for p in passes)
-        mid = (len(passes) - 1) // 2
-        out[side] = {"dispatch_p50_ms": p50s[mid], "dispatch_p99_ms": p99s[mid],
-                     "dispatch_rate": rate, "dispatch_each_run": passes}
+        out[side] = {**median_run(passes), "dispatch_rate": rate, "dispatch_each_run": passes}
     p99s = [p["p99_ms"] for p in each["empty"]], [p["p99_ms"] for p in each["preloaded"]]
     out["p99_paired_ratio"] = paired_ratio(*p99s)
     out["p99_paired_interval"] = list(paired_interval(*p99s))

@@ -405,3 +405,14 @@ def test_the_scale_dispatch_ratio_comes_with_its_bootstrap_interval() -> None:
     s_low, s_high = paired_interval(empty, steady)
     assert s_low == s_high == pytest.approx(1.05)
     assert high - low > 0.5
+
+
+def test_the_median_dispatch_run_is_taken_per_figure_and_the_lower_of_an_even_count() -> None:
+    """e2e and scale hold their dispatch targets to the same median run: p50 and p99 each
+    their own median, the lower middle one where the runs are even."""
+    from bench.common import median_run
+
+    runs = [{"p50_ms": 10.0, "p99_ms": 90.0}, {"p50_ms": 30.0, "p99_ms": 50.0},
+            {"p50_ms": 20.0, "p99_ms": 70.0}, {"p50_ms": 40.0, "p99_ms": 60.0}]
+    assert median_run(runs) == {"dispatch_p50_ms": 20.0, "dispatch_p99_ms": 60.0}
+    assert median_run(runs[:3]) == {"dispatch_p50_ms": 20.0, "dispatch_p99_ms": 70.0}
