@@ -214,7 +214,12 @@ class ReviewCapGate(Gate):
     async def _any_cap(self) -> bool:
         now = time.monotonic()
         if now - self._read >= self.CAPS_TTL:
-            self._capped = await retry_forever("reading the review caps failed",
-                                               self.caps.capped_pools)
+            capped = await retry_forever("reading the review caps failed",
+                                         self.caps.capped_pools)
+            for pool in set(self._capped) - set(capped):
+                metrics.REVIEW_CAP.remove(pool)
+            for pool, cap in capped.items():
+                metrics.REVIEW_CAP.labels(pool).set(cap)
+            self._capped = capped
             self._read = now
         return bool(self._capped)

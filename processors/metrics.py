@@ -45,6 +45,10 @@ CLAIMS_DEFERRED = Counter("calmq_claims_deferred_total",
                           "Messages claimed again later: their job was not visible yet")
 REVIEW_CAP_HELD = Counter("calmq_review_cap_held_total",
                           "Messages of jobs held in queued: their pool was at its review cap")
+# The caps this worker enforces, as last read (every ReviewCapGate.CAPS_TTL seconds): a cap
+# set or changed takes effect once every worker shows it here.
+REVIEW_CAP = Gauge("calmq_review_cap", "Review cap of each pool, as this worker last read it",
+                   ["pool"])
 REVIEW_CAP_RESUMED = Counter("calmq_review_cap_resumed_total",
                              "Jobs held for a review cap re-published as room freed")
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")

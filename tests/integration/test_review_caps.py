@@ -17,6 +17,7 @@ from calmq.sql import queries
 from calmq.tooling.devstack import StackState
 from tests.support.api import console_session
 from tests.support.waiting import wait_for
+from tests.support.workers import metric
 from tests.support.workflow_env import WorkflowEnv
 from tests.support.workflows import POOL
 
@@ -27,12 +28,20 @@ INVOICE = "Vendor: Blurry Scan Ltd\nInvoice: 7?1\nTotal: EUR 88.00\n"
 
 @pytest.fixture(scope="module")
 def wf(stack: StackState) -> Iterator[WorkflowEnv]:
-    env = WorkflowEnv(stack)
+    # Workers start in the tests (_workers): a worker reads the caps at most every
+    # ReviewCapGate.CAPS_TTL, so one started before the cap was set could let the first jobs
+    # after it through. Started after it, the worker's first read sees it.
+    env = WorkflowEnv(stack, workers=False)
     try:
         yield env
     finally:
         env.sql("DELETE FROM review_caps WHERE pool = %s RETURNING pool", POOL)
         env.close()
+
+
+def _workers(wf: WorkflowEnv) -> None:
+    if not hasattr(wf, "worker"):
+        wf.start_workers()
 
 
 def _page(wf: WorkflowEnv, path: str, session: str) -> str:
@@ -62,6 +71,7 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
     cap = before + 2
     wf.sql("INSERT INTO review_caps (pool, cap, updated_by) VALUES (%s, %s, 'test') "
            "ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap RETURNING pool", POOL, cap)
+    _workers(wf)
     ids = [wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
            for _ in range(4)]
 
@@ -78,6 +88,7 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
         assert waiting[0]["pending"] >= cap
         assert wf.attempts(job_id) == {}  # waiting for the cap is no attempt
         assert job["attempt"] == 0
+    assert metric(wf.worker_port, "calmq_review_cap") == cap  # the cap the worker enforces
 
     # The console's overview says the pool is past its cap and how many jobs wait for it;
     # a held job's page gives the reason.
@@ -120,6 +131,7 @@ def test_a_job_admitted_before_the_cap_is_reached_is_not_held_at_its_next_step(
     # The race the cap must not lose: a job claimed while there was room finishes its first
     # step and is queued for the next while newer jobs are claimed. It was admitted: it
     # counts against the cap and goes on to its review; only a job never claimed waits.
+    _workers(wf)
     job_id, pending = (wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
                        for _ in range(2))
     for i in (job_id, pending):  # pending keeps the pool's count of used reviews above 0
