@@ -361,6 +361,11 @@ class Settings(BaseSettings):
         description="call slots beyond concurrency that only interactive attempts may use, and"
                     " as many more interactive jobs held claimed (default: an eighth of the"
                     " in-flight window)")
+    fair_share: bool = Field(
+        default=False,
+        description="fair share inside each lane: while a pool's priority is contended, new "
+                    "jobs wait in PostgreSQL (waiting_reason fair_share) and free slots go to "
+                    "the tenant furthest below its weighted share (calmq tenants set-weight)")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
     sweeper_grace_seconds: float = Field(

@@ -16,6 +16,9 @@ The gates a worker runs, in order:
   their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
 - ``ReviewCapGate``: jobs that could end in review while their pool's pending reviews are at
   the reviewers' cap (calmq.data.review_caps).
+- ``FairShareGate`` (setting ``fair_share``): while a lane (pool and priority) is contended,
+  new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
+  Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
 
 A gate may also make the claim wait for its turn (``stack``): the review cap counts room in
 the database, so this worker's hold and the claim of what passed take turns, and two claims
@@ -36,6 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from calmq.data import Store
+from calmq.data.fairness import FairQueue
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.processors import metrics
@@ -44,8 +48,8 @@ from calmq.retrying import retry_forever
 from calmq.spending import SpendCaps
 from calmq.workflows import Workflow
 
-__all__ = ["Admission", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate", "SpendCapGate",
-           "review_workflows"]
+__all__ = ["Admission", "FairShareGate", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate",
+           "SpendCapGate", "review_workflows"]
 
 T = TypeVar("T")
 
@@ -223,3 +227,70 @@ class ReviewCapGate(Gate):
             self._capped = capped
             self._read = now
         return bool(self._capped)
+
+
+class FairShareGate(Gate):
+    """Fair share inside each lane of the pool (docs/explanation/fairness.md).
+
+    A lane is contended while its waiting room holds jobs, or while this worker has no free
+    slot for it (``room``: the slots of the priority less those in use). Then a new job is
+    held in the room (``waiting``, reason ``fair_share``; its message acknowledged, no
+    attempt counted) instead of taking the next slot in the order Kafka delivered it, behind
+    another tenant's backlog; the pipeline fills each free slot from the room, the tenant
+    furthest below its weighted share of the lane's running jobs first (``pick``). An
+    uncontended lane costs nothing: its jobs pass straight to the claim.
+
+    Holding what cannot start now also keeps the consumer reading while the slots are full
+    (the worker reads ahead past them, processors/consumer.py ``read_ahead``), so a small
+    tenant's job that arrives behind a backlog is seen at once, not after it."""
+
+    name = "fair_share"
+
+    def __init__(self, queue: FairQueue, pool: str, room: Callable[[str], int],
+                 priorities: Sequence[str] = ("interactive", "bulk")) -> None:
+        self.queue = queue
+        self.pool = pool
+        self.room = room
+        self.priorities = list(priorities)
+        # Lanes whose waiting room this process last saw holding jobs.
+        self.contended: set[str] = set()
+        self._passing = 0  # jobs let through or picked whose attempts have not started yet
+
+    def free(self, priority: str) -> int:
+        """Slots of the lane no attempt and no claim in progress takes."""
+        return self.room(priority) - self._passing
+
+    def taking(self, n: int, stack: contextlib.AsyncExitStack | None = None) -> None:
+        """Count ``n`` jobs on their way to a slot until ``stack`` closes (or ``done``)."""
+        self._passing += n
+        if stack is not None:
+            stack.callback(self.done, n)
+
+    def done(self, n: int) -> None:
+        self._passing -= n
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        free: dict[str, int] = {}
+        waiting: list[uuid.UUID] = []
+        passed = 0
+        for r in requests:
+            if r.tenant_id is None or occupancy.running(r.job_id):
+                continue
+            lane = r.priority
+            left = free.setdefault(lane, self.free(lane))
+            if lane in self.contended or left <= 0:
+                waiting.append(r.job_id)
+                continue
+            free[lane] = left - 1
+            passed += 1
+        self.taking(passed, stack)
+        if not waiting:
+            return set()
+        held = await retry_forever("holding jobs in the waiting room failed",
+                                   lambda: self.queue.hold(waiting))
+        for r in requests:
+            if r.job_id in held:
+                self.contended.add(r.priority)
+                metrics.FAIR_SHARE_HELD.labels(r.priority).inc()
+        return held

@@ -35,8 +35,13 @@ class ParallelConsumer:
         batch_size: int = 500,
         interactive_reserve: int | None = None,
         settling: Callable[[], int] | None = None,
+        read_ahead: int = 0,
     ) -> None:
         self.config = config
+        # Messages fetched past the bound: with fair share on, admission holds in the
+        # waiting room what finds no free slot (acknowledging it), so reading on while the
+        # slots are full is how a small tenant's job behind a backlog is seen at once.
+        self.read_ahead = read_ahead
         # Messages whose attempt ended and whose outcome is being written: they hold no
         # model call any more, so they do not count against the bound (up to another
         # bound's worth), or a slow group commit would leave call slots idle.
@@ -120,7 +125,8 @@ class ParallelConsumer:
         """Free slots for (bulk, interactive): interactive may also use the reserve."""
         pending = self.tracker.in_flight()
         in_flight = max(pending - self.settling(), pending - self.max_in_flight)
-        return self.max_in_flight - in_flight, self.max_in_flight + self.reserve - in_flight
+        bound = self.max_in_flight + self.read_ahead
+        return bound - in_flight, bound + self.reserve - in_flight
 
     def _backpressure(self, consumer: Consumer) -> int:
         """Pause what may not fetch now, resume what may; returns how many to consume.

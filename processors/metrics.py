@@ -13,6 +13,8 @@ __all__ = [
     "COMMIT_LAG_LAST",
     "CONSUMER_LAG",
     "DEAD_LETTERS",
+    "FAIR_SHARE_HELD",
+    "FAIR_SHARE_PICKED",
     "FENCED",
     "FORWARDED",
     "FORWARDER_HELD",
@@ -51,6 +53,12 @@ REVIEW_CAP = Gauge("calmq_review_cap", "Review cap of each pool, as this worker 
                    ["pool"])
 REVIEW_CAP_RESUMED = Counter("calmq_review_cap_resumed_total",
                              "Jobs held for a review cap re-published as room freed")
+FAIR_SHARE_HELD = Counter("calmq_fair_share_held_total",
+                          "Jobs held in their lane's waiting room (setting fair_share): the lane"
+                          " was contended", ["priority"])
+FAIR_SHARE_PICKED = Counter("calmq_fair_share_picked_total",
+                            "Jobs this worker took from its lanes' waiting rooms into free slots",
+                            ["priority"])
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 UNSTORABLE = Counter("calmq_unstorable_outputs_total",
                      "Attempts failed as unstorable_output: their result held text PostgreSQL "

@@ -24,14 +24,14 @@ from datetime import UTC, datetime
 
 from confluent_kafka import Message
 
-from calmq import logs, tracing
+from calmq import logs, topics, tracing
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
 from calmq.failure_codes import ProviderBlocked
 from calmq.gateway import ModelClock, model_clock
 from calmq.jobs import Status
 from calmq.processors import metrics
-from calmq.processors.admission import Admission, Gate
+from calmq.processors.admission import Admission, FairShareGate, Gate
 from calmq.processors.attempt import Attempt
 from calmq.processors.claim import Claim
 from calmq.processors.commit import Committer
@@ -77,8 +77,10 @@ class Pipeline:
     def __init__(self, *, store: Store, tracker: OffsetTracker, intake: Intake,
                  gates: Sequence[Gate], attempt: Attempt, worker_id: str,
                  lease_seconds: float, workflows: Mapping[str, Workflow],
-                 usage: UsageSink | None = None) -> None:
+                 usage: UsageSink | None = None,
+                 fair: FairShareGate | None = None) -> None:
         self.store = store
+        self.fair = fair  # the waiting room's gate (setting fair_share), when on
         self.worker_id = worker_id
         self.tracker = tracker
         self.intake = intake
@@ -95,6 +97,9 @@ class Pipeline:
         self._claiming = 0  # claimers still looping (their tasks may not have ended yet)
         self._handbacks: set[asyncio.Task[None]] = set()
         self._abandoning = False
+        self._draining = False  # no job is taken from a waiting room once set
+        self._filling: asyncio.Task[None] | None = None
+        self._fill_again = False
 
     def start(self) -> None:
         self.committer.start()
@@ -146,14 +151,70 @@ class Pipeline:
             self._claiming -= 1
 
     async def _claim_and_start(self, requests: list[Request]) -> None:
+        if self.fair is not None and self.fair.contended:
+            self.fill_soon()  # what admission just held may have a free slot already
         if not requests:
             return
         claimed = await self.claim.claim(requests, self.leases.running)
-        for begun, (request, job) in enumerate(claimed.jobs, 1):
+        await self._start(claimed.jobs, claimed.at)
+
+    async def _start(self, jobs: Sequence[tuple[Request, Job]], at: float) -> None:
+        for begun, (request, job) in enumerate(jobs, 1):
             task = asyncio.create_task(self._run(job, request))
-            self.leases.hold(job, task, claimed.at)
+            self.leases.hold(job, task, at)
             if begun % self.STEP_WORK == 0:
                 await asyncio.sleep(0)  # let these attempts take their first step
+
+    # -- the waiting room (setting fair_share) ---------------------------------------------
+
+    def fill_soon(self) -> None:
+        """Fill this process's free slots from the waiting rooms of its lanes: after a hold,
+        when an attempt ends, and on the worker's tick (another worker's holds)."""
+        if self.fair is None or self._draining:
+            return
+        if self._filling is not None and not self._filling.done():
+            self._fill_again = True  # one fill at a time; it goes round once more
+            return
+        self._filling = asyncio.create_task(self._fill(self.fair))
+
+    async def _fill(self, fair: FairShareGate) -> None:
+        while True:
+            self._fill_again = False
+            for priority in fair.priorities:
+                n = min(fair.free(priority), self.CLAIM_BATCH)
+                if n <= 0 or self._draining:
+                    continue
+                fair.taking(n)  # the gate lets no new job into these slots meanwhile
+                try:
+                    await self._take_from_room(fair, priority, n)
+                finally:
+                    fair.done(n)
+            if not self._fill_again:
+                return
+
+    async def _take_from_room(self, fair: FairShareGate, priority: str, n: int) -> None:
+        picked = await retry_forever(
+            "picking jobs from the waiting room failed",
+            lambda: fair.queue.pick(fair.pool, priority, n))
+        if len(picked) < n:
+            fair.contended.discard(priority)  # the room is empty (this worker took the rest)
+        if not picked:
+            return
+        metrics.FAIR_SHARE_PICKED.labels(priority).inc(len(picked))
+        at = time.monotonic()  # the leases the claim grants start after this
+        # A picked job is queued with no message: claimed here, or (claim failed: cancelled
+        # meanwhile, or the database went away after the pick) left to the sweeper.
+        jobs = await retry_forever("claiming jobs from the waiting room failed",
+                                   lambda: self.store.jobs.claim(
+                                       list(picked), self.worker_id,
+                                       self.leases.lease_seconds, picked))
+        # No message carries a picked job: its position names no partition of this
+        # consumer, so marking it done commits nothing (processors/offsets.py).
+        where = ((topics.topic_for_route(topics.work_route(fair.pool, priority)), -1), -1)
+        await self._start([(Request(position=where, job_id=job.id, step=job.step,
+                                    workflow=job.workflow, tenant=str(job.tenant_id),
+                                    priority=priority, message=None), job)
+                           for job in jobs], at)
 
     def _done(self, position: tuple[tuple[str, int], int]) -> None:
         self.tracker.done(*position)
@@ -225,6 +286,8 @@ class Pipeline:
             return
         finally:
             self.leases.end(job.id)
+            if self.fair is not None and self.fair.contended:
+                self.fill_soon()  # a slot freed: the fairest waiting job takes it
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
         _observe(job, finish, time.monotonic() - started, clock.seconds)
@@ -249,11 +312,19 @@ class Pipeline:
         except Exception:  # metering must not keep a stopped attempt from ending
             log.exception("recording the usage of an abandoned attempt of %s failed", job.id)
 
-    def _hand_back(self, job: Job, msg: Message) -> None:
-        """Claim a self-fenced attempt's message again, once its lease is handed back."""
+    def _hand_back(self, job: Job, msg: Message | None) -> None:
+        """Claim a self-fenced attempt's message again, once its lease is handed back (a job
+        picked from the waiting room has none: it goes back into the room)."""
+        fair = self.fair
+
         async def hand_back() -> None:
             await self.leases.hand_back(job)
-            self.submit([msg])
+            if msg is not None:
+                self.submit([msg])
+            elif fair is not None:
+                await retry_forever("returning a job to the waiting room failed",
+                                    lambda: fair.queue.hold([job.id]))
+                fair.contended.add(job.priority)
 
         task = asyncio.create_task(hand_back())
         self._handbacks.add(task)
@@ -267,6 +338,7 @@ class Pipeline:
         lease handed back (its offset stays uncommitted, so the next owner redoes it), also
         what a claim still in progress hands over; then the last outcomes are written."""
         loop = asyncio.get_running_loop()
+        self._draining = True
         log.info("stopping: %d in flight, grace %.1f s", self.in_flight, grace_seconds)
         deadline = loop.time() + grace_seconds
         while not self.idle() and loop.time() < deadline:  # noqa: ASYNC110 - once, at exit
@@ -274,8 +346,9 @@ class Pipeline:
         abandoned = await self._abandon()
         if abandoned:
             log.warning("abandoned %d attempts at the end of the grace period", abandoned)
-        while self.claiming:  # noqa: ASYNC110 - a batch still claiming hands over its jobs
-            await asyncio.sleep(0.01)
+        while self.claiming or (self._filling is not None  # noqa: ASYNC110 - at exit
+                                and not self._filling.done()):
+            await asyncio.sleep(0.01)  # a batch still claiming hands over its jobs
         await self._abandon()
         await self.committer.drain()
 

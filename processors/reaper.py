@@ -20,6 +20,7 @@ from collections import Counter
 
 from calmq.budget import TenantQuota
 from calmq.data import Store
+from calmq.data.fairness import FairQueue
 from calmq.data.partitions import HistoryPartitions
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
@@ -76,6 +77,18 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                 metrics.JOBS_SWEPT.labels(pool).inc(n)
             log.warning("re-published %d waiting jobs that no message carried", len(swept))
 
+    fair = FairQueue(store)
+
+    async def release_stale_fair_share() -> None:
+        # A waiting room's job that no worker held again or picked for the sweeper's grace
+        # (fair share turned off, or no worker of its pool left) gets a fresh message.
+        released = await fair.release_stale(sweeper_grace_seconds)
+        if released:
+            for pool, n in Counter(j.pool for j in released).items():
+                metrics.JOBS_SWEPT.labels(pool).inc(n)
+            log.warning("re-published %d jobs that waited in a waiting room with no worker "
+                        "taking them", len(released))
+
     async def expire_reviews() -> None:
         expired = await desk.expire()
         if expired:
@@ -111,6 +124,8 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
                critical=True)
+    side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
+               release_stale_fair_share, first_after=first_after, critical=True)
 
 
 def schedule_history_partitions(side: Supervisor, store: Store, settings: Settings, *,

@@ -17,6 +17,7 @@ from calmq import topics
 from calmq.budget import BudgetedProvider, open_metered_provider
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store
+from calmq.data.fairness import FairQueue
 from calmq.data.spending import SpendLedger
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
@@ -24,6 +25,7 @@ from calmq.objects import open_object_store
 from calmq.outputs import OutputWriter
 from calmq.processors import metrics
 from calmq.processors.admission import (
+    FairShareGate,
     Gate,
     QuotaGate,
     ReviewCapGate,
@@ -129,6 +131,7 @@ class Worker:
             # Bulk calls hold their slots for as long as the model takes: interactive work
             # beyond this reserve waits for them to end (seconds each).
             interactive_reserve=s.interactive_reserve,
+            read_ahead=Pipeline.CLAIM_BATCH if s.fair_share else 0,
         )
         codec = make_codec(s.schema_registry_url, registry_config(s))
         objects = open_object_store(s.object_store_url)
@@ -138,6 +141,11 @@ class Worker:
         if provider.quota is not None:
             gates.append(QuotaGate(provider.quota.allowance, ledger))
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
+        fair: FairShareGate | None = None
+        if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
+            fair = FairShareGate(FairQueue(store), s.pool, self._room,
+                                 [p.strip() for p in s.priorities.split(",") if p.strip()])
+            gates.append(fair)
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
         self._outputs = OutputWriter(store.outputs, flush_seconds=s.output_flush_seconds)
@@ -153,7 +161,7 @@ class Worker:
                             review_deadline_seconds=s.review_deadline_seconds,
                             outputs=self._outputs),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
-            usage=provider.usage.record if provider.usage is not None else None)
+            usage=provider.usage.record if provider.usage is not None else None, fair=fair)
         self.pipeline.start()
         # The consumer thread is a critical side task: a worker that stopped polling would
         # hold its partitions and do nothing.
@@ -193,7 +201,17 @@ class Worker:
         limit = provider.in_flight_limit(s.budget_queue_seconds)
         consumer.max_in_flight = _claimed_bound(
             s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
+        # Free slots and another worker's holds: take from the lanes' waiting rooms.
+        pipeline.fill_soon()
         self._last_tick = loop.time()
+
+    def _room(self, priority: str) -> int:
+        """Slots of a lane that no attempt holds: the in-flight window the consumer keeps
+        (its bound, and for interactive work the reserve beyond it)."""
+        consumer = self._consumer
+        assert consumer is not None
+        bound = consumer.max_in_flight + (consumer.reserve if priority == "interactive" else 0)
+        return bound - self.pipeline.in_flight
 
     async def drain(self, grace_seconds: float) -> None:
         # The consumer thread has paused every partition (the stop event): in-flight work

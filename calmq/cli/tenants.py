@@ -48,8 +48,8 @@ def _list(args: argparse.Namespace) -> int:
     if fmt == "table":
         table = [{**r, "active_keys": " ".join(r["active_keys"]) or "none",
                   "revoked": len(r["revoked_keys"])} for r in rows]
-        emit_rows(table, fmt, ["name", "id", "created_at", "last_used_at", "active_keys",
-                               "revoked"], empty="no tenants")
+        emit_rows(table, fmt, ["name", "id", "created_at", "last_used_at", "weight",
+                               "active_keys", "revoked"], empty="no tenants")
     else:
         emit_rows(rows, fmt, [])
     if args.name and not rows:
@@ -114,6 +114,36 @@ def _limits(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _set_weight(args: argparse.Namespace) -> int:
+    """set-weight: the tenant's weight in every lane's fair share (migration 0044)."""
+    from calmq.data.fairness import FairQueue
+
+    usage = "usage: calmq tenants set-weight NAME --weight W (a number > 0, at most 1000)"
+    if args.weight is None:
+        raise UsageError(usage)
+    try:
+        weight = float(args.weight)
+    except ValueError:
+        raise UsageError(f"--weight is a number > 0, at most 1000, not {args.weight!r}"
+                         ) from None
+    if not 0 < weight <= 1000:  # also NaN; the column's CHECK says the same
+        raise UsageError(f"--weight is a number > 0, at most 1000, not {args.weight!r}")
+    settings = settings_for(args)
+
+    async def write() -> bool:
+        async with open_store(settings, max_size=1) as store:
+            return await FairQueue(store).set_weight(args.name, weight)
+
+    check_database(settings)
+    if not asyncio.run(write()):
+        print(f"no tenant named {args.name}", file=sys.stderr)
+        return Exit.ERROR
+    print(f"weight of {args.name}: {weight:g} (its share of a contended lane's slots, against "
+          "the other busy tenants' weights; workers with fair_share on use it at their next "
+          "pick)")
+    return Exit.OK
+
+
 def cmd_tenants(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(args)
@@ -135,6 +165,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         raise UsageError(f"usage: calmq tenants {args.action} NAME")
     if args.action in ("set-quota", "set-spend-cap"):
         return _limits(args)
+    if args.action == "set-weight":
+        return _set_weight(args)
+    if args.weight is not None:
+        raise UsageError("--weight goes with set-weight")
     if args.rotate and args.action != "webhook-secret":
         raise UsageError("--rotate goes with webhook-secret")
     settings = settings_for(args)
@@ -174,11 +208,11 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 def register(command: Command, flags: Flags) -> None:
     p = command("tenants", cmd_tenants, "manage tenants: list, create, add-key, revoke-key, "
-                "webhook-secret, platform-key, set-quota, set-spend-cap",
+                "webhook-secret, platform-key, set-quota, set-spend-cap, set-weight",
                 needs=("database_url",))
     p.add_argument("action", choices=["list", "create", "add-key", "revoke-key",
                                       "webhook-secret", "platform-key", "set-quota",
-                                      "set-spend-cap"],
+                                      "set-spend-cap", "set-weight"],
                    help="list the tenants and their keys, or act on one tenant")
     p.add_argument("name", nargs="?",
                    help="the tenant's name (list: only this tenant; required otherwise)")
@@ -197,4 +231,7 @@ def register(command: Command, flags: Flags) -> None:
                  help="set-spend-cap: the tenant's cap per UTC day in USD (none: no cap)")
     flags.option(p, "--monthly-usd",
                  help="set-spend-cap: the tenant's cap per UTC month in USD (none: no cap)")
+    flags.option(p, "--weight",
+                 help="set-weight: the tenant's weight in a contended lane's fair share "
+                      "(default 1; 2 gets twice the slots of a tenant of weight 1)")
     add_output(p)

@@ -99,6 +99,7 @@ class TenantKeys:
     created_at: datetime
     last_job_at: datetime | None
     keys: list[dict[str, Any]]  # {"prefix", "created_at", "revoked_at"}, oldest first
+    weight: float = 1.0  # its weight in every lane's fair share (calmq tenants set-weight)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ RETURNING webhook_secret, webhook_secret_previous, webhook_secret_previous_until
 -- Every tenant with its keys (prefix, created, revoked) and when it last submitted a job:
 -- keys record no use of their own, and a tenant's last job is found by the
 -- jobs_tenant_created index in one probe.
-SELECT t.id, t.name, t.created_at,
+SELECT t.id, t.name, t.created_at, t.weight,
        (SELECT max(j.created_at) FROM jobs j WHERE j.tenant_id = t.id) AS last_job_at,
        coalesce((SELECT json_agg(json_build_object(
                     'prefix', k.key_prefix, 'created_at', k.created_at,

@@ -44,6 +44,7 @@ SETUP: dict[str, dict[str, Any]] = {
     "batch_pending_jobs": {"status": "running"},
     "batch_hand_back": {"status": "running", "waiting_reason": "provider_blocked"},
     "provider_release_jobs": {"status": "queued", "waiting_reason": "provider_blocked"},
+    "fair_share_release_stale": {"status": "queued", "waiting_reason": "fair_share"},
 }
 
 

@@ -85,3 +85,21 @@ def test_reads_of_unfinished_jobs_use_only_their_partial_indexes(stack: StackSta
     assert used, plan
     assert used <= UNFINISHED_INDEXES, plan
     assert "Seq Scan on jobs " not in plan + " ", plan
+
+
+def test_a_pick_from_the_waiting_room_reads_its_indexes_not_the_jobs(stack: StackState
+                                                                      ) -> None:
+    """A worker with fair share on picks from its lanes' waiting rooms whenever a slot frees
+    (many times a second): the pick finds the waiting tenants and their oldest jobs through
+    jobs_fair_waiting and the lane's running jobs through jobs_running, never by reading
+    jobs whole (seq scans priced out)."""
+    statement = sql.queries()["fair_share_pick"]
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        conn.execute("SET enable_seqscan = off")
+        rows = conn.execute(b"EXPLAIN " + statement.encode(),
+                            {"pool": "default", "priority": "bulk", "limit": 8}).fetchall()
+    plan = "\n".join(r[0] for r in rows)
+    assert _sequential_scans(plan) == set(), plan
+    used = set(re.findall(r"Index (?:Only )?Scan (?:Backward )?(?:using|on) (jobs_\w+)", plan))
+    assert used <= {"jobs_fair_waiting", "jobs_running", "jobs_pkey"}, plan
+    assert "jobs_fair_waiting" in used, plan

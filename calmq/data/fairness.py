@@ -1,0 +1,74 @@
+"""The waiting room of a contended lane, as rows (calmq/sql/fairness.sql, migration 0044).
+
+A job in it is ``queued`` (or ``retrying``) with ``waiting_reason`` ``fair_share``: no
+attempt counted, its message acknowledged. Workers take jobs out of it into their free
+slots, the tenant furthest below its weighted share of the lane's running jobs first
+(``pick``); what is fair when is calmq.processors.fairness's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from calmq.data.database import Database
+from calmq.data.jobs import Job, republish
+
+__all__ = ["FairQueue", "Waiting"]
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """How many jobs of a tenant wait in one lane's waiting room."""
+
+    pool: str
+    priority: str
+    tenant_id: uuid.UUID
+    waiting: int
+
+
+class FairQueue:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._q = db.q
+
+    async def hold(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Put the waiting ones of ``ids`` in their lane's waiting room; returns those held
+        (the others are running, finished or gone: their messages go on to the claim)."""
+        if not ids:
+            return set()
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["fair_share_hold"], {"ids": list(ids)})
+            return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
+
+    async def pick(self, pool: str, priority: str, limit: int) -> dict[uuid.UUID, str]:
+        """Take up to ``limit`` jobs out of the lane's waiting room, fairest first: their
+        ids and steps, for the caller to claim."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["fair_share_pick"],
+                                     {"pool": pool, "priority": priority, "limit": limit})
+            return {uuid.UUID(str(r["id"])): str(r["step"]) for r in await cur.fetchall()}
+
+    async def release_stale(self, grace_seconds: float, limit: int = 500) -> list[Job]:
+        """Re-publish the jobs that waited in a waiting room for ``grace_seconds`` with no
+        worker holding them again or picking them."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._q["fair_share_release_stale"],
+                                     {"grace_seconds": grace_seconds, "limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            await republish(conn, self._q["insert_outbox"], jobs)
+        return jobs
+
+    async def waiting(self) -> list[Waiting]:
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["fair_share_waiting"])
+            return [Waiting(str(r["pool"]), str(r["priority"]), r["tenant_id"],
+                            int(r["waiting"])) for r in await cur.fetchall()]
+
+    async def set_weight(self, name: str, weight: float) -> bool:
+        """A tenant's weight in every lane's fair share; False: no tenant of that name."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["set_tenant_weight"],
+                                     {"name": name, "weight": weight})
+            return await cur.fetchone() is not None

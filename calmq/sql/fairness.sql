@@ -1,0 +1,112 @@
+-- Fair share inside a lane (calmq/data/fairness.py, migration 0044): while a lane (pool and
+-- priority) is contended, a worker holds the new jobs it cannot start now in queued with
+-- waiting_reason 'fair_share' (the waiting room), and fills each slot that frees from it:
+-- the tenant furthest below its weighted share of the lane's running jobs first.
+
+-- name: fair_share_hold
+-- Jobs of ids that are waiting (queued, or retrying and due) join the waiting room. The
+-- event is written once, when a job starts to wait for this reason; updated_at moves on at
+-- every hold, so the stale pass below leaves a job held again alone for another grace.
+WITH target AS (
+    SELECT id, waiting_reason AS old_reason FROM jobs
+    WHERE id = ANY(%(ids)s) AND status IN ('queued', 'retrying')
+    ORDER BY id
+    FOR UPDATE
+), held AS (
+    UPDATE jobs j SET waiting_reason = 'fair_share', updated_at = now()
+    FROM target t WHERE j.id = t.id
+    RETURNING j.id, j.attempt, j.pool, j.priority, t.old_reason
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt,
+           jsonb_build_object('reason', 'fair_share', 'pool', pool, 'priority', priority)
+    FROM held WHERE old_reason IS DISTINCT FROM 'fair_share'
+)
+SELECT id FROM held;
+
+-- name: fair_share_pick
+-- Up to %(limit)s jobs of the lane's waiting room, fairest first, taken out of it (the caller
+-- claims them next; one it cannot claim is queued with no message: the sweeper's). The order
+-- is weighted fair queuing on the lane's running jobs: a tenant's k-th waiting job (oldest
+-- first) would bring it to (running + k) / weight, and the smallest goes first, so a tenant
+-- alone takes every slot, an idle tenant's share goes to the busy ones, and two busy tenants
+-- of weights 1 and 3 settle at a quarter and three quarters of the lane's slots. The waiting
+-- tenants are found by a skip scan of jobs_fair_waiting (one probe each), then at most
+-- %(limit)s jobs each: a pass reads a few rows per tenant, not the whole room. Two workers
+-- picking at once take different jobs (SKIP LOCKED).
+WITH RECURSIVE waiting_tenants AS (
+    (SELECT tenant_id FROM jobs
+     WHERE waiting_reason = 'fair_share' AND status IN ('queued', 'retrying')
+       AND pool = %(pool)s AND priority = %(priority)s AND tenant_id IS NOT NULL
+     ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tenant_id FROM jobs j
+            WHERE j.waiting_reason = 'fair_share' AND j.status IN ('queued', 'retrying')
+              AND j.pool = %(pool)s AND j.priority = %(priority)s
+              AND j.tenant_id > w.tenant_id
+            ORDER BY j.tenant_id LIMIT 1)
+    FROM waiting_tenants w WHERE w.tenant_id IS NOT NULL
+), running AS (
+    SELECT tenant_id, count(*) AS n FROM jobs
+    WHERE status = 'running' AND pool = %(pool)s AND priority = %(priority)s
+    GROUP BY tenant_id
+), candidates AS (
+    SELECT c.id, c.created_at, (coalesce(r.n, 0) + c.k) / coalesce(t.weight, 1) AS share_after
+    FROM waiting_tenants w
+    LEFT JOIN tenants t ON t.id = w.tenant_id
+    LEFT JOIN running r ON r.tenant_id = w.tenant_id
+    CROSS JOIN LATERAL (
+        SELECT j.id, j.created_at, row_number() OVER (ORDER BY j.created_at, j.id) AS k
+        FROM jobs j
+        WHERE j.waiting_reason = 'fair_share' AND j.status IN ('queued', 'retrying')
+          AND j.pool = %(pool)s AND j.priority = %(priority)s AND j.tenant_id = w.tenant_id
+        ORDER BY j.created_at, j.id
+        LIMIT %(limit)s
+    ) c
+    WHERE w.tenant_id IS NOT NULL
+), chosen AS (
+    SELECT j.id FROM jobs j JOIN candidates c ON c.id = j.id
+    WHERE j.waiting_reason = 'fair_share' AND j.status IN ('queued', 'retrying')
+    ORDER BY c.share_after, c.created_at, j.id
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), resumed AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM chosen c WHERE j.id = c.id
+    RETURNING j.id, j.step, j.attempt
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "fair_share"}'::jsonb FROM resumed
+)
+SELECT id, step FROM resumed;
+
+-- name: fair_share_release_stale
+-- The safety net (every worker's and `calmq reaper`'s housekeeping): a job in a waiting
+-- room that nobody held again or picked for the grace (a fleet that turned fair share off,
+-- or whose every worker of the pool stopped) gets a fresh job.requested (the caller writes
+-- it in this transaction). A fleet with fair share on holds it again on arrival.
+WITH stale AS (
+    SELECT id FROM jobs
+    WHERE waiting_reason = 'fair_share' AND status IN ('queued', 'retrying')
+      AND updated_at < now() - make_interval(secs => %(grace_seconds)s)
+    ORDER BY updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    FROM stale s WHERE j.id = s.id
+    RETURNING {{job_row}}, j.status AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "fair_share_stale"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
+
+-- name: fair_share_waiting
+-- How many jobs wait in each lane's waiting room (the console and `calmq tenants list`).
+SELECT pool, priority, tenant_id, count(*) AS waiting FROM jobs
+WHERE waiting_reason = 'fair_share' AND status IN ('queued', 'retrying')
+GROUP BY pool, priority, tenant_id;
+
+-- name: set_tenant_weight
+UPDATE tenants SET weight = %(weight)s WHERE name = %(name)s RETURNING id;
