@@ -98,6 +98,7 @@ class Pipeline:
         self._handbacks: set[asyncio.Task[None]] = set()
         self._abandoning = False
         self._draining = False  # no job is taken from a waiting room once set
+        self._picked: set[uuid.UUID] = set()  # running jobs taken from a waiting room
         self._filling: asyncio.Task[None] | None = None
         self._fill_again = False
 
@@ -211,6 +212,7 @@ class Pipeline:
         # No message carries a picked job: its position names no partition of this
         # consumer, so marking it done commits nothing (processors/offsets.py).
         where = ((topics.topic_for_route(topics.work_route(fair.pool, priority)), -1), -1)
+        self._picked.update(job.id for job in jobs)
         await self._start([(Request(position=where, job_id=job.id, step=job.step,
                                     workflow=job.workflow, tenant=str(job.tenant_id),
                                     priority=priority, message=None), job)
@@ -286,6 +288,7 @@ class Pipeline:
             return
         finally:
             self.leases.end(job.id)
+            self._picked.discard(job.id)
             if self.fair is not None and self.fair.contended:
                 self.fill_soon()  # a slot freed: the fairest waiting job takes it
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
@@ -354,7 +357,17 @@ class Pipeline:
 
     async def _abandon(self) -> int:
         self._abandoning = True
-        return await self.leases.release_all()
+        picked = set(self._picked)  # their attempts end (and leave the set) in release_all
+        released = await self.leases.release_all()
+        fair = self.fair
+        if picked and fair is not None:
+            # No message carries them to the partition's next owner: back into the waiting
+            # room, for the fleet's other workers to pick (the sweeper's, were this to fail).
+            try:
+                await fair.queue.hold(list(picked))
+            except Exception:
+                log.exception("returning %d jobs to the waiting room failed", len(picked))
+        return released
 
 
 def _cost(job: Job, finish: Finish, cost: float) -> None:
