@@ -16,6 +16,8 @@ The gates a worker runs, in order:
   their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
 - ``ReviewCapGate``: jobs that could end in review while their pool's pending reviews are at
   the reviewers' cap (calmq.data.review_caps).
+- ``ConcurrencyKeyGate``: jobs whose concurrency key (a customer inside the tenant) has its
+  workflow's ``concurrency_limit`` in flight already, fleet-wide (calmq.data.concurrency).
 - ``FairShareGate`` (setting ``fair_share``): while a lane (pool and priority) is contended,
   new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
   Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
@@ -39,6 +41,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from calmq.data import Store
+from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
@@ -48,8 +51,9 @@ from calmq.retrying import retry_forever
 from calmq.spending import SpendCaps
 from calmq.workflows import Workflow
 
-__all__ = ["Admission", "FairShareGate", "Gate", "Occupancy", "QuotaGate", "ReviewCapGate",
-           "SpendCapGate", "review_workflows"]
+__all__ = ["Admission", "ConcurrencyKeyGate", "FairShareGate", "Gate", "Occupancy",
+           "QuotaGate", "ReviewCapGate", "SpendCapGate", "concurrency_limits",
+           "review_workflows"]
 
 T = TypeVar("T")
 
@@ -229,6 +233,44 @@ class ReviewCapGate(Gate):
         return bool(self._capped)
 
 
+def concurrency_limits(workflows: Mapping[str, Workflow]) -> dict[str, int]:
+    """The workflows whose jobs' concurrency keys limit them, with the limit."""
+    return {name: w.concurrency_limit for name, w in workflows.items()
+            if w.concurrency_limit is not None}
+
+
+class ConcurrencyKeyGate(Gate):
+    """At most a workflow's ``concurrency_limit`` of one key's jobs in flight, fleet-wide.
+
+    In one transaction the batch's keys are locked (advisory locks, one order) and the jobs
+    that fit under their keys' limits are admitted (``key_admitted_at``: they count until
+    their claim, a running job counts by its status); the rest wait in ``queued``
+    (``waiting``, reason ``concurrency_key``, no attempt counted) and the release pass
+    (processors/reaper.py) re-publishes them as their key's jobs end. A job admitted and
+    never claimed (its worker died between) gives its place back after a lease."""
+
+    name = "concurrency_key"
+
+    def __init__(self, keys: ConcurrencyKeys, limits: Mapping[str, int],
+                 admitted_seconds: float) -> None:
+        self.keys = keys
+        self.limits = dict(limits)
+        self.admitted_seconds = admitted_seconds
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        ids = [r.job_id for r in requests
+               if r.workflow in self.limits and not occupancy.running(r.job_id)]
+        if not ids:
+            return set()
+        held = await retry_forever(
+            "admitting jobs by their concurrency keys failed",
+            lambda: self.keys.admit(ids, self.limits, self.admitted_seconds))
+        if held:
+            metrics.CONCURRENCY_KEY_HELD.inc(len(held))
+        return held
+
+
 class FairShareGate(Gate):
     """Fair share inside each lane of the pool (docs/explanation/fairness.md).
 
@@ -275,8 +317,8 @@ class FairShareGate(Gate):
         waiting: list[uuid.UUID] = []
         passed = 0
         for r in requests:
-            if r.tenant_id is None or occupancy.running(r.job_id):
-                continue
+            if r.tenant_id is None or r.from_room or occupancy.running(r.job_id):
+                continue  # a job the fill took from the room has had its turn
             lane = r.priority
             left = free.setdefault(lane, self.free(lane))
             if lane in self.contended or left <= 0:

@@ -11,6 +11,8 @@ __all__ = [
     "CLAIM_SECONDS",
     "COMMIT_LAG",
     "COMMIT_LAG_LAST",
+    "CONCURRENCY_KEY_HELD",
+    "CONCURRENCY_KEY_RESUMED",
     "CONSUMER_LAG",
     "DEAD_LETTERS",
     "FAIR_SHARE_HELD",
@@ -53,6 +55,12 @@ REVIEW_CAP = Gauge("calmq_review_cap", "Review cap of each pool, as this worker 
                    ["pool"])
 REVIEW_CAP_RESUMED = Counter("calmq_review_cap_resumed_total",
                              "Jobs held for a review cap re-published as room freed")
+CONCURRENCY_KEY_HELD = Counter("calmq_concurrency_key_held_total",
+                               "Jobs held in queued: their concurrency key had its workflow's "
+                               "limit in flight")
+CONCURRENCY_KEY_RESUMED = Counter("calmq_concurrency_key_resumed_total",
+                                  "Jobs held for their concurrency key re-published as its "
+                                  "jobs ended")
 FAIR_SHARE_HELD = Counter("calmq_fair_share_held_total",
                           "Jobs held in their lane's waiting room (setting fair_share): the lane"
                           " was contended", ["priority"])

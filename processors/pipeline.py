@@ -202,21 +202,29 @@ class Pipeline:
         if not picked:
             return
         metrics.FAIR_SHARE_PICKED.labels(priority).inc(len(picked))
+        # No message carries a picked job: its position names no partition of this
+        # consumer, so marking it done commits nothing (processors/offsets.py). It goes
+        # through admission's other gates (a spend cap, a concurrency key may hold it now).
+        where = ((topics.topic_for_route(topics.work_route(fair.pool, priority)), -1), -1)
+        requests = [Request(position=where, job_id=p.id, step=p.step, workflow=p.workflow,
+                            tenant=str(p.tenant_id), priority=priority, message=None)
+                    for p in picked]
+        await self.admission.admit(requests, self.leases, self._claim_picked)
+
+    async def _claim_picked(self, requests: list[Request]) -> None:
+        if not requests:
+            return
         at = time.monotonic()  # the leases the claim grants start after this
+        steps = {r.job_id: r.step for r in requests}
         # A picked job is queued with no message: claimed here, or (claim failed: cancelled
         # meanwhile, or the database went away after the pick) left to the sweeper.
         jobs = await retry_forever("claiming jobs from the waiting room failed",
                                    lambda: self.store.jobs.claim(
-                                       list(picked), self.worker_id,
-                                       self.leases.lease_seconds, picked))
-        # No message carries a picked job: its position names no partition of this
-        # consumer, so marking it done commits nothing (processors/offsets.py).
-        where = ((topics.topic_for_route(topics.work_route(fair.pool, priority)), -1), -1)
+                                       list(steps), self.worker_id,
+                                       self.leases.lease_seconds, steps))
+        by_id = {r.job_id: r for r in requests}
         self._picked.update(job.id for job in jobs)
-        await self._start([(Request(position=where, job_id=job.id, step=job.step,
-                                    workflow=job.workflow, tenant=str(job.tenant_id),
-                                    priority=priority, message=None), job)
-                           for job in jobs], at)
+        await self._start([(by_id[job.id], job) for job in jobs], at)
 
     def _done(self, position: tuple[tuple[str, int], int]) -> None:
         self.tracker.done(*position)

@@ -20,6 +20,7 @@ from collections import Counter
 
 from calmq.budget import TenantQuota
 from calmq.data import Store
+from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.partitions import HistoryPartitions
 from calmq.data.review_caps import ReviewCaps
@@ -27,7 +28,7 @@ from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
 from calmq.objects import open_object_store
 from calmq.processors import metrics
-from calmq.processors.admission import review_workflows
+from calmq.processors.admission import concurrency_limits, review_workflows
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.spending import SpendCaps, spend_caps_from_settings
@@ -50,7 +51,7 @@ POISON_ERROR: dict[str, str] = {
 
 def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
                     sweeper_grace_seconds: float, longest_tier_seconds: float,
-                    first_after: float = 0.0) -> None:
+                    lease_seconds: float, first_after: float = 0.0) -> None:
     """Run the reaper, the sweeper and the review timer under ``side`` (the reaper and the
     timer every ``interval`` seconds, the sweeper every tenth of its grace at most that
     often), as critical tasks: a process whose reaper stopped must not look healthy."""
@@ -89,6 +90,17 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.warning("re-published %d jobs that waited in a waiting room with no worker "
                         "taking them", len(released))
 
+    keys = ConcurrencyKeys(store)
+    limits = concurrency_limits(desk.workflows)
+
+    async def release_concurrency_keys() -> None:
+        # Jobs held for their concurrency key go back to the work topic as its jobs end
+        # (calmq.data.concurrency); the keys' locks make this and the admissions take turns.
+        resumed = await keys.release(limits, sorted(desk.workflows), lease_seconds)
+        if resumed:
+            metrics.CONCURRENCY_KEY_RESUMED.inc(len(resumed))
+            log.info("re-published %d jobs held for their concurrency key", len(resumed))
+
     async def expire_reviews() -> None:
         expired = await desk.expire()
         if expired:
@@ -124,6 +136,11 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                first_after=first_after, critical=True)
     side.every("review-timer", interval, expire_reviews, first_after=first_after,
                critical=True)
+    # Often where a workflow has a limit: a key's next job waits for this pass (a limit of 1
+    # runs one job at a time). Elsewhere at the reaper's pace, for jobs whose workflow's
+    # limit was removed.
+    side.every("concurrency-key-release", min(interval, 0.2) if limits else interval,
+               release_concurrency_keys, first_after=first_after, critical=True)
     side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
                release_stale_fair_share, first_after=first_after, critical=True)
 
@@ -208,6 +225,7 @@ class Reaper:
         desk = ReviewDesk(store, self.workflows or load_workflows(s),
                           open_object_store(s.object_store_url))
         schedule_reaper(life.side, store, desk, max(0.5, s.lease_seconds / 3),
+                        lease_seconds=s.lease_seconds,
                         sweeper_grace_seconds=s.sweeper_grace_seconds,
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).

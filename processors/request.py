@@ -29,6 +29,12 @@ class Request:
     message: Any  # the Kafka message, passed back as it came (resubmitted after a deferral)
 
     @property
+    def from_room(self) -> bool:
+        """A job the pipeline took from a waiting room (fair share): no message carries it,
+        and its position names no partition (marking it done commits nothing)."""
+        return self.position[0][1] < 0
+
+    @property
     def topic(self) -> str:
         return self.position[0][0]
 

@@ -17,6 +17,7 @@ from calmq import topics
 from calmq.budget import BudgetedProvider, open_metered_provider
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store
+from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.spending import SpendLedger
 from calmq.kafka import consumer_config, producer_config, service_connection
@@ -25,11 +26,13 @@ from calmq.objects import open_object_store
 from calmq.outputs import OutputWriter
 from calmq.processors import metrics
 from calmq.processors.admission import (
+    ConcurrencyKeyGate,
     FairShareGate,
     Gate,
     QuotaGate,
     ReviewCapGate,
     SpendCapGate,
+    concurrency_limits,
     review_workflows,
 )
 from calmq.processors.attempt import Attempt
@@ -141,6 +144,9 @@ class Worker:
         if provider.quota is not None:
             gates.append(QuotaGate(provider.quota.allowance, ledger))
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
+        limits = concurrency_limits(self.workflows)
+        if limits:
+            gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds))
         fair: FairShareGate | None = None
         if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
             fair = FairShareGate(FairQueue(store), s.pool, self._room,
@@ -175,7 +181,7 @@ class Worker:
         # The fleet's housekeeping: requeue expired leases of dead workers, the sweeper, the
         # review timer and the holds' release passes. A failed pass is retried next interval.
         schedule_reaper(life.side, store, ReviewDesk(store, self.workflows, objects),
-                        interval, first_after=interval,
+                        interval, first_after=interval, lease_seconds=s.lease_seconds,
                         sweeper_grace_seconds=s.sweeper_grace_seconds,
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         schedule_spend_release(life.side, spend, first_after=interval)

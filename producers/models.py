@@ -69,6 +69,10 @@ class SubmitRequest(BaseModel):
     deadline_seconds: int | None = Field(default=None, gt=0, le=_MAX_DEADLINE)
     callback_url: str | None = Field(default=None, max_length=2000)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # A key inside the tenant (e.g. a customer id): a workflow with a concurrency_limit runs
+    # at most that many of one key's jobs at once. Printable, no surrounding spaces.
+    concurrency_key: str | None = Field(default=None, min_length=1, max_length=200,
+                                        pattern=r"^\S(?:[^\x00-\x1f\x7f]*\S)?$")
 
 
 class ReviewRequest(BaseModel):

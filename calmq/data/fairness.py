@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from calmq.data.database import Database
 from calmq.data.jobs import Job, republish
 
-__all__ = ["FairQueue", "Waiting"]
+__all__ = ["FairQueue", "Picked", "Waiting"]
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """A job taken out of a waiting room, for its worker to admit and claim."""
+
+    id: uuid.UUID
+    step: str
+    workflow: str
+    tenant_id: uuid.UUID
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +52,14 @@ class FairQueue:
             cur = await conn.execute(self._q["fair_share_hold"], {"ids": list(ids)})
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
 
-    async def pick(self, pool: str, priority: str, limit: int) -> dict[uuid.UUID, str]:
-        """Take up to ``limit`` jobs out of the lane's waiting room, fairest first: their
-        ids and steps, for the caller to claim."""
+    async def pick(self, pool: str, priority: str, limit: int) -> list[Picked]:
+        """Take up to ``limit`` jobs out of the lane's waiting room, fairest first, for the
+        caller to claim."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["fair_share_pick"],
                                      {"pool": pool, "priority": priority, "limit": limit})
-            return {uuid.UUID(str(r["id"])): str(r["step"]) for r in await cur.fetchall()}
+            return [Picked(r["id"], str(r["step"]), str(r["workflow"]), r["tenant_id"])
+                    for r in await cur.fetchall()]
 
     async def release_stale(self, grace_seconds: float, limit: int = 500) -> list[Job]:
         """Re-publish the jobs that waited in a waiting room for ``grace_seconds`` with no

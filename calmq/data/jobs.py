@@ -112,6 +112,8 @@ class NewJob:
     deadline_at: datetime | None = None
     trace_parent: str | None = None
     lane: str = "online"
+    # A key inside the tenant (a customer) its workflow's concurrency_limit counts by.
+    concurrency_key: str | None = None
 
     @property
     def attempt(self) -> int:

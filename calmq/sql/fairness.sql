@@ -13,7 +13,8 @@ WITH target AS (
     ORDER BY id
     FOR UPDATE
 ), held AS (
-    UPDATE jobs j SET waiting_reason = 'fair_share', updated_at = now()
+    -- key_admitted_at: a place its concurrency key gave it is given back while it waits
+    UPDATE jobs j SET waiting_reason = 'fair_share', key_admitted_at = NULL, updated_at = now()
     FROM target t WHERE j.id = t.id
     RETURNING j.id, j.attempt, j.pool, j.priority, t.old_reason
 ), event AS (
@@ -73,12 +74,12 @@ WITH RECURSIVE waiting_tenants AS (
 ), resumed AS (
     UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
     FROM chosen c WHERE j.id = c.id
-    RETURNING j.id, j.step, j.attempt
+    RETURNING j.id, j.step, j.workflow, j.tenant_id, j.attempt
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, '{"reason": "fair_share"}'::jsonb FROM resumed
 )
-SELECT id, step FROM resumed;
+SELECT id, step, workflow, tenant_id FROM resumed;
 
 -- name: fair_share_release_stale
 -- The safety net (every worker's and `calmq reaper`'s housekeeping): a job in a waiting

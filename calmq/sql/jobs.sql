@@ -26,10 +26,11 @@ VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
 WITH job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
-                      trace_parent, lane)
+                      trace_parent, lane, concurrency_key)
     VALUES (%(id)s, %(tenant_id)s, %(workflow)s, %(workflow_version)s, 'queued', %(priority)s,
             %(pool)s, %(step)s, %(max_attempts)s, %(input)s, %(input_ref)s, %(metadata)s,
-            %(callback_url)s, %(deadline_at)s, %(trace_parent)s, %(lane)s)
+            %(callback_url)s, %(deadline_at)s, %(trace_parent)s, %(lane)s,
+            %(concurrency_key)s)
     RETURNING id, created_at
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
@@ -51,14 +52,15 @@ WITH src AS (
         id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
         pool text, step text, max_attempts integer, input jsonb, input_ref text,
         metadata jsonb, callback_url text, deadline_at timestamptz, trace_parent text,
-        lane text, event_id uuid, route text, payload jsonb, headers jsonb)
+        lane text, concurrency_key text, event_id uuid, route text, payload jsonb,
+        headers jsonb)
 ), job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
-                      trace_parent, lane)
+                      trace_parent, lane, concurrency_key)
     SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
            max_attempts, input, input_ref, COALESCE(metadata, '{}'), callback_url, deadline_at,
-           trace_parent, COALESCE(lane, 'online')
+           trace_parent, COALESCE(lane, 'online'), concurrency_key
     FROM src
     RETURNING id, created_at
 ), event AS (
@@ -169,6 +171,8 @@ WITH target AS (
     UPDATE jobs j SET status = 'running', attempt = j.attempt + 1,
                       lease_version = j.lease_version + 1,
                       lease_owner = %(worker)s, waiting_reason = NULL,
+                      -- running counts against its concurrency key by its status now
+                      key_admitted_at = NULL,
                       lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
                       updated_at = now()
     FROM target t WHERE j.id = t.id

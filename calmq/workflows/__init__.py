@@ -209,10 +209,16 @@ class Workflow:
     # The lane of its bulk jobs submitted without one: "batch" for a backfill workflow
     # (calmq.lanes.default_lane; an interactive job or a short deadline stays online).
     bulk_lane: Literal["online", "batch"] = "online"
+    # At most this many of one concurrency key's jobs (a submit's ``concurrency_key``, e.g. a
+    # customer inside the tenant) in flight at once, fleet-wide; 1: one at a time. None: keys
+    # limit nothing. Jobs past it wait in queued (waiting_reason concurrency_key).
+    concurrency_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError(f"workflow {self.name} has no steps")
+        if self.concurrency_limit is not None and self.concurrency_limit < 1:
+            raise ValueError(f"workflow {self.name}: concurrency_limit is at least 1")
         names = [s.name for s in self.steps]
         if len(set(names)) != len(names):
             raise ValueError(f"workflow {self.name} names a step twice: {names}")

@@ -24,7 +24,7 @@ from calmq.producers.console.templates import ago
 
 __all__ = ["Field", "Preview", "attempt_rows", "corrections", "event_summary",
            "held_for_review_cap", "lag_view", "output_fields", "overview_view", "preview",
-           "providers_view", "review_cap_state", "trace_id"]
+           "providers_view", "review_cap_state", "trace_id", "waiting_notice"]
 
 PREVIEW_BYTES = 4096
 
@@ -146,6 +146,33 @@ def held_for_review_cap(events: Sequence[Any]) -> bool:
             detail = _get(e, "detail") or {}
             return kind == "waiting" and detail.get("reason") == "review_cap"
     return False
+
+
+def waiting_notice(events: Sequence[Any]) -> dict[str, str] | None:
+    """Why a waiting job waits, for its page: its newest ``waiting`` event not followed by
+    ``resumed`` (fair share, a concurrency key, a cap), in a sentence; None if it does not
+    wait (the review cap has a notice of its own)."""
+    for e in reversed(events):
+        kind = _get(e, "type")
+        if kind == "resumed":
+            return None
+        if kind != "waiting":
+            continue
+        d = _get(e, "detail") or {}
+        reason = str(d.get("reason", ""))
+        if reason == "fair_share":
+            text = (f"the {d.get('priority', '')} lane of pool {d.get('pool', '')} is "
+                    "contended; this job starts when a slot frees and its tenant is the "
+                    "furthest below its weighted share")
+        elif reason == "concurrency_key":
+            text = (f"its concurrency key {d.get('key', '')} has {d.get('limit', '')} jobs in "
+                    "flight, its workflow's limit; it starts as they end")
+        elif reason == "review_cap":
+            return None
+        else:
+            text = "see its history below"
+        return {"reason": reason, "text": text}
+    return None
 
 
 def _get(record: Any, name: str) -> Any:

@@ -45,6 +45,8 @@ SETUP: dict[str, dict[str, Any]] = {
     "batch_hand_back": {"status": "running", "waiting_reason": "provider_blocked"},
     "provider_release_jobs": {"status": "queued", "waiting_reason": "provider_blocked"},
     "fair_share_release_stale": {"status": "queued", "waiting_reason": "fair_share"},
+    "concurrency_release": {"status": "queued", "waiting_reason": "concurrency_key",
+                            "concurrency_key": "customer-1"},
 }
 
 
@@ -58,7 +60,8 @@ def _params(query: str, job_id: uuid.UUID, tenant_id: uuid.UUID, key: uuid.UUID
         "held_bulk": [], "held_all": [], "fleet_bulk": False, "fleet_all": False,
         "stale_seconds": 1.0, "tenant_id": tenant_id, "key": key,
         "owner": f"batch:{key}", "custom_ids": None, "workflows": ["summarize"],
-        "waiting_reason": "provider_blocked", "detail": Jsonb({"reason": "provider_blocked"})}
+        "waiting_reason": "provider_blocked", "detail": Jsonb({"reason": "provider_blocked"}),
+        "limits": "{}", "admitted_seconds": 30.0, "known": ["summarize"]}
     wanted = set(re.findall(r"%\((\w+)\)s", query))
     unknown = wanted - set(values)
     assert not unknown, f"no test value for {sorted(unknown)}"

@@ -15,6 +15,7 @@ from calmq.producers.console.shaping import (
     lag_view,
     providers_view,
     review_cap_state,
+    waiting_notice,
 )
 from calmq.producers.console.templates import environment
 from calmq.settings import Settings
@@ -58,6 +59,28 @@ def test_a_job_is_held_while_its_newest_wait_is_for_the_cap() -> None:
     assert not held_for_review_cap([queued, waiting, resumed])
     assert held_for_review_cap([queued, waiting, resumed, waiting])
     assert not held_for_review_cap([queued])
+
+
+def test_a_waiting_jobs_page_says_which_turn_it_waits_for() -> None:
+    """Fair share and concurrency keys each say what the job waits for; once resumed, or
+    for the review cap (its own notice), there is none."""
+    queued = {"type": "queued", "detail": {}}
+    fair = {"type": "waiting", "detail": {"reason": "fair_share", "pool": "p",
+                                          "priority": "bulk"}}
+    key = {"type": "waiting", "detail": {"reason": "concurrency_key", "key": "customer-9",
+                                         "limit": 2, "in_flight": 2}}
+    resumed = {"type": "resumed", "detail": {"reason": "fair_share"}}
+    notice = waiting_notice([queued, fair])
+    assert notice is not None
+    assert notice["reason"] == "fair_share"
+    assert "bulk lane of pool p is contended" in notice["text"]
+    keyed = waiting_notice([queued, fair, resumed, key])
+    assert keyed is not None
+    assert "customer-9 has 2 jobs in flight" in keyed["text"]
+    assert waiting_notice([queued, fair, resumed]) is None
+    assert waiting_notice([queued, {"type": "waiting", "detail": {"reason": "review_cap"}}]
+                          ) is None
+    assert waiting_notice([queued]) is None
 
 
 def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() -> None:

@@ -63,6 +63,7 @@ def _pages() -> dict[str, dict[str, Any]]:
     return {
         "job.html": {**common, "job": job, "view": view, "terminal": True,
                      "event_types": "queued", "held_for_review_cap": False,
+                     "wait": {"reason": EVIL, "text": EVIL},
                      "attempts": [], "trace_id": "-", "can_cancel": True},
         "overview.html": {**common, "now": NOW, "set_caps": True, "platform_view": True,
                           "slots": [[EVIL, "yes", "1"]],

@@ -13,7 +13,12 @@ from calmq.jobs import TERMINAL, EventType, Status
 from calmq.producers.console.forms import storable_problem
 from calmq.producers.console.reads import ConsoleData, ConsoleJob, JobQuery
 from calmq.producers.console.session import Page, guard, redirect
-from calmq.producers.console.shaping import attempt_rows, held_for_review_cap, trace_id
+from calmq.producers.console.shaping import (
+    attempt_rows,
+    held_for_review_cap,
+    trace_id,
+    waiting_notice,
+)
 from calmq.producers.console.templates import fragment, render
 from calmq.producers.console.views.common import UUID, Route, job_id
 from calmq.producers.timestamps import format_time, parse_time
@@ -99,6 +104,7 @@ async def job_page(request: web.Request, page: Page) -> web.StreamResponse:
         view=view, terminal=job.status in TERMINAL,
         event_types=" ".join(t.value for t in EventType),
         held_for_review_cap=job.status == "queued" and held_for_review_cap(view.events),
+        wait=waiting_notice(view.events) if job.status in ("queued", "retrying") else None,
         attempts=attempt_rows(view.attempts), trace_id=trace_id(job.trace_parent),
         can_cancel=page.can("submit") or page.can("operate"))
 

@@ -1,0 +1,129 @@
+"""Concurrency keys on the real stack with two workers (issue 31): a workflow with
+``concurrency_limit`` 2 runs at most two jobs of one ``concurrency_key`` at once across the
+fleet; the rest wait in ``queued`` (``waiting``, reason ``concurrency_key``, no attempt
+counted) and are re-published as the key's jobs end. Another key is not held behind it."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from calmq.tooling.devstack import StackState, processes
+from tests.support.api import Api
+from tests.support.keyed_workflows import KEYED_POOL, LIMIT
+from tests.support.waiting import wait_for
+from tests.support.workers import Procs, create_pool_topics, create_tenant_id
+
+pytestmark = pytest.mark.integration
+
+CALL_MS = 200
+
+
+@pytest.fixture(scope="module")
+def keyed(stack: StackState) -> Iterator[tuple[Api, str]]:
+    """An API and two workers that load the keyed workflow; yields (api, database)."""
+    log_dir = Path(tempfile.mkdtemp(prefix="calmq-keys-logs-"))
+    procs = Procs(stack.env, log_dir)
+    pids: list[int] = []
+    try:
+        fake = processes.free_port()
+        pids.append(processes.start(
+            [sys.executable, "-m", "calmq.cli", "fake-provider", "--port", str(fake),
+             "--latency-ms", str(CALL_MS)], log_dir / "fake-provider.log"))
+        wait_for(lambda: processes.port_open("127.0.0.1", fake), timeout=30,
+                 what="the fake provider")
+        create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], KEYED_POOL, ["1s"],
+                           partitions=4)
+        settings = {"workflow_modules": "tests.support.keyed_workflows",
+                    "provider_url": f"http://127.0.0.1:{fake}", "retry_tiers": "1s"}
+        port = processes.free_port()
+        api = procs.start("api", "api", api_port=str(port), **settings)
+        wait_for(lambda: api.poll() is not None or processes.port_open("127.0.0.1", port),
+                 timeout=30, what="the keyed test API")
+        assert api.poll() is None, "the keyed test API exited"
+        for _ in range(2):
+            procs.worker(KEYED_POOL, concurrency="16", **settings)
+        db = stack.env["CALMQ_DATABASE_URL"]
+        _tenant, key = create_tenant_id(db, f"keys-{uuid.uuid4().hex[:8]}")
+        yield Api(f"http://127.0.0.1:{port}", key), db
+    finally:
+        procs.stop_all()
+        for pid in pids:
+            processes.stop(pid)
+
+
+def _submit(api: Api, key: str, n: int) -> list[str]:
+    ids = []
+    for i in range(n):
+        status, _h, body = api.call("POST", "/v1/jobs", {
+            "workflow": "summarize_keyed", "concurrency_key": key,
+            "input": {"text": f"job {i:04d} of customer {key}"}})
+        assert status == 202, body
+        ids.append(str(body["job_id"]))
+    return ids
+
+
+def _most_at_once(conn: psycopg.Connection[Any], ids: list[str]) -> int:
+    """The most attempts of ``ids`` running at one instant (claim to outcome)."""
+    rows = conn.execute("SELECT started_at, finished_at FROM job_attempts"
+                        " WHERE job_id = ANY(%s::uuid[])", (ids,)).fetchall()
+    edges = sorted([(s, 1) for s, _f in rows] + [(f, -1) for _s, f in rows if f is not None],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    now = most = 0
+    for _at, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.timeout(300)
+def test_a_key_holds_at_its_limit_across_two_workers_under_200_submits(
+        keyed: tuple[Api, str]) -> None:
+    api, db = keyed
+    busy = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 200)
+    other = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 4)
+    with psycopg.connect(db, autocommit=True) as conn:
+        def finished(ids: list[str]) -> bool:
+            row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
+                               " AND status = 'completed'", (ids,)).fetchone()
+            return bool(row and row[0] == len(ids))
+
+        # The other customer's jobs are not held behind the busy one's 200.
+        wait_for(lambda: finished(other), timeout=60, what="the other key's jobs")
+        left = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
+                            " AND status <> 'completed'", (busy,)).fetchone()
+        assert left is not None
+        assert left[0] >= 100, left  # most of the busy key's jobs were still to run
+        wait_for(lambda: finished(busy), timeout=240, what="the busy key's 200 jobs")
+        assert _most_at_once(conn, busy) == LIMIT  # at the limit, never past it
+        # Jobs past the limit waited visibly, and waiting counted no attempt.
+        waited = conn.execute(
+            "SELECT count(DISTINCT job_id) FROM job_events WHERE job_id = ANY(%s::uuid[])"
+            " AND type = 'waiting' AND detail ->> 'reason' = 'concurrency_key'",
+            (busy,)).fetchone()
+        assert waited is not None
+        assert waited[0] >= 100, waited
+        detail = conn.execute(
+            "SELECT detail FROM job_events WHERE job_id = ANY(%s::uuid[]) AND type = 'waiting'"
+            " LIMIT 1", (busy,)).fetchone()
+        assert detail is not None
+        assert detail[0]["limit"] == LIMIT
+        attempts = conn.execute("SELECT max(attempt) FROM jobs WHERE id = ANY(%s::uuid[])",
+                                (busy,)).fetchone()
+        assert attempts == (1,)
+
+
+def test_a_concurrency_key_that_is_not_printable_is_refused(keyed: tuple[Api, str]) -> None:
+    api, _db = keyed
+    for bad in ("", " padded ", "tab\there", "x" * 201):
+        status, _h, body = api.call("POST", "/v1/jobs", {
+            "workflow": "summarize_keyed", "concurrency_key": bad, "input": {"text": "x"}})
+        assert status == 422, (bad, body)
+        assert body["code"] == "invalid_body", body
