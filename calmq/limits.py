@@ -20,9 +20,12 @@ from typing import Any
 from calmq.errors import ContractError
 
 __all__ = [
+    "CONCURRENCY_KEY_PATTERN",
     "KEEP_ERRORS",
+    "MAX_CONCURRENCY_KEY",
     "MAX_METADATA_BYTES",
     "MAX_NOTE_BYTES",
+    "check_concurrency_key",
     "check_metadata",
     "check_note",
     "event_json_bytes",
@@ -59,6 +62,22 @@ def check_metadata(metadata: Mapping[str, Any] | None, max_bytes: int) -> None:
             f"characters escaped as \\uXXXX, 6 bytes each); the limit is {max_bytes} bytes "
             "(setting max_metadata_bytes): keep large data in the input or the object store",
             code="metadata_too_large", status=413)
+
+
+# A submit's concurrency_key: printable, no space at either end (it names a customer, and
+# two spellings of one name would be two keys), at most 200 characters.
+MAX_CONCURRENCY_KEY = 200
+CONCURRENCY_KEY_PATTERN = r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?$"
+
+
+def check_concurrency_key(key: str | None) -> None:
+    """Refuse a concurrency key the API refuses (422 ``invalid_body``)."""
+    if key is None:
+        return
+    if not 0 < len(key) <= MAX_CONCURRENCY_KEY or not re.fullmatch(CONCURRENCY_KEY_PATTERN, key):
+        raise ContractError(
+            f"concurrency_key is 1 to {MAX_CONCURRENCY_KEY} characters with no control "
+            "characters and no space at either end", code="invalid_body", status=422)
 
 
 def check_note(field: str, text: str | None, max_bytes: int) -> None:

@@ -36,7 +36,7 @@ import psycopg
 from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
 from calmq.lanes import choose_lane
-from calmq.limits import MAX_METADATA_BYTES, check_metadata
+from calmq.limits import MAX_METADATA_BYTES, check_concurrency_key, check_metadata
 from calmq.producers.intake import prepare
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
@@ -57,7 +57,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     input_ref: str | None, priority: str, deadline_seconds: int | None,
     callback_url: str | None, metadata: Mapping[str, Any] | None,
     workflows: Mapping[str, Workflow] | None, lane: str | None = None,
-    max_metadata_bytes: int = MAX_METADATA_BYTES,
+    max_metadata_bytes: int = MAX_METADATA_BYTES, concurrency_key: str | None = None,
 ) -> NewJob:
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
@@ -66,6 +66,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
     # The API's limit on metadata holds for a job written directly too: its events carry it.
     check_metadata(metadata, max_metadata_bytes)
+    check_concurrency_key(concurrency_key)
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
     chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None
@@ -76,7 +77,8 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
         wf.accepts_reference()
     return prepare(wf, uuid.UUID(str(tenant_id)), input=data, input_ref=input_ref,
                    priority=priority, deadline_seconds=deadline_seconds,
-                   callback_url=callback_url, metadata=metadata, lane=chosen)
+                   callback_url=callback_url, metadata=metadata, lane=chosen,
+                   concurrency_key=concurrency_key)
 
 
 def enqueue(
@@ -93,6 +95,7 @@ def enqueue(
     workflows: Mapping[str, Workflow] | None = None,
     lane: str | None = None,
     max_metadata_bytes: int = MAX_METADATA_BYTES,
+    concurrency_key: str | None = None,
 ) -> uuid.UUID:
     """Insert a job in the caller's transaction on ``conn``; returns its id. Does not commit.
 
@@ -103,7 +106,8 @@ def enqueue(
     trust boundary; the webhook dispatcher still refuses them unless allowed.
     """
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows, lane, max_metadata_bytes)
+                    callback_url, metadata, workflows, lane, max_metadata_bytes,
+                    concurrency_key)
     insert_job_sync(conn, job)
     return job.id
 
@@ -122,10 +126,12 @@ async def enqueue_async(
     workflows: Mapping[str, Workflow] | None = None,
     lane: str | None = None,
     max_metadata_bytes: int = MAX_METADATA_BYTES,
+    concurrency_key: str | None = None,
 ) -> uuid.UUID:
     """``enqueue`` for an async psycopg connection."""
     job = _prepared(tenant_id, workflow, input, input_ref, priority, deadline_seconds,
-                    callback_url, metadata, workflows, lane, max_metadata_bytes)
+                    callback_url, metadata, workflows, lane, max_metadata_bytes,
+                    concurrency_key)
     await insert_job(conn, job)
     return job.id
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from calmq.jobs import Status
+from calmq.limits import CONCURRENCY_KEY_PATTERN, MAX_CONCURRENCY_KEY
 
 __all__ = [
     "Accepted",
@@ -71,8 +72,9 @@ class SubmitRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     # A key inside the tenant (e.g. a customer id): a workflow with a concurrency_limit runs
     # at most that many of one key's jobs at once. Printable, no surrounding spaces.
-    concurrency_key: str | None = Field(default=None, min_length=1, max_length=200,
-                                        pattern=r"^\S(?:[^\x00-\x1f\x7f]*\S)?$")
+    concurrency_key: str | None = Field(default=None, min_length=1,
+                                        max_length=MAX_CONCURRENCY_KEY,
+                                        pattern=CONCURRENCY_KEY_PATTERN)
 
 
 class ReviewRequest(BaseModel):

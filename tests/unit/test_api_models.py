@@ -104,3 +104,29 @@ def test_importing_the_client_loads_no_server_module() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("key", ["", " lead", "trail ", "tab\there", "nul\x00", "x" * 201])
+def test_a_concurrency_key_the_api_refuses_the_client_refuses_too(key: str) -> None:
+    """The API's body model and the client library's enqueue (which writes rows directly)
+    refuse the same keys, with the same code."""
+    from pydantic import ValidationError
+
+    from calmq.limits import check_concurrency_key
+    from calmq.producers.models import SubmitRequest
+
+    with pytest.raises(ValidationError):
+        SubmitRequest.model_validate({"workflow": "summarize", "concurrency_key": key})
+    with pytest.raises(ContractError) as refused:
+        check_concurrency_key(key)
+    assert refused.value.code == "invalid_body"
+
+
+@pytest.mark.parametrize("key", ["customer-4711", "a", "Müller GmbH", "x" * 200])
+def test_a_concurrency_key_both_accept(key: str) -> None:
+    from calmq.limits import check_concurrency_key
+    from calmq.producers.models import SubmitRequest
+
+    assert SubmitRequest.model_validate({"workflow": "summarize",
+                                         "concurrency_key": key}).concurrency_key == key
+    check_concurrency_key(key)
