@@ -29,7 +29,9 @@ import uuid
 from typing import Any
 
 from bench import loadgen
+from bench.common import wait
 from bench.loadgen import percentile
+from bench.priority import turnaround_ms
 from bench.procs import Sampler
 from bench.report import result
 from bench.rig import Rig
@@ -52,29 +54,9 @@ def _body(text: str) -> dict[str, Any]:
             "input": {"text": text, "mode": "success"}}
 
 
-def _turnaround_ms(rig: Rig, tenant_id: str) -> list[float]:
-    rows = rig.query(
-        """SELECT extract(epoch FROM c.at - q.at) * 1000
-           FROM jobs j JOIN job_events q ON q.job_id = j.id AND q.type = 'queued'
-                       JOIN job_events c ON c.job_id = j.id AND c.type = 'completed'
-           WHERE j.tenant_id = %s""", (tenant_id,))
-    return [float(r[0]) for r in rows]
-
-
 def _count(rig: Rig, tenant_id: str, status: str = "completed") -> int:
     return int(rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status = %s",
                          (tenant_id, status))[0][0])
-
-
-def _wait(check: Any, target: int, timeout: float, what: str, log: Log) -> int:
-    deadline = time.monotonic() + timeout
-    value = check()
-    while value < target and time.monotonic() < deadline:
-        time.sleep(0.5)  # a polling interval under a deadline
-        value = check()
-    if value < target:
-        log(f"  {what}: only {value} of {target} within {timeout:.0f} s")
-    return int(value)
 
 
 def _completed_between(rig: Rig, tenant_id: str, t0: float, t1: float) -> int:
@@ -108,8 +90,8 @@ def _small_minute(rig: Rig, url: str, label: str, seconds: float, log: Log
                                          {"Authorization": f"Bearer {key}"},
                                          rate=SMALL_RATE, seconds=seconds))
     t1 = time.time()
-    done = _wait(lambda: _count(rig, tenant_id), load.ok, 120, f"small tenant ({label})", log)
-    lat = _turnaround_ms(rig, tenant_id)
+    done = wait(lambda: _count(rig, tenant_id), load.ok, 120, f"small tenant ({label})", log)
+    lat = turnaround_ms(rig, tenant_id)
     return tenant_id, {"small_p50_ms": round(percentile(lat, 50), 1),
                        "small_p99_ms": round(percentile(lat, 99), 1),
                        "small_completed": done, "small_submitted": load.ok}, t0, t1
@@ -162,7 +144,7 @@ def _weighted(rig: Rig, url: str, log: Log, scale: float) -> dict[str, Any]:
         shares.append({"weight": weight, "jobs": jobs, "share": round(got, 4),
                        "weight_share": round(want, 4),
                        "share_vs_weight": round(got / want, 3) if want else 0.0})
-    _wait(lambda: sum(_count(rig, t) for t in ids), sum(j for _t, _w, j in tenants), 900,
+    wait(lambda: sum(_count(rig, t) for t in ids), sum(j for _t, _w, j in tenants), 900,
           "the weighted tenants' jobs", log)
     return {"window_s": round(end - start, 1), "attempts_in_window": attempts,
             "submit_s": round(submitted - t0, 1), "tenants": shares,
@@ -182,7 +164,7 @@ def fairness(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         url = f"{api.url}/v1/jobs"
         warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
         _submit(url, key, 40, "warm-up")
-        _wait(lambda: _count(rig, warm_id), 40, 60, "warm-up jobs", log)
+        wait(lambda: _count(rig, warm_id), 40, 60, "warm-up jobs", log)
 
         _small_alone, alone, _a0, _a1 = _small_minute(rig, url, "alone", seconds, log)
 
@@ -191,10 +173,10 @@ def fairness(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         log(f"  calmq: big tenant alone, {n_alone} jobs")
         _submit(url, key, n_alone, "big tenant alone")
         b0 = time.time() + 4  # the slots are full after the first calls
-        _wait(lambda: _count(rig, big_alone_id), n_alone // 2, 300, "big tenant alone", log)
+        wait(lambda: _count(rig, big_alone_id), n_alone // 2, 300, "big tenant alone", log)
         b1 = time.time()
         big_alone = _completed_between(rig, big_alone_id, b0, b1) / max(b1 - b0, 1e-3)
-        _wait(lambda: _count(rig, big_alone_id), n_alone, 300, "big tenant alone, all", log)
+        wait(lambda: _count(rig, big_alone_id), n_alone, 300, "big tenant alone, all", log)
 
         big_id, key = rig.tenant(f"bench-big-{uuid.uuid4().hex[:6]}")
         log(f"  calmq: big tenant's backlog of {size} jobs")
@@ -204,7 +186,7 @@ def fairness(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         left = backlog.ok - _count(rig, big_id)
         if left <= 0:
             log("  warning: the backlog ran out before the small tenant's minute ended")
-        _wait(lambda: _count(rig, big_id), backlog.ok, 900, "the backlog", log)
+        wait(lambda: _count(rig, big_id), backlog.ok, 900, "the backlog", log)
 
         weighted = _weighted(rig, url, log, scale)
         versions = rig.versions

@@ -25,7 +25,7 @@ from bench.procs import Phase, Sampler
 from bench.report import result
 from bench.rig import Rig
 
-__all__ = ["DEFAULT_SIZE", "priority"]
+__all__ = ["DEFAULT_SIZE", "priority", "turnaround_ms"]
 
 DEFAULT_SIZE = 50_000
 PROVIDER_LATENCY_MS = 500
@@ -46,7 +46,7 @@ def _body(priority: str) -> dict[str, Any]:
             "input": {"text": "Kafka and PostgreSQL carry slow AI jobs.", "mode": "success"}}
 
 
-def _turnaround_ms(rig: Rig, tenant_id: str) -> list[float]:
+def turnaround_ms(rig: Rig, tenant_id: str) -> list[float]:
     """Submit→completion per completed job: its 'queued' event (written in the accepting
     transaction) to its 'completed' event, both on the database's clock."""
     rows = rig.query(
@@ -92,7 +92,7 @@ def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
                                          rate=INTERACTIVE_RATE, seconds=seconds))
     t1 = time.time()
     done = _wait(lambda: _completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
-    lat = _turnaround_ms(rig, tenant_id)
+    lat = turnaround_ms(rig, tenant_id)
     figures = {"interactive_p50_ms": round(percentile(lat, 50), 1),
                "interactive_p99_ms": round(percentile(lat, 99), 1),
                "interactive_completed": done, "interactive_submitted": load.ok,

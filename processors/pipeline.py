@@ -179,19 +179,23 @@ class Pipeline:
         self._filling = asyncio.create_task(self._fill(self.fair))
 
     async def _fill(self, fair: FairShareGate) -> None:
-        while True:
-            self._fill_again = False
-            for priority in fair.priorities:
-                n = min(fair.free(priority), self.CLAIM_BATCH)
-                if n <= 0 or self._draining:
-                    continue
-                fair.taking(n)  # the gate lets no new job into these slots meanwhile
-                try:
-                    await self._take_from_room(fair, priority, n)
-                finally:
-                    fair.done(n)
-            if not self._fill_again:
-                return
+        try:
+            while True:
+                self._fill_again = False
+                for priority in fair.priorities:
+                    n = min(fair.free(priority), self.CLAIM_BATCH)
+                    if n <= 0 or self._draining:
+                        continue
+                    fair.taking(n)  # the gate lets no new job into these slots meanwhile
+                    try:
+                        await self._take_from_room(fair, priority, n)
+                    finally:
+                        fair.done(n)
+                if not self._fill_again:
+                    return
+        except Exception:  # the database calls retry; anything else is a bug, logged here
+            # (the next attempt's end or tick fills again; what was picked is the sweeper's)
+            log.exception("filling free slots from the waiting room failed")
 
     async def _take_from_room(self, fair: FairShareGate, priority: str, n: int) -> None:
         picked = await retry_forever(

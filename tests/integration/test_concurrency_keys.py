@@ -5,7 +5,6 @@ counted) and are re-published as the key's jobs end. Another key is not held beh
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -19,7 +18,12 @@ from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.keyed_workflows import KEYED_POOL, LIMIT
 from tests.support.waiting import wait_for
-from tests.support.workers import Procs, create_pool_topics, create_tenant_id
+from tests.support.workers import (
+    Procs,
+    create_pool_topics,
+    create_tenant_id,
+    start_fake_provider,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +37,12 @@ def keyed(stack: StackState) -> Iterator[tuple[Api, str]]:
     procs = Procs(stack.env, log_dir)
     pids: list[int] = []
     try:
-        fake = processes.free_port()
-        pids.append(processes.start(
-            [sys.executable, "-m", "calmq.cli", "fake-provider", "--port", str(fake),
-             "--latency-ms", str(CALL_MS)], log_dir / "fake-provider.log"))
-        wait_for(lambda: processes.port_open("127.0.0.1", fake), timeout=30,
-                 what="the fake provider")
+        pid, url = start_fake_provider(log_dir, "--latency-ms", str(CALL_MS))
+        pids.append(pid)
         create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], KEYED_POOL, ["1s"],
                            partitions=4)
         settings = {"workflow_modules": "tests.support.keyed_workflows",
-                    "provider_url": f"http://127.0.0.1:{fake}", "retry_tiers": "1s"}
+                    "provider_url": url, "retry_tiers": "1s"}
         port = processes.free_port()
         api = procs.start("api", "api", api_port=str(port), **settings)
         wait_for(lambda: api.poll() is not None or processes.port_open("127.0.0.1", port),

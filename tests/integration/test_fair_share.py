@@ -21,7 +21,13 @@ import pytest
 
 from calmq.tooling.devstack import StackState, processes
 from tests.support.waiting import wait_for
-from tests.support.workers import Procs, create_pool_topics, create_tenant_id, submit
+from tests.support.workers import (
+    Procs,
+    create_pool_topics,
+    create_tenant_id,
+    start_fake_provider,
+    submit,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +43,13 @@ def fleet(stack: StackState, tmp_path_factory: pytest.TempPathFactory
     procs = Procs(stack.env, log_dir)
     pids: list[int] = []
     try:
-        port = processes.free_port()
-        pids.append(processes.start(
-            [sys.executable, "-m", "calmq.cli", "fake-provider", "--port", str(port),
-             "--latency-ms", str(CALL_MS)], log_dir / "fake-provider.log"))
-        wait_for(lambda: processes.port_open("127.0.0.1", port), timeout=30,
-                 what="the slow fake provider")
+        pid, url = start_fake_provider(log_dir, "--latency-ms", str(CALL_MS))
+        pids.append(pid)
         pool = f"fair{uuid.uuid4().hex[:6]}"
         create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], pool, ["1s"], partitions=4)
         for _ in range(2):
-            procs.worker(pool, provider_url=f"http://127.0.0.1:{port}", fair_share="true",
-                         concurrency=str(SLOTS), retry_tiers="1s")
+            procs.worker(pool, provider_url=url, fair_share="true", concurrency=str(SLOTS),
+                         retry_tiers="1s")
         yield pool, stack.env["CALMQ_DATABASE_URL"]
     finally:
         procs.stop_all()

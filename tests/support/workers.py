@@ -148,6 +148,17 @@ def metric(port: int, name: str) -> float | None:
     return sum(values) if values else None
 
 
+def start_fake_provider(log_dir: Path, *args: str) -> tuple[int, str]:
+    """A fake provider of this test's own (``args``: its options, e.g. a latency), on a free
+    port; returns its pid (for processes.stop) and its URL once it answers."""
+    port = processes.free_port()
+    pid = processes.start([sys.executable, "-m", "calmq.cli", "fake-provider", "--port",
+                           str(port), *args], log_dir / "fake-provider.log")
+    wait_for(lambda: processes.port_open("127.0.0.1", port), timeout=30,
+             what="the test's fake provider")
+    return pid, f"http://127.0.0.1:{port}"
+
+
 def create_pool_topics(bootstrap: str, pool: str, tiers: list[str], partitions: int = 2) -> None:
     names = [topics.topic_for_route(topics.work_route(pool, p)) for p in ("interactive", "bulk")]
     names += [topics.topic_for_route(topics.retry_route(t)) for t in tiers]
