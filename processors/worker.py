@@ -100,6 +100,8 @@ class Worker:
         self._consuming: asyncio.Task[None] | None = None
         self._drained = threading.Event()
         self._last_tick = 0.0
+        # Call slots the budget lets this worker use now (set on every tick).
+        self._call_slots = settings.concurrency
 
     def topics(self) -> list[str]:
         return [topics.topic_for_route(topics.work_route(self.settings.pool, p))
@@ -205,18 +207,24 @@ class Worker:
         metrics.SATURATION.set((slots.used if slots else 0) / s.concurrency)
         # Hold no more jobs than the token budget lets this worker start soon.
         limit = provider.in_flight_limit(s.budget_queue_seconds)
-        consumer.max_in_flight = _claimed_bound(
-            s.concurrency if limit is None else max(1, min(s.concurrency, limit)))
+        self._call_slots = s.concurrency if limit is None else max(1, min(s.concurrency, limit))
+        consumer.max_in_flight = _claimed_bound(self._call_slots)
         # Free slots and another worker's holds: take from the lanes' waiting rooms.
         pipeline.fill_soon()
         self._last_tick = loop.time()
 
     def _room(self, priority: str) -> int:
-        """Slots of a lane that no attempt holds: the in-flight window the consumer keeps
-        (its bound, and for interactive work the reserve beyond it)."""
+        """With fair share: the jobs of a lane this worker may start now. A job claimed
+        beyond the free call slots waits for one in claim order (processors/slots.py), so a
+        small tenant's job picked behind the claimed window's eighth (32 jobs at 256 slots)
+        waited for all of them: ~250 ms with 2 s calls. Here a job is taken for a call
+        slot free now, plus a sixty-fourth so that a slot that frees need not wait for the
+        next pick; for interactive work the reserve beyond them."""
         consumer = self._consumer
         assert consumer is not None
-        bound = consumer.max_in_flight + (consumer.reserve if priority == "interactive" else 0)
+        ahead = max(1, self._call_slots // 64)
+        bound = self._call_slots + ahead + (consumer.reserve if priority == "interactive"
+                                            else 0)
         return bound - self.pipeline.in_flight
 
     async def drain(self, grace_seconds: float) -> None:
