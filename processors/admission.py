@@ -313,18 +313,15 @@ class FairShareGate(Gate):
 
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
-        free: dict[str, int] = {}
         waiting: list[uuid.UUID] = []
-        passed = 0
+        passed = 0  # the lanes share the slots: what one lets through the other cannot use
         for r in requests:
             if r.tenant_id is None or r.from_room or occupancy.running(r.job_id):
                 continue  # a job the fill took from the room has had its turn
             lane = r.priority
-            left = free.setdefault(lane, self.free(lane))
-            if lane in self.contended or left <= 0:
+            if lane in self.contended or self.free(lane) - passed <= 0:
                 waiting.append(r.job_id)
                 continue
-            free[lane] = left - 1
             passed += 1
         self.taking(passed, stack)
         if not waiting:

@@ -103,3 +103,12 @@ def test_a_redelivered_running_job_and_a_tenantless_one_go_to_the_claim() -> Non
     mine, tenantless = _requests(1), _requests(1, tenant="")
     assert _hold(gate, mine + tenantless, Running(mine[0].job_id)) == set()
     assert room.held == []
+
+
+def test_the_two_lanes_share_the_free_slots() -> None:
+    """Bulk and interactive jobs take the same call slots (interactive also its reserve):
+    with 2 free bulk slots and 3 interactive ones, a batch of 2 interactive and 2 bulk jobs
+    lets the 2 interactive through and holds both bulk ones."""
+    gate, _room = _gate({"bulk": 2, "interactive": 3})
+    interactive, bulk = _requests(2, "interactive"), _requests(2)
+    assert _hold(gate, interactive + bulk) == {r.job_id for r in bulk}
