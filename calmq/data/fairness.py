@@ -3,7 +3,7 @@
 A job in it is ``queued`` (or ``retrying``) with ``waiting_reason`` ``fair_share``: no
 attempt counted, its message acknowledged. Workers take jobs out of it into their free
 slots, the tenant furthest below its weighted share of the lane's running jobs first
-(``pick``); what is fair when is calmq.processors.fairness's.
+(``pick``); when a job waits is calmq.processors.admission's (``FairShareGate``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from calmq.data.database import Database
 from calmq.data.jobs import Job, republish
 
-__all__ = ["FairQueue", "Picked", "Waiting"]
+__all__ = ["FairQueue", "Picked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +26,6 @@ class Picked:
     step: str
     workflow: str
     tenant_id: uuid.UUID
-
-
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """How many jobs of a tenant wait in one lane's waiting room."""
-
-    pool: str
-    priority: str
-    tenant_id: uuid.UUID
-    waiting: int
 
 
 class FairQueue:
@@ -70,12 +60,6 @@ class FairQueue:
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
             await republish(conn, self._q["insert_outbox"], jobs)
         return jobs
-
-    async def waiting(self) -> list[Waiting]:
-        async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["fair_share_waiting"])
-            return [Waiting(str(r["pool"]), str(r["priority"]), r["tenant_id"],
-                            int(r["waiting"])) for r in await cur.fetchall()]
 
     async def set_weight(self, name: str, weight: float) -> bool:
         """A tenant's weight in every lane's fair share; False: no tenant of that name."""

@@ -103,11 +103,5 @@ WITH stale AS (
 )
 SELECT * FROM moved;
 
--- name: fair_share_waiting
--- How many jobs wait in each lane's waiting room (the console and `calmq tenants list`).
-SELECT pool, priority, tenant_id, count(*) AS waiting FROM jobs
-WHERE waiting_reason = 'fair_share' AND status IN ('queued', 'retrying')
-GROUP BY pool, priority, tenant_id;
-
 -- name: set_tenant_weight
 UPDATE tenants SET weight = %(weight)s WHERE name = %(name)s RETURNING id;
