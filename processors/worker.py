@@ -151,8 +151,7 @@ class Worker:
             gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds))
         fair: FairShareGate | None = None
         if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
-            fair = FairShareGate(FairQueue(store), s.pool, self._room,
-                                 [p.strip() for p in s.priorities.split(",") if p.strip()])
+            fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list)
             gates.append(fair)
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
