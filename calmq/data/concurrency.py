@@ -43,7 +43,12 @@ class ConcurrencyKeys:
         params = {"limits": json.dumps(dict(limits)), "known": list(known),
                   "admitted_seconds": admitted_seconds, "limit": limit}
         async with self._db.pool.connection() as conn, conn.transaction():
-            await conn.execute(self._q["concurrency_lock_held"])
+            cur = await conn.execute(self._q["concurrency_lock_held"])
+            locked = await cur.fetchall()
+            if not locked:
+                return []
+            params["tenants"] = [r["tenant_id"] for r in locked]
+            params["keys"] = [r["key"] for r in locked]
             cur = await conn.execute(self._q["concurrency_release"], params)
             jobs = [Job.from_row(r) for r in await cur.fetchall()]
             await republish(conn, self._q["insert_outbox"], jobs)

@@ -14,11 +14,18 @@ FROM (SELECT DISTINCT tenant_id, concurrency_key AS key FROM jobs
       ORDER BY 1, 2) k;
 
 -- name: concurrency_lock_held
--- The keys that have jobs waiting for them (the release pass), locked in the same order.
-SELECT count(pg_advisory_xact_lock(hashtextextended(k.tenant_id::text || '/' || k.key, 31)))
+-- The keys that have jobs waiting for them (the release pass), locked in the same order;
+-- returns them. The release then looks at these keys only: a key whose first job began to
+-- wait after this statement's snapshot is not locked, and another worker may be admitting
+-- one of its jobs right now (uncommitted, so not counted): releasing for it could pass the
+-- limit. Its turn comes at the next pass.
+SELECT k.tenant_id, k.key
 FROM (SELECT DISTINCT tenant_id, concurrency_key AS key FROM jobs
       WHERE waiting_reason = 'concurrency_key' AND status IN ('queued', 'retrying')
-      ORDER BY 1, 2) k;
+      ORDER BY 1, 2) k,
+     LATERAL (SELECT pg_advisory_xact_lock(
+                  hashtextextended(k.tenant_id::text || '/' || k.key, 31))) l
+ORDER BY 1, 2;
 
 -- name: concurrency_admit
 -- Of a claim batch's jobs (ids) of the workflows with a limit (limits: {workflow: limit}),
@@ -79,7 +86,8 @@ SELECT id FROM held;
 -- the workflows this process knows (known): one with a limit (limits) by it, one whose limit
 -- was removed all at once. A process that does not know a job's workflow (a worker of
 -- another pool, loading other workflow modules) leaves the job to those that do: it cannot
--- tell a limit it does not see from none. Runs after concurrency_lock_held.
+-- tell a limit it does not see from none. Runs after concurrency_lock_held, on the keys it
+-- locked (tenants, keys: in pairs).
 WITH room AS (
     SELECT k.tenant_id, k.key, (
         SELECT count(*) FROM jobs o
@@ -88,8 +96,7 @@ WITH room AS (
           AND (o.status = 'running'
                OR o.key_admitted_at > now() - make_interval(secs => %(admitted_seconds)s))
     ) AS used
-    FROM (SELECT DISTINCT tenant_id, concurrency_key AS key FROM jobs
-          WHERE waiting_reason = 'concurrency_key' AND status IN ('queued', 'retrying')) k
+    FROM unnest(%(tenants)s::uuid[], %(keys)s::text[]) AS k(tenant_id, key)
 ), ranked AS (
     SELECT j.id, r.used,
            coalesce((%(limits)s::jsonb ->> j.workflow)::int, 2147483647) AS lim,

@@ -13,9 +13,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from calmq import sql
 from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
+from tests.support.cli import insert_jobs, new_tenant
 from tests.support.keyed_workflows import KEYED_POOL, LIMIT
 from tests.support.waiting import wait_for
 from tests.support.workers import (
@@ -127,3 +130,38 @@ def test_a_concurrency_key_that_is_not_printable_is_refused(keyed: tuple[Api, st
             "workflow": "summarize_keyed", "concurrency_key": bad, "input": {"text": "x"}})
         assert status == 422, (bad, body)
         assert body["code"] == "invalid_body", body
+
+
+def test_the_release_pass_leaves_a_key_it_did_not_lock(stack: StackState) -> None:
+    """A release pass locks the keys that have waiting jobs, then releases: a key whose
+    first job began to wait between the two statements is not locked, and another worker
+    may be admitting one of its jobs right then (uncommitted, so uncounted). The pass must
+    leave that key to the next one: releasing for it let three jobs of a key with limit 2
+    run at once (a CI run of the test above)."""
+    db = stack.env["CALMQ_DATABASE_URL"]
+    _name, tenant, _key = new_tenant(stack, "keyrace")
+    workflow = f"race_{uuid.uuid4().hex[:6]}"  # no process knows it: none releases it
+    locked_key, late_key = "customer-locked", "customer-late"
+    first, late = insert_jobs(stack, tenant, 2, status="queued", workflow=workflow)
+    q = sql.queries()
+    with psycopg.connect(db, autocommit=True) as other, \
+            psycopg.connect(db, row_factory=dict_row) as releasing:
+        other.execute("UPDATE jobs SET concurrency_key = %s, waiting_reason = 'concurrency_key'"
+                      " WHERE id = %s", (locked_key, first))
+        other.execute("UPDATE jobs SET concurrency_key = %s WHERE id = %s", (late_key, late))
+        try:
+            locked = releasing.execute(q["concurrency_lock_held"]).fetchall()
+            assert (tenant, locked_key) in {(r["tenant_id"], r["key"]) for r in locked}
+            # Now the late key's job begins to wait (a hold committed by another worker).
+            other.execute("UPDATE jobs SET waiting_reason = 'concurrency_key' WHERE id = %s",
+                          (late,))
+            released = releasing.execute(q["concurrency_release"], {
+                "limits": f'{{"{workflow}": 2}}', "known": [workflow],
+                "admitted_seconds": 30, "limit": 500,
+                "tenants": [r["tenant_id"] for r in locked],
+                "keys": [r["key"] for r in locked]}).fetchall()
+            assert {r["id"] for r in released} == {first}
+        finally:
+            releasing.rollback()
+            other.execute("UPDATE jobs SET status = 'cancelled', waiting_reason = NULL"
+                          " WHERE id = ANY(%s)", ([first, late],))
