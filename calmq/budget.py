@@ -57,7 +57,7 @@ from calmq.gateway import (
     open_provider,
 )
 from calmq.pricing import ModelPrice, cost_usd
-from calmq.providers import ProviderGate, provider_label
+from calmq.providers import ProviderGate, provider_key, provider_label
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "limits_from_settings",
     "open_metered_provider",
+    "open_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -786,11 +787,14 @@ class BudgetedProvider:
         job_id: str,
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
+        wait_for_cooldown: bool = True,
     ) -> ModelReply:
         scope = current_scope()
         estimate = estimate_prompt_tokens(messages) + max_tokens
         if self.gate is not None:
-            await self.gate.admit()  # blocked: refused here; paused: waits retry-after
+            # blocked: refused here; paused: waits retry-after (or, for a step with another
+            # allowed model, refused: calmq.fallback)
+            await self.gate.admit(wait=wait_for_cooldown)
         taken = await self._take(scope.tenant_id, estimate, scope.priority)
         calls = _metrics().calls
         self._in_call += 1
@@ -830,6 +834,7 @@ class BudgetedProvider:
         job_id: str,
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
+        wait_for_cooldown: bool = True,
     ) -> ModelStream:
         """A streamed call under the same gate, budget and meter as ``complete``: admitted
         and reserved before it is sent, settled with the usage the stream reported at its
@@ -843,7 +848,7 @@ class BudgetedProvider:
             scope = current_scope()
             estimate = estimate_prompt_tokens(messages) + max_tokens
             if self.gate is not None:
-                await self.gate.admit()
+                await self.gate.admit(wait=wait_for_cooldown)
             taken = await self._take(scope.tenant_id, estimate, scope.priority)
             self._in_call += 1
             streamed = inner.stream(messages=messages, job_id=job_id, max_tokens=max_tokens,
@@ -995,7 +1000,7 @@ class BudgetedProvider:
         clock = current_clock()
         if clock is not None:
             # Inside a step runner's attempt: written with its outcome, in one transaction.
-            clock.add_usage(input_tokens, output_tokens, cost)
+            clock.add_usage(input_tokens, output_tokens, cost, self.model)
         elif self.usage is not None:
             await self.usage.record(job_id, input_tokens, output_tokens, cost)
 
@@ -1052,7 +1057,8 @@ async def open_metered_provider(
     usage = UsageRecorder(db)
     usage.start()
     chat = await _metered(s, db, inner, kind=s.provider, url=url, model=s.model, usage=usage,
-                          shared_budget=shared_budget, chat=True)
+                          shared_budget=shared_budget, chat=True,
+                          api_key=s.provider_api_key.get_secret_value())
     endpoint = s.embeddings_endpoint
     if endpoint is not None:
         kind, e_url, key, model, headers, version = endpoint
@@ -1061,16 +1067,39 @@ async def open_metered_provider(
                                     api_version=version)
             chat.embedder = await _metered(s, db, e_inner, kind=kind, url=e_url, model=model,
                                            usage=usage, shared_budget=shared_budget,
-                                           chat=False)
+                                           chat=False, api_key=key)
             chat.embedder.owns_usage = False
     elif s.provider == "anthropic":
         chat.embedder = None  # BudgetedProvider.embed: Anthropic's not_supported, named
     return chat
 
 
+async def open_model(settings: Settings, db: Database, model: str, *,
+                     usage: UsageRecorder | None, shared_budget: bool = True
+                     ) -> BudgetedProvider:
+    """Another chat model of the configured endpoint and key (a step's allowed model,
+    calmq.fallback), gated and metered like ``CALMQ_MODEL``: its own cooldowns and blocks,
+    its own price, and a budget learned from the provider's headers (the configured budget
+    is ``CALMQ_MODEL``'s). ``usage``: the worker's recorder, shared."""
+    s = settings
+    url = s.effective_provider_url
+    key = s.provider_api_key.get_secret_value()
+    inner = open_provider(s.provider, url, key, model, extra_headers=s.provider_extra_headers,
+                          api_version=s.provider_api_version, structured=s.structured_outputs)
+    recorder = usage or UsageRecorder(db)
+    if usage is None:
+        recorder.start()
+    wrapped = await _metered(s, db, inner, kind=s.provider, url=url, model=model,
+                             usage=recorder, shared_budget=shared_budget, chat=True,
+                             api_key=key, configured=False)
+    wrapped.owns_usage = usage is None
+    return wrapped
+
+
 async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, url: str,
                    model: str, usage: UsageRecorder, shared_budget: bool,
-                   chat: bool) -> BudgetedProvider:
+                   chat: bool, api_key: str, configured: bool | None = None
+                   ) -> BudgetedProvider:
     from calmq.data.providers import ProviderLedger
 
     s = settings
@@ -1078,8 +1107,10 @@ async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, u
     # do not share a quota even when they serve the same model name.
     key = f"{kind}:{url.rstrip('/')}"
     budget: TokenBudget | None = None
-    # The configured budget applies to the chat model; an embeddings model learns its own.
-    limits = limits_from_settings(s) if chat else BucketLimits(0, 0)
+    # The configured budget applies to the chat model; an embeddings model, or a step's
+    # fallback model (calmq.fallback), learns its own from the provider's headers.
+    limits = (limits_from_settings(s) if (chat if configured is None else configured)
+              else BucketLimits(0, 0))
     if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):
         budget = TokenBudget(BudgetLedger(db), key, model, limits,
                              slice_seconds=s.budget_slice_seconds)
@@ -1105,7 +1136,9 @@ async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, u
         while await ledger.release_jobs():
             pass
 
-    gate = ProviderGate(key, model, ledger=ledger, db=db, probe=probe,
+    # A block or a pause names the key too: the provider's 429 is one key's quota.
+    gate = ProviderGate(provider_key(kind, url, api_key), model, ledger=ledger, db=db,
+                        probe=probe,
                         probe_seconds=s.provider_probe_seconds, on_unblocked=release)
     await gate.refresh()
     gate.start()

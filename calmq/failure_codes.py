@@ -15,14 +15,15 @@ A workflow's own codes need no entry: an unknown code is read from its failure c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
 from calmq.errors import FailureClass, StepFailure
 
-__all__ = ["CODES", "BudgetEffect", "FailureCode", "ProviderBlocked", "docs_table", "failure",
-           "spec"]
+__all__ = ["CODES", "BudgetEffect", "FailureCode", "ModelsCooling", "ProviderBlocked",
+           "docs_table", "failure", "spec"]
 
 
 class BudgetEffect(StrEnum):
@@ -169,6 +170,22 @@ class ProviderBlocked(StepFailure):
         super().__init__(message, code=code, failure_class=CODES[code].failure_class)
         self.provider = provider
         self.model = model
+
+
+class ModelsCooling(StepFailure):
+    """Every model the step allows is cooling down after a 429 (calmq.fallback): no call was
+    made. Not the job's attempt: the job is handed back to wait ``seconds`` (the earliest
+    cooldown's end) with no attempt counted (``waiting_reason`` ``model_cooldown``). Outside
+    a worker's pipeline (a step tested alone) it reads as the 429 it stands for:
+    ``rate_limited``, never retried sooner than ``retry_after``."""
+
+    def __init__(self, seconds: float, models: Sequence[str]) -> None:
+        super().__init__(
+            f"every allowed model is cooling down ({', '.join(models)}): the job waits "
+            f"{seconds:.1f} s, no attempt counted", code="rate_limited",
+            failure_class=FailureClass.TRANSIENT, retry_after=seconds)
+        self.seconds = seconds
+        self.models = tuple(models)
 
 
 def docs_table() -> str:

@@ -100,12 +100,18 @@ class ModelClock:
         self.input_tokens = 0
         self.output_tokens = 0
         self.cost_usd = 0.0
+        # The model that served the attempt's last call (a step may fall back to another
+        # of its allowed models: calmq.fallback); None before any answered call.
+        self.model: str | None = None
 
-    def add_usage(self, input_tokens: int, output_tokens: int, cost_usd: float) -> None:
+    def add_usage(self, input_tokens: int, output_tokens: int, cost_usd: float,
+                  model: str | None = None) -> None:
         self.calls += 1
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
         self.cost_usd += cost_usd
+        if model is not None:
+            self.model = model
 
 
 _CLOCK: ContextVar[ModelClock | None] = ContextVar("calmq_model_clock", default=None)

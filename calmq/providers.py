@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Gauge
 
 from calmq.errors import StepFailure
-from calmq.failure_codes import ProviderBlocked, spec
+from calmq.failure_codes import ModelsCooling, ProviderBlocked, spec
 from calmq.retrying import Backoff, Reconnect
 from calmq.supervision import Supervisor
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from calmq.data.database import Database
     from calmq.data.providers import ProviderLedger, ProviderState
 
-__all__ = ["Block", "ProviderGate", "block_reason", "provider_label"]
+__all__ = ["Block", "ProviderGate", "block_reason", "provider_key", "provider_label"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ _LISTEN_RETRY = Backoff(initial=0.5, maximum=10.0)
 
 def block_reason(code: str) -> str:
     return _REASONS.get(code, code)
+
+
+def provider_key(kind: str, url: str, api_key: str) -> str:
+    """What a block or a rate-limit pause names: the endpoint (``kind:base URL``) and the
+    API key it was sent with (a fingerprint, never the key). A 429 is the quota of one key:
+    a fleet that calls one endpoint with two keys cools down only the key the provider
+    named."""
+    key = f"{kind}:{url.rstrip('/')}"
+    if not api_key:
+        return key
+    return f"{key}#key-{hashlib.sha256(api_key.encode()).hexdigest()[:10]}"
 
 
 def provider_label(provider: str) -> str:
@@ -106,15 +118,28 @@ class ProviderGate:
 
     # -- the calls --------------------------------------------------------------------
 
-    async def admit(self) -> None:
-        """Before a call: refuse it while blocked; wait out a rate-limit pause."""
+    async def admit(self, *, wait: bool = True) -> None:
+        """Before a call: refuse it while blocked; wait out a rate-limit pause (``wait``
+        False: refuse it with ``ModelsCooling``, for a step that has another model)."""
         while True:
             if self.blocked is not None:
                 raise self._refusal(self.blocked)
-            wait = self.paused_until - self._clock()
-            if wait <= 0:
+            left = self.paused_until - self._clock()
+            if left <= 0:
                 return
-            await asyncio.sleep(wait)  # the provider's own retry-after, not a sync
+            if not wait:
+                raise ModelsCooling(left, [self.model])
+            await asyncio.sleep(left)  # the provider's own retry-after, not a sync
+
+    def refusal(self) -> ProviderBlocked:
+        """The refusal of a call while blocked."""
+        assert self.blocked is not None, "not blocked"
+        return self._refusal(self.blocked)
+
+    def cooling_seconds(self) -> float:
+        """Seconds left of a rate-limit pause (0: none): a step with other allowed models
+        calls one of them meanwhile (calmq.fallback)."""
+        return max(0.0, self.paused_until - self._clock())
 
     def _refusal(self, block: Block) -> ProviderBlocked:
         return ProviderBlocked(

@@ -33,7 +33,7 @@ import psycopg
 from calmq.data import Finish, Job, Store
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
-from calmq.failure_codes import ProviderBlocked
+from calmq.failure_codes import ModelsCooling, ProviderBlocked
 from calmq.gateway import Provider, enter_scope
 from calmq.objects import ObjectStore, read_bounded
 from calmq.outputs import OutputWriter, PublishingProvider
@@ -54,9 +54,13 @@ class Attempt:
                  workflows: Mapping[str, Workflow], failures: FailureStage, worker_id: str,
                  slots: CallSlots | None = None, step_timeout_seconds: float | None = None,
                  review_deadline_seconds: float = 48 * 3600.0,
-                 outputs: OutputWriter | None = None) -> None:
+                 outputs: OutputWriter | None = None,
+                 step_providers: Mapping[tuple[str, str], Provider] | None = None) -> None:
         self.store = store
         self.provider = provider
+        # The steps that name their allowed models (calmq.fallback), by (workflow, step);
+        # every other step calls the worker's model.
+        self.step_providers = dict(step_providers or {})
         self.objects = objects
         self.workflows = workflows
         self.failures = failures
@@ -99,8 +103,8 @@ class Attempt:
                 raise StepFailure(f"no workflow named {job.workflow!r} on this worker",
                                   code="unknown_workflow", failure_class=FailureClass.INPUT)
             output = await self._step(job, workflow)
-        except ProviderBlocked:
-            raise  # not the job's attempt: the pipeline hands the job back (hand_back_blocked)
+        except (ProviderBlocked, ModelsCooling):
+            raise  # not the job's attempt: the pipeline hands the job back, uncounted
         except StepFailure as failure:
             return self.failures.outcome(job, topic, failure)
         except ContractError as exc:
@@ -157,7 +161,8 @@ class Attempt:
         # text reaches the job's followers as the model writes it.
         streamed = (self.outputs.open(job.id, job.lease_version, step.name, job.attempt)
                     if self.outputs is not None else None)
-        provider = PublishingProvider(self.provider, streamed,
+        base = self.step_providers.get((workflow.name, step.name), self.provider)
+        provider = PublishingProvider(base, streamed,
                                       stream_calls=step.streams(job.priority))
         ctx = StepContext(str(job.id), str(job.tenant_id), step.name, job.attempt,
                           provider, self.objects, effects, priority=job.priority,

@@ -80,7 +80,7 @@ from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import schedule_spend_release
 from calmq.processors.slots import CallSlots
-from calmq.providers import ProviderGate
+from calmq.providers import ProviderGate, provider_key
 from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
 from calmq.spending import spend_caps_from_settings
@@ -719,7 +719,8 @@ class Poller:
             except ProviderBlocked as blocked:
                 return blocked
             finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
-                            "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
+                            "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd,
+                            "model": clock.model}
             for entry in finish.outbox:
                 if entry.type in ("job.result", "job.dead_lettered"):
                     # the lane the usage was spent in (finish_attempts fills the totals)
@@ -783,7 +784,8 @@ class BatchLane:
             while await ledger.release_jobs():
                 pass
 
-        gate = ProviderGate(f"{s.provider}:{s.effective_provider_url.rstrip('/')}", s.model,
+        gate = ProviderGate(provider_key(s.provider, s.effective_provider_url,
+                                         s.provider_api_key.get_secret_value()), s.model,
                             ledger=ledger, db=store, probe=client.probe,
                             probe_seconds=s.provider_probe_seconds, on_unblocked=release)
         await gate.refresh()

@@ -29,7 +29,7 @@ from calmq import events, topics
 from calmq.data import Finish, Job, Store, outbox
 from calmq.data.providers import ProviderLedger
 from calmq.errors import StepFailure
-from calmq.failure_codes import ProviderBlocked, spec
+from calmq.failure_codes import ModelsCooling, ProviderBlocked, spec
 from calmq.jobs import EventType, Status
 from calmq.processors import metrics
 from calmq.processors.forwarder import DUE_AT, ORIGIN
@@ -37,7 +37,7 @@ from calmq.processors.policy import decide
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow
 
-__all__ = ["FailureStage", "hand_back_blocked"]
+__all__ = ["FailureStage", "hand_back_blocked", "hand_back_cooling"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ async def hand_back_blocked(store: Store, job: Job, worker_id: str,
         _handbacks().labels(blocked.code).inc()
     else:
         log.info("the hand-back of %s found it held by another attempt", job.id)
+    return moved
+
+
+async def hand_back_cooling(store: Store, job: Job, worker_id: str,
+                            cooling: ModelsCooling) -> bool:
+    """An attempt whose step's allowed models were all cooling down (calmq.fallback) made
+    no call and is not the job's attempt: the job goes back to ``queued`` at its previous
+    attempt, its attempt row removed, waiting (``waiting_reason`` ``model_cooldown``) until
+    the earliest cooldown ends and the release pass re-publishes it. False when the attempt
+    no longer held the job."""
+    moved = await ProviderLedger(store).hand_back(
+        job.id, job.lease_version, worker_id,
+        {"models": list(cooling.models), "seconds": round(cooling.seconds, 3)},
+        reason="model_cooldown", wait_seconds=cooling.seconds)
+    if moved:
+        metrics.COOLDOWN_HELD.inc()
     return moved
 
 

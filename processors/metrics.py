@@ -14,6 +14,8 @@ __all__ = [
     "CONCURRENCY_KEY_HELD",
     "CONCURRENCY_KEY_RESUMED",
     "CONSUMER_LAG",
+    "COOLDOWN_HELD",
+    "COOLDOWN_RESUMED",
     "DEAD_LETTERS",
     "FAIR_SHARE_HELD",
     "FAIR_SHARE_PICKED",
@@ -61,6 +63,11 @@ CONCURRENCY_KEY_HELD = Counter("calmq_concurrency_key_held_total",
 CONCURRENCY_KEY_RESUMED = Counter("calmq_concurrency_key_resumed_total",
                                   "Jobs held for their concurrency key re-published as its "
                                   "jobs ended")
+COOLDOWN_HELD = Counter("calmq_model_cooldown_held_total",
+                        "Attempts handed back uncounted: every model their step allows was "
+                        "cooling down after a 429 (the job waits in queued)")
+COOLDOWN_RESUMED = Counter("calmq_model_cooldown_resumed_total",
+                           "Jobs that waited for their models' cooldown re-published")
 FAIR_SHARE_HELD = Counter("calmq_fair_share_held_total",
                           "Jobs held in their lane's waiting room (setting fair_share): the lane"
                           " was contended", ["priority"])

@@ -16,6 +16,7 @@ batch packer) and in their admission gates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -27,7 +28,7 @@ from confluent_kafka import Message
 from calmq import logs, topics, tracing
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
-from calmq.failure_codes import ProviderBlocked
+from calmq.failure_codes import ModelsCooling, ProviderBlocked
 from calmq.gateway import ModelClock, model_clock
 from calmq.jobs import Status
 from calmq.processors import metrics
@@ -35,7 +36,7 @@ from calmq.processors.admission import Admission, FairShareGate, Gate
 from calmq.processors.attempt import Attempt
 from calmq.processors.claim import Claim
 from calmq.processors.commit import Committer
-from calmq.processors.failures import FailureStage, hand_back_blocked
+from calmq.processors.failures import FailureStage, hand_back_blocked, hand_back_cooling
 from calmq.processors.intake import Intake
 from calmq.processors.leases import Leases
 from calmq.processors.offsets import OffsetTracker
@@ -257,6 +258,15 @@ class Pipeline:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self.attempt.run(job, topic)
+        except ModelsCooling as cooling:
+            # Every model the step allows cools down after a 429 (calmq.fallback): no call
+            # was made; the job waits queued for the cooldown, no attempt counted.
+            await retry_forever("handing back a job whose models cool down failed",
+                                functools.partial(hand_back_cooling, self.store, job,
+                                                  self.worker_id, cooling))
+            self.tracker.done(*position)
+            await self._record_usage(job, clock)  # an earlier call of the step was spent
+            return
         except ProviderBlocked as blocked:
             # The provider and model are blocked fleet-wide (bad key, permission, model,
             # billing): the job waits queued, no attempt counted (processors/failures.py).
@@ -304,7 +314,8 @@ class Pipeline:
             if self.fair is not None and self.fair.contended:
                 self.fill_soon()  # a slot freed: the fairest waiting job takes it
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
-                        "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd}
+                        "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd,
+                        "model": clock.model}
         _observe(job, finish, time.monotonic() - started, clock.seconds)
         _cost(job, finish, clock.cost_usd)
         self.committer.add(finish, position)

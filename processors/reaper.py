@@ -23,6 +23,7 @@ from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.partitions import HistoryPartitions
+from calmq.data.providers import ProviderLedger
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
@@ -33,7 +34,7 @@ from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.spending import SpendCaps, spend_caps_from_settings
 from calmq.supervision import Lifecycle, Supervisor
-from calmq.workflows import Workflow, load_workflows
+from calmq.workflows import Workflow, any_fallback, load_workflows
 
 __all__ = ["POISON_ERROR", "Reaper", "schedule_history_partitions", "schedule_quota_release",
            "schedule_reaper", "schedule_spend_release"]
@@ -143,6 +144,20 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                release_concurrency_keys, first_after=first_after, critical=True)
     side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
                release_stale_fair_share, first_after=first_after, critical=True)
+    providers = ProviderLedger(store)
+
+    async def release_cooled() -> None:
+        # Jobs that waited for their step's models to cool down (calmq.fallback) go back to
+        # the work topic once the wait is over; SKIP LOCKED lets every process run it.
+        resumed = await providers.release_cooled()
+        if resumed:
+            metrics.COOLDOWN_RESUMED.inc(len(resumed))
+            log.info("re-published %d jobs whose models' cooldown ended", len(resumed))
+
+    # Often where a step has fallback models (a cooldown ends within the second), else at
+    # the reaper's pace: any process may release any job, so some worker always does.
+    side.every("cooldown-release", min(interval, 0.5) if any_fallback(desk.workflows)
+               else interval, release_cooled, first_after=first_after, critical=True)
 
 
 def schedule_history_partitions(side: Supervisor, store: Store, settings: Settings, *,

@@ -20,6 +20,7 @@ from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.spending import SpendLedger
+from calmq.fallback import open_step_models
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
@@ -94,6 +95,7 @@ class Worker:
         self.life = Lifecycle(self, grace_seconds=settings.grace_seconds)
         self._store: Store | None = None
         self._provider: BudgetedProvider | None = None
+        self._models: list[BudgetedProvider] = []  # steps' fallback models besides it
         self._pipeline: Pipeline | None = None
         self._outputs: OutputWriter | None = None
         self._consumer: ParallelConsumer | None = None
@@ -126,6 +128,9 @@ class Worker:
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = self._provider = await open_metered_provider(s, store)
+        # The steps that name their allowed models fall back across them (calmq.fallback).
+        step_providers, self._models = await open_step_models(s, store, self.workflows,
+                                                              provider)
         consumer = self._consumer = ParallelConsumer(
             consumer_config(connection, topics.worker_group(s.pool)),
             self.topics(),
@@ -166,7 +171,7 @@ class Worker:
                             slots=CallSlots(s.concurrency, consumer.reserve),
                             step_timeout_seconds=s.step_timeout_seconds,
                             review_deadline_seconds=s.review_deadline_seconds,
-                            outputs=self._outputs),
+                            outputs=self._outputs, step_providers=step_providers),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
             usage=provider.usage.record if provider.usage is not None else None, fair=fair)
         self.pipeline.start()
@@ -242,6 +247,8 @@ class Worker:
         await self._stop_consuming()
         if self._outputs is not None:
             await self._outputs.close()
+        for model in self._models:
+            await model.close()
         if self._provider is not None:
             await self._provider.close()
         if self._store is not None:

@@ -19,7 +19,8 @@ from calmq.data.outbox import OutboxEntry
 
 __all__ = ["Attempts", "Finish"]
 
-_NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0}
+_NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0,
+             "model": None}
 
 
 @dataclass(slots=True)
@@ -45,7 +46,8 @@ class Finish:
     # A workflow step's output to record with the move (calmq/workflows, wf_record_step_output):
     # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
     record: dict[str, Any] | None = None
-    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd}.
+    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd, model}
+    # (model: the one that served its last call, calmq.fallback).
     usage: dict[str, Any] | None = None
 
     def record_params(self) -> dict[str, Any]:

@@ -85,13 +85,26 @@ class ProviderLedger:
             return [ProviderState(**r) for r in await cur.fetchall()]
 
     async def hand_back(self, job_id: uuid.UUID, lease_version: int, worker: str,
-                        detail: dict[str, Any]) -> bool:
-        """The job back to queued, waiting for its provider, with no attempt counted."""
+                        detail: dict[str, Any], *, reason: str = "provider_blocked",
+                        wait_seconds: float | None = None) -> bool:
+        """The job back to queued, waiting for its provider (``reason``: ``provider_blocked``
+        until the block lifts, ``model_cooldown`` for ``wait_seconds``), with no attempt
+        counted."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["provider_hand_back"], {
                 "id": job_id, "lease_version": lease_version, "worker": worker,
-                "detail": json.dumps({"reason": "provider_blocked", **detail})})
+                "reason": reason, "wait_seconds": wait_seconds,
+                "detail": json.dumps({"reason": reason, **detail})})
             return await cur.fetchone() is not None
+
+    async def release_cooled(self, limit: int = 1000) -> list[Job]:
+        """Re-publish (through the outbox, in the same transaction) up to ``limit`` jobs
+        whose wait for a model's cooldown is over."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["cooldown_release_jobs"], {"limit": limit})
+            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            await republish(conn, self._db.q["insert_outbox"], jobs)
+        return jobs
 
     async def release_jobs(self, limit: int = 1000) -> list[Job]:
         """Re-publish (through the outbox, in the same transaction) up to ``limit`` jobs that

@@ -21,7 +21,8 @@ WITH input AS (
               status text,
               event_type text, outcome text, event_detail jsonb, artifact jsonb, error jsonb,
               next_step text, reset_attempt boolean, outbox jsonb, model_calls integer,
-              input_tokens bigint, output_tokens bigint, cost_usd float8, ord bigint)
+              input_tokens bigint, output_tokens bigint, cost_usd float8, model text,
+              ord bigint)
          JOIN jobs k ON k.id = r.job_id
 ), target AS (
     SELECT j.id FROM jobs j JOIN input i ON i.job_id = j.id
@@ -55,7 +56,8 @@ WITH input AS (
                               model_calls = a.model_calls + i.model_calls,
                               input_tokens = a.input_tokens + i.input_tokens,
                               output_tokens = a.output_tokens + i.output_tokens,
-                              cost_usd = a.cost_usd + i.cost_usd
+                              cost_usd = a.cost_usd + i.cost_usd,
+                              model = COALESCE(i.model, a.model)
     FROM input i JOIN moved m ON m.id = i.job_id
     -- the attempt's partitions: from its job's creation on (jobs.sql, job_events)
     WHERE a.job_id = i.job_id AND a.step = i.step AND a.attempt = i.attempt
@@ -76,7 +78,11 @@ WITH input AS (
                      || jsonb_build_object('usage', jsonb_build_object(
                             'input_tokens', m.input_tokens, 'output_tokens', m.output_tokens,
                             'cost_usd', m.cost_usd,
-                            'lane', COALESCE(e.payload #>> '{usage,lane}', 'online')))
+                            'lane', COALESCE(e.payload #>> '{usage,lane}', 'online'))
+                         -- a result names the model that served its last call (fallback)
+                         || CASE WHEN e.type = 'job.result'
+                                 THEN jsonb_build_object('model', i.model)
+                                 ELSE '{}'::jsonb END)
                      || CASE WHEN e.type = 'job.dead_lettered'
                              THEN jsonb_build_object('errors', m.errors) ELSE '{}'::jsonb END
                 ELSE e.payload END,

@@ -170,7 +170,7 @@ WITH target AS (
 ), claimed AS (
     UPDATE jobs j SET status = 'running', attempt = j.attempt + 1,
                       lease_version = j.lease_version + 1,
-                      lease_owner = %(worker)s, waiting_reason = NULL,
+                      lease_owner = %(worker)s, waiting_reason = NULL, waiting_until = NULL,
                       -- running counts against its concurrency key by its status now
                       key_admitted_at = NULL,
                       lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),

@@ -56,10 +56,11 @@ FROM provider_states ORDER BY provider, model;
 SELECT pg_notify('calmq_providers', %(payload)s);
 
 -- name: provider_hand_back
--- An attempt that met a blocked provider is not the job's attempt: the job goes back to
--- queued at the attempt before (its attempt row removed: none is counted), its lease
--- dropped, waiting with reason provider_blocked (the release writes a fresh job.requested).
--- Only while the attempt still holds the job (its lease version and owner).
+-- An attempt that met a blocked provider (reason provider_blocked), or found every model
+-- its step allows cooling down (reason model_cooldown, for wait_seconds), is not the job's
+-- attempt: the job goes back to queued at the attempt before (its attempt row removed: none
+-- is counted), its lease dropped, waiting for its reason (the release writes a fresh
+-- job.requested). Only while the attempt still holds the job (its lease version and owner).
 WITH held AS (
     SELECT id, step, attempt, created_at FROM jobs
     WHERE id = %(id)s AND lease_version = %(lease_version)s AND lease_owner = %(worker)s
@@ -68,7 +69,9 @@ WITH held AS (
 ), back AS (
     UPDATE jobs j SET status = 'queued', attempt = j.attempt - 1,
                       lease_owner = NULL, lease_expires_at = NULL,
-                      waiting_reason = 'provider_blocked', updated_at = now()
+                      waiting_reason = %(reason)s,
+                      waiting_until = now() + make_interval(secs => %(wait_seconds)s),
+                      updated_at = now()
     FROM held WHERE j.id = held.id
     RETURNING j.id, held.step, held.attempt, held.created_at
 ), uncounted AS (
@@ -98,6 +101,28 @@ WITH released AS (
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, '{"reason": "provider_unblocked"}'::jsonb FROM moved
+)
+SELECT * FROM moved;
+
+-- name: cooldown_release_jobs
+-- Jobs that waited for their step's models to cool down (model_cooldown), once the wait is
+-- over (the earliest cooldown's end when they were handed back): the reason is cleared and
+-- the caller writes a fresh job.requested in this transaction. A model still cooling (its
+-- pause was made longer) hands the job back again, uncounted. Reads jobs_cooldown_waiting.
+WITH released AS (
+    SELECT j.id FROM jobs j
+    WHERE j.waiting_reason = 'model_cooldown' AND j.waiting_until <= now()
+      AND j.status IN ('queued', 'retrying')
+    ORDER BY j.waiting_until
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+), moved AS (
+    UPDATE jobs j SET waiting_reason = NULL, waiting_until = NULL, updated_at = now()
+    FROM released r WHERE j.id = r.id
+    RETURNING {{job_row}}, j.status AS old_status
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'resumed', attempt, '{"reason": "model_cooldown"}'::jsonb FROM moved
 )
 SELECT * FROM moved;
 

@@ -9,7 +9,7 @@ goes out, so a crash resumes at the step that failed (docs/explanation/workflows
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -33,6 +33,7 @@ __all__ = [
     "StepFunction",
     "StepOutput",
     "Workflow",
+    "any_fallback",
     "builtin_workflows",
     "find_workflow",
     "load_workflows",
@@ -130,6 +131,23 @@ class Step:
     # "interactive": only a job of that priority streams (nobody watches a bulk job).
     # A step may also stream a call of its own choosing with ``ctx.provider.stream``.
     stream: bool | Literal["interactive"] = False
+    # The models this step may call, in order of preference (calmq.fallback): each call goes
+    # to the first that is not cooling down after a 429 or blocked; a model outside the list
+    # never serves it. Empty: the worker's model (CALMQ_MODEL) alone, which waits out a
+    # cooldown as before.
+    models: tuple[str, ...] = ()
+    # A price ceiling, USD per million tokens: a model of ``models`` whose input or output
+    # price is above it, or that has no price, is left out (checked when the worker starts).
+    max_price_per_mtok: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.models)) != len(self.models) or not all(
+                isinstance(m, str) and m.strip() == m and m for m in self.models):
+            raise ValueError(f"step {self.name}: models are distinct, non-empty model names "
+                             f"without spaces at either end: {self.models!r}")
+        if self.max_price_per_mtok is not None and not self.max_price_per_mtok > 0:
+            raise ValueError(f"step {self.name}: max_price_per_mtok is a price above 0 (USD "
+                             "per million tokens)")
 
     def streams(self, priority: str) -> bool:
         """Whether this step's model calls stream for a job of ``priority``."""
@@ -268,6 +286,11 @@ class Workflow:
                 f"input does not fit workflow {self.name}: {problems}",
                 code="invalid_input", status=422,
             ) from exc
+
+
+def any_fallback(workflows: Mapping[str, Workflow]) -> bool:
+    """Whether a step of ``workflows`` names its allowed models (calmq.fallback)."""
+    return any(step.models for w in workflows.values() for step in w.steps)
 
 
 def builtin_workflows(settings: Settings | None = None) -> dict[str, Workflow]:

@@ -47,6 +47,8 @@ SETUP: dict[str, dict[str, Any]] = {
     "fair_share_release_stale": {"status": "queued", "waiting_reason": "fair_share"},
     "concurrency_release": {"status": "queued", "waiting_reason": "concurrency_key",
                             "concurrency_key": "customer-1"},
+    "cooldown_release_jobs": {"status": "queued", "waiting_reason": "model_cooldown",
+                              "waiting_until": LONG_AGO},
 }
 
 
@@ -61,7 +63,9 @@ def _params(query: str, job_id: uuid.UUID, tenant_id: uuid.UUID, key: uuid.UUID
         "stale_seconds": 1.0, "tenant_id": tenant_id, "key": key,
         "owner": f"batch:{key}", "custom_ids": None, "workflows": ["summarize"],
         "waiting_reason": "provider_blocked", "detail": Jsonb({"reason": "provider_blocked"}),
-        "limits": "{}", "admitted_seconds": 30.0, "known": ["summarize"]}
+        "limits": "{}", "admitted_seconds": 30.0, "known": ["summarize"],
+        # the keys concurrency_lock_held locked: the job's own (SETUP)
+        "tenants": [tenant_id], "keys": ["customer-1"]}
     wanted = set(re.findall(r"%\((\w+)\)s", query))
     unknown = wanted - set(values)
     assert not unknown, f"no test value for {sorted(unknown)}"

@@ -95,6 +95,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     neither vacuous nor inventing metrics."""
     import calmq.budget
     import calmq.cli.services
+    import calmq.fallback
     import calmq.processors.batcher
     import calmq.processors.failures
     import calmq.processors.metrics
@@ -114,6 +115,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     # The factories below are the modules' own lazy constructors (cached: calling one
     # again returns the same metrics), which is how the processes create them.
     calmq.budget._metrics()
+    calmq.fallback._fallbacks()
     calmq.providers._blocked_gauge()
     calmq.providers._paused_gauge()
     calmq.processors.failures._handbacks()

@@ -83,4 +83,4 @@ def test_a_consumer_on_job_result_v1_decodes_what_calmq_writes_now(status: str) 
     assert json.loads(new["metadata"]) == {"order": "A-17", "shop": 4}
     assert new["workflow_version"] == 3
     assert new["usage"] == {"input_tokens": 1200, "output_tokens": 80, "cost_usd": 0.0042,
-                            "lane": "online"}
+                            "lane": "online", "model": None}  # finish_attempts names it

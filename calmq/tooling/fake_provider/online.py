@@ -81,6 +81,10 @@ class Online:
         self._outage_until = 0.0
         self._outage: tuple[str, ...] = ()
         self._outage_calls = itertools.count()
+        # An outage of one model only (None: every model), and its own Retry-After (None:
+        # the setting's): a model's cooldown while the provider's other models answer.
+        self._outage_model: str | None = None
+        self._outage_retry_after: float | None = None
         self.refused = 0
         self._refusals: deque[str] = deque(maxlen=_KEPT_REFUSALS)
         # (wall time, path, job, model, auth scheme, extra header names) per call.
@@ -122,7 +126,7 @@ class Online:
         _scheme, denied = self._credentials(request, anthropic)
         if denied:
             return self._fail(anthropic, FAILURES[denied])
-        if self._outage and time.monotonic() < self._outage_until:
+        if self._in_outage(""):  # a one-model outage leaves the batch APIs alone
             kind = self._outage[next(self._outage_calls) % len(self._outage)]
             return self._outage_failure(anthropic, kind, "")
         return None
@@ -268,7 +272,7 @@ class Online:
                 job_stats = self._by_job[call.job_id] = [0, 0]
             job_stats[0] += 1
 
-        if self._outage and time.monotonic() < self._outage_until:
+        if self._in_outage(call.model):
             return await self._outage_answer(call)
         mode = self.mode_override or call.mode
         if mode not in MODES:
@@ -464,7 +468,7 @@ class Online:
             stats = self._by_job.setdefault(job_id, [0, 0])
             stats[0] += 1
             stats[1] += 1
-        if self._outage and time.monotonic() < self._outage_until:
+        if self._in_outage(str(body.get("model", ""))):
             kind = self._outage[next(self._outage_calls) % len(self._outage)]
             return self._outage_failure(False, kind, str(body.get("model", "")))
         await self._sleep(self._latency)
@@ -478,6 +482,10 @@ class Online:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }, headers)
 
+    def _in_outage(self, model: str) -> bool:
+        return (bool(self._outage) and time.monotonic() < self._outage_until
+                and self._outage_model in (None, model))
+
     async def _outage_answer(self, call: Call) -> web.Response:
         await self._sleep(self._latency)
         kind = self._outage[next(self._outage_calls) % len(self._outage)]
@@ -485,7 +493,8 @@ class Online:
 
     def _outage_failure(self, anthropic: bool, kind: str, model: str) -> web.Response:
         if kind == "rate_limited":
-            seconds = self._settings.retry_after_seconds
+            seconds = (self._outage_retry_after if self._outage_retry_after is not None
+                       else self._settings.retry_after_seconds)
             headers = {"Retry-After": format_seconds(seconds)}
             if not anthropic:
                 headers["retry-after-ms"] = str(round(seconds * 1000))
@@ -569,7 +578,9 @@ class Online:
     async def handle_outage(self, request: web.Request) -> web.Response:
         """``{"seconds": 20, "statuses": [500, 429]}``: every call fails for that long, with
         each status in turn (429 Retry-After, 500, 503, 529 overloaded, 401 bad key, 403,
-        404 model, or "insufficient_quota" / "context_length_exceeded")."""
+        404 model, or "insufficient_quota" / "context_length_exceeded"). Optional: ``model``
+        (only calls to that model fail: one model's cooldown) and ``retry_after_seconds``
+        (the 429s' Retry-After; default: the setting)."""
         try:
             body = json.loads(await request.read())
         except ValueError:
@@ -583,9 +594,21 @@ class Online:
             return web.json_response(
                 {"error": f'body must be {{"seconds": >= 0, "statuses": [one of {known}]}}'},
                 status=400)
+        model = body.get("model")
+        retry_after = body.get("retry_after_seconds")
+        if model is not None and (not isinstance(model, str) or not model):
+            return web.json_response({"error": "model must be a model name (a string)"},
+                                     status=400)
+        if retry_after is not None and (isinstance(retry_after, bool)
+                                        or not isinstance(retry_after, int | float)
+                                        or retry_after < 0):
+            return web.json_response({"error": "retry_after_seconds must be a number >= 0"},
+                                     status=400)
         self._outage = tuple(OUTAGE_KINDS[s] for s in statuses)
         self._outage_until = time.monotonic() + float(seconds)
-        return web.json_response({"seconds": seconds, "statuses": statuses})
+        self._outage_model = model
+        self._outage_retry_after = None if retry_after is None else float(retry_after)
+        return web.json_response({"seconds": seconds, "statuses": statuses, "model": model})
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
