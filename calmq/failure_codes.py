@@ -22,8 +22,8 @@ from typing import Final
 
 from calmq.errors import FailureClass, StepFailure
 
-__all__ = ["CODES", "BudgetEffect", "FailureCode", "ModelsCooling", "ProviderBlocked",
-           "docs_table", "failure", "spec"]
+__all__ = ["CODES", "BudgetEffect", "FailureCode", "KeyRateLimited", "ModelsCooling",
+           "ProviderBlocked", "WaitUncounted", "docs_table", "failure", "spec"]
 
 
 class BudgetEffect(StrEnum):
@@ -172,20 +172,48 @@ class ProviderBlocked(StepFailure):
         self.model = model
 
 
-class ModelsCooling(StepFailure):
-    """Every model the step allows is cooling down after a 429 (calmq.fallback): no call was
-    made. Not the job's attempt: the job is handed back to wait ``seconds`` (the earliest
-    cooldown's end) with no attempt counted (``waiting_reason`` ``model_cooldown``). Outside
-    a worker's pipeline (a step tested alone) it reads as the 429 it stands for:
+class WaitUncounted(StepFailure):
+    """A call that was not made because what it needs has no room for ``seconds`` yet: not
+    the job's attempt. The pipeline hands the job back to wait in ``queued``
+    (``waiting_reason``: ``reason``, event ``waiting`` with ``detail``) with no attempt
+    counted, until ``seconds`` have passed and the release pass re-publishes it. Outside a
+    worker's pipeline (a step tested alone) it reads as the 429 it stands for:
     ``rate_limited``, never retried sooner than ``retry_after``."""
+
+    reason = "waiting"
+
+    def __init__(self, message: str, seconds: float, detail: dict[str, object]) -> None:
+        super().__init__(message, code="rate_limited", failure_class=FailureClass.TRANSIENT,
+                         retry_after=seconds)
+        self.seconds = seconds
+        self.detail = detail
+
+
+class ModelsCooling(WaitUncounted):
+    """Every model the step allows is cooling down after a 429 (calmq.fallback)."""
+
+    reason = "model_cooldown"
 
     def __init__(self, seconds: float, models: Sequence[str]) -> None:
         super().__init__(
             f"every allowed model is cooling down ({', '.join(models)}): the job waits "
-            f"{seconds:.1f} s, no attempt counted", code="rate_limited",
-            failure_class=FailureClass.TRANSIENT, retry_after=seconds)
-        self.seconds = seconds
+            f"{seconds:.1f} s, no attempt counted", seconds,
+            {"models": list(models), "seconds": round(seconds, 3)})
         self.models = tuple(models)
+
+
+class KeyRateLimited(WaitUncounted):
+    """The job's concurrency key used its workflow's rate limit (requests or tokens per
+    window, calmq.rate_keys): the call waits for the key's bucket to refill."""
+
+    reason = "rate_limit_key"
+
+    def __init__(self, seconds: float, key: str, limit: dict[str, object]) -> None:
+        super().__init__(
+            f"concurrency key {key!r} is at its rate limit ({limit}): the job waits "
+            f"{seconds:.1f} s, no attempt counted", seconds,
+            {"key": key, "limit": limit, "seconds": round(seconds, 3)})
+        self.key = key
 
 
 def docs_table() -> str:

@@ -31,15 +31,17 @@ from typing import Any
 import psycopg
 
 from calmq.data import Finish, Job, Store
+from calmq.data.rate_keys import RateKeys
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
-from calmq.failure_codes import ModelsCooling, ProviderBlocked
+from calmq.failure_codes import ProviderBlocked, WaitUncounted
 from calmq.gateway import Provider, enter_scope
 from calmq.objects import ObjectStore, read_bounded
 from calmq.outputs import OutputWriter, PublishingProvider
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
 from calmq.processors.slots import CallSlots
+from calmq.rate_keys import KeyRateLimiter
 from calmq.storable import UNSTORABLE_OUTPUT, clean, unstorable_outcome
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import Progress
@@ -61,6 +63,7 @@ class Attempt:
         # The steps that name their allowed models (calmq.fallback), by (workflow, step);
         # every other step calls the worker's model.
         self.step_providers = dict(step_providers or {})
+        self.rate_keys = RateKeys(store)
         self.objects = objects
         self.workflows = workflows
         self.failures = failures
@@ -103,7 +106,7 @@ class Attempt:
                 raise StepFailure(f"no workflow named {job.workflow!r} on this worker",
                                   code="unknown_workflow", failure_class=FailureClass.INPUT)
             output = await self._step(job, workflow)
-        except (ProviderBlocked, ModelsCooling):
+        except (ProviderBlocked, WaitUncounted):
             raise  # not the job's attempt: the pipeline hands the job back, uncounted
         except StepFailure as failure:
             return self.failures.outcome(job, topic, failure)
@@ -162,6 +165,11 @@ class Attempt:
         streamed = (self.outputs.open(job.id, job.lease_version, step.name, job.attempt)
                     if self.outputs is not None else None)
         base = self.step_providers.get((workflow.name, step.name), self.provider)
+        if workflow.key_rate_limit is not None and job.concurrency_key:
+            # The key's rate limit, fleet-wide: a call past it waits uncounted (rate_keys).
+            base = KeyRateLimiter(base, self.rate_keys, tenant_id=job.tenant_id,
+                                  key=job.concurrency_key, scope=workflow.name,
+                                  limit=workflow.key_rate_limit)
         provider = PublishingProvider(base, streamed,
                                       stream_calls=step.streams(job.priority))
         ctx = StepContext(str(job.id), str(job.tenant_id), step.name, job.attempt,

@@ -29,7 +29,7 @@ from calmq import events, topics
 from calmq.data import Finish, Job, Store, outbox
 from calmq.data.providers import ProviderLedger
 from calmq.errors import StepFailure
-from calmq.failure_codes import ModelsCooling, ProviderBlocked, spec
+from calmq.failure_codes import ProviderBlocked, WaitUncounted, spec
 from calmq.jobs import EventType, Status
 from calmq.processors import metrics
 from calmq.processors.forwarder import DUE_AT, ORIGIN
@@ -37,7 +37,7 @@ from calmq.processors.policy import decide
 from calmq.retrying import Backoff
 from calmq.workflows import Workflow
 
-__all__ = ["FailureStage", "hand_back_blocked", "hand_back_cooling"]
+__all__ = ["FailureStage", "hand_back_blocked", "hand_back_waiting"]
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,18 @@ async def hand_back_blocked(store: Store, job: Job, worker_id: str,
     return moved
 
 
-async def hand_back_cooling(store: Store, job: Job, worker_id: str,
-                            cooling: ModelsCooling) -> bool:
-    """An attempt whose step's allowed models were all cooling down (calmq.fallback) made
-    no call and is not the job's attempt: the job goes back to ``queued`` at its previous
-    attempt, its attempt row removed, waiting (``waiting_reason`` ``model_cooldown``) until
-    the earliest cooldown ends and the release pass re-publishes it. False when the attempt
-    no longer held the job."""
+async def hand_back_waiting(store: Store, job: Job, worker_id: str,
+                            waiting: WaitUncounted) -> bool:
+    """An attempt that made no call because what it needs had no room yet (every allowed
+    model cooling down, calmq.fallback; its key's rate limit, calmq.rate_keys) is not the
+    job's attempt: the job goes back to ``queued`` at its previous attempt, its attempt row
+    removed, waiting (``waiting_reason``: the refusal's) until ``seconds`` have passed and
+    the release pass re-publishes it. False when the attempt no longer held the job."""
     moved = await ProviderLedger(store).hand_back(
-        job.id, job.lease_version, worker_id,
-        {"models": list(cooling.models), "seconds": round(cooling.seconds, 3)},
-        reason="model_cooldown", wait_seconds=cooling.seconds)
+        job.id, job.lease_version, worker_id, waiting.detail, reason=waiting.reason,
+        wait_seconds=waiting.seconds)
     if moved:
-        metrics.COOLDOWN_HELD.inc()
+        metrics.WAITED_UNCOUNTED.labels(waiting.reason).inc()
     return moved
 
 

@@ -14,8 +14,6 @@ __all__ = [
     "CONCURRENCY_KEY_HELD",
     "CONCURRENCY_KEY_RESUMED",
     "CONSUMER_LAG",
-    "COOLDOWN_HELD",
-    "COOLDOWN_RESUMED",
     "DEAD_LETTERS",
     "FAIR_SHARE_HELD",
     "FAIR_SHARE_PICKED",
@@ -39,6 +37,8 @@ __all__ = [
     "SKIPPED",
     "STEP_SECONDS",
     "UNSTORABLE",
+    "WAITED_UNCOUNTED",
+    "WAIT_RESUMED",
     "finished",
 ]
 
@@ -63,11 +63,14 @@ CONCURRENCY_KEY_HELD = Counter("calmq_concurrency_key_held_total",
 CONCURRENCY_KEY_RESUMED = Counter("calmq_concurrency_key_resumed_total",
                                   "Jobs held for their concurrency key re-published as its "
                                   "jobs ended")
-COOLDOWN_HELD = Counter("calmq_model_cooldown_held_total",
-                        "Attempts handed back uncounted: every model their step allows was "
-                        "cooling down after a 429 (the job waits in queued)")
-COOLDOWN_RESUMED = Counter("calmq_model_cooldown_resumed_total",
-                           "Jobs that waited for their models' cooldown re-published")
+WAITED_UNCOUNTED = Counter("calmq_waited_uncounted_total",
+                           "Attempts handed back uncounted to wait in queued: every model "
+                           "their step allows cooling down after a 429 (model_cooldown), or "
+                           "their concurrency key at its rate limit (rate_limit_key)",
+                           ["reason"])
+WAIT_RESUMED = Counter("calmq_wait_resumed_total",
+                       "Jobs re-published once their wait (model_cooldown, rate_limit_key) "
+                       "was over", ["reason"])
 FAIR_SHARE_HELD = Counter("calmq_fair_share_held_total",
                           "Jobs held in their lane's waiting room (setting fair_share): the lane"
                           " was contended", ["priority"])

@@ -28,7 +28,7 @@ from confluent_kafka import Message
 from calmq import logs, topics, tracing
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
-from calmq.failure_codes import ModelsCooling, ProviderBlocked
+from calmq.failure_codes import ProviderBlocked, WaitUncounted
 from calmq.gateway import ModelClock, model_clock
 from calmq.jobs import Status
 from calmq.processors import metrics
@@ -36,7 +36,7 @@ from calmq.processors.admission import Admission, FairShareGate, Gate
 from calmq.processors.attempt import Attempt
 from calmq.processors.claim import Claim
 from calmq.processors.commit import Committer
-from calmq.processors.failures import FailureStage, hand_back_blocked, hand_back_cooling
+from calmq.processors.failures import FailureStage, hand_back_blocked, hand_back_waiting
 from calmq.processors.intake import Intake
 from calmq.processors.leases import Leases
 from calmq.processors.offsets import OffsetTracker
@@ -258,12 +258,13 @@ class Pipeline:
                 "calmq.step": job.step}
             with tracing.span("calmq.attempt", job.trace_parent, **attributes):
                 finish = await self.attempt.run(job, topic)
-        except ModelsCooling as cooling:
-            # Every model the step allows cools down after a 429 (calmq.fallback): no call
-            # was made; the job waits queued for the cooldown, no attempt counted.
-            await retry_forever("handing back a job whose models cool down failed",
-                                functools.partial(hand_back_cooling, self.store, job,
-                                                  self.worker_id, cooling))
+        except WaitUncounted as waiting:
+            # No call was made: every model the step allows cools down after a 429
+            # (calmq.fallback), or the job's key is at its rate limit (calmq.rate_keys). The
+            # job waits queued for that long, no attempt counted.
+            await retry_forever("handing back a job that waits for room failed",
+                                functools.partial(hand_back_waiting, self.store, job,
+                                                  self.worker_id, waiting))
             self.tracker.done(*position)
             await self._record_usage(job, clock)  # an earlier call of the step was spent
             return

@@ -24,6 +24,7 @@ from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.partitions import HistoryPartitions
 from calmq.data.providers import ProviderLedger
+from calmq.data.rate_keys import RateKeys
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
 from calmq.errors import FailureClass
@@ -34,7 +35,7 @@ from calmq.reviews import ReviewDesk
 from calmq.settings import Settings
 from calmq.spending import SpendCaps, spend_caps_from_settings
 from calmq.supervision import Lifecycle, Supervisor
-from calmq.workflows import Workflow, any_fallback, load_workflows
+from calmq.workflows import Workflow, any_timed_wait, load_workflows
 
 __all__ = ["POISON_ERROR", "Reaper", "schedule_history_partitions", "schedule_quota_release",
            "schedule_reaper", "schedule_spend_release"]
@@ -146,18 +147,31 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                release_stale_fair_share, first_after=first_after, critical=True)
     providers = ProviderLedger(store)
 
-    async def release_cooled() -> None:
-        # Jobs that waited for their step's models to cool down (calmq.fallback) go back to
-        # the work topic once the wait is over; SKIP LOCKED lets every process run it.
-        resumed = await providers.release_cooled()
+    async def release_waited() -> None:
+        # Jobs that waited a set time (their step's models cooling down, calmq.fallback;
+        # their key's rate limit, calmq.rate_keys) go back to the work topic once it is
+        # over; SKIP LOCKED lets every process run it.
+        resumed = await providers.release_waited()
         if resumed:
-            metrics.COOLDOWN_RESUMED.inc(len(resumed))
-            log.info("re-published %d jobs whose models' cooldown ended", len(resumed))
+            for reason, n in Counter(reason for _job, reason in resumed).items():
+                metrics.WAIT_RESUMED.labels(reason).inc(n)
+            log.info("re-published %d jobs whose wait was over", len(resumed))
 
-    # Often where a step has fallback models (a cooldown ends within the second), else at
-    # the reaper's pace: any process may release any job, so some worker always does.
-    side.every("cooldown-release", min(interval, 0.5) if any_fallback(desk.workflows)
-               else interval, release_cooled, first_after=first_after, critical=True)
+    # Often where a step has fallback models or a workflow a key rate limit (the wait ends
+    # within the second), else at the reaper's pace: any process may release any job, so
+    # some worker always does.
+    buckets = RateKeys(store)
+
+    async def retire_buckets() -> None:
+        # Key rate buckets idle for a day are full again: dropped (calmq.rate_keys).
+        retired = await buckets.retire_idle()
+        if retired:
+            log.info("dropped %d key rate buckets idle for a day", retired)
+
+    side.every("key-rate-buckets", max(interval, 3600.0), retire_buckets,
+               first_after=first_after, critical=True)
+    side.every("timed-wait-release", min(interval, 0.5) if any_timed_wait(desk.workflows)
+               else interval, release_waited, first_after=first_after, critical=True)
 
 
 def schedule_history_partitions(side: Supervisor, store: Store, settings: Settings, *,

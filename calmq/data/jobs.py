@@ -80,6 +80,9 @@ class Job:
     lease_version: int = 0  # 0: never claimed
     # online, or batch (the providers' batch APIs: calmq.processors.batcher)
     lane: str = "online"
+    # A key inside the tenant (a customer): its workflow's concurrency and rate limits
+    # count by it (calmq.data.concurrency, calmq.rate_keys).
+    concurrency_key: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:

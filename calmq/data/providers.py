@@ -97,14 +97,19 @@ class ProviderLedger:
                 "detail": json.dumps({"reason": reason, **detail})})
             return await cur.fetchone() is not None
 
-    async def release_cooled(self, limit: int = 1000) -> list[Job]:
+    async def release_waited(self, limit: int = 1000) -> list[tuple[Job, str]]:
         """Re-publish (through the outbox, in the same transaction) up to ``limit`` jobs
-        whose wait for a model's cooldown is over."""
+        whose timed wait (``model_cooldown``, ``rate_limit_key``) is over, with the reason
+        each waited for."""
         async with self._db.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(self._db.q["cooldown_release_jobs"], {"limit": limit})
-            jobs = [Job.from_row(r) for r in await cur.fetchall()]
+            cur = await conn.execute(self._db.q["timed_wait_release_jobs"], {"limit": limit})
+            reasons = []
+            jobs = []
+            for row in await cur.fetchall():
+                reasons.append(str(row.pop("waited_for")))
+                jobs.append(Job.from_row(row))
             await republish(conn, self._db.q["insert_outbox"], jobs)
-        return jobs
+        return list(zip(jobs, reasons, strict=True))
 
     async def release_jobs(self, limit: int = 1000) -> list[Job]:
         """Re-publish (through the outbox, in the same transaction) up to ``limit`` jobs that

@@ -9,7 +9,7 @@
 -- statement and checks that each Job field comes back.
 j.id, j.tenant_id, j.workflow, j.workflow_version, j.priority, j.pool, j.step, j.attempt,
 j.max_attempts, j.input, j.input_ref, j.metadata, j.deadline_at, j.trace_parent, j.created_at,
-j.lease_version, j.lane
+j.lease_version, j.lane, j.concurrency_key
 
 -- name: find_idempotency_key
 SELECT request_hash, job_id FROM idempotency_keys

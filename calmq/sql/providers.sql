@@ -104,14 +104,16 @@ WITH released AS (
 )
 SELECT * FROM moved;
 
--- name: cooldown_release_jobs
--- Jobs that waited for their step's models to cool down (model_cooldown), once the wait is
--- over (the earliest cooldown's end when they were handed back): the reason is cleared and
--- the caller writes a fresh job.requested in this transaction. A model still cooling (its
--- pause was made longer) hands the job back again, uncounted. Reads jobs_cooldown_waiting.
+-- name: timed_wait_release_jobs
+-- Jobs that waited a set time (waiting_until: every model of their step cooling down,
+-- model_cooldown; their concurrency key at its rate limit, rate_limit_key), once it is
+-- over: the reason is cleared and the caller writes a fresh job.requested in this
+-- transaction. One that finds no room again is handed back again, uncounted. Reads
+-- jobs_timed_waiting (only such jobs).
 WITH released AS (
-    SELECT j.id FROM jobs j
-    WHERE j.waiting_reason = 'model_cooldown' AND j.waiting_until <= now()
+    SELECT j.id, j.waiting_reason FROM jobs j
+    WHERE j.waiting_until IS NOT NULL AND j.waiting_until <= now()
+      AND j.waiting_reason IN ('model_cooldown', 'rate_limit_key')
       AND j.status IN ('queued', 'retrying')
     ORDER BY j.waiting_until
     LIMIT %(limit)s
@@ -119,10 +121,10 @@ WITH released AS (
 ), moved AS (
     UPDATE jobs j SET waiting_reason = NULL, waiting_until = NULL, updated_at = now()
     FROM released r WHERE j.id = r.id
-    RETURNING {{job_row}}, j.status AS old_status
+    RETURNING {{job_row}}, j.status AS old_status, r.waiting_reason AS waited_for
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
-    SELECT id, 'resumed', attempt, '{"reason": "model_cooldown"}'::jsonb FROM moved
+    SELECT id, 'resumed', attempt, jsonb_build_object('reason', waited_for) FROM moved
 )
 SELECT * FROM moved;
 

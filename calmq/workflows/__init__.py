@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ByReference",
     "EffectLog",
+    "KeyRateLimit",
     "RetryPolicy",
     "ReviewExpiry",
     "Step",
@@ -33,7 +34,7 @@ __all__ = [
     "StepFunction",
     "StepOutput",
     "Workflow",
-    "any_fallback",
+    "any_timed_wait",
     "builtin_workflows",
     "find_workflow",
     "load_workflows",
@@ -176,6 +177,36 @@ ReviewExpiry = Literal["dead_letter", "approve"]
 
 
 @dataclass(frozen=True)
+class KeyRateLimit:
+    """A rate limit per concurrency key (``Workflow.key_rate_limit``): at most ``requests``
+    model calls and/or ``tokens`` tokens (prompt estimate plus max output, settled with what
+    the provider counted) per ``per_seconds``, fleet-wide. A token bucket: the whole amount
+    is there at first and refills evenly over the window, so no window of ``per_seconds``
+    ever sees more than twice it, and a long run averages it."""
+
+    requests: int | None = None
+    tokens: int | None = None
+    per_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.requests is None and self.tokens is None:
+            raise ValueError("a key rate limit counts requests, tokens or both")
+        for name, value in (("requests", self.requests), ("tokens", self.tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"a key rate limit's {name} is at least 1")
+        # At most a day: a bucket idle for a day is full again whatever its window, and
+        # the housekeeping drops it then (calmq.rate_keys).
+        if not 0 < self.per_seconds <= 86_400:
+            raise ValueError("a key rate limit's window (per_seconds) is above 0 and at most "
+                             "a day (86400)")
+
+    def as_detail(self) -> dict[str, object]:
+        """The limit as the job's history shows it."""
+        return {k: v for k, v in (("requests", self.requests), ("tokens", self.tokens),
+                                  ("per_seconds", self.per_seconds)) if v is not None}
+
+
+@dataclass(frozen=True)
 class ByReference:
     """What a workflow accepts as input by reference (a multipart ``file`` or ``input_ref``).
 
@@ -231,6 +262,10 @@ class Workflow:
     # customer inside the tenant) in flight at once, fleet-wide; 1: one at a time. None: keys
     # limit nothing. Jobs past it wait in queued (waiting_reason concurrency_key).
     concurrency_limit: int | None = None
+    # At most so many model requests and/or tokens per window for one concurrency key,
+    # fleet-wide (calmq.rate_keys); a call past it waits uncounted (rate_limit_key). None:
+    # keys limit no rate. A job without a key is not limited by it.
+    key_rate_limit: KeyRateLimit | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -288,9 +323,11 @@ class Workflow:
             ) from exc
 
 
-def any_fallback(workflows: Mapping[str, Workflow]) -> bool:
-    """Whether a step of ``workflows`` names its allowed models (calmq.fallback)."""
-    return any(step.models for w in workflows.values() for step in w.steps)
+def any_timed_wait(workflows: Mapping[str, Workflow]) -> bool:
+    """Whether jobs of ``workflows`` may wait a set time, uncounted: a step names its
+    allowed models (calmq.fallback) or the workflow a key rate limit (calmq.rate_keys)."""
+    return any(w.key_rate_limit is not None or any(step.models for step in w.steps)
+               for w in workflows.values())
 
 
 def builtin_workflows(settings: Settings | None = None) -> dict[str, Workflow]:

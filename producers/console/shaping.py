@@ -150,7 +150,8 @@ def held_for_review_cap(events: Sequence[Any]) -> bool:
 
 def waiting_notice(events: Sequence[Any]) -> dict[str, str] | None:
     """Why a waiting job waits, for its page: its newest ``waiting`` event not followed by
-    ``resumed`` (fair share, a concurrency key, a cap), in a sentence; None if it does not
+    ``resumed`` (fair share, a concurrency key or its rate limit, a model's cooldown, a
+    cap), in a sentence; None if it does not
     wait (the review cap has a notice of its own)."""
     for e in reversed(events):
         kind = _get(e, "type")
@@ -167,6 +168,18 @@ def waiting_notice(events: Sequence[Any]) -> dict[str, str] | None:
         elif reason == "concurrency_key":
             text = (f"its concurrency key {d.get('key', '')} has {d.get('limit', '')} jobs in "
                     "flight, its workflow's limit; it starts as they end")
+        elif reason == "model_cooldown":
+            models = ", ".join(str(m) for m in d.get("models") or [])
+            text = (f"every model its step allows ({models}) is cooling down after a 429; it "
+                    f"runs again in about {d.get('seconds', '')} s, no attempt counted")
+        elif reason == "rate_limit_key":
+            limit = d.get("limit") or {}
+            per = limit.get("per_seconds", "") if isinstance(limit, dict) else ""
+            counts = " and ".join(f"{limit[k]} {k}" for k in ("requests", "tokens")
+                                  if isinstance(limit, dict) and k in limit)
+            text = (f"its concurrency key {d.get('key', '')} used its rate limit ({counts} per "
+                    f"{per} s); it runs again in about {d.get('seconds', '')} s, no attempt "
+                    "counted")
         elif reason == "review_cap":
             return None
         else:

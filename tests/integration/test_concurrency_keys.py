@@ -19,7 +19,7 @@ from calmq import sql
 from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.cli import insert_jobs, new_tenant
-from tests.support.keyed_workflows import KEYED_POOL, LIMIT
+from tests.support.keyed_workflows import KEYED_POOL, LIMIT, RATE
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     Procs,
@@ -62,11 +62,11 @@ def keyed(stack: StackState) -> Iterator[tuple[Api, str]]:
             processes.stop(pid)
 
 
-def _submit(api: Api, key: str, n: int) -> list[str]:
+def _submit(api: Api, key: str, n: int, workflow: str = "summarize_keyed") -> list[str]:
     ids = []
     for i in range(n):
         status, _h, body = api.call("POST", "/v1/jobs", {
-            "workflow": "summarize_keyed", "concurrency_key": key,
+            "workflow": workflow, "concurrency_key": key,
             "input": {"text": f"job {i:04d} of customer {key}"}})
         assert status == 202, body
         ids.append(str(body["job_id"]))
@@ -121,6 +121,47 @@ def test_a_key_holds_at_its_limit_across_two_workers_under_200_submits(
         attempts = conn.execute("SELECT max(attempt) FROM jobs WHERE id = ANY(%s::uuid[])",
                                 (busy,)).fetchone()
         assert attempts == (1,)
+
+
+@pytest.mark.timeout(300)
+def test_a_rate_limit_key_holds_its_calls_under_the_limit_over_a_minute(
+        keyed: tuple[Api, str]) -> None:
+    """40 jobs of one key at 20 calls a minute (a bucket of 20 that refills one every 3 s),
+    on two workers: no stretch of time sees more calls than the bucket allows, the last
+    twenty take the minute they must, no attempt is counted for the waits, and another key's
+    jobs run meanwhile."""
+    api, db = keyed
+    assert RATE.requests is not None
+    busy = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 40, "summarize_rated")
+    other = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 3, "summarize_rated")
+    with psycopg.connect(db, autocommit=True) as conn:
+        def finished(ids: list[str]) -> bool:
+            row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
+                               " AND status = 'completed'", (ids,)).fetchone()
+            return bool(row and row[0] == len(ids))
+
+        wait_for(lambda: finished(other), timeout=60, what="the other key's jobs")
+        wait_for(lambda: finished(busy), timeout=200, what="the rate-limited key's 40 jobs")
+        starts = sorted(r[0].timestamp() for r in conn.execute(
+            "SELECT started_at FROM job_attempts WHERE job_id = ANY(%s::uuid[])",
+            (busy,)).fetchall())
+        assert len(starts) == 40  # one attempt row each: the waits counted none
+        per_second = RATE.requests / RATE.per_seconds
+        for i, first in enumerate(starts):
+            for j in range(i, len(starts)):
+                # calls j - i + 1 in [first, starts[j]]: the bucket's whole plus its refill
+                # (one more for the clocks of the claim and the reservation)
+                allowed = RATE.requests + (starts[j] - first) * per_second + 1
+                assert j - i + 1 <= allowed, (i, j, starts[j] - first)
+        assert starts[-1] - starts[0] >= (40 - RATE.requests) / per_second - 3
+        attempts = conn.execute("SELECT max(attempt) FROM jobs WHERE id = ANY(%s::uuid[])",
+                                (busy,)).fetchone()
+        assert attempts == (1,)
+        waits = conn.execute(
+            "SELECT detail FROM job_events WHERE job_id = ANY(%s::uuid[]) AND type = 'waiting'"
+            " AND detail ->> 'reason' = 'rate_limit_key'", (busy,)).fetchall()
+        assert waits, "no job waited for the key's rate limit"
+        assert waits[0][0]["limit"] == {"requests": 20, "per_seconds": 60}
 
 
 def test_a_concurrency_key_that_is_not_printable_is_refused(keyed: tuple[Api, str]) -> None:

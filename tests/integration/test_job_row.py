@@ -47,8 +47,8 @@ SETUP: dict[str, dict[str, Any]] = {
     "fair_share_release_stale": {"status": "queued", "waiting_reason": "fair_share"},
     "concurrency_release": {"status": "queued", "waiting_reason": "concurrency_key",
                             "concurrency_key": "customer-1"},
-    "cooldown_release_jobs": {"status": "queued", "waiting_reason": "model_cooldown",
-                              "waiting_until": LONG_AGO},
+    "timed_wait_release_jobs": {"status": "queued", "waiting_reason": "model_cooldown",
+                                "waiting_until": LONG_AGO},
 }
 
 

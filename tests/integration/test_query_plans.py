@@ -105,16 +105,17 @@ def test_a_pick_from_the_waiting_room_reads_its_indexes_not_the_jobs(stack: Stac
     assert "jobs_fair_waiting" in used, plan
 
 
-def test_the_cooldown_release_reads_its_own_index_not_the_jobs(stack: StackState) -> None:
-    """Every process with a fallback step runs the cooldown release twice a second: it
-    finds the jobs whose wait is over through jobs_cooldown_waiting (only such jobs), never
-    by reading jobs whole or the index of every waiting job (seq scans priced out)."""
-    statement = sql.queries()["cooldown_release_jobs"]
+def test_the_timed_wait_release_reads_its_own_index_not_the_jobs(stack: StackState) -> None:
+    """Every process with a fallback step or a key rate limit runs the timed-wait release
+    twice a second: it finds the jobs whose wait is over through jobs_timed_waiting (only
+    such jobs), never by reading jobs whole or the index of every waiting job (seq scans
+    priced out)."""
+    statement = sql.queries()["timed_wait_release_jobs"]
     with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
         conn.execute("SET enable_seqscan = off")
         rows = conn.execute(b"EXPLAIN " + statement.encode(), {"limit": 1000}).fetchall()
     plan = "\n".join(r[0] for r in rows)
     assert _sequential_scans(plan) == set(), plan
     used = set(re.findall(r"Index (?:Only )?Scan (?:Backward )?(?:using|on) (jobs_\w+)", plan))
-    assert used <= {"jobs_cooldown_waiting", "jobs_pkey"}, plan
-    assert "jobs_cooldown_waiting" in used, plan
+    assert used <= {"jobs_timed_waiting", "jobs_pkey"}, plan
+    assert "jobs_timed_waiting" in used, plan

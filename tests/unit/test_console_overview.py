@@ -83,6 +83,23 @@ def test_a_waiting_jobs_page_says_which_turn_it_waits_for() -> None:
     assert waiting_notice([queued]) is None
 
 
+def test_a_job_waiting_for_a_cooldown_or_its_keys_rate_says_so() -> None:
+    queued = {"type": "queued", "detail": {}}
+    cooling = {"type": "waiting", "detail": {"reason": "model_cooldown",
+                                             "models": ["fb-first", "fb-second"],
+                                             "seconds": 12.5}}
+    rated = {"type": "waiting", "detail": {"reason": "rate_limit_key", "key": "customer-3",
+                                           "limit": {"requests": 20, "per_seconds": 60},
+                                           "seconds": 3.0}}
+    notice = waiting_notice([queued, cooling])
+    assert notice is not None
+    assert "(fb-first, fb-second) is cooling down" in notice["text"]
+    assert "about 12.5 s" in notice["text"]
+    notice = waiting_notice([queued, rated])
+    assert notice is not None
+    assert "customer-3 used its rate limit (20 requests per 60 s)" in notice["text"]
+
+
 def test_a_broker_that_does_not_answer_gives_unavailable_within_the_timeout() -> None:
     # A real client against a closed local port: nothing listens there.
     reader = FleetLag(ttl=60.0, timeout=0.5)
