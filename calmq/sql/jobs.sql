@@ -366,8 +366,9 @@ SELECT * FROM swept;
 
 -- name: cancel_job
 WITH cancelled AS (
+    -- waiting_until too: set, it means "re-publish then" (timed_wait_release_jobs)
     UPDATE jobs SET status = 'cancelled', lease_owner = NULL, lease_expires_at = NULL,
-                    updated_at = now()
+                    waiting_until = NULL, updated_at = now()
     WHERE id = %(id)s AND tenant_id = %(tenant_id)s
       AND status NOT IN ('completed', 'dead_letter', 'cancelled')
     RETURNING id, tenant_id, workflow, step, attempt, trace_parent

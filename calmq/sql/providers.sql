@@ -108,13 +108,14 @@ SELECT * FROM moved;
 -- Jobs that waited a set time (waiting_until: every model of their step cooling down,
 -- model_cooldown; their concurrency key at its rate limit, rate_limit_key), once it is
 -- over: the reason is cleared and the caller writes a fresh job.requested in this
--- transaction. One that finds no room again is handed back again, uncounted. Reads
--- jobs_timed_waiting (only such jobs).
+-- transaction. One that finds no room again is handed back again, uncounted. Only a timed
+-- hand-back sets waiting_until, and the claim, this release and a cancel clear it: so the
+-- time alone picks the jobs, which only jobs_timed_waiting serves (a status or reason
+-- filter here let the planner take an index of every waiting job instead, whenever the
+-- statistics said it was small).
 WITH released AS (
     SELECT j.id, j.waiting_reason FROM jobs j
-    WHERE j.waiting_until IS NOT NULL AND j.waiting_until <= now()
-      AND j.waiting_reason IN ('model_cooldown', 'rate_limit_key')
-      AND j.status IN ('queued', 'retrying')
+    WHERE j.waiting_until <= now()
     ORDER BY j.waiting_until
     LIMIT %(limit)s
     FOR UPDATE OF j SKIP LOCKED
