@@ -83,16 +83,18 @@ class Fallback:
         return [p for p in self.choices
                 if p.gate is None or (p.gate.blocked is None and not p.gate.cooling_seconds())]
 
-    def _refusal(self) -> StepFailure:
-        """None usable: cooling (wait for the earliest), or every one blocked."""
+    def _refusal(self, last: StepFailure | None = None) -> StepFailure:
+        """None usable: cooling (wait for the earliest), or every one blocked; else (no
+        gate said why: a provider without one) the last call's own failure."""
         cooling = [p.gate.cooling_seconds() for p in self.choices
                    if p.gate is not None and p.gate.blocked is None]
         cooling = [s for s in cooling if s > 0]
         if cooling:
             return ModelsCooling(min(cooling), [p.model for p in self.choices])
         first = self.choices[0]
-        assert first.gate is not None
-        return first.gate.refusal()
+        if first.gate is not None and first.gate.blocked is not None:
+            return first.gate.refusal()
+        return last or ModelsCooling(1.0, [p.model for p in self.choices])
 
     def _served(self, served: BudgetedProvider) -> None:
         first = self.choices[0]
@@ -101,6 +103,7 @@ class Fallback:
 
     async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                        response_schema: dict[str, Any] | None = None) -> ModelReply:
+        last: StepFailure | None = None
         for choice in self.choices:
             if choice not in self._usable():  # read again: a 429 a moment ago counts
                 continue
@@ -109,18 +112,20 @@ class Fallback:
                                               max_tokens=max_tokens,
                                               response_schema=response_schema,
                                               wait_for_cooldown=False)
-            except (ProviderBlocked, ModelsCooling):
-                continue  # blocked or cooling fleet-wide now (its gate says so): the next
+            except (ProviderBlocked, ModelsCooling) as exc:
+                last = exc  # blocked or cooling fleet-wide now (its gate says so): the next
+                continue
             except StepFailure as exc:
                 if exc.code != "rate_limited":
                     raise
                 # The 429 paused this model fleet-wide (BudgetedProvider): the next one.
                 log.info("model %s answered 429; trying the step's next allowed model",
                          choice.model)
+                last = exc
                 continue
             self._served(choice)
             return reply
-        raise self._refusal()
+        raise self._refusal(last)
 
     def stream(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                response_schema: dict[str, Any] | None = None) -> ModelStream:

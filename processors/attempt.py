@@ -57,13 +57,16 @@ class Attempt:
                  slots: CallSlots | None = None, step_timeout_seconds: float | None = None,
                  review_deadline_seconds: float = 48 * 3600.0,
                  outputs: OutputWriter | None = None,
-                 step_providers: Mapping[tuple[str, str], Provider] | None = None) -> None:
+                 step_providers: Mapping[tuple[str, str], Provider] | None = None,
+                 key_rate_limits: bool = True) -> None:
         self.store = store
         self.provider = provider
         # The steps that name their allowed models (calmq.fallback), by (workflow, step);
         # every other step calls the worker's model.
         self.step_providers = dict(step_providers or {})
-        self.rate_keys = RateKeys(store)
+        # None: workflows' key rate limits do not apply (the batch lane: its requests go to
+        # the provider's batch API, limited and billed as a batch, hours later).
+        self.rate_keys = RateKeys(store) if key_rate_limits else None
         self.objects = objects
         self.workflows = workflows
         self.failures = failures
@@ -165,7 +168,8 @@ class Attempt:
         streamed = (self.outputs.open(job.id, job.lease_version, step.name, job.attempt)
                     if self.outputs is not None else None)
         base = self.step_providers.get((workflow.name, step.name), self.provider)
-        if workflow.key_rate_limit is not None and job.concurrency_key:
+        if (self.rate_keys is not None and workflow.key_rate_limit is not None
+                and job.concurrency_key):
             # The key's rate limit, fleet-wide: a call past it waits uncounted (rate_keys).
             base = KeyRateLimiter(base, self.rate_keys, tenant_id=job.tenant_id,
                                   key=job.concurrency_key, scope=workflow.name,

@@ -830,7 +830,8 @@ class BatchLane:
                             workflows=self.workflows, failures=failures,
                             worker_id=self.worker_id, slots=CallSlots(window),
                             step_timeout_seconds=s.batch_completion_window_seconds,
-                            review_deadline_seconds=s.review_deadline_seconds),
+                            review_deadline_seconds=s.review_deadline_seconds,
+                            key_rate_limits=False),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows)
         packer.pipeline = pipeline
         book_client = self._client()
@@ -843,7 +844,8 @@ class BatchLane:
                            workflows=self.workflows,
                            failures=failure_stage(s, owner, self.workflows), worker_id=owner,
                            step_timeout_seconds=s.step_timeout_seconds or 60.0,
-                           review_deadline_seconds=s.review_deadline_seconds)
+                           review_deadline_seconds=s.review_deadline_seconds,
+                           key_rate_limits=False)
 
         poller = Poller(store=store, client=book.client, settler=settler, book=book,
                         settings=s, worker_id=self.worker_id, gate=gate)

@@ -157,9 +157,6 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                 metrics.WAIT_RESUMED.labels(reason).inc(n)
             log.info("re-published %d jobs whose wait was over", len(resumed))
 
-    # Often where a step has fallback models or a workflow a key rate limit (the wait ends
-    # within the second), else at the reaper's pace: any process may release any job, so
-    # some worker always does.
     buckets = RateKeys(store)
 
     async def retire_buckets() -> None:
@@ -170,6 +167,9 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
 
     side.every("key-rate-buckets", max(interval, 3600.0), retire_buckets,
                first_after=first_after, critical=True)
+    # Often where a step has fallback models or a workflow a key rate limit (the wait ends
+    # within the second), else at the reaper's pace: any process may release any job, so
+    # some worker always does.
     side.every("timed-wait-release", min(interval, 0.5) if any_timed_wait(desk.workflows)
                else interval, release_waited, first_after=first_after, critical=True)
 
