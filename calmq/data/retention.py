@@ -64,6 +64,9 @@ COVERAGE: dict[str, str] = {
                    "last 8 days (counts and sums, the console's overview), no job data",
     "finish_bin_deltas": "kept: jobs finished per tenant and 5 minutes waiting to be folded "
                          "into finish_bins (counts and sums), no job data",
+    "key_rate_buckets": "kept: a concurrency key's request and token levels (numbers), no "
+                        "job data; the key is the tenant's text (a customer id), and the "
+                        "row goes a day after the key's last call (calmq.rate_keys)",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,

@@ -23,6 +23,7 @@ from tests.support.keyed_workflows import KEYED_POOL, LIMIT, RATE
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     Procs,
+    all_completed,
     create_pool_topics,
     create_tenant_id,
     start_fake_provider,
@@ -46,16 +47,12 @@ def keyed(stack: StackState) -> Iterator[tuple[Api, str]]:
                            partitions=4)
         settings = {"workflow_modules": "tests.support.keyed_workflows",
                     "provider_url": url, "retry_tiers": "1s"}
-        port = processes.free_port()
-        api = procs.start("api", "api", api_port=str(port), **settings)
-        wait_for(lambda: api.poll() is not None or processes.port_open("127.0.0.1", port),
-                 timeout=30, what="the keyed test API")
-        assert api.poll() is None, "the keyed test API exited"
+        api = procs.api(**settings)
         for _ in range(2):
             procs.worker(KEYED_POOL, concurrency="16", **settings)
         db = stack.env["CALMQ_DATABASE_URL"]
         _tenant, key = create_tenant_id(db, f"keys-{uuid.uuid4().hex[:8]}")
-        yield Api(f"http://127.0.0.1:{port}", key), db
+        yield Api(api, key), db
     finally:
         procs.stop_all()
         for pid in pids:
@@ -93,18 +90,13 @@ def test_a_key_holds_at_its_limit_across_two_workers_under_200_submits(
     busy = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 200)
     other = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 4)
     with psycopg.connect(db, autocommit=True) as conn:
-        def finished(ids: list[str]) -> bool:
-            row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
-                               " AND status = 'completed'", (ids,)).fetchone()
-            return bool(row and row[0] == len(ids))
-
         # The other customer's jobs are not held behind the busy one's 200.
-        wait_for(lambda: finished(other), timeout=60, what="the other key's jobs")
+        wait_for(lambda: all_completed(conn, other), timeout=60, what="the other key's jobs")
         left = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
                             " AND status <> 'completed'", (busy,)).fetchone()
         assert left is not None
         assert left[0] >= 100, left  # most of the busy key's jobs were still to run
-        wait_for(lambda: finished(busy), timeout=240, what="the busy key's 200 jobs")
+        wait_for(lambda: all_completed(conn, busy), timeout=240, what="the busy key's 200 jobs")
         assert _most_at_once(conn, busy) == LIMIT  # at the limit, never past it
         # Jobs past the limit waited visibly, and waiting counted no attempt.
         waited = conn.execute(
@@ -135,13 +127,9 @@ def test_a_rate_limit_key_holds_its_calls_under_the_limit_over_a_minute(
     busy = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 40, "summarize_rated")
     other = _submit(api, f"customer-{uuid.uuid4().hex[:6]}", 3, "summarize_rated")
     with psycopg.connect(db, autocommit=True) as conn:
-        def finished(ids: list[str]) -> bool:
-            row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
-                               " AND status = 'completed'", (ids,)).fetchone()
-            return bool(row and row[0] == len(ids))
-
-        wait_for(lambda: finished(other), timeout=60, what="the other key's jobs")
-        wait_for(lambda: finished(busy), timeout=200, what="the rate-limited key's 40 jobs")
+        wait_for(lambda: all_completed(conn, other), timeout=60, what="the other key's jobs")
+        wait_for(lambda: all_completed(conn, busy), timeout=200,
+                 what="the rate-limited key's 40 jobs")
         starts = sorted(r[0].timestamp() for r in conn.execute(
             "SELECT started_at FROM job_attempts WHERE job_id = ANY(%s::uuid[])",
             (busy,)).fetchall())

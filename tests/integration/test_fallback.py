@@ -27,6 +27,7 @@ from tests.support.fallback_workflows import FALLBACK_POOL, FIRST, ONLY, SECOND
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     Procs,
+    all_completed,
     create_pool_topics,
     create_tenant_id,
     start_fake_provider,
@@ -58,16 +59,12 @@ def rig(stack: StackState) -> Iterator[Rig]:
                            partitions=4)
         settings = {"workflow_modules": "tests.support.fallback_workflows",
                     "provider_url": url, "retry_tiers": "1s", "prices": json.dumps(PRICES)}
-        port = processes.free_port()
-        api = procs.start("api", "api", api_port=str(port), **settings)
-        wait_for(lambda: api.poll() is not None or processes.port_open("127.0.0.1", port),
-                 timeout=30, what="the fallback test API")
-        assert api.poll() is None, "the fallback test API exited"
+        api = procs.api(**settings)
         for _ in range(2):
             procs.worker(FALLBACK_POOL, concurrency="16", **settings)
         db = stack.env["CALMQ_DATABASE_URL"]
         _tenant, key = create_tenant_id(db, f"fallback-{uuid.uuid4().hex[:8]}")
-        yield Rig(Api(f"http://127.0.0.1:{port}", key), db, url, stack)
+        yield Rig(Api(api, key), db, url, stack)
     finally:
         procs.stop_all()
         for pid in pids:
@@ -94,12 +91,6 @@ def _submit(rig: Rig, workflow: str, n: int) -> list[str]:
         assert status == 202, body
         ids.append(str(body["job_id"]))
     return ids
-
-
-def _completed(conn: psycopg.Connection[Any], ids: list[str]) -> bool:
-    row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
-                       " AND status = 'completed'", (ids,)).fetchone()
-    return bool(row and row[0] == len(ids))
 
 
 def _results(stack: StackState, ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -143,7 +134,7 @@ def test_a_429_moves_the_calls_to_the_next_model_with_the_served_model_recorded(
                                            "model": FIRST, "retry_after_seconds": 30})
     ids = _submit(rig, "summarize_fallback", 20)
     with psycopg.connect(rig.db, autocommit=True) as conn:
-        wait_for(lambda: _completed(conn, ids), timeout=90, what="the fallback jobs")
+        wait_for(lambda: all_completed(conn, ids), timeout=90, what="the fallback jobs")
         _uncounted(conn, ids)  # the 429 burned no attempt: the same call moved on
         served = conn.execute("SELECT a.model, count(*) FROM job_attempts a"
                               " WHERE a.job_id = ANY(%s::uuid[]) GROUP BY 1", (ids,)).fetchall()
@@ -170,7 +161,7 @@ def test_no_attempt_is_counted_while_every_allowed_model_cools(rig: Rig) -> None
     started = time.monotonic()
     ids = _submit(rig, "summarize_cooling", 10)
     with psycopg.connect(rig.db, autocommit=True) as conn:
-        wait_for(lambda: _completed(conn, ids), timeout=90, what="the cooling jobs")
+        wait_for(lambda: all_completed(conn, ids), timeout=90, what="the cooling jobs")
         assert time.monotonic() - started >= 2.5  # they waited out the Retry-After
         _uncounted(conn, ids)
         waited = conn.execute(

@@ -103,6 +103,16 @@ class Procs:
         assert proc.poll() is None, f"worker exited with {proc.returncode}"
         return proc, port
 
+    def api(self, **settings: str) -> str:
+        """An API of this module's own (its workflow modules, its provider) on a free port;
+        returns its URL once it listens."""
+        port = processes.free_port()
+        proc = self.start("api", "api", api_port=str(port), **settings)
+        wait_for(lambda: proc.poll() is not None or processes.port_open("127.0.0.1", port),
+                 timeout=30, what="the test's API")
+        assert proc.poll() is None, f"the test's API exited with {proc.returncode}"
+        return f"http://127.0.0.1:{port}"
+
     def forwarder(self, **settings: str) -> subprocess.Popen[bytes]:
         port = processes.free_port()
         proc = self.start("forwarder", "forwarder", "--metrics-port", str(port), **settings)
@@ -206,6 +216,13 @@ def submit(database_url: str, tenant_id: uuid.UUID, pool: str, inputs: list[dict
             await store.close()
 
     return asyncio.run(run())
+
+
+def all_completed(conn: psycopg.Connection[Any], ids: list[str]) -> bool:
+    """Whether every job of ``ids`` is completed (a wait_for condition)."""
+    row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
+                       " AND status = 'completed'", (ids,)).fetchone()
+    return bool(row and row[0] == len(ids))
 
 
 def job_rows(database_url: str, ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from calmq.budget import BucketLimits, BudgetedProvider, Grant, TokenBudget, est
 from calmq.errors import FailureClass, StepFailure
 from calmq.gateway import CallScope, ModelReply, enter_scope
 from calmq.pricing import ModelPrice, cost_usd
+from tests.support.scripted import ScriptedProvider
 
 
 class MemoryLedger:
@@ -219,25 +220,6 @@ async def test_cancelled_call_does_not_consume_budget() -> None:
         assert second.tokens == 100
     finally:
         await budget.close()
-
-
-class ScriptedProvider:
-    """A Provider answering from a script: a reply or a StepFailure per call."""
-
-    def __init__(self, *answers: ModelReply | StepFailure) -> None:
-        self.answers = list(answers)
-        self.calls = 0
-
-    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
-                       response_schema: dict[str, Any] | None = None) -> ModelReply:
-        self.calls += 1
-        answer = self.answers.pop(0)
-        if isinstance(answer, StepFailure):
-            raise answer
-        return answer
-
-    async def close(self) -> None:
-        return None
 
 
 async def test_rate_limit_answer_pauses_the_fleet_for_retry_after() -> None:

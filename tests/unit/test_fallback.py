@@ -15,27 +15,9 @@ from calmq.gateway import ModelReply, model_clock
 from calmq.pricing import ModelPrice
 from calmq.providers import ProviderGate, provider_key
 from calmq.workflows import Step, StepContext, StepOutput
+from tests.support.scripted import ScriptedProvider
 
 MESSAGES = [{"role": "user", "content": "hello"}]
-
-
-class Scripted:
-    """A Provider answering from a script: a reply or a StepFailure per call."""
-
-    def __init__(self, *answers: ModelReply | StepFailure) -> None:
-        self.answers = list(answers)
-        self.calls = 0
-
-    async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
-                       response_schema: dict[str, Any] | None = None) -> ModelReply:
-        self.calls += 1
-        answer = self.answers.pop(0)
-        if isinstance(answer, StepFailure):
-            raise answer
-        return answer
-
-    async def close(self) -> None:
-        return None
 
 
 class Clock:
@@ -55,7 +37,7 @@ def _limited(seconds: float) -> StepFailure:
                        failure_class=FailureClass.TRANSIENT, retry_after=seconds)
 
 
-def _model(name: str, inner: Scripted, clock: Clock) -> BudgetedProvider:
+def _model(name: str, inner: ScriptedProvider, clock: Clock) -> BudgetedProvider:
     prices = {"fast": ModelPrice(input=0.1, output=0.4), "slow": ModelPrice(input=1, output=4)}
     return BudgetedProvider(inner, provider="openai", model=name, prices=prices,
                             gate=ProviderGate("openai:x", name, clock=clock),
@@ -68,7 +50,7 @@ async def _call(fallback: Fallback) -> ModelReply:
 
 async def test_the_first_allowed_model_serves_and_is_what_the_meter_records() -> None:
     clock = Clock()
-    first, second = Scripted(_reply("a")), Scripted()
+    first, second = ScriptedProvider(_reply("a")), ScriptedProvider()
     fallback = Fallback([_model("fast", first, clock), _model("slow", second, clock)])
     meter = model_clock()
     assert (await _call(fallback)).content == "a"
@@ -81,8 +63,8 @@ async def test_a_429_moves_the_same_call_to_the_next_model_and_cools_the_first()
     """The 429 burns no attempt: the call is served by the next model at once, its price
     is what the call costs, and later calls skip the cooling model until Retry-After."""
     clock = Clock()
-    first = Scripted(_limited(30), _reply("a again"))
-    second = Scripted(_reply("b"), _reply("b2"))
+    first = ScriptedProvider(_limited(30), _reply("a again"))
+    second = ScriptedProvider(_reply("b"), _reply("b2"))
     fast, slow = _model("fast", first, clock), _model("slow", second, clock)
     fallback = Fallback([fast, slow])
     meter = model_clock()
@@ -100,7 +82,7 @@ async def test_a_429_moves_the_same_call_to_the_next_model_and_cools_the_first()
 
 async def test_every_model_cooling_makes_no_call_and_says_how_long_to_wait() -> None:
     clock = Clock()
-    first, second = Scripted(_limited(30)), Scripted(_limited(12))
+    first, second = ScriptedProvider(_limited(30)), ScriptedProvider(_limited(12))
     fallback = Fallback([_model("fast", first, clock), _model("slow", second, clock)])
     with pytest.raises(ModelsCooling) as cooling:
         await _call(fallback)
@@ -118,7 +100,7 @@ async def test_a_failure_that_is_not_a_rate_limit_is_the_calls_own() -> None:
     clock = Clock()
     broken = StepFailure("server error", code="provider_error",
                          failure_class=FailureClass.TRANSIENT)
-    first, second = Scripted(broken), Scripted(_reply("b"))
+    first, second = ScriptedProvider(broken), ScriptedProvider(_reply("b"))
     fallback = Fallback([_model("fast", first, clock), _model("slow", second, clock)])
     with pytest.raises(StepFailure) as raised:
         await _call(fallback)
@@ -129,7 +111,7 @@ async def test_a_failure_that_is_not_a_rate_limit_is_the_calls_own() -> None:
 async def test_a_step_alone_reads_every_model_cooling_as_a_rate_limit() -> None:
     """Outside a worker (a step tested alone) the refusal is the 429 it stands for."""
     clock = Clock()
-    fallback = Fallback([_model("fast", Scripted(_limited(5)), clock)])
+    fallback = Fallback([_model("fast", ScriptedProvider(_limited(5)), clock)])
 
     async def run(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
         await ctx.provider.complete(messages=MESSAGES, job_id=ctx.job_id, max_tokens=16)
