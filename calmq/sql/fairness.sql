@@ -72,15 +72,18 @@ WITH RECURSIVE waiting_tenants AS (
     -- planner read the whole room once per candidate whenever the statistics still showed
     -- the room empty, as after a sudden backlog (1.1 s a pick at 60,000 waiting, 18 s for
     -- 500: the longcalls stall).
-    SELECT l.id FROM candidates c
+    -- Only the fairest %(limit)s are locked (a lock is a row write); one another worker
+    -- took meanwhile is skipped, and the fill goes round again for its slot.
+    SELECT l.id
+    FROM (SELECT c.id FROM candidates c
+          ORDER BY c.share_after, c.created_at, c.id
+          LIMIT %(limit)s) top
     CROSS JOIN LATERAL (
-        SELECT j.id, j.waiting_reason, j.status FROM jobs j WHERE j.id = c.id
+        SELECT j.id, j.waiting_reason, j.status FROM jobs j WHERE j.id = top.id
         OFFSET 0
         FOR UPDATE SKIP LOCKED
     ) l
     WHERE l.waiting_reason = 'fair_share' AND l.status IN ('queued', 'retrying')
-    ORDER BY c.share_after, c.created_at, c.id
-    LIMIT %(limit)s
 ), resumed AS (
     UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
     FROM chosen c WHERE j.id = c.id
