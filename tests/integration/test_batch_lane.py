@@ -506,22 +506,37 @@ def test_a_capped_tenants_batch_lane_jobs_wait_before_packing_and_resume_when_ra
                        tenant=tenant)
     spent = float(_settled(env.db, [first], timeout=120)[first]["cost_usd"])
     assert spent > 0
-    capped_before = metric(port, "calmq_spend_capped_tenants") or 0.0
     capped = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", f"{spent / 2:.12f}")
     assert capped.returncode == 0, capped.stderr
-    # A cap holds within spend_cap_refresh_seconds of being set: the jobs go in once the
-    # batcher has read it (a read of the caps can take longer than the interval on a
-    # loaded machine).
-    wait_for(lambda: (metric(port, "calmq_spend_capped_tenants") or 0.0) > capped_before,
-             timeout=60, what="the batcher to read the tenant's new cap")
+
+    def held(job_id: str) -> bool:
+        return ("waiting", {"reason": "spend_cap_daily"}) in [
+            (e["type"], e["detail"]) for e in history(env.db, job_id)]
+
+    # A cap holds within spend_cap_refresh_seconds of being set, but a read of the caps can
+    # take longer than that on a loaded machine, and the capped-tenants gauge counts every
+    # tenant (another one's cap taking hold raised it first in a CI run): a probe job shows
+    # when this tenant's jobs are held. One the batcher packed before it read the cap runs,
+    # and another probe follows it.
+    probes = _submit(env, pool, [{"text": "probe 0"}], lane="batch", tenant=tenant)
+
+    def cap_holds() -> bool:
+        last = probes[-1]
+        if held(last):
+            return True
+        if _rows(env.db, [last])[last]["status"] in ("completed", "dead_letter"):
+            probes.extend(_submit(env, pool, [{"text": f"probe {len(probes)}"}], lane="batch",
+                                  tenant=tenant))
+        return False
+
+    wait_for(cap_holds, timeout=90, what="the batcher to hold the capped tenant's jobs")
     ids = _submit(env, pool, [{"text": f"over the cap {n}"} for n in range(3)], lane="batch",
                   tenant=tenant)
 
     def waiting() -> bool:
         rows = _rows(env.db, ids)
         return all(r["status"] == "queued" for r in rows.values()) and all(
-            ("waiting", {"reason": "spend_cap_daily"}) in
-            [(e["type"], e["detail"]) for e in history(env.db, i)] for i in ids)
+            held(i) for i in ids)
 
     wait_for(waiting, timeout=60, what="the capped tenant's batch-lane jobs to wait")
     assert all(r["attempt"] == 0 for r in _rows(env.db, ids).values())
