@@ -73,6 +73,7 @@ __all__ = [
     "TenantQuota",
     "TokenBudget",
     "UsageRecorder",
+    "charged_on_failure",
     "estimate_prompt_tokens",
     "limits_from_settings",
     "open_metered_provider",
@@ -921,7 +922,7 @@ class BudgetedProvider:
                            estimate: float) -> BaseException:
         """Settle a failed call; returns what to raise (a blocked provider's refusal in
         place of its 401/403/404/quota answer)."""
-        await taken.settle(_charged_on_failure(exc, estimate))
+        await taken.settle(charged_on_failure(exc, estimate))
         if isinstance(exc, StepFailure):
             return await self._failed(exc)
         return exc
@@ -1018,7 +1019,7 @@ class BudgetedProvider:
         await self.inner.close()
 
 
-def _charged_on_failure(exc: BaseException, estimate: float) -> float:
+def charged_on_failure(exc: BaseException, estimate: float) -> float:
     """What a failed call cost the quota, as its code's budget effect says
     (calmq.failure_codes): nothing when the provider refused it or never got it (refund, and
     a pause: refused too); the whole estimate when it may have counted it (a timeout, a

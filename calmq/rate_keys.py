@@ -8,7 +8,8 @@ steps reserves one request and its token estimate (prompt estimate plus ``max_to
 before it is sent, in one statement that takes turns with every other worker's on the
 bucket's row, and settles the tokens with what the provider counted afterwards: the same
 reserve/settle discipline as the fleet's token budget (calmq.budget), whose estimate it
-shares. A call the provider refused or never got gives its tokens back.
+shares. A call the provider refused or never got gives its tokens back; one it may have
+counted (a timeout, a cut-off answer) keeps them, as the budget's do.
 
 A call that does not fit is not made: ``KeyRateLimited`` hands the job back to wait in
 ``queued`` (``waiting_reason`` ``rate_limit_key``) with no attempt counted, for as long as
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from calmq.budget import estimate_prompt_tokens
+from calmq.budget import charged_on_failure, estimate_prompt_tokens
 from calmq.data.rate_keys import Reservation
 from calmq.failure_codes import KeyRateLimited, failure
 from calmq.gateway import ModelReply, ModelStream, Provider, Streamer
@@ -95,11 +96,11 @@ class KeyRateLimiter:
             seconds = max(seconds, short * limit.per_seconds / limit.tokens)
         raise KeyRateLimited(seconds, self.key, limit.as_detail())
 
-    async def _settle(self, estimate: int, used: int | None) -> None:
-        """Tokens back: all of the estimate when ``used`` is None (the call failed)."""
+    async def _settle(self, estimate: int, used: float) -> None:
+        """Tokens back: what the call reserved and did not use (negative: it used more)."""
         if not estimate:
             return
-        refund = estimate if used is None else estimate - used
+        refund = estimate - used
         # Shielded: a call cancelled at its timeout still settles its reservation.
         await asyncio.shield(self.buckets.settle(
             self.tenant_id, self.key, self.scope, refund=refund,
@@ -113,8 +114,9 @@ class KeyRateLimiter:
             reply = await self.inner.complete(messages=messages, job_id=job_id,
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
-        except BaseException:
-            await self._settle(estimate, None)
+        except BaseException as exc:
+            # What the failure cost, as the budget counts it (calmq.budget).
+            await self._settle(estimate, charged_on_failure(exc, estimate))
             raise
         await self._settle(estimate, reply.input_tokens + reply.output_tokens)
         return reply

@@ -136,6 +136,17 @@ async def test_a_refused_call_gives_its_tokens_back() -> None:
     assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(400)
 
 
+async def test_a_call_that_timed_out_keeps_its_tokens_as_the_budget_does() -> None:
+    """The provider may have counted a call that timed out: its estimate stays spent."""
+    clock = Clock()
+    timed_out = StepFailure("timeout", code="timeout", failure_class=FailureClass.TRANSIENT)
+    buckets, inner = MemoryBuckets(clock), Answers(timed_out)
+    limiter = _limiter(KeyRateLimit(tokens=400, per_seconds=60), buckets, inner)
+    with pytest.raises(StepFailure):
+        await _call(limiter)
+    assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(250)
+
+
 async def test_a_call_larger_than_the_limit_fails_instead_of_waiting_for_ever() -> None:
     buckets, inner = MemoryBuckets(Clock()), Answers()
     limiter = _limiter(KeyRateLimit(tokens=100, per_seconds=60), buckets, inner)
