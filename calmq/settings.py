@@ -366,6 +366,11 @@ class Settings(BaseSettings):
         description="fair share inside each lane: while a pool's priority is contended, new "
                     "jobs wait in PostgreSQL (waiting_reason fair_share) and free slots go to "
                     "the tenant furthest below its weighted share (calmq tenants set-weight)")
+    fair_share_headroom: int | None = Field(
+        default=None, ge=0, le=100_000,
+        description="with fair share: call slots a tenant above its weighted share leaves "
+                    "free while another tenant runs or waits in the lane, so that tenant's "
+                    "next job starts at once (default: a 256th of concurrency, rounded down)")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
     sweeper_grace_seconds: float = Field(

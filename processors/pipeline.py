@@ -199,11 +199,12 @@ class Pipeline:
             log.exception("filling free slots from the waiting room failed")
 
     async def _take_from_room(self, fair: FairShareGate, priority: str, n: int) -> None:
-        picked = await retry_forever(
+        pick = await retry_forever(
             "picking jobs from the waiting room failed",
-            lambda: fair.queue.pick(fair.pool, priority, n))
-        if len(picked) < n:
+            lambda: fair.queue.pick(fair.pool, priority, n, fair.headroom()))
+        if not pick.more:
             fair.contended.discard(priority)  # the room is empty (this worker took the rest)
+        picked = pick.jobs
         if not picked:
             return
         metrics.FAIR_SHARE_PICKED.labels(priority).inc(len(picked))
@@ -227,9 +228,12 @@ class Pipeline:
                                    lambda: self.store.jobs.claim(
                                        list(steps), self.worker_id,
                                        self.leases.lease_seconds, steps))
-        by_id = {r.job_id: r for r in requests}
         self._picked.update(job.id for job in jobs)
-        await self._start([(by_id[job.id], job) for job in jobs], at)
+        # Started in the pick's order, fairest first (the claim returns them by id, and the
+        # backlog's older ids would put a newcomer's attempt at the end of the wave).
+        claimed = {job.id: job for job in jobs}
+        await self._start([(r, claimed[r.job_id]) for r in requests if r.job_id in claimed],
+                          at)
 
     def _done(self, position: tuple[tuple[str, int], int]) -> None:
         self.tracker.done(*position)

@@ -156,7 +156,8 @@ class Worker:
             gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds))
         fair: FairShareGate | None = None
         if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
-            fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list)
+            fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list,
+                                 headroom=self._headroom)
             gates.append(fair)
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
@@ -226,10 +227,22 @@ class Worker:
         next pick; for interactive work the reserve beyond them."""
         consumer = self._consumer
         assert consumer is not None
-        ahead = max(1, self._call_slots // 64)
-        bound = self._call_slots + ahead + (consumer.reserve if priority == "interactive"
-                                            else 0)
+        bound = self._call_slots + self._ahead() + (consumer.reserve
+                                                    if priority == "interactive" else 0)
         return bound - self.pipeline.in_flight
+
+    def _ahead(self) -> int:
+        return max(1, self._call_slots // 64)
+
+    def _headroom(self) -> int:
+        """With fair share: of ``_room``, what a tenant above its weighted share leaves to
+        the others while they run or wait: the claimed-ahead jobs (a job picked behind them
+        waits in the slots' queue for a call to end) and then call slots that stay free
+        (setting fair_share_headroom), so another tenant's job starts its call at once."""
+        s = self.settings
+        free = self._call_slots // 256 if s.fair_share_headroom is None \
+            else s.fair_share_headroom
+        return self._ahead() + free
 
     async def drain(self, grace_seconds: float) -> None:
         # The consumer thread has paused every partition (the stop event): in-flight work

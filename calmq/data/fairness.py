@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from calmq.data.database import Database
 from calmq.data.jobs import Job, republish
 
-__all__ = ["FairQueue", "Picked"]
+__all__ = ["FairQueue", "Pick", "Picked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,15 @@ class Picked:
     step: str
     workflow: str
     tenant_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What one pick took, fairest first, and whether the room still holds jobs of the
+    lane that it left (the headroom kept them, or another worker's pick had them)."""
+
+    jobs: list[Picked]
+    more: bool
 
 
 class FairQueue:
@@ -42,14 +51,18 @@ class FairQueue:
             cur = await conn.execute(self._q["fair_share_hold"], {"ids": list(ids)})
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
 
-    async def pick(self, pool: str, priority: str, limit: int) -> list[Picked]:
+    async def pick(self, pool: str, priority: str, limit: int, headroom: int = 0) -> Pick:
         """Take up to ``limit`` jobs out of the lane's waiting room, fairest first, for the
-        caller to claim."""
+        caller to claim in that order. The last ``headroom`` of the ``limit`` go only to a
+        tenant within its weighted share of the lane (calmq/sql/fairness.sql)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["fair_share_pick"],
-                                     {"pool": pool, "priority": priority, "limit": limit})
-            return [Picked(r["id"], str(r["step"]), str(r["workflow"]), r["tenant_id"])
-                    for r in await cur.fetchall()]
+                                     {"pool": pool, "priority": priority, "limit": limit,
+                                      "headroom": headroom})
+            rows = await cur.fetchall()
+        return Pick([Picked(r["id"], str(r["step"]), str(r["workflow"]), r["tenant_id"])
+                     for r in rows if r["id"] is not None],
+                    more=any(r["id"] is None for r in rows))
 
     async def release_stale(self, grace_seconds: float, limit: int = 500) -> list[Job]:
         """Re-publish the jobs that waited in a waiting room for ``grace_seconds`` with no

@@ -65,6 +65,28 @@ WITH RECURSIVE waiting_tenants AS (
         LIMIT %(limit)s
     ) c
     WHERE w.tenant_id IS NOT NULL
+), level AS (
+    -- The lane's fair level: its running jobs and the slots this pick fills, per unit of
+    -- weight of the tenants running or waiting in it. A candidate at or under it takes no
+    -- more than its weighted share.
+    SELECT (coalesce((SELECT sum(n) FROM running), 0) + %(limit)s)
+           / coalesce(sum(coalesce(t.weight, 1)), 1) AS per_weight
+    FROM (SELECT tenant_id FROM running UNION SELECT tenant_id FROM waiting_tenants) a
+    LEFT JOIN tenants t ON t.id = a.tenant_id
+    WHERE a.tenant_id IS NOT NULL
+), top AS (
+    -- The fairest %(limit)s, but the last %(headroom)s slots only for a candidate within its
+    -- share: a tenant above it leaves them free while another tenant runs or waits, so that
+    -- tenant's next job finds a slot at once, not when the next one frees (all of a
+    -- backlog's calls started together end together: in waves, seconds apart). A tenant
+    -- alone is within its share of every slot; the order makes those within a prefix.
+    SELECT c.id, c.turn
+    FROM (SELECT c.id, c.share_after,
+                 row_number() OVER (ORDER BY c.share_after, c.created_at, c.id) AS turn
+          FROM candidates c) c
+    CROSS JOIN level
+    WHERE c.turn <= %(limit)s
+      AND (c.turn <= %(limit)s - %(headroom)s OR c.share_after <= level.per_weight)
 ), chosen AS (
     -- Each candidate is locked through its key alone (OFFSET 0 keeps the lookup a probe of
     -- jobs_pkey per candidate; SKIP LOCKED: another worker's pick has it), then checked
@@ -72,12 +94,10 @@ WITH RECURSIVE waiting_tenants AS (
     -- planner read the whole room once per candidate whenever the statistics still showed
     -- the room empty, as after a sudden backlog (1.1 s a pick at 60,000 waiting, 18 s for
     -- 500: the longcalls stall).
-    -- Only the fairest %(limit)s are locked (a lock is a row write); one another worker
-    -- took meanwhile is skipped, and the fill goes round again for its slot.
-    SELECT l.id
-    FROM (SELECT c.id FROM candidates c
-          ORDER BY c.share_after, c.created_at, c.id
-          LIMIT %(limit)s) top
+    -- Only the top ones are locked (a lock is a row write); one another worker took
+    -- meanwhile is skipped, and the fill goes round again for its slot.
+    SELECT l.id, top.turn
+    FROM top
     CROSS JOIN LATERAL (
         SELECT j.id, j.waiting_reason, j.status FROM jobs j WHERE j.id = top.id
         OFFSET 0
@@ -92,7 +112,17 @@ WITH RECURSIVE waiting_tenants AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'resumed', attempt, '{"reason": "fair_share"}'::jsonb FROM resumed
 )
-SELECT id, step, workflow, tenant_id FROM resumed;
+-- Fairest first: the worker starts the picked attempts in this order, and a wave of a
+-- few hundred takes ~200 ms to start on one event loop, so the small tenant's job a slot
+-- freed for goes out first, not after the backlog's jobs (whose ids sort before it).
+-- A last row with no id says the room holds more than this pick took (the headroom, or
+-- another worker's lock, left some): the lane stays contended.
+SELECT r.id, r.step, r.workflow, r.tenant_id, c.turn
+FROM resumed r JOIN chosen c ON c.id = r.id
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL
+WHERE (SELECT count(*) FROM candidates) > (SELECT count(*) FROM chosen)
+ORDER BY turn NULLS LAST;
 
 -- name: fair_share_release_stale
 -- The safety net (every worker's and `calmq reaper`'s housekeeping): a job in a waiting

@@ -19,7 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from calmq import sql
 from calmq.tooling.devstack import StackState, processes
+from tests.support.cli import insert_jobs, new_tenant
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     Procs,
@@ -164,3 +166,61 @@ def test_busy_tenants_share_the_slots_by_weight(stack: StackState,
         assert 12 <= a_by_then <= 42, a_by_then
         wait_for(lambda: _statuses(conn, first + second) == {"completed": 120}, timeout=120,
                  what="both tenants' jobs to complete")
+
+
+
+def _pick(stack: StackState, running: dict[uuid.UUID, int], waiting: dict[uuid.UUID, int],
+          limit: int, headroom: int
+          ) -> tuple[list[uuid.UUID], bool, dict[uuid.UUID, list[uuid.UUID]]]:
+    """One fair_share_pick on a lane no worker serves, with ``running`` and ``waiting`` jobs
+    per tenant (waiting ones created in the dict's order, each tenant's oldest first):
+    (the ids it took in its order, whether it said more wait, the waiting ids per tenant)."""
+    pool = f"pick{uuid.uuid4().hex[:6]}"  # no worker serves it: nothing else picks here
+    runs = [i for t, n in running.items() for i in insert_jobs(stack, t, n, status="queued")]
+    waits = {t: insert_jobs(stack, t, n, status="queued") for t, n in waiting.items()}
+    everything = runs + [i for ids in waits.values() for i in ids]
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"], autocommit=True) as conn:
+        try:
+            conn.execute("UPDATE jobs SET pool = %s WHERE id = ANY(%s)", (pool, everything))
+            conn.execute("UPDATE jobs SET status = 'running' WHERE id = ANY(%s)", (runs,))
+            conn.execute("UPDATE jobs SET waiting_reason = 'fair_share' WHERE id = ANY(%s)"
+                         " AND status = 'queued'", (everything,))
+            rows = conn.execute(sql.queries()["fair_share_pick"], {
+                "pool": pool, "priority": "bulk", "limit": limit, "headroom": headroom,
+            }).fetchall()
+        finally:
+            conn.execute("UPDATE jobs SET status = 'cancelled', waiting_reason = NULL"
+                         " WHERE id = ANY(%s)", (everything,))
+    return [r[0] for r in rows if r[0] is not None], any(r[0] is None for r in rows), waits
+
+
+def test_the_pick_returns_the_fairest_first(stack: StackState) -> None:
+    """The worker starts a pick's attempts in the order the pick returns them, and a wave of
+    a few hundred takes a while to start on one event loop: the pick must return them
+    fairest first. Here tenant A's newer job (A runs nothing) comes before tenant B's older
+    ones (B runs two), which come oldest first; by id or by row order B's would come first
+    (the small tenant's p99 in ``calmq bench fairness``)."""
+    a, b = new_tenant(stack, "pick-a")[1], new_tenant(stack, "pick-b")[1]
+    taken, more, waits = _pick(stack, {b: 2}, {b: 3, a: 1}, limit=3, headroom=0)
+    # A: (0 running + 1) / 1 = 1; B's: 3, 4, 5, so B's third stays in the room.
+    assert taken == waits[a] + waits[b][:2]
+    assert more
+
+
+def test_the_headroom_is_left_to_a_tenant_within_its_share(stack: StackState) -> None:
+    """While tenant A runs, tenant B (above its share) leaves the pick's last ``headroom``
+    slots free for A's next job; alone, B takes every slot (the pick is work-conserving)."""
+    a, b = new_tenant(stack, "room-a")[1], new_tenant(stack, "room-b")[1]
+    # Level: (3 running + 3 slots) / 2 tenants = 3. B's next three would bring it to 3, 4,
+    # 5: only the first fits, and the headroom keeps the last two slots from B's others.
+    taken, more, waits = _pick(stack, {a: 1, b: 2}, {b: 3}, limit=3, headroom=2)
+    assert taken == waits[b][:1]
+    assert more  # the lane stays contended: B's others still wait
+    # B alone: level (2 + 3) / 1 = 5, so all three fit.
+    taken, more, waits = _pick(stack, {b: 2}, {b: 3}, limit=3, headroom=2)
+    assert taken == waits[b]
+    assert not more
+    # A job of A arriving meanwhile takes a headroom slot, ahead of B's: its share is 2.
+    taken, more, waits = _pick(stack, {a: 1, b: 2}, {b: 3, a: 1}, limit=2, headroom=2)
+    assert taken == waits[a]
+    assert more

@@ -97,7 +97,8 @@ def test_a_pick_from_the_waiting_room_reads_its_indexes_not_the_jobs(stack: Stac
     with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
         conn.execute("SET enable_seqscan = off")
         rows = conn.execute(b"EXPLAIN " + statement.encode(),
-                            {"pool": "default", "priority": "bulk", "limit": 8}).fetchall()
+                            {"pool": "default", "priority": "bulk", "limit": 8,
+                             "headroom": 4}).fetchall()
     plan = "\n".join(r[0] for r in rows)
     assert _sequential_scans(plan) == set(), plan
     used = set(re.findall(r"Index (?:Only )?Scan (?:Backward )?(?:using|on) (jobs_\w+)", plan))
