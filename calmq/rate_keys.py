@@ -124,7 +124,8 @@ class KeyRateLimiter:
     def stream(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                response_schema: dict[str, Any] | None = None) -> ModelStream:
         """A streamed call under the key's limit: reserved before it is sent, settled when
-        it ended (a stream that broke off keeps its estimate: the provider counted it)."""
+        it ended, or as the budget settles a failed call: a stream refused before it began
+        gives its tokens back, one that broke off or was stopped keeps its estimate."""
         inner = self.inner
         if not isinstance(inner, Streamer):
             raise failure("not_supported", "the provider cannot stream")
@@ -134,9 +135,14 @@ class KeyRateLimiter:
             await self._reserve(estimate)
             streamed = inner.stream(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                     response_schema=response_schema)
-            async for text in streamed:
-                yield text
-            reply = await streamed.final()
+            try:
+                async for text in streamed:
+                    yield text
+                reply = await streamed.final()
+            except BaseException as exc:  # refused, broken off, cancelled or stopped early
+                await streamed.aclose()
+                await self._settle(estimate, charged_on_failure(exc, estimate))
+                raise
             await self._settle(estimate, reply.input_tokens + reply.output_tokens)
             out.reply = reply
 

@@ -5,6 +5,7 @@ hand-set clock; the SQL itself runs in tests/integration/test_rate_limit_keys.py
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from calmq.budget import estimate_prompt_tokens
 from calmq.data.rate_keys import Reservation
 from calmq.errors import FailureClass, StepFailure
 from calmq.failure_codes import KeyRateLimited
-from calmq.gateway import ModelReply
+from calmq.gateway import ModelReply, ModelStream
 from calmq.rate_keys import KeyRateLimiter
 from calmq.workflows import KeyRateLimit, Workflow
 from calmq.workflows.summarize import SUMMARIZE
@@ -72,6 +73,29 @@ class Answers:
         return None
 
 
+class Streams(Answers):
+    """A streaming provider: two deltas then the reply, or ``code`` after ``failed_after``
+    deltas (0: refused before it began)."""
+
+    def __init__(self, failed_after: int | None, code: str | None) -> None:
+        super().__init__()
+        self.failed_after, self.code = failed_after, code
+
+    def stream(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+               response_schema: dict[str, Any] | None = None) -> ModelStream:
+        async def source(out: ModelStream) -> AsyncIterator[str]:
+            for sent, text in enumerate(("o", "k")):
+                if sent == self.failed_after:
+                    assert self.code is not None
+                    raise StepFailure(self.code, code=self.code,
+                                      failure_class=FailureClass.TRANSIENT)
+                yield text
+            out.reply = ModelReply(content="ok", refusal=None, input_tokens=100,
+                                   output_tokens=20)
+
+        return ModelStream(source)
+
+
 def _limiter(limit: KeyRateLimit, buckets: MemoryBuckets, inner: Answers,
              key: str = "customer-1") -> KeyRateLimiter:
     return KeyRateLimiter(inner, buckets, tenant_id="t1", key=key, scope="summarize_keyed",
@@ -126,25 +150,39 @@ async def test_tokens_are_reserved_by_estimate_and_settled_by_what_was_used() ->
     assert held.value.seconds == pytest.approx((150 - 40) * 60 / 400)
 
 
-async def test_a_refused_call_gives_its_tokens_back() -> None:
+@pytest.mark.parametrize(("code", "left"), [
+    ("rate_limited", 400),  # refused: the provider counted nothing, the tokens come back
+    ("timeout", 250),  # the provider may have counted it: the estimate stays spent
+])
+async def test_a_failed_call_settles_as_the_budget_does(code: str, left: float) -> None:
     clock = Clock()
-    refused = StepFailure("429", code="rate_limited", failure_class=FailureClass.TRANSIENT)
-    buckets, inner = MemoryBuckets(clock), Answers(refused)
+    failed = StepFailure(code, code=code, failure_class=FailureClass.TRANSIENT)
+    buckets, inner = MemoryBuckets(clock), Answers(failed)
     limiter = _limiter(KeyRateLimit(tokens=400, per_seconds=60), buckets, inner)
     with pytest.raises(StepFailure):
         await _call(limiter)
-    assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(400)
+    assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(left)
 
 
-async def test_a_call_that_timed_out_keeps_its_tokens_as_the_budget_does() -> None:
-    """The provider may have counted a call that timed out: its estimate stays spent."""
-    clock = Clock()
-    timed_out = StepFailure("timeout", code="timeout", failure_class=FailureClass.TRANSIENT)
-    buckets, inner = MemoryBuckets(clock), Answers(timed_out)
-    limiter = _limiter(KeyRateLimit(tokens=400, per_seconds=60), buckets, inner)
-    with pytest.raises(StepFailure):
-        await _call(limiter)
-    assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(250)
+@pytest.mark.parametrize(("failed_after", "code", "left"), [
+    (0, "rate_limited", 400),  # refused before it began: the tokens come back
+    (1, "stream_interrupted", 250),  # broke off after it began: the estimate stays spent
+    (None, None, 280),  # answered: settled with what the provider counted (120 tokens)
+])
+async def test_a_stream_settles_as_the_budget_does(failed_after: int | None, code: str | None,
+                                                   left: float) -> None:
+    buckets = MemoryBuckets(Clock())
+    limiter = _limiter(KeyRateLimit(tokens=400, per_seconds=60), buckets,
+                       Streams(failed_after, code))
+    stream = limiter.stream(messages=MESSAGES, job_id="j", max_tokens=50)
+    if code is None:
+        assert [t async for t in stream] == ["o", "k"]
+    else:
+        with pytest.raises(StepFailure) as failed:
+            async for _text in stream:
+                pass
+        assert failed.value.code == code
+    assert buckets.rows[("t1", "customer-1", "summarize_keyed")][1] == pytest.approx(left)
 
 
 async def test_a_call_larger_than_the_limit_fails_instead_of_waiting_for_ever() -> None:
