@@ -1,7 +1,7 @@
 """``calmq bench fairness``: one tenant's jobs behind another tenant's backlog, in one lane.
 
-Issue 31's scenario on the default stack (one worker, 256 call slots) with fair share on
-(``CALMQ_FAIR_SHARE``), against a fake provider whose calls take 2 s:
+Issue 31's scenario on the default stack (one worker, 256 call slots, fair share on as by
+default; ``BENCH_FAIR_SHARE=0`` measures it off), against a fake provider whose calls take 2 s:
 
 - **alone**: a small tenant submits 2 bulk jobs a second for a minute: its turnaround
   (queued -> completed) p50/p99. Then a big tenant's bulk jobs alone: its throughput
@@ -243,7 +243,7 @@ def fairness(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     seconds = max(10.0, SMALL_SECONDS * scale)
     with Rig(log=log) as rig:
         fp = rig.calmq("fake-provider", "--latency-ms", str(CALL_MS))
-        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url, "CALMQ_FAIR_SHARE": "true",
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
                "CALMQ_WORKFLOW_MODULES": "bench.fallback_workflows"}
         api = rig.calmq("api", env=env)
         rig.calmq("relay", env=env)

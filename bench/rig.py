@@ -164,10 +164,11 @@ class Rig:
         env["CALMQ_TOPIC_PARTITIONS"] = str(self.partitions)
         env["CALMQ_LOG_LEVEL"] = "WARNING"
         env["PYTHONUNBUFFERED"] = "1"
-        # BENCH_FAIR_SHARE=1: every calmq process runs with fair share on (CALMQ_FAIR_SHARE),
-        # to measure a scenario's figures with it against the same scenario without.
-        if os.environ.get("BENCH_FAIR_SHARE", "") not in ("", "0"):
-            env["CALMQ_FAIR_SHARE"] = "true"
+        # BENCH_FAIR_SHARE=0 (or 1): every calmq process runs with fair share off (or on),
+        # to measure a scenario's figures against the same scenario on the default (on).
+        choice = os.environ.get("BENCH_FAIR_SHARE", "")
+        if choice:
+            env["CALMQ_FAIR_SHARE"] = "false" if choice == "0" else "true"
         env.update(extra or {})
         return env
 

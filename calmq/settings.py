@@ -362,7 +362,7 @@ class Settings(BaseSettings):
                     " as many more interactive jobs held claimed (default: an eighth of the"
                     " in-flight window)")
     fair_share: bool = Field(
-        default=False,
+        default=True,
         description="fair share inside each lane: while a pool's priority is contended, new "
                     "jobs wait in PostgreSQL (waiting_reason fair_share) and free slots go to "
                     "the tenant furthest below its weighted share (calmq tenants set-weight)")
