@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 from calmq.codec import make_codec, registry_config
 from calmq.kafka import connection_config
 from calmq.settings import Settings
-from calmq.tooling.devstack import StackState
+from calmq.tooling.devstack import Stack, StackState
 from tests.support.api import Api, create_tenant
 from tests.support.waiting import wait_for
 
@@ -191,3 +191,21 @@ def test_wrong_credentials_are_named_for_kafka_and_the_registry(secured: StackSt
     register = _calmq(env, "schemas", "register")
     assert "[registry_authentication_failed]" in register.stderr
     assert urlparse(secured.env["CALMQ_SCHEMA_REGISTRY_URL"]).netloc in register.stderr
+
+
+def test_a_stack_on_an_external_secured_broker_reads_its_file_secrets(
+        secured: StackState, tmp_path: Path) -> None:
+    """`calmq dev up` against an external SASL_SSL broker and registry whose passwords are
+    given as *_FILE settings starts: its own clients (topics, schemas) read those files
+    instead of failing with kafka_credentials_missing."""
+    external = {k: v for k, v in secured.env.items()
+                if k.startswith(("CALMQ_KAFKA_", "CALMQ_SCHEMA_REGISTRY_", "CALMQ_DATABASE_"))}
+    assert "CALMQ_KAFKA_SASL_PASSWORD_FILE" in external
+    assert "CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE" in external
+    stack = Stack(tmp_path / "on-external", environ=external)
+    try:
+        state = stack.up(services=(), log=lambda _m: None)
+        assert state.env["CALMQ_KAFKA_BOOTSTRAP"] == secured.env["CALMQ_KAFKA_BOOTSTRAP"]
+        assert {p.name: p.pid for p in state.parts}["kafka"] is None  # not started here
+    finally:
+        stack.down(log=lambda _m: None)

@@ -325,9 +325,10 @@ class Stack:
         from calmq.kafka import connection_config, create_topics
 
         # The stack's own clients use the settings its services get: the secured stack's
-        # credentials, CA and the *_FILE secrets included.
-        settings = Settings.load(environ={k: v for k, v in state.env.items()
-                                          if k.startswith("CALMQ_")})
+        # credentials, CA and the *_FILE secrets included; for a broker or registry it did
+        # not start, the caller's settings of it (its *_FILE secrets too).
+        settings = Settings.load(environ=self._client_env(
+            state.env, external_kafka=not brokers, external_registry=reg is None))
         if registry_url:
             RegistryCodec(registry_url, config=registry_config(settings)).register_all()
         create_topics(connection_config(settings),
@@ -439,6 +440,23 @@ class Stack:
                              alive=lambda: processes.is_alive(pid))
         return url
 
+    def _client_env(self, env: Mapping[str, str], *, external_kafka: bool,
+                    external_registry: bool) -> dict[str, str]:
+        """The settings of the stack's own clients: ``env``, and the caller's ``CALMQ_KAFKA_*``
+        / ``CALMQ_SCHEMA_REGISTRY_*`` variables for a part it did not start (a variable
+        whose ``_FILE`` twin, or plain twin, the stack set is left out: one source each)."""
+        out = {k: v for k, v in env.items() if k.startswith("CALMQ_")}
+        prefixes = tuple(p for p, external in (("CALMQ_KAFKA_", external_kafka),
+                                               ("CALMQ_SCHEMA_REGISTRY_", external_registry))
+                         if external)
+        if not prefixes:
+            return out
+        for key, value in self.environ.items():
+            twin = key.removesuffix("_FILE") if key.endswith("_FILE") else f"{key}_FILE"
+            if key.startswith(prefixes) and key not in out and twin not in out:
+                out[key] = value
+        return out
+
     def _start_service(
         self, name: str, state: StackState, env: dict[str, str], log: Callable[[str], None]
     ) -> None:
@@ -460,13 +478,20 @@ class Stack:
             child_env["CALMQ_API_PORT"] = str(port)
         elif name in ("relay", "worker", "forwarder", "batcher"):
             argv += ["--metrics-port", str(port)]
-        pid = processes.start(argv, self.data_dir / "logs" / f"{name}.log", env=child_env)
+        log_file = self.data_dir / "logs" / f"{name}.log"
+        pid = processes.start(argv, log_file, env=child_env)
         part = Part(name, pid, address, "http")
         state.parts.append(part)
         self._save(state)
-        processes.wait_until(
-            part.healthy, timeout=30, what=name, alive=lambda: processes.is_alive(pid)
-        )
+        try:
+            processes.wait_until(
+                part.healthy, timeout=30, what=name, alive=lambda: processes.is_alive(pid)
+            )
+        except InfrastructureError as exc:
+            # The service's own last words name the fix (a missing extra, a bad setting);
+            # "exited before it was ready" alone sends a person to the log file.
+            raise InfrastructureError(f"{exc}: {_last_words(log_file)} (log: {log_file})",
+                                      code=exc.code) from exc
         if name == "fake-provider":
             state.env["CALMQ_FAKE_PROVIDER_URL"] = address
             env["CALMQ_FAKE_PROVIDER_URL"] = address
@@ -533,3 +558,13 @@ def require_state(data_dir: Path) -> StackState:
             f"no local stack under {data_dir}; start one with `calmq dev up --data-dir {data_dir}`"
         )
     return state
+
+
+def _last_words(log_file: Path, lines: int = 3) -> str:
+    """The last non-empty lines a service wrote before it stopped, on one line."""
+    try:
+        text = log_file.read_text(errors="replace")
+    except OSError:
+        return "it wrote no log"
+    tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(tail) or "it wrote nothing"
