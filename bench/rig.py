@@ -161,6 +161,9 @@ class Rig:
     def child_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
         env.update(self.env)
+        # The load generators send thousands of requests a second with one key: the per-key
+        # fair-use limit (on by default, 200 a second) would be what they measure.
+        env["CALMQ_API_RATE_PER_SECOND"] = "0"
         env["CALMQ_TOPIC_PARTITIONS"] = str(self.partitions)
         env["CALMQ_LOG_LEVEL"] = "WARNING"
         env["PYTHONUNBUFFERED"] = "1"

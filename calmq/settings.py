@@ -235,13 +235,26 @@ class Settings(BaseSettings):
         description="unknown API keys the API remembers at most (the oldest is forgotten "
                     "first); misses never push a known key out of its cache")
     # Fair use of one API process (calmq.producers.throttle; per process, not fleet-wide).
+    # On by default, high enough for one busy client (1,000 submits at once, then 200 a
+    # second) and low enough that one key cannot take a whole API process (about 4,000
+    # accepts a second: BENCHMARKS.md).
     api_rate_per_second: float = Field(
-        default=0.0, ge=0,
+        default=200.0, ge=0,
         description="requests a second each API key may send (token bucket); past it 429 "
                     "rate_limited with Retry-After; 0: no limit")
     api_rate_burst: int = Field(
-        default=200, ge=1,
+        default=1000, ge=1,
         description="the token bucket's size: requests a key may send at once after a pause")
+    api_unauthenticated_rate_per_second: float = Field(
+        default=5.0, ge=0,
+        description="requests a second each client address may send without a valid API "
+                    "key (missing, unknown or revoked; token bucket per address); past it "
+                    "429 unauthenticated_rate_limited with Retry-After, before the key is "
+                    "looked up; 0: no limit")
+    api_unauthenticated_rate_burst: int = Field(
+        default=20, ge=1,
+        description="the per-address bucket's size: requests without a valid key an "
+                    "address may send at once")
     api_streams_per_tenant: int = Field(
         default=100, ge=0,
         description="SSE streams (GET /v1/jobs/{id}/events) one tenant may hold open in one "

@@ -34,6 +34,7 @@ from calmq.producers.context import (
     RATE,
     SETTINGS,
     STORE,
+    UNAUTHENTICATED,
     WORKFLOWS,
 )
 from calmq.producers.intake import GroupCommit
@@ -123,6 +124,8 @@ def build_app(
     app[AUTH_CACHE] = {}
     app[AUTH_MISSES] = OrderedDict()
     app[RATE] = RateLimiter(settings.api_rate_per_second, settings.api_rate_burst)
+    app[UNAUTHENTICATED] = RateLimiter(settings.api_unauthenticated_rate_per_second,
+                                       settings.api_unauthenticated_rate_burst)
     app[GATES] = TenantGates(streams=settings.api_streams_per_tenant,
                              reads=settings.api_reads_per_tenant)
     app[GROUP_COMMIT] = GroupCommit(store.pool, max_batch=settings.accept_batch_max)
@@ -148,6 +151,7 @@ def build_app(
             app[AUTH_MISSES], app[RATE], app[GATES])
         console[GROUP_COMMIT], console[HUB], console[OPENAPI] = (
             app[GROUP_COMMIT], app[HUB], app[OPENAPI])
+        console[UNAUTHENTICATED] = app[UNAUTHENTICATED]
         add_console(console)
         own_ports.append((console, settings.api_console_port))
     elif settings.api_console:

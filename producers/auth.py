@@ -10,6 +10,11 @@ session expires and is revoked on its own, ``session_tenant``); it is accepted f
 reading only (GET/HEAD), so the console's pages can follow a job over the API's SSE, and a
 cross-site form can never act with it. Either way the caller's key is rate limited by the
 same bucket (``limit``).
+
+A request without a valid key (none, unknown, revoked, an ended session) spends its client
+address's bucket instead (``api_unauthenticated_rate_per_second``): past it, 429
+``unauthenticated_rate_limited``, and a key this process has not seen valid is not even
+looked up, so a flood of made-up keys costs the database nothing more than its first few.
 """
 
 from __future__ import annotations
@@ -17,12 +22,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
 from aiohttp import web
 
 from calmq.data import Tenant
 from calmq.errors import ContractError
-from calmq.producers.context import AUTH_CACHE, AUTH_MISSES, RATE, SETTINGS, STORE
+from calmq.producers.context import (
+    AUTH_CACHE,
+    AUTH_MISSES,
+    RATE,
+    SETTINGS,
+    STORE,
+    UNAUTHENTICATED,
+)
+from calmq.producers.throttle import Throttled
 
 __all__ = ["COOKIE", "forget_session", "key_tenant", "limit", "session_tenant", "tenant"]
 
@@ -40,24 +54,65 @@ async def tenant(request: web.Request, *roles: str) -> Tenant:
     scheme, _, key = header.partition(" ")
     found: Tenant | None
     if not header and request.method in ("GET", "HEAD") and request.cookies.get(COOKIE):
-        found = await session_tenant(request, request.cookies[COOKIE])
+        token = request.cookies[COOKIE]
+        _unauthenticated_wait(request, _SESSION + token)
+        found = await session_tenant(request, token)
         if found is None:
-            raise ContractError("the console session has ended; sign in again",
-                                code="invalid_api_key", status=401)
+            _refuse(request, ContractError("the console session has ended; sign in again",
+                                           code="invalid_api_key", status=401))
     else:
         if scheme.lower() != "bearer" or not key.strip():
-            raise ContractError("send Authorization: Bearer <api key>",
-                                code="missing_api_key", status=401)
+            _refuse(request, ContractError("send Authorization: Bearer <api key>",
+                                           code="missing_api_key", status=401))
+        _unauthenticated_wait(request, key.strip())
         found = await key_tenant(request, key.strip())
         if found is None:
-            raise ContractError("the API key is unknown or revoked", code="invalid_api_key",
-                                status=401)
+            _refuse(request, ContractError("the API key is unknown or revoked",
+                                           code="invalid_api_key", status=401))
+    assert found is not None
     limit(request, found)
     if roles and not any(found.can(r) for r in roles):
         raise ContractError(f"this API key has the role(s) {', '.join(found.roles)}; this "
                             f"needs {' or '.join(roles)} (calmq tenants add-key --roles)",
                             code="role_forbidden", status=403)
     return found
+
+
+def _address(request: web.Request) -> str:
+    # The TCP peer: a forwarded-for header is the client's to write, so it cannot be the key
+    # of a limit on that client.
+    return request.remote or ""
+
+
+def _throttled(wait: float, rate: float) -> Throttled:
+    return Throttled(
+        f"this address sent more than {rate:g} requests a second without a valid API key; "
+        f"try again in {wait:.2f} s (settings api_unauthenticated_rate_per_second, "
+        "api_unauthenticated_rate_burst)", code="unauthenticated_rate_limited",
+        retry_after=wait)
+
+
+def _unauthenticated_wait(request: web.Request, key: str) -> None:
+    """Before a lookup that reaches the database: 429 if the caller's address has spent its
+    bucket of failed requests. A key this process has known as valid is let through even
+    when its cache entry has expired: behind a shared proxy, one client's flood of made-up
+    keys must not lock the proxy's other clients out."""
+    hit = request.app[AUTH_CACHE].get(key)
+    if hit is not None and hit[1] is not None:
+        return
+    bucket = request.app[UNAUTHENTICATED]
+    wait = bucket.wait(_address(request))
+    if wait > 0:
+        raise _throttled(wait, bucket.rate)
+
+
+def _refuse(request: web.Request, error: ContractError) -> NoReturn:
+    """``error`` (a 401), spending the address's bucket; 429 when it was empty."""
+    bucket = request.app[UNAUTHENTICATED]
+    wait = bucket.take(_address(request))
+    if wait > 0:
+        raise _throttled(wait, bucket.rate)
+    raise error
 
 
 def limit(request: web.Request, caller: Tenant) -> None:

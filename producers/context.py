@@ -21,7 +21,7 @@ from calmq.settings import Settings
 from calmq.workflows import Workflow
 
 __all__ = ["AUTH_CACHE", "AUTH_MISSES", "GATES", "GROUP_COMMIT", "HUB", "OBJECTS", "OPENAPI",
-           "RATE", "SETTINGS", "STORE", "WORKFLOWS"]
+           "RATE", "SETTINGS", "STORE", "UNAUTHENTICATED", "WORKFLOWS"]
 
 STORE = web.AppKey("store", Store)
 SETTINGS = web.AppKey("settings", Settings)
@@ -34,6 +34,8 @@ AUTH_CACHE = web.AppKey("auth_cache", dict[str, tuple[float, Tenant | None]])
 AUTH_MISSES = web.AppKey("auth_misses", OrderedDict[str, float])
 # Fair use: a token bucket per key, and per-tenant caps on streams and expensive reads.
 RATE = web.AppKey("rate", RateLimiter)
+# A token bucket per client address, spent by requests without a valid key.
+UNAUTHENTICATED = web.AppKey("unauthenticated", RateLimiter)
 GATES = web.AppKey("gates", TenantGates)
 GROUP_COMMIT = web.AppKey("group_commit", GroupCommit)
 HUB = web.AppKey("hub", Hub)

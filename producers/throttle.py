@@ -6,6 +6,11 @@ the database pool (16 connections for intake, reads and streams alike) and memor
 - ``RateLimiter``: a token bucket per API key (``api_rate_per_second``, ``api_rate_burst``;
   0: off). A request past its key's bucket answers 429 ``rate_limited`` with
   ``Retry-After`` (the seconds until a token is back), before any database work.
+- ``RateLimiter`` again, per client address, for requests without a valid key
+  (``api_unauthenticated_rate_per_second``, ``api_unauthenticated_rate_burst``): a missing,
+  unknown or revoked key spends its address's bucket, and an address whose bucket is empty
+  answers 429 ``unauthenticated_rate_limited`` before its key is even looked up, so random
+  keys cannot turn into a database read each (producers/auth.py).
 - ``TenantGates``: how many SSE streams (``api_streams_per_tenant``) and how many expensive
   reads at once (lists, artifact downloads: ``api_reads_per_tenant``) one tenant holds in
   this process. Past its cap a request answers 429 ``too_many_streams`` /
@@ -58,6 +63,15 @@ class RateLimiter:
     @property
     def enabled(self) -> bool:
         return self.rate > 0
+
+    def wait(self, key: str, now: float | None = None) -> float:
+        """The seconds until ``key`` has a token, without taking one (0: it has one now)."""
+        if not self.enabled:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        tokens, since = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - since) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
 
     def take(self, key: str, now: float | None = None) -> float:
         """Take one token for ``key``; 0 if it had one, else the seconds until it will."""

@@ -122,3 +122,12 @@ def test_metrics_listen_on_every_interface_by_default() -> None:
     """metrics_host defaults to 0.0.0.0 (what a pod needs); it is a setting like the rest."""
     assert Settings.load(environ={}).metrics_host == "0.0.0.0"
     assert Settings.load(environ={"CALMQ_METRICS_HOST": "127.0.0.1"}).metrics_host == "127.0.0.1"
+
+
+def test_fair_use_limits_are_on_by_default() -> None:
+    """The per-key rate limit is on by default (200 a second, burst 1,000) and requests
+    without a valid key have a per-address limit (5 a second, burst 20)."""
+    settings = Settings()
+    assert (settings.api_rate_per_second, settings.api_rate_burst) == (200.0, 1000)
+    assert (settings.api_unauthenticated_rate_per_second,
+            settings.api_unauthenticated_rate_burst) == (5.0, 20)

@@ -53,3 +53,15 @@ def test_a_tenant_holds_at_most_its_cap_and_gets_places_back() -> None:
     for _ in range(50):  # reads: no cap
         with gates.hold("read", one):
             pass
+
+
+def test_wait_reads_a_bucket_without_spending_it() -> None:
+    """wait() says how long until a token is back and takes none: the unauthenticated check
+    before a key lookup must not spend the address's bucket by itself."""
+    limiter = RateLimiter(rate=1.0, burst=2)
+    assert [limiter.wait("a", now=5.0) for _ in range(5)] == [0.0] * 5
+    limiter.take("a", now=5.0)
+    limiter.take("a", now=5.0)
+    assert limiter.wait("a", now=5.0) == pytest.approx(1.0)
+    assert limiter.wait("a", now=5.5) == pytest.approx(0.5)
+    assert limiter.wait("b", now=5.0) == 0.0
