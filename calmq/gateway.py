@@ -662,7 +662,8 @@ class OpenAIProvider(_HttpProvider):
                 cached_input_tokens=int(cached), reasoning_tokens=int(reasoning),
                 service_tier=data.get("service_tier"),
             )
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        # OverflowError: a token count of 1e999 (infinity) is garbled too, not a bug.
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
             raise failure("upstream_garbled", "provider answer lacks choices[0].message") from exc
 
 
@@ -748,7 +749,7 @@ class AnthropicProvider(_HttpProvider):
                 cached_input_tokens=cached,
                 service_tier=usage.get("service_tier"),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise failure("upstream_garbled", "provider answer lacks content") from exc
 
 

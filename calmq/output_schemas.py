@@ -26,6 +26,8 @@ from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel
 
+from calmq.storable import loads
+
 __all__ = ["anthropic_schema", "openai_schema_name", "openai_strict_schema", "read_answer"]
 
 _NAME_BAD: Final = re.compile(r"[^a-zA-Z0-9_-]")
@@ -164,8 +166,9 @@ def read_answer(model: type[M], content: str) -> M:
 
     ``null`` for a property the model does not require (a strict schema made it nullable)
     is read as absent, so the model's default applies. Raises pydantic's ValidationError
-    (or ValueError for text that is not JSON)."""
-    data = json.loads(content)
+    (or ValueError for text that is not JSON, or JSON with a number that is not finite:
+    ``1e999`` would pass a float field as infinity, and no row could hold the outcome)."""
+    data = loads(content)
     if isinstance(data, dict):
         required = {name for name, f in model.model_fields.items() if f.is_required()}
         data = {k: v for k, v in data.items() if v is not None or k in required}

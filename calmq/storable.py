@@ -12,10 +12,17 @@ batch poller check every outcome with ``unstorable_outcome`` before it is commit
 the step instead (class ``input``, code ``unstorable_output``, a message that names the
 place and holds none of the text). ``refused`` tells a database error that is the data's
 fault from one of the database itself, for the committer's split (calmq.batching).
+
+jsonb cannot hold a number that is not finite either, and Python's JSON parser makes one
+of ``1e999`` (infinity) without complaint: ``loads`` is the parser for JSON from outside
+(a request body, a model's answer) that refuses it with ``NonFiniteNumber`` (a
+ValueError), and ``unstorable`` names one found in a value.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +31,8 @@ import psycopg
 if TYPE_CHECKING:
     from calmq.data.attempts import Finish
 
-__all__ = ["UNSTORABLE_OUTPUT", "clean", "refused", "storable", "unstorable",
-           "unstorable_outcome"]
+__all__ = ["UNSTORABLE_OUTPUT", "NonFiniteNumber", "clean", "loads", "non_finite", "refused",
+           "storable", "unstorable", "unstorable_outcome"]
 
 UNSTORABLE_OUTPUT = "unstorable_output"
 _REPLACEMENT = "\ufffd"
@@ -43,6 +50,43 @@ def _text_problem(text: str) -> str | None:
     return None
 
 
+class NonFiniteNumber(ValueError):
+    """JSON holds a number past a float's range (``1e999``) or ``NaN``/``Infinity``."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(f"the number {text[:40]} is beyond the range of a "
+                              "double-precision number")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise NonFiniteNumber(f"{name} is not a JSON number")
+
+
+def loads(text: str | bytes) -> Any:
+    """``json.loads`` that refuses a number that is not finite (``NonFiniteNumber``; other
+    errors as json.loads raises them)."""
+    return json.loads(text, parse_float=_finite, parse_constant=_constant)
+
+
+def non_finite(value: Any, where: str = "value") -> str | None:
+    """Where ``value`` (JSON-like) holds a number that is not finite, e.g.
+    ``"output.score"``; None if it holds none. Iterative: any depth."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return at
+        if isinstance(item, Mapping):
+            stack.extend((v, f"{at}.{_label(str(k))}") for k, v in item.items())
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
+
+
 def storable(text: str) -> bool:
     """Whether PostgreSQL can store ``text``: no NUL, and valid UTF-8 (no lone surrogate).
     The one check of text, for the API's bodies and query strings (calmq.producers.parsing)
@@ -51,8 +95,8 @@ def storable(text: str) -> bool:
 
 
 def unstorable(value: Any, where: str = "value") -> str | None:
-    """Where ``value`` (JSON-like: dicts, lists, strings, numbers) holds text PostgreSQL
-    refuses, e.g. ``"a NUL character in output.summary"``; None if it holds none."""
+    """Where ``value`` (JSON-like: dicts, lists, strings, numbers) holds text or a number
+    PostgreSQL refuses, e.g. ``"a NUL character in output.summary"``; None if none."""
     return _walk(value, where, 0)
 
 
@@ -60,6 +104,8 @@ def _walk(value: Any, where: str, depth: int) -> str | None:
     if isinstance(value, str):
         found = _text_problem(value)
         return None if found is None else f"{found} in {where}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"a number that is not finite in {where}"
     if depth > _MAX_DEPTH:
         return f"nesting deeper than {_MAX_DEPTH} levels in {where}"
     if isinstance(value, Mapping):

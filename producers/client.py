@@ -39,6 +39,7 @@ from calmq.lanes import choose_lane
 from calmq.limits import MAX_METADATA_BYTES, check_concurrency_key, check_metadata
 from calmq.producers.intake import prepare
 from calmq.retrying import Backoff
+from calmq.storable import non_finite
 from calmq.workflows import Workflow, builtin_workflows, find_workflow
 
 __all__ = ["ApiError", "Client", "RetryPolicy", "enqueue", "enqueue_async"]
@@ -67,6 +68,13 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     # The API's limit on metadata holds for a job written directly too: its events carry it.
     check_metadata(metadata, max_metadata_bytes)
     check_concurrency_key(concurrency_key)
+    # jsonb refuses infinity and NaN: found here, not as an error that aborts the caller's
+    # own transaction.
+    for name, value in (("metadata", metadata), ("input", input)):
+        found = non_finite(value, name)
+        if found is not None:
+            raise ContractError(f"{found} is a number that is not finite",
+                                code="non_finite_number")
     wf = find_workflow(workflow, dict(workflows or builtin_workflows()))
     chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None

@@ -6,13 +6,16 @@ the form's fields to ``validate``), so every body error is the same problem+json
 
 Bad input is a 4xx here, before it can reach PostgreSQL as a 5xx: JSON nested deeper than
 the parser allows and the non-JSON constants ``NaN``/``Infinity`` (jsonb refuses them) are
-``invalid_json``; a NUL character or a lone surrogate in any string of a body (jsonb and
-text columns refuse both) is 400 ``unstorable_text``.
+``invalid_json``; a number past a double's range (``1e999``, which Python's parser reads as
+infinity, and jsonb refuses too) is 400 ``non_finite_number``; a NUL character or a lone
+surrogate in any string of a body (jsonb and text columns refuse both) is 400
+``unstorable_text``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -23,7 +26,8 @@ from pydantic import BaseModel, ValidationError
 from calmq.errors import ContractError, NotFound
 from calmq.storable import storable
 
-__all__ = ["LIST_MAX", "check_storable", "job_id", "limit", "read_body", "storable", "validate"]
+__all__ = ["LIST_MAX", "check_storable", "job_id", "limit", "parse_json", "read_body", "storable",
+           "validate"]
 
 LIST_MAX = 200
 
@@ -32,6 +36,27 @@ M = TypeVar("M", bound=BaseModel)
 
 def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ContractError(
+            f"the number {text[:40]} is beyond the range of a double-precision number, which "
+            "is the most this API stores", code="non_finite_number")
+    return value
+
+
+def parse_json(raw: str | bytes, where: str = "the body") -> Any:
+    """``raw`` parsed: 400 ``invalid_json`` for what is not JSON (or holds NaN/Infinity, or
+    is nested too deep), 400 ``non_finite_number`` for a number past a double's range."""
+    try:
+        return json.loads(raw, parse_constant=_constant, parse_float=_finite)
+    except ValueError as exc:
+        raise ContractError(f"{where} is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ContractError(f"{where} is nested deeper than this API parses",
+                            code="invalid_json") from exc
 
 
 def check_storable(value: Any, where: str = "the body") -> None:
@@ -74,13 +99,7 @@ async def read_body(request: web.Request, model: type[M]) -> tuple[M, bytes]:
             code="unsupported_media_type", status=415,
         )
     raw = await request.read()
-    try:
-        body = json.loads(raw, parse_constant=_constant)
-    except ValueError as exc:
-        raise ContractError(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    except RecursionError as exc:
-        raise ContractError("the body is nested deeper than this API parses",
-                            code="invalid_json") from exc
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise ContractError("the body must be a JSON object", code="invalid_body", status=422)
     return validate(model, body), raw

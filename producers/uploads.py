@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from calmq.errors import ContractError, NotFound
 from calmq.objects import FileObjectStore, ObjectRef, ObjectStore, S3ObjectStore
+from calmq.producers.parsing import parse_json
 
 __all__ = ["ChunkSource", "delete_folder", "delete_object", "object_uri", "read_form",
            "read_object", "store_stream", "tenant_owns"]
@@ -204,10 +204,7 @@ async def read_form(
                             code="invalid_multipart") from exc
     for name in ("input", "metadata"):
         if name in fields:
-            try:
-                fields[name] = json.loads(fields[name])
-            except ValueError as exc:
-                raise ContractError(f"field {name} is not JSON", code="invalid_json") from exc
+            fields[name] = parse_json(fields[name], f"field {name}")
     if "deadline_seconds" in fields:
         try:
             fields["deadline_seconds"] = int(fields["deadline_seconds"])

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import CallScope, Provider
+from calmq.storable import non_finite
 
 if TYPE_CHECKING:
     from calmq.data.steps import EffectRecord
@@ -160,17 +161,23 @@ class Step:
         return self.retry.max_attempts if self.retry is not None else self.max_attempts
 
     def check_output(self, output: dict[str, Any]) -> dict[str, Any]:
-        """The output as its model dumps it; ``malformed_output`` when it does not fit."""
-        if self.output_model is None:
-            return output
-        try:
-            return self.output_model.model_validate(output).model_dump(mode="json")
-        except ValidationError as exc:
-            raise StepFailure(
-                f"step {self.name} output does not fit {self.output_model.__name__}: "
-                f"{exc.errors()[0]['msg']}",
-                code="malformed_output", failure_class=FailureClass.VERIFIER,
-            ) from exc
+        """The output as its model dumps it; ``malformed_output`` when it does not fit, or
+        holds a number that is not finite (no row can hold it: the outcome would be lost)."""
+        if self.output_model is not None:
+            try:
+                output = self.output_model.model_validate(output).model_dump(mode="json")
+            except ValidationError as exc:
+                raise StepFailure(
+                    f"step {self.name} output does not fit {self.output_model.__name__}: "
+                    f"{exc.errors()[0]['msg']}",
+                    code="malformed_output", failure_class=FailureClass.VERIFIER,
+                ) from exc
+        found = non_finite(output, "output")
+        if found is not None:
+            raise StepFailure(f"step {self.name} output holds a number that is not finite "
+                              f"in {found}", code="malformed_output",
+                              failure_class=FailureClass.VERIFIER)
+        return output
 
 
 ReviewExpiry = Literal["dead_letter", "approve"]

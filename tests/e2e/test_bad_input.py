@@ -141,6 +141,13 @@ HOSTILE = [
                  id="nan-in-metadata"),
     pytest.param({"raw": _SUMMARIZE + b', "metadata": {"n": -Infinity}}'}, 400,
                  "invalid_json", id="infinity-in-metadata"),
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"n": 1e999}}'}, 400,
+                 "non_finite_number", id="1e999-in-metadata"),
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"deep": [{"n": -1E400}]}}'}, 400,
+                 "non_finite_number", id="minus-1e400-deep-in-metadata"),
+    pytest.param({"raw": _SUMMARIZE + b', "metadata": {"n": 1e999}}',
+                  "headers": {"Idempotency-Key": "non-finite"}}, 400, "non_finite_number",
+                 id="1e999-in-metadata-with-a-key"),
     pytest.param({"body": {"workflow": "summarize", "input": {"text": "a\u0000b"}}}, 400,
                  "unstorable_text", id="nul-in-input"),
     pytest.param({"body": {"workflow": "summarize", "input": {"text": "x"},
@@ -158,7 +165,8 @@ HOSTILE = [
 def test_hostile_submit_is_a_4xx_problem_and_writes_nothing(
     tenant: tuple[Api, str], stack: StackState, request_: dict, status: int, code: str
 ) -> None:
-    """Deep nesting, NaN, NUL, lone surrogates and non-ASCII headers answer 400, not 5xx."""
+    """Deep nesting, NaN, 1e999, NUL, lone surrogates and non-ASCII headers answer 400, not
+    5xx."""
     api, name = tenant
     before = _jobs_of(stack, name)
     got_status, headers, body = api.call(
@@ -223,3 +231,22 @@ def test_nul_in_review_and_redrive_text_is_400(tenant: tuple[Api, str]) -> None:
                                 {"reason": "again", "by": "ops\u0000"})
     assert (status, body["code"]) == (400, "unstorable_text"), body
     assert api.job(dead)["status"] == "dead_letter"
+
+
+def test_1e999_in_review_corrections_is_400_and_leaves_the_job_waiting(
+        tenant: tuple[Api, str]) -> None:
+    """A review whose corrected fields hold 1e999 answers 400 non_finite_number and the job
+    still waits for review (no event, no artifact written)."""
+    api, _name = tenant
+    review = api.submit({"text": "unsure", "mode": "low_confidence"})
+    _settled(api, review, "awaiting_review")
+    before = api.job(review)["events"]
+    status, _h, body = api.call(
+        "POST", f"/v1/jobs/{review}/review",
+        raw=b'{"decision": "approve", "reviewer": "me", '
+            b'"fields": {"summary": "fine", "extra": {"score": 1e999}}}')
+    assert (status, body["code"]) == (400, "non_finite_number"), body
+    job = api.job(review)
+    assert job["status"] == "awaiting_review"
+    assert job["events"] == before
+    assert job["artifact"] is None
