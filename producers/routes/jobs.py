@@ -6,7 +6,8 @@ id answers 404 exactly like an unknown one.
 
 A submit with ``Prefer: wait=N`` (RFC 7240) is held up to N seconds (at most the setting
 api_prefer_wait_max_seconds): a job final by then is answered 200 with its view and result
-(``Preference-Applied``), otherwise the usual 202. The event stream carries a streamed
+(``Preference-Applied``), otherwise the usual 202 -- also when the wait itself fails (the
+job is committed by then). The event stream carries a streamed
 step's text beside the history (producers/job_stream.py).
 """
 
@@ -18,6 +19,7 @@ import binascii
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -68,6 +70,8 @@ from calmq.producers.webhooks import check_callback_url
 from calmq.workflows import Workflow, find_workflow
 
 __all__ = ["ROUTES"]
+
+log = logging.getLogger(__name__)
 
 ACCEPTED = Counter("calmq_jobs_accepted_total", "Jobs accepted by the API",
                    ["workflow", "priority"])
@@ -155,7 +159,14 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
     wait = _preferred_wait(request.headers.getall("Prefer", []),
                            settings.api_prefer_wait_max_seconds)
     if wait:
-        answered = await _answer_when_final(request, caller, new_id, wait)
+        try:
+            answered = await _answer_when_final(request, caller, new_id, wait)
+        except Exception:  # the job is committed: the answer is its 202
+            # Whatever fails while waiting (the database away, the artifact unreadable), the
+            # submit itself succeeded: an error here would have the client send it again.
+            log.warning("Prefer: wait for job %s failed after its commit; answering 202",
+                        new_id, exc_info=True)
+            answered = None
         if answered is not None:
             return answered
     return web.json_response(

@@ -274,3 +274,23 @@ def test_multipart_caps_are_settings(stack: StackState) -> None:
         status, _h, body = api.call("POST", "/v1/jobs", raw=multipart(
             {"workflow": "summarize", "priority": "bulk"}, b"abc"), headers=MP_HEADERS)
         assert status == 202, body
+
+
+def test_prefer_wait_answers_202_when_the_wait_fails_after_the_commit(stack: StackState,
+                                                                   tmp_path: Path) -> None:
+    """An API whose object store is not the workers' cannot read the finished job's result:
+    a submit with Prefer: wait still answers 202 with the committed job's id, not an error,
+    and the job completes."""
+    store = tmp_path / "another-store"
+    store.mkdir()
+    with running_api(stack, {"CALMQ_OBJECT_STORE_URL": store.as_uri()}) as other:
+        api, _name, _tenant_id = _tenant(stack, other.url)
+        status, _h, body = api.call(
+            "POST", "/v1/jobs", {"workflow": "summarize", "input": {"text": "wait for me"}},
+            headers={"Prefer": "wait=30"})
+        assert status == 202, body
+        assert body["status"] == "queued"
+        assert body["status_url"] == f"/v1/jobs/{body['job_id']}"
+        shared = Api(stack.env["CALMQ_API_URL"], api.key)
+        wait_for(lambda: shared.job(body["job_id"])["status"] == "completed", timeout=60,
+                 what="the job to complete")
