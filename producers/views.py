@@ -2,6 +2,8 @@
 
 Plain dicts on purpose (see producers.models); every time goes through
 ``timestamps.format_time``. Jobs come as calmq.data records (``JobSnapshot``, ``JobDetail``).
+Error messages (a job's error, the messages in its history) go through
+``problems.hide_hosts``: a tenant reads no internal host name (the row keeps the text).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from calmq.data import HistoryEvent, JobDetail, JobSnapshot
 from calmq.data.deadletters import DeadLetter
 from calmq.data.reviews import PendingReview
 from calmq.producers.models import JobSummary
+from calmq.producers.problems import hide_hosts
 from calmq.producers.timestamps import format_time
 
-__all__ = ["dead_letter_item", "event_view", "job_summary", "job_view", "review_item"]
+__all__ = ["dead_letter_item", "event_view", "job_summary", "job_view", "public_error",
+           "review_item"]
 
 
 def _plain(value: Any) -> Any:
@@ -30,15 +34,33 @@ def _plain(value: Any) -> Any:
 _SUMMARY = tuple(("id" if name == "job_id" else name, name) for name in JobSummary.model_fields)
 
 
+def public_error(error: Any) -> Any:
+    """An error (``{code, class, message}``) or event detail as a tenant may read it: its
+    ``message`` (and a nested ``error``'s) with no internal host name."""
+    if not isinstance(error, dict):
+        return error
+    shown = dict(error)
+    if isinstance(shown.get("message"), str):
+        shown["message"] = hide_hosts(shown["message"])
+    if isinstance(shown.get("error"), str):
+        shown["error"] = hide_hosts(shown["error"])
+    elif isinstance(shown.get("error"), dict):
+        shown["error"] = public_error(shown["error"])
+    return shown
+
+
 def job_summary(job: JobSnapshot) -> dict[str, Any]:
     """``models.JobSummary`` of a job."""
-    return {name: _plain(getattr(job, attr)) for attr, name in _SUMMARY}
+    summary = {name: _plain(getattr(job, attr)) for attr, name in _SUMMARY}
+    if "error" in summary:
+        summary["error"] = public_error(summary["error"])
+    return summary
 
 
 def event_view(event: HistoryEvent) -> dict[str, Any]:
     """``models.JobEvent`` of a history entry."""
     return {"type": event.type, "at": format_time(event.at), "attempt": event.attempt,
-            "detail": event.detail}
+            "detail": public_error(event.detail)}
 
 
 def job_view(job: JobDetail) -> dict[str, Any]:
@@ -65,7 +87,7 @@ def review_item(review: PendingReview) -> dict[str, Any]:
 def dead_letter_item(dead: DeadLetter) -> dict[str, Any]:
     """``models.DeadLetter`` of a dead-lettered job."""
     return {"job_id": str(dead.id), "workflow": dead.workflow, "step": dead.step,
-            "attempt": dead.attempt, "error": dead.error,
+            "attempt": dead.attempt, "error": public_error(dead.error),
             "created_at": format_time(dead.created_at),
             "dead_lettered_at": format_time(dead.dead_lettered_at),
             "redrive_url": f"/v1/dead-letters/{dead.id}/redrive"}
