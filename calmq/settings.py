@@ -312,6 +312,16 @@ class Settings(BaseSettings):
     webhook_dispatcher: bool = True  # deliver callbacks from inside the API process
     webhook_allow_private: bool = False  # let callback_url reach loopback/private addresses
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_connect_timeout_seconds: float = Field(
+        default=3.0, gt=0,
+        description="time limit of a webhook's TCP (and TLS) connect, within "
+                    "webhook_timeout_seconds: an endpoint that drops the connect frees its "
+                    "slot after this long")
+    webhook_slots_per_tenant: int = Field(
+        default=4, ge=1, le=1000,
+        description="webhook deliveries one tenant may have in flight at once in one API "
+                    "process; its other due deliveries wait, so one tenant's slow or dead "
+                    "endpoint holds only its own slots")
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
     webhook_secret_grace_seconds: float = Field(

@@ -8,6 +8,12 @@ document, records each attempt in ``webhook_attempts`` and retries up to
 ``webhook_max_attempts`` with the kernel's backoff (calmq.retrying: exponential, jittered
 over each attempt's band, so a later retry never comes sooner than an earlier one).
 
+One tenant's endpoint cannot slow the others' callbacks: each delivery is sent on its own
+(the dispatcher does not wait for a claim's slowest send before claiming again), a tenant
+has at most ``webhook_slots_per_tenant`` deliveries in flight in a process (the claim
+skips a tenant holding them all), and a connect that is never answered ends after
+``webhook_connect_timeout_seconds`` (the whole POST after ``webhook_timeout_seconds``).
+
 Where a callback may connect: the submit checks every address the host resolves to, and at
 send time the dispatcher's connector resolves through :class:`PinnedResolver`, which keeps
 only allowed addresses, so what was checked is what is connected to (DNS rebinding cannot
@@ -35,6 +41,7 @@ import logging
 import math
 import socket
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlparse
@@ -268,9 +275,14 @@ class Sender:
             allow = self._settings.webhook_allow_private
             connector = aiohttp.TCPConnector(
                 resolver=PinnedResolver(self._resolver, allow_private=allow))
+            # A connect that is dropped (a blackholed address) ends early: the rest of the
+            # total is for an endpoint that did answer the connect.
             self._session = aiohttp.ClientSession(
                 connector=connector, trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=self._settings.webhook_timeout_seconds))
+                timeout=aiohttp.ClientTimeout(
+                    total=self._settings.webhook_timeout_seconds,
+                    sock_connect=min(self._settings.webhook_connect_timeout_seconds,
+                                     self._settings.webhook_timeout_seconds)))
         return self._session
 
     async def close(self) -> None:
@@ -307,6 +319,10 @@ class Sender:
         return status_code, None, False
 
 
+# Deliveries one dispatcher sends at once, all tenants together.
+MAX_IN_FLIGHT = 64
+
+
 class Dispatcher:
     """Delivers due webhook rows; woken by NOTIFY calmq_webhooks, else by the next due time."""
 
@@ -321,20 +337,31 @@ class Dispatcher:
         # ``resolver`` looks callback hosts up (getaddrinfo by default); the sender filters
         # its answers, so it decides which addresses a delivery may connect to.
         self._sender = Sender(settings, resolver)
+        # What this dispatcher is sending: one task per delivery, counted per tenant.
+        self._sending: set[asyncio.Task[None]] = set()
+        self._held: dict[uuid.UUID, int] = {}
 
     def wake(self) -> None:
         self._wake.set()
 
+    def held(self, tenant_id: uuid.UUID) -> int:
+        """Deliveries of ``tenant_id`` this dispatcher is sending now."""
+        return self._held.get(tenant_id, 0)
+
     async def close(self) -> None:
-        """Close the HTTP session (after the side task running ``run`` stopped)."""
+        """Stop the sends in flight (their rows are tried again when their lease ends) and
+        close the HTTP session (after the side task running ``run`` stopped)."""
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
         await self._sender.close()
 
     async def run(self) -> None:
         """Deliver until cancelled: the API runs this as a side task (calmq.supervision)."""
         while True:
             try:
-                sent = await self.deliver_due()
-                wait = 0.0 if sent else await self._next_due()
+                started = await self.deliver_due()
+                wait = 0.0 if started else await self._next_due()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -345,18 +372,54 @@ class Dispatcher:
                     await asyncio.wait_for(self._wake.wait(), timeout=wait)
             self._wake.clear()
 
+    def _full(self) -> list[uuid.UUID]:
+        slots = self._settings.webhook_slots_per_tenant
+        return [t for t, n in self._held.items() if n >= slots]
+
     async def _next_due(self) -> float:
-        seconds = await self._deliveries.next_due()
+        if len(self._sending) >= MAX_IN_FLIGHT:
+            return 30.0  # a send that ends wakes the loop
+        seconds = await self._deliveries.next_due(self._full())
         if seconds is None:
             return 30.0
         return max(0.01, min(30.0, seconds))
 
     async def deliver_due(self, limit: int = 32) -> int:
-        """Claim and send every due delivery (up to ``limit``); returns how many were tried."""
+        """Claim due deliveries for the free slots (up to ``limit``) and start sending each
+        on its own; returns how many were started. A send that ends frees its slot and
+        wakes ``run`` to claim again."""
+        room = min(limit, MAX_IN_FLIGHT - len(self._sending))
+        if room <= 0:
+            return 0
         lease = self._settings.webhook_timeout_seconds * 2 + 5
-        due = await self._deliveries.claim(limit, lease)
-        await asyncio.gather(*(self._deliver(d) for d in due))
+        due = await self._deliveries.claim(room, lease,
+                                           per_tenant=self._settings.webhook_slots_per_tenant,
+                                           held=self._held)
+        for delivery in due:
+            self._held[delivery.tenant_id] = self._held.get(delivery.tenant_id, 0) + 1
+            task = asyncio.create_task(self._send(delivery))
+            self._sending.add(task)
         return len(due)
+
+    async def _send(self, delivery: WebhookDelivery) -> None:
+        try:
+            await self._deliver(delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Its lease ends and it is tried again: the attempt was not recorded.
+            log.exception("webhook %s for job %s failed before it was recorded", delivery.id,
+                          delivery.job_id)
+        finally:
+            left = self._held.get(delivery.tenant_id, 1) - 1
+            if left > 0:
+                self._held[delivery.tenant_id] = left
+            else:
+                self._held.pop(delivery.tenant_id, None)
+            task = asyncio.current_task()
+            if task is not None:
+                self._sending.discard(task)
+            self._wake.set()
 
     async def _deliver(self, delivery: WebhookDelivery) -> None:
         job = await self._store.jobs.view(delivery.tenant_id, delivery.job_id)

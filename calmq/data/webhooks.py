@@ -8,6 +8,7 @@ only claims, sends and records.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,19 +39,27 @@ class WebhookDeliveries:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def next_due(self) -> float | None:
-        """Seconds until the next pending delivery is due (negative: overdue); None if none."""
+    async def next_due(self, full: Collection[uuid.UUID] = ()) -> float | None:
+        """Seconds until the next pending delivery of a tenant not in ``full`` is due
+        (negative: overdue); None if none."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["webhook_next_due"])
+            cur = await conn.execute(self._db.q["webhook_next_due"], {"full": list(full)})
             row = await cur.fetchone()
         return None if row is None or row["seconds"] is None else float(row["seconds"])
 
-    async def claim(self, limit: int, lease_seconds: float) -> list[WebhookDelivery]:
+    async def claim(self, limit: int, lease_seconds: float, *, per_tenant: int,
+                    held: Mapping[uuid.UUID, int] | None = None) -> list[WebhookDelivery]:
         """Due deliveries for this dispatcher, each leased for ``lease_seconds`` (SKIP LOCKED:
-        several API processes share the work)."""
+        several API processes share the work), oldest first: at most ``per_tenant`` in
+        flight per tenant, counting the ``held`` ones this dispatcher is sending."""
+        held = {t: n for t, n in (held or {}).items() if n > 0}
+        full = [t for t, n in held.items() if n >= per_tenant]
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["webhook_claim"],
-                                     {"limit": limit, "lease_seconds": lease_seconds})
+            cur = await conn.execute(self._db.q["webhook_claim"], {
+                "limit": limit, "lease_seconds": lease_seconds, "per_tenant": per_tenant,
+                "tenants": list(held), "held": list(held.values()), "full": full,
+                # Enough rows that a few busy tenants at the front cannot hide the others.
+                "scan": max(limit * 8, per_tenant * 8, 256)})
             rows = await cur.fetchall()
         return [WebhookDelivery(r["id"], r["job_id"], r["tenant_id"], r["url"], r["event_type"],
                                 r["attempts"], r["webhook_secret"],

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -256,3 +258,50 @@ def test_rotation_with_no_grace_drops_the_old_secret_at_once(
     Webhook(standard_secret(new)).verify(body, headers)
     with pytest.raises(WebhookVerificationError):
         Webhook(standard_secret(old)).verify(body, headers)
+
+
+def test_a_dead_endpoint_does_not_hold_back_another_tenants_webhooks(
+        local_api: tuple[ApiProcess, str]) -> None:
+    """Tenant A's 12 callbacks go to an endpoint that accepts the connection and never
+    answers (each attempt holds until the 10 s webhook timeout); while they are in flight,
+    tenant B's 5 callbacks arrive within 5 s, and A holds at most its 4 slots."""
+    api_process, database_url = local_api
+    a = Api(api_process.url, create_tenant(database_url, f"dead-{uuid.uuid4().hex[:8]}"))
+    b = Api(api_process.url, create_tenant(database_url, f"live-{uuid.uuid4().hex[:8]}"))
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(256)  # the kernel completes each connect; nothing ever reads or answers
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}/hook"
+    try:
+        with Receiver() as receiver:
+            a_jobs = [a.submit({"text": f"a {n}", "mode": "success"}, callback_url=dead_url)
+                      for n in range(12)]
+            b_jobs = [b.submit({"text": f"b {n}", "mode": "success"},
+                               callback_url=receiver.url) for n in range(5)]
+            for job_id in a_jobs:
+                assert a.call("POST", f"/v1/jobs/{job_id}/cancel")[0] == 200
+
+            def a_claimed() -> int:
+                with psycopg.connect(database_url) as conn:
+                    row = conn.execute("SELECT count(*) FROM webhook_deliveries "
+                                       "WHERE job_id = ANY(%s::uuid[]) AND attempts >= 1",
+                                       (a_jobs,)).fetchone()
+                return int(row[0]) if row else 0
+
+            wait_for(a_claimed, timeout=30, what="tenant A's deliveries to be in flight")
+            a_started = time.monotonic()
+            for job_id in b_jobs:
+                assert b.call("POST", f"/v1/jobs/{job_id}/cancel")[0] == 200
+            b_started = time.monotonic()
+            wait_for(lambda: len(receiver.calls) >= 5, timeout=30,
+                     what="tenant B's callbacks")
+            took = time.monotonic() - b_started
+            claimed = a_claimed()
+            held_since = time.monotonic() - a_started
+        assert took < 5, f"tenant B's callbacks took {took:.1f} s"
+        assert sorted(json.loads(body)["job"]["job_id"] for _h, body in receiver.calls) == (
+            sorted(b_jobs))
+        if held_since < 9:  # before A's first attempts time out and free their slots
+            assert claimed <= 4, claimed
+    finally:
+        dead.close()

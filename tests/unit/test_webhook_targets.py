@@ -208,3 +208,28 @@ def test_an_endless_answer_is_not_read_whole() -> None:
     finally:
         big.server.shutdown()
         big.server.server_close()
+
+
+def test_a_connect_that_is_never_answered_ends_at_the_connect_timeout() -> None:
+    """A receiver whose connect is dropped (its accept queue full, as a blackholed address
+    behaves): the attempt fails after webhook_connect_timeout_seconds, not the whole
+    webhook_timeout_seconds."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port), timeout=5)  # fills the queue
+    try:
+        settings = Settings(webhook_allow_private=True, webhook_timeout_seconds=60,
+                            webhook_connect_timeout_seconds=0.5)
+        started = time.monotonic()
+        status, error, final = _post(settings, FixedResolver("127.0.0.1"),
+                                     f"http://dead.example:{port}/hook")
+        took = time.monotonic() - started
+        assert status is None
+        assert error is not None
+        assert not final  # retried later, with backoff
+        assert took < 10, took
+    finally:
+        filler.close()
+        listener.close()
