@@ -16,7 +16,7 @@ from typing import Any
 
 from calmq import __version__
 from calmq.tooling import keda
-from calmq.tooling.kubernetes import DOCS, chart_files
+from calmq.tooling.kubernetes import DOCS, SECRETS_HELPER, chart_files
 from calmq.tooling.manifests import HELPERS, helm_template
 
 __all__ = ["chart", "values_text", "write_chart"]
@@ -146,7 +146,7 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
                                    "the defaults calmq computes for its default settings."),
         ".helmignore": "# " + HEADER + "\n*.orig\n*.swp\n",
         "templates/_helpers.tpl": "{{- /* " + HEADER + " */}}\n" + HELPERS + "\n"
-                                  + keda.HELPER,
+                                  + keda.HELPER + SECRETS_HELPER,
         "templates/NOTES.txt": (
             "calmq {{ .Chart.AppVersion }} in {{ .Release.Namespace }}.\n"
             "The migrate and Kafka setup Jobs ran as hooks before the parts started.\n"

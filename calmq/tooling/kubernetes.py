@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -75,6 +76,7 @@ from calmq.tooling.manifests import (
     When,
     documents,
     merge_values,
+    setting_text,
 )
 from calmq.workflows import Workflow, load_workflows
 
@@ -162,6 +164,76 @@ SECRET_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # Where a part mounts the file of a secretFiles entry: <root>/<setting, dashed>/<key>.
 SECRET_FILES_ROOT = "/etc/calmq/secrets"  # noqa: S105 - a folder, not a password
+
+# Plain settings whose text can carry a secret all the same: a password in a URL's userinfo
+# (https://user:password@registry), a credential header among the extra headers, a
+# librdkafka password or key in kafka_config. The ConfigMap, and the hook Jobs' inline env,
+# are readable by whoever may read ConfigMaps or Jobs (and land in `helm get values`, Argo
+# CD's diffs, a GitOps repository): the render refuses such a value, naming the setting
+# and where its secret goes instead (``config_secrets``; the chart's calmq.noSecrets
+# helper applies the same patterns). Each: (pattern, which settings it applies to, the
+# refusal with %s for the setting).
+_SECRET_PATTERNS: tuple[tuple[str, str, str], ...] = (
+    (r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]*:[^/?#@\s]*@", "",
+     "config.%s holds a password in its URL (user:password@host), which would be written "
+     "in the ConfigMap: give the URL without it, and the credentials as secret settings "
+     "read from a Secret (schema_registry_username with schema_registry_password; "
+     "provider_api_key; a database URL is a secret setting already)"),
+    (r'(?i)"[^"]*(authorization|api[-_]?key|token|secret|password|passwd|cookie|credential'
+     r'|signature)[^"]*"\s*:', "_extra_headers",
+     "config.%s names a credential header, which would be written in the ConfigMap: send "
+     "the provider's key as provider_api_key (or embeddings_api_key), read from a Secret, "
+     "and keep only plain headers here"),
+    (r'(?i)[a-z0-9._-]*(password|secret|key\.pem|oauthbearer\.config|keytab)[a-z0-9._-]*"?'
+     r"\s*[:=]", "kafka_config",
+     "config.%s sets a librdkafka password, key or secret, which would be written in the "
+     "ConfigMap: use the secret settings read from a Secret (kafka_sasl_password, "
+     "kafka_ssl_key_password, kafka_sasl_oauthbearer_client_secret, kafka_ssl_key_location "
+     "as a secretFiles entry)"),
+)
+
+
+def config_secrets(values: Mapping[str, Any]) -> list[str]:
+    """Why each ``config`` value of the values that carries a secret may not be written
+    (``_SECRET_PATTERNS``); empty when none does."""
+    found = []
+    for name, value in sorted((values.get("config") or {}).items()):
+        text = setting_text(value)
+        for pattern, applies, message in _SECRET_PATTERNS:
+            if (not applies or str(name).endswith(applies)) and re.search(pattern, text):
+                found.append(message % name)
+    return found
+
+
+@dataclass(frozen=True)
+class NoSecrets(Expr):
+    """Refuses values whose ``config`` carries a secret (``config_secrets``), with its
+    message (Go: the chart's calmq.noSecrets helper, a ``fail``)."""
+
+    def evaluate(self, ctx: Context) -> Any:
+        found = config_secrets(ctx.values)
+        if found:
+            raise ConfigError("; ".join(found), code="secret_in_config")
+        return ""
+
+    def go(self) -> str:
+        return '(include "calmq.noSecrets" $)'
+
+
+# The Go twin of config_secrets, for the chart's _helpers.tpl.
+SECRETS_HELPER = "".join([
+    "{{/* Refuse a config value that carries a secret (calmq/tooling/kubernetes.py:\n",
+    "config_secrets): a password in a URL, a credential header, a librdkafka secret. */}}\n",
+    '{{- define "calmq.noSecrets" -}}\n',
+    "{{- range $name, $value := (.Values.config | default dict) -}}\n",
+    '{{- $text := include "calmq.text" $value -}}\n',
+    *("{{- if and (or " + json.dumps(not applies) + " (hasSuffix " + json.dumps(applies)
+      + " $name)) (regexMatch " + json.dumps(pattern) + " $text) -}}\n"
+      "{{- fail (printf " + json.dumps(message) + " $name) -}}\n{{- end -}}\n"
+      for pattern, applies, message in _SECRET_PATTERNS),
+    "{{- end -}}\n",
+    "{{- end -}}\n",
+])
 
 
 @dataclass(frozen=True)
@@ -1002,7 +1074,7 @@ def _base() -> list[Doc]:
             when=_root("serviceAccount", "create")),
         Doc(lambda _c: "10-configmap.yaml", "configmap.yaml",
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": config_meta,
-             "data": {Check(provider): None,
+             "data": {Check(provider): None, Check(NoSecrets()): None,
                       Entries(_root("config"), "cfg", Printf("CALMQ_%s", Upper(Key("cfg"))),
                               Text(Val((), "cfg"))): None}}),
     ]
@@ -1051,6 +1123,9 @@ def render(values: Mapping[str, Any], namespace: str = "calmq", *, only: str | N
     apply them in (``jobs/`` first: they are hooks). ``only="workers"``: the worker
     Deployments and their ScaledObjects alone."""
     ctx = Context(values, namespace, chart_files())
+    # Before any document: the hook Jobs carry the config inline, and --only workers
+    # renders no ConfigMap, so its check alone would not see every path.
+    NoSecrets().evaluate(ctx)
     if only is None:
         return dict(documents(DOCS, ctx))
     if only != "workers":

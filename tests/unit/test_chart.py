@@ -125,6 +125,19 @@ def test_helm_refuses_values_without_a_provider(tmp_path: Path) -> None:
     assert "config.provider_url is required" in done.stderr
 
 
+def test_helm_refuses_a_secret_in_a_plain_setting(tmp_path: Path) -> None:
+    """`helm template` with a password in config.schema_registry_url fails naming it, as the
+    renderer does: the ConfigMap never holds it."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"config": {
+        "provider_url": "https://api.openai.com",
+        "schema_registry_url": "https://calmq:hunter2@registry.example/apis/ccompat/v7"}}))
+    done = _run([tool("helm"), "template", "calmq", str(CHART), "-f", str(values)])
+    assert done.returncode != 0
+    assert "config.schema_registry_url holds a password" in done.stderr
+    assert "hunter2" not in done.stdout
+
+
 # The chart's KEDA helper (calmq.kedaKafkaAuth) against the renderer's kafka_auth, for the
 # mechanisms the value sets above do not use.
 _KEDA_CASES = {

@@ -14,6 +14,7 @@ tests/unit/test_chart.py holds the Helm chart and Kustomize's build to the same 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 from pathlib import Path
@@ -401,6 +402,50 @@ def test_secrets_are_read_by_key_and_never_reach_the_configmap() -> None:
             calls = container["name"] in ("worker", "batcher")
             assert ("CALMQ_PROVIDER_API_KEY" in refs) is calls, name
     assert not list(K8S.glob("*secret*.yaml"))
+
+
+_SECRET_IN_PLAIN_SETTINGS = {  # setting -> a value of it that carries a secret
+    "schema_registry_url": "https://calmq:hunter2-registry@registry.example/apis/ccompat/v7",
+    "provider_extra_headers": '{"X-Team": "search", "Authorization": "Bearer hunter2-hdr"}',
+    "embeddings_extra_headers": '{"api-key": "hunter2-emb"}',
+    "kafka_config": '{"ssl.keystore.password": "hunter2-kafka", "linger.ms": 5}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SECRET_IN_PLAIN_SETTINGS))
+def test_a_secret_in_a_plain_setting_is_refused_not_rendered(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A password in the registry URL's userinfo, a credential among the extra headers, or a
+    librdkafka password in kafka_config, from the settings or from a values file: the render
+    refuses, naming the setting, and writes nothing (no ConfigMap, no hook Job's env)."""
+    value = _SECRET_IN_PLAIN_SETTINGS[name]
+    settings = load_settings(SETTINGS, environ={f"CALMQ_{name.upper()}": value})
+    for values in (default_values(settings),
+                   merge_values(default_values(_settings()), {"config": {
+                       name: json.loads(value) if value.startswith("{") else value}})):
+        for only in (None, "workers"):
+            with pytest.raises(ConfigError) as refused:
+                render(values, only=only)
+            assert refused.value.code == "secret_in_config"
+            assert f"config.{name}" in refused.value.message
+            assert "hunter2" not in refused.value.message
+    out = tmp_path / "k8s"
+    monkeypatch.setenv(f"CALMQ_{name.upper()}", value)
+    assert main(["k8s", "render", "--settings", str(SETTINGS), "-o", str(out)]) != 0
+    assert not any("hunter2" in p.read_text() for p in out.rglob("*") if p.is_file())
+
+
+def test_plain_settings_without_secrets_still_render() -> None:
+    """A registry URL with a user and no password, plain extra headers and kafka_config
+    without a secret are written to the ConfigMap as before."""
+    settings = load_settings(SETTINGS, environ={
+        "CALMQ_SCHEMA_REGISTRY_URL": "https://registry.example/apis/ccompat/v7",
+        "CALMQ_PROVIDER_EXTRA_HEADERS": '{"X-Team": "search"}',
+        "CALMQ_KAFKA_CONFIG": '{"linger.ms": 5, "socket.keepalive.enable": true}'})
+    [config] = [m for m in render(default_values(settings)).values()
+                if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "calmq"]
+    assert config["data"]["CALMQ_PROVIDER_EXTRA_HEADERS"] == '{"X-Team":"search"}'
+    assert "linger.ms" in config["data"]["CALMQ_KAFKA_CONFIG"]
 
 
 def test_role_urls_come_from_their_own_secrets_to_their_own_parts() -> None:

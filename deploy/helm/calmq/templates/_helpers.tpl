@@ -73,3 +73,19 @@ JSON {"metadata": trigger metadata, "spec": TriggerAuthentication spec}. */}}
 {{- if $env -}}{{- $_ := set $spec "env" $env -}}{{- end -}}
 {{- toJson (dict "metadata" $meta "spec" $spec) -}}
 {{- end -}}
+{{/* Refuse a config value that carries a secret (calmq/tooling/kubernetes.py:
+config_secrets): a password in a URL, a credential header, a librdkafka secret. */}}
+{{- define "calmq.noSecrets" -}}
+{{- range $name, $value := (.Values.config | default dict) -}}
+{{- $text := include "calmq.text" $value -}}
+{{- if and (or true (hasSuffix "" $name)) (regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\\s]*:[^/?#@\\s]*@" $text) -}}
+{{- fail (printf "config.%s holds a password in its URL (user:password@host), which would be written in the ConfigMap: give the URL without it, and the credentials as secret settings read from a Secret (schema_registry_username with schema_registry_password; provider_api_key; a database URL is a secret setting already)" $name) -}}
+{{- end -}}
+{{- if and (or false (hasSuffix "_extra_headers" $name)) (regexMatch "(?i)\"[^\"]*(authorization|api[-_]?key|token|secret|password|passwd|cookie|credential|signature)[^\"]*\"\\s*:" $text) -}}
+{{- fail (printf "config.%s names a credential header, which would be written in the ConfigMap: send the provider's key as provider_api_key (or embeddings_api_key), read from a Secret, and keep only plain headers here" $name) -}}
+{{- end -}}
+{{- if and (or false (hasSuffix "kafka_config" $name)) (regexMatch "(?i)[a-z0-9._-]*(password|secret|key\\.pem|oauthbearer\\.config|keytab)[a-z0-9._-]*\"?\\s*[:=]" $text) -}}
+{{- fail (printf "config.%s sets a librdkafka password, key or secret, which would be written in the ConfigMap: use the secret settings read from a Secret (kafka_sasl_password, kafka_ssl_key_password, kafka_sasl_oauthbearer_client_secret, kafka_ssl_key_location as a secretFiles entry)" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
