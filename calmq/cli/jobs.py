@@ -59,11 +59,27 @@ def _http(method: str, url: str, key: str, body: dict[str, Any] | None = None) -
                           code="api_unreachable") from None
 
 
+def _input(text: str) -> dict[str, Any]:
+    """``--input``: a JSON object with finite numbers (1e999, which Python reads as
+    infinity, is refused here as the API would refuse it)."""
+    from calmq.storable import NonFiniteNumber, loads
+
+    try:
+        data = loads(text)
+    except NonFiniteNumber as exc:
+        raise UsageError(f"--input: {exc}", code="non_finite_number") from None
+    except ValueError as exc:
+        raise UsageError(f"--input is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise UsageError("--input is a JSON object", code="invalid_json")
+    return data
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     if not args.api_key:
         raise ConfigError("pass --api-key or set CALMQ_API_KEY", code="missing_api_key")
-    data = json.loads(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
+    data = _input(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
     status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
         "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
         "priority": args.priority})

@@ -192,3 +192,13 @@ def test_output_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CALMQ_OUTPUT", "yaml")
     with pytest.raises(UsageError):
         output_format(parser().parse_args(["health"]))
+
+
+def test_submit_refuses_1e999_in_its_input_before_calling_the_api(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq submit --input` with 1e999 (which Python reads as infinity) is a usage error
+    naming non_finite_number; nothing is sent (the API URL points nowhere)."""
+    monkeypatch.setenv("CALMQ_API_URL", "http://127.0.0.1:9")
+    code = main(["submit", "--api-key", "k", "--input", '{"text": "x", "n": 1e999}'])
+    assert code == 2
+    assert "non_finite_number" in capsys.readouterr().err
