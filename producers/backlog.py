@@ -18,10 +18,12 @@ relay's own ``calmq_relay_slot_retained_wal_bytes`` cannot show that, because th
 what is missing. A dropped slot's series are removed, not set to 0.
 
 Tables: dead tuples per table (partitions summed under their table) and their share, the
-age of the database's oldest unfrozen transaction ID, and the oldest open transaction's
-age, every ``CALMQ_TABLE_HEALTH_INTERVAL_SECONDS``. Autovacuum keeps the first two down on
-its own (migration 0029 tunes it for the hot tables); the alerts on them say when it cannot:
-a transaction left open, vacuum outpaced, or freezing behind on the way to wraparound.
+age of the database's oldest unfrozen transaction ID, the oldest open transaction's age, and
+the share of the NOTIFY queue in use, every ``CALMQ_TABLE_HEALTH_INTERVAL_SECONDS``.
+Autovacuum keeps the first two down on its own (migration 0029 tunes it for the hot tables);
+the alerts on them say when it cannot: a transaction left open, vacuum outpaced, or freezing
+behind on the way to wraparound. The NOTIFY queue fills when a listening session stops
+reading (its notifications wait for it), and a full one fails every commit that notifies.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class TableGauges:
     xid_age: Gauge
     oldest_transaction: Gauge
     slot_xmin_age: Gauge
+    notification_queue: Gauge
 
 
 @cache
@@ -95,7 +98,11 @@ def table_gauges() -> TableGauges:
                                  "has run; vacuum keeps every row version since it began"),
         slot_xmin_age=Gauge("calmq_db_replication_slot_xmin_age",
                             "Age in transactions of the oldest xmin a replication slot holds "
-                            "back (0: none)"))
+                            "back (0: none)"),
+        notification_queue=Gauge("calmq_db_notification_queue_usage",
+                                 "Share (0 to 1) of PostgreSQL's NOTIFY queue in use "
+                                 "(pg_notification_queue_usage()); at 1 every NOTIFY, and "
+                                 "every commit that sends one, fails"))
 
 
 class QueueAge:
@@ -161,4 +168,5 @@ class TableWatch:
         gauges.xid_age.set(ages.xid_age)
         gauges.oldest_transaction.set(ages.oldest_transaction_seconds)
         gauges.slot_xmin_age.set(ages.slot_xmin_age)
+        gauges.notification_queue.set(ages.notification_queue_usage)
         return tables, ages

@@ -41,6 +41,7 @@ class TransactionAges:
     xid_age: int  # age of the database's oldest unfrozen transaction ID
     oldest_transaction_seconds: float  # the longest-running open transaction of a client
     slot_xmin_age: int  # age of the oldest xmin a replication slot holds back (0: none)
+    notification_queue_usage: float = 0.0  # share of the NOTIFY queue in use, 0 to 1
 
 
 async def queue_ages(db: Database) -> dict[tuple[str, str], float]:
@@ -79,4 +80,5 @@ async def transaction_ages(db: Database) -> TransactionAges:
         row = await cur.fetchone()
     assert row is not None  # one row by construction
     return TransactionAges(int(row["xid_age"]), float(row["oldest_transaction_seconds"]),
-                           int(row["slot_xmin_age"]))
+                           int(row["slot_xmin_age"]),
+                           float(row["notification_queue_usage"]))

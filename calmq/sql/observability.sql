@@ -62,7 +62,10 @@ ORDER BY root.relname;
 -- PostgreSQL stops taking writes at about 2^31 - 3 million) and how long the oldest open
 -- transaction has run: an old snapshot keeps every dead tuple since it began, so vacuum
 -- frees nothing and bloat grows while it lasts. A replication slot's xmin does the same;
--- its age counts too.
+-- its age counts too. And the share of the server's NOTIFY queue (8 GB by default) in use:
+-- notifications wait there until every listening session has read them, so one session
+-- that stopped reading (or a transaction holding it) fills it, and at full every NOTIFY,
+-- so every commit that sends one, fails.
 SELECT (SELECT age(datfrozenxid) FROM pg_database
         WHERE datname = current_database())::bigint AS xid_age,
        COALESCE((SELECT extract(epoch FROM now() - min(xact_start)) FROM pg_stat_activity
@@ -71,4 +74,5 @@ SELECT (SELECT age(datfrozenxid) FROM pg_database
            AS oldest_transaction_seconds,
        COALESCE((SELECT max(age(xmin)) FROM pg_replication_slots
                  WHERE database = current_database() AND xmin IS NOT NULL), 0)::bigint
-           AS slot_xmin_age;
+           AS slot_xmin_age,
+       pg_notification_queue_usage()::float8 AS notification_queue_usage;

@@ -95,6 +95,24 @@ async def test_an_open_transaction_and_the_xid_age_are_seen(
     assert after.xid_age > before.xid_age  # txid_current() took one
 
 
+async def test_a_listener_that_stops_reading_shows_in_the_notification_queue_usage(
+    stack: StackState, db: Database,
+) -> None:
+    """A session that LISTENs and then sits in a transaction keeps every notification sent
+    since in the NOTIFY queue: its usage reads above 0 until that session lets go."""
+    url = stack.env["CALMQ_DATABASE_URL"]
+    channel = f"calmq_test_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url) as listener:
+        listener.execute(f"LISTEN {channel}".encode())
+        listener.commit()
+        listener.execute("SELECT 1")  # a transaction open: nothing is delivered to it
+        with psycopg.connect(url, autocommit=True) as sender:
+            for _ in range(40):  # 40 payloads of 7,900 bytes: dozens of the queue's pages
+                sender.execute("SELECT pg_notify(%s, %s)", (channel, "x" * 7_900))
+        assert (await transaction_ages(db)).notification_queue_usage > 0
+        listener.rollback()
+
+
 def test_the_api_exports_the_table_gauges(stack: StackState) -> None:
     """The API's /metrics has a dead-tuple series for each hot table and the database-wide
     gauges, sampled at its start (the rules in deploy/prometheus/alerts.yml read them)."""
@@ -110,3 +128,6 @@ def test_the_api_exports_the_table_gauges(stack: StackState) -> None:
     assert xid
     assert xid[0] > 0
     assert [n for n, _ls, _v in samples if n == "calmq_db_oldest_transaction_seconds"]
+    usage = [v for n, _ls, v in samples if n == "calmq_db_notification_queue_usage"]
+    assert usage
+    assert 0.0 <= usage[0] <= 1.0

@@ -40,6 +40,7 @@ REQUIRED_ALERTS = {  # the concerns of the issues, each covered by at least one 
     "429 rate": "calmq_model_calls_total",
     "table bloat": "calmq_db_dead_tuple_ratio",
     "transaction ID wraparound": "calmq_db_xid_age",
+    "NOTIFY queue filling": "calmq_db_notification_queue_usage",
 }
 
 
@@ -283,6 +284,7 @@ _HEALTHY_SAMPLES = [  # what a healthy install reports besides `up`, flat over 4
     _sample("calmq_db_dead_tuples", "25x40", table="tenants", **_API),  # small: no alert
     _sample("calmq_db_oldest_transaction_seconds", "2x40", **_API),
     _sample("calmq_db_xid_age", "150000000+100000x40", **_API),
+    _sample("calmq_db_notification_queue_usage", "0x40", **_API),
 ]
 # The database's ill states, one scenario each: (series replaced, values, alert, its labels).
 _DATABASE_TROUBLE = [
@@ -292,6 +294,9 @@ _DATABASE_TROUBLE = [
      "CalmqLongTransaction", {}),
     (_sample("calmq_db_xid_age", "", **_API)[0], "900000000+10000000x40",
      "CalmqTransactionIdWraparound", {}),
+    # A listening session stopped reading: the queue grows by 1% a minute.
+    (_sample("calmq_db_notification_queue_usage", "", **_API)[0], "0+0.01x40",
+     "CalmqNotificationQueueFilling", {}),
 ]
 
 
