@@ -13,8 +13,11 @@ the reverse order could leave objects nobody points at.
 The retention sweep does the same for every terminal job past retention, a batch of a
 thousand at a time (one statement per table for the batch), except for the history rows:
 job_events and job_attempts are partitioned by time, and a partition is dropped whole once
-every job with history in it is past retention (calmq.data.partitions). The sweep also makes
-the partitions ahead of now that inserts will need.
+every job with history in it is past retention (calmq.data.partitions). A partition past the
+retention that a job still open (or ended lately) holds back loses the rows of its other
+jobs, past retention, instead: retention is each job's and each tenant's own, never held by
+another tenant's oldest open job. The sweep also makes the partitions ahead of now that
+inserts will need.
 """
 
 from __future__ import annotations
@@ -110,22 +113,23 @@ class Sweeper:
 
     async def sweep(self) -> dict[str, int]:
         """One pass; returns how many keys were pruned, jobs purged, partitions made and
-        partitions dropped."""
+        dropped, and history rows deleted from partitions an open job holds back."""
         keys = await self._retention.prune_idempotency_keys(
             self._settings.idempotency_retention_seconds)
         # Partitions ahead first: an insert that finds none fails.
         made = await self._partitions.make_ahead(self._settings.history_partition_hours,
                                                  self._settings.history_partitions_ahead)
-        purged = dropped = 0
+        purged = dropped = expired = 0
         retention = self._settings.job_retention_seconds
         if retention > 0:
             purged = await self._retire_jobs(retention)
             dropped = len(await self._partitions.retire(retention))
+            expired = await self._partitions.expire(retention, seconds=self.pass_seconds)
         retired, gone = retention_counters()
         retired.inc(purged)
         gone.inc(dropped)
         return {"idempotency_keys": keys, "jobs": purged, "partitions_made": made,
-                "partitions_dropped": dropped}
+                "partitions_dropped": dropped, "history_rows_expired": expired}
 
     async def _retire_jobs(self, retention: float) -> int:
         """Batches of jobs past retention: objects deleted, then the rows redacted."""

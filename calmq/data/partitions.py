@@ -5,13 +5,18 @@ A job's history rows are all written at or after the job's creation, so the part
 that ends at or before the *horizon* (the oldest creation time of any job still live or
 not yet past retention, never later than the retention ago) holds only the history of jobs
 past retention, and goes with ``DETACH ... CONCURRENTLY`` and ``DROP TABLE``: no row is
-deleted or vacuumed one by one. docs/explanation/database-at-scale.md tells the whole story.
+deleted or vacuumed one by one. A partition past the retention that the horizon holds back
+(one tenant's job created in it is still open, or ended lately) is not left whole for
+everybody: the rows of its jobs past retention are deleted (``expire``), and only the open
+jobs' rows wait for the partition to go. docs/explanation/database-at-scale.md tells the
+whole story.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from psycopg import errors, sql
 
@@ -85,6 +90,28 @@ class HistoryPartitions:
                 continue
             await self.drop(part)
             gone.append(part)
+        return gone
+
+    async def expire(self, retention_seconds: float, *, batch: int = 10_000,
+                     seconds: float = 60.0) -> int:
+        """Delete the rows of jobs past retention from the partitions past the retention that
+        the horizon holds back (``retire`` leaves them), ``batch`` rows a statement, for up to
+        ``seconds``; returns how many rows went. The next pass goes on where this one ended."""
+        horizon = await self.horizon(retention_seconds)
+        ago = datetime.now(UTC) - timedelta(seconds=retention_seconds)
+        held = [p for p in await self.listing()
+                if horizon < p.upper <= ago and not p.detach_pending]
+        deadline = time.monotonic() + seconds
+        gone = 0
+        for part in held:
+            statement = sql.SQL(self._db.q["history_partition_expire"]).format(
+                partition=sql.Identifier(part.name))
+            while time.monotonic() < deadline:
+                async with self._db.pool.connection() as conn:
+                    cur = await conn.execute(statement, {"limit": batch})
+                gone += cur.rowcount
+                if cur.rowcount < batch:
+                    break
         return gone
 
     async def drop(self, part: Partition) -> None:

@@ -45,6 +45,19 @@ SELECT LEAST(
     (SELECT min(created_at) FROM jobs WHERE status = 'running'),
     (SELECT min(created_at) FROM jobs WHERE status = 'awaiting_review')) AS horizon;
 
+-- name: history_partition_expire
+-- A partition past the retention that the horizon still holds back (some job created in it
+-- is live, or ended within the retention): up to %(limit)s of its rows whose job is past
+-- retention (redacted) are deleted, so one tenant's old open job never keeps every other
+-- tenant's history. The kept jobs are few (the live and recently ended ones of that time),
+-- each checked by one probe of jobs' primary key; the partition itself goes whole once the
+-- horizon passes it. Identifiers filled in by calmq.data.partitions (psycopg.sql).
+DELETE FROM {partition}
+WHERE ctid = ANY(ARRAY(
+    SELECT h.ctid FROM {partition} h
+    WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = h.job_id AND j.redacted_at IS NULL)
+    LIMIT %(limit)s))
+
 -- The three statements that retire a partition, with identifiers filled in by
 -- calmq.data.partitions (psycopg.sql). DETACH ... CONCURRENTLY takes SHARE UPDATE EXCLUSIVE:
 -- reads and writes of the history go on while it waits for the transactions that may still

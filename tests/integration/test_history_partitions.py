@@ -136,9 +136,10 @@ async def _sweep(url: str, objects_url: str) -> dict[str, int]:
 
 def test_retention_drops_a_partition_once_every_job_in_it_is_past_retention(
         fresh_db: str, stack: StackState) -> None:
-    """A day partition holding a job past retention and one still within it stays; once the
-    second is past retention too, the sweep redacts it and drops the partition with every
-    history row of both, and the newer partitions stay."""
+    """A day partition holding a job past retention and one still within it stays (the
+    first job's rows deleted from it); once the second is past retention too, the sweep
+    redacts it and drops the partition with its history rows, and the newer partitions
+    stay."""
     apply_pending(fresh_db)
     objects_url = stack.env["CALMQ_OBJECT_STORE_URL"]
     now = datetime.now(UTC)
@@ -158,7 +159,8 @@ def test_retention_drops_a_partition_once_every_job_in_it_is_past_retention(
     assert first["jobs"] == 1
     with psycopg.connect(fresh_db, autocommit=True) as conn:
         assert old_part in _partitions(conn)  # `recent` still needs its history
-        assert _history(conn, [expired, recent]) == (6, 2)
+        assert _history(conn, [expired]) == (0, 0)  # and only `recent`
+        assert _history(conn, [recent]) == (3, 1)
         conn.execute("UPDATE jobs SET updated_at = now() - interval '8 days' WHERE id = %s",
                      (recent,))
 
@@ -173,6 +175,31 @@ def test_retention_drops_a_partition_once_every_job_in_it_is_past_retention(
                                 " AND redacted_at IS NOT NULL AND input IS NULL",
                                 ([expired, recent],)).fetchone()
         assert redacted == (2,)
+
+
+def test_one_tenants_old_open_job_does_not_keep_another_tenants_history(
+        fresh_db: str, stack: StackState) -> None:
+    """Tenant B's job open since ten days ago holds its partition back, yet tenant A's job of
+    that day, past retention, loses its history rows at the sweep; B's rows stay."""
+    apply_pending(fresh_db)
+    now = datetime.now(UTC)
+    day = (now - timedelta(days=10)).replace(hour=0, minute=0, second=0, microsecond=0)
+    old_part = f"job_events_{day:%Y%m%d}_0000"
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        _day_partitions_from(conn, day, ahead_days=3)
+        a, b = _tenant(conn), _tenant(conn)
+        gone = _job(conn, a, status="completed", created=day + timedelta(hours=1),
+                    updated=now - timedelta(days=9))
+        open_job = _job(conn, b, status="awaiting_review", created=day + timedelta(hours=2),
+                        updated=now)
+
+    swept = asyncio.run(_sweep(fresh_db, stack.env["CALMQ_OBJECT_STORE_URL"]))
+    assert swept["jobs"] == 1
+    assert swept["history_rows_expired"] == 4  # A's three events and its attempt
+    with psycopg.connect(fresh_db, autocommit=True) as conn:
+        assert old_part in _partitions(conn)  # B's job still needs its history
+        assert _history(conn, [gone]) == (0, 0)
+        assert _history(conn, [open_job]) == (3, 1)
 
 
 def test_a_finish_reads_only_the_attempt_partitions_from_its_jobs_creation_on(
