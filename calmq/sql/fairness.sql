@@ -5,23 +5,27 @@
 
 -- name: fair_share_hold
 -- Jobs of ids that are waiting (queued, or retrying and due) join the waiting room. The
--- event is written once, when a job starts to wait for this reason; updated_at moves on at
--- every hold, so the stale pass below leaves a job held again alone for another grace.
+-- event is written once, when a job starts to wait for this reason at its step and attempt
+-- (waited_for, migration 0048: not again after a pick or a stale release took it out of the
+-- room and it came back without running); updated_at moves on at every hold, so the stale
+-- pass below leaves a job held again alone for another grace.
 WITH target AS (
-    SELECT id, waiting_reason AS old_reason FROM jobs
+    SELECT id, waited_for AS old_wait, format('fair_share %%s %%s', step, attempt) AS wait
+    FROM jobs
     WHERE id = ANY(%(ids)s) AND status IN ('queued', 'retrying')
     ORDER BY id
     FOR UPDATE
 ), held AS (
     -- key_admitted_at: a place its concurrency key gave it is given back while it waits
-    UPDATE jobs j SET waiting_reason = 'fair_share', key_admitted_at = NULL, updated_at = now()
+    UPDATE jobs j SET waiting_reason = 'fair_share', waited_for = t.wait,
+                      key_admitted_at = NULL, updated_at = now()
     FROM target t WHERE j.id = t.id
-    RETURNING j.id, j.attempt, j.pool, j.priority, t.old_reason
+    RETURNING j.id, j.attempt, j.pool, j.priority, t.old_wait, t.wait
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'waiting', attempt,
            jsonb_build_object('reason', 'fair_share', 'pool', pool, 'priority', priority)
-    FROM held WHERE old_reason IS DISTINCT FROM 'fair_share'
+    FROM held WHERE old_wait IS DISTINCT FROM wait
 )
 SELECT id FROM held;
 

@@ -73,23 +73,26 @@ DELETE FROM finish_bins WHERE bin < now() - interval '8 days';
 -- name: hold_jobs
 -- Jobs of a tenant past a spend cap: they keep their status (queued, or retrying) and wait
 -- with a reason instead of being claimed; the event says which cap (written when the reason
--- is new). The message that carried them is acknowledged: release_jobs writes a fresh one.
--- Returns every job of ids that now waits with this reason.
+-- is new at the job's step and attempt: waited_for, which a release pass leaves in place,
+-- migration 0048). The message that carried them is acknowledged: release_jobs writes a
+-- fresh one. Returns every job of ids that now waits with this reason.
 WITH target AS (
-    SELECT id, waiting_reason AS old_reason FROM jobs
+    SELECT id, waiting_reason AS old_reason, waited_for AS old_wait,
+           format('%%s %%s %%s', %(reason)s::text, step, attempt) AS wait
+    FROM jobs
     WHERE id = ANY(%(ids)s) AND status IN ('queued', 'retrying')
     ORDER BY id
     FOR UPDATE
 ), held AS (
-    UPDATE jobs j SET waiting_reason = %(reason)s,
+    UPDATE jobs j SET waiting_reason = %(reason)s, waited_for = t.wait,
                       updated_at = CASE WHEN t.old_reason IS DISTINCT FROM %(reason)s
                                         THEN now() ELSE j.updated_at END
     FROM target t WHERE j.id = t.id
-    RETURNING j.id, j.attempt, t.old_reason
+    RETURNING j.id, j.attempt, t.old_wait, t.wait
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'waiting', attempt, %(detail)s::jsonb FROM held
-    WHERE old_reason IS DISTINCT FROM %(reason)s
+    WHERE old_wait IS DISTINCT FROM wait
 )
 SELECT id FROM held;
 
