@@ -253,16 +253,14 @@ class ProviderGate:
             await self._on_unblocked()
 
     async def _listen(self) -> None:
-        import psycopg
-
+        from calmq.data.database import listen_connection
         from calmq.data.providers import CHANNEL
 
         assert self._db is not None
         reconnect = Reconnect("listening for provider states failed", _LISTEN_RETRY)
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
-                        self._db.url, autocommit=True) as conn:
+                async with await listen_connection(self._db.url) as conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
                     await self.refresh()  # what was announced before the LISTEN
                     reconnect.succeeded()

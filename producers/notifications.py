@@ -9,7 +9,10 @@ group of chunks, the text in it when it fits NOTIFY's 8,000 bytes): the chunks o
 some stream follows go to its ``OutputFeed``, in order, and wake it; nobody reads the
 table for them.
 If the connection drops, every waiter is woken (so streams re-read the table) and the hub
-reconnects with a short backoff.
+reconnects with a short backoff; TCP keepalives (calmq.data.database.LISTEN_KEEPALIVES) make
+a connection whose server vanished without a word drop too, instead of waiting for ever.
+Workers announce a job's text only while a stream follows it (the route's
+``Outputs.follow``), so this loop is not handed every token the fleet streams.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from calmq.data.database import listen_connection
 from calmq.data.outputs import CHANNEL as OUTPUT
 from calmq.data.outputs import OutputChunk, parse_payload
 from calmq.retrying import Reconnect
@@ -148,9 +152,7 @@ class Hub:
         reconnect = Reconnect("the LISTEN connection was lost")
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True
-                ) as conn:
+                async with await listen_connection(self._url) as conn:
                     for channel in (JOB_EVENTS, WEBHOOKS, KEYS, OUTPUT):
                         await conn.execute(f"LISTEN {channel}")
                     self.connected.set()

@@ -7,7 +7,7 @@ take it in their constructor and are the only code that reads ``calmq/sql``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.rows import DictRow, dict_row
@@ -20,9 +20,23 @@ from calmq.limits import KEEP_ERRORS
 if TYPE_CHECKING:
     from calmq.settings import Settings
 
-__all__ = ["KEEP_ERRORS", "Connection", "Database"]
+__all__ = ["KEEP_ERRORS", "LISTEN_KEEPALIVES", "Connection", "Database", "listen_connection"]
 
 Connection = psycopg.AsyncConnection[DictRow]
+
+# TCP keepalives (libpq's options) on the sessions that only LISTEN. They send nothing while
+# no notification comes, so a server or a path gone without a reset (a NAT or firewall that
+# forgot the flow, a host powered off, a failover's old primary) would leave them waiting
+# for ever, deaf to every notification, while the process looks healthy. With these the
+# kernel probes an idle session after 30 s and gives it up after three unanswered probes
+# 10 s apart: the session errors, and its reconnect loop (which wakes every waiter) runs.
+LISTEN_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+
+
+async def listen_connection(url: str) -> psycopg.AsyncConnection[Any]:
+    """An autocommit connection for LISTEN, with TCP keepalives (``LISTEN_KEEPALIVES``)."""
+    return await psycopg.AsyncConnection.connect(url, autocommit=True, **LISTEN_KEEPALIVES)
 
 
 class Database:

@@ -1,6 +1,7 @@
 """A streamed step's text as rows (tables job_output_chunks and job_outputs, migration
 0033): the chunks a worker writes as the model writes, announced on ``NOTIFY
-calmq_job_output``; what a reader after a position needs; the compaction of a final job's
+calmq_job_output`` while an event stream follows the job (``follow``, table job_followers,
+migration 0051); what a reader after a position needs; the compaction of a final job's
 chunks into one text per step. How the chunks are cut and read in order is calmq.outputs'.
 """
 
@@ -11,15 +12,22 @@ import uuid
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+import psycopg
+
 from calmq.data.database import Database
 
-__all__ = ["CHANNEL", "NOTIFY_BYTES", "CompactedOutput", "OutputChunk", "OutputRead",
-           "Outputs", "StreamInfo", "parse_payload", "payloads"]
+__all__ = ["CHANNEL", "FOLLOW_REFRESH_SECONDS", "FOLLOW_TTL_SECONDS", "NOTIFY_BYTES",
+           "CompactedOutput", "OutputChunk", "OutputRead", "Outputs", "StreamInfo",
+           "job_payloads", "parse_payload", "payloads"]
 
 # The channel every API process listens on (producers/notifications.py).
 CHANNEL = "calmq_job_output"
 # PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more; a payload is kept under this.
 NOTIFY_BYTES = 7_900
+# How long a follower's row lives unless its stream refreshes it (FOLLOW_REFRESH_SECONDS):
+# the row of a stream whose API process died stops the announcements this long after.
+FOLLOW_TTL_SECONDS = 300.0
+FOLLOW_REFRESH_SECONDS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +109,17 @@ def payloads(chunks: Sequence[OutputChunk], limit: int = NOTIFY_BYTES) -> list[s
     return found
 
 
+def job_payloads(chunks: Sequence[OutputChunk], limit: int = NOTIFY_BYTES
+                 ) -> list[tuple[uuid.UUID, str]]:
+    """``payloads`` of each job's chunks apart, with the job: a payload is announced only
+    while its job has a follower (calmq/sql/outputs.sql, output_append)."""
+    by_job: dict[uuid.UUID, list[OutputChunk]] = {}
+    for chunk in chunks:
+        by_job.setdefault(chunk.job_id, []).append(chunk)
+    return [(job, payload) for job, group in by_job.items()
+            for payload in payloads(group, limit)]
+
+
 def parse_payload(payload: str, wanted: Container[str] | None = None
                   ) -> list[OutputChunk]:
     """The chunks of one notification (``payloads``' format); with ``wanted``, only those
@@ -116,15 +135,36 @@ class Outputs:
         self._db = db
 
     async def append(self, chunks: Sequence[OutputChunk]) -> None:
-        """Write a group of chunks and announce them, in one statement (a chunk written
-        again, by a retried group, is not written twice)."""
+        """Write a group of chunks and announce those of followed jobs, in one statement (a
+        chunk written again, by a retried group, is not written twice; one of a deleted job
+        is not written at all)."""
+        announced = job_payloads(chunks)
         async with self._db.pool.connection() as conn:
             await conn.execute(self._db.q["output_append"], {
                 "job_ids": [c.job_id for c in chunks], "streams": [c.stream for c in chunks],
                 "seqs": [c.seq for c in chunks], "steps": [c.step for c in chunks],
                 "attempts": [c.attempt for c in chunks],
                 "offsets": [c.offset for c in chunks],
-                "texts": [c.text or "" for c in chunks], "payloads": payloads(chunks)})
+                "texts": [c.text or "" for c in chunks],
+                "payloads": [p for _job, p in announced],
+                "payload_jobs": [job for job, _p in announced]})
+
+    async def follow(self, job_id: uuid.UUID, follower: uuid.UUID,
+                     ttl_seconds: float = FOLLOW_TTL_SECONDS) -> None:
+        """Say that ``follower`` (an event stream) follows the job's text, for ``ttl_seconds``
+        unless said again: its chunks are announced from the commit of this on."""
+        async with self._db.pool.connection() as conn:
+            await conn.execute(self._db.q["output_follow"], {
+                "id": job_id, "follower": follower, "ttl_seconds": ttl_seconds})
+
+    async def unfollow(self, job_id: uuid.UUID, follower: uuid.UUID) -> None:
+        """The stream ended. Best effort: a row left behind (the database away) expires."""
+        try:
+            async with self._db.pool.connection() as conn:
+                await conn.execute(self._db.q["output_unfollow"],
+                                   {"id": job_id, "follower": follower})
+        except psycopg.Error:
+            pass
 
     async def after(self, job_id: uuid.UUID, stream: int, seq: int) -> OutputRead:
         """The job's streams, its chunks after (``stream``, ``seq``) and its compacted
@@ -152,6 +192,7 @@ class Outputs:
     async def compact(self, limit: int = 500) -> tuple[int, int]:
         """Compact the chunks of up to ``limit`` final jobs; returns (jobs, chunks)."""
         async with self._db.pool.connection() as conn:
+            await conn.execute(self._db.q["output_followers_prune"])
             cur = await conn.execute(self._db.q["output_compact"], {"limit": limit})
             row = await cur.fetchone()
         return (int(row["jobs"]), int(row["chunks"])) if row else (0, 0)

@@ -45,6 +45,8 @@ COVERAGE: dict[str, str] = {
     "idempotency_keys": "deleted (the key is the tenant's text, the hash covers the body)",
     "job_output_chunks": "deleted (a streamed step's text as the model wrote it)",
     "job_outputs": "deleted (a streamed step's text, compacted once the job was final)",
+    "job_followers": "kept: which event streams follow the job now (random ids and an "
+                     "expiry), no job data; each row goes when its stream ends or expires",
     "outbox": "deleted: rows whose aggregateid is the job (the relay prunes published ones)",
     "batch_jobs": "redacted: request (kept: batch, attempt, custom_id, state, tokens, cost); "
                   "the provider's copies: its batches are due for a poller at once, which "

@@ -3,19 +3,50 @@
 
 -- name: output_append
 -- One group of chunks (many jobs'), and their notifications: each payload is a JSON array
--- of chunks that fits NOTIFY's 8,000 bytes (calmq.data.outputs). Both in one statement:
--- the chunks and their announcements commit together.
-WITH written AS (
+-- of one job's chunks that fits NOTIFY's 8,000 bytes (calmq.data.outputs). All in one
+-- statement: the chunks and their announcements commit together.
+-- Only a job not deleted takes chunks: a purge (retention_redact_job) locks the job's row
+-- FOR UPDATE before it redacts it and deletes its text, so a group written meanwhile waits
+-- for it and then finds the job redacted (none of its text is kept: a worker still
+-- streaming after a cancel and a delete writes nothing), and a group written first commits
+-- first and its chunks are in the purge's delete. FOR KEY SHARE, in id order: it does not
+-- wait for a worker's updates of the row (heartbeats, outcomes), only for the purge.
+-- A payload is sent only while some event stream follows its job (job_followers, migration
+-- 0051): text nobody watches is written, not broadcast to every API process.
+WITH live AS (
+    SELECT id FROM jobs WHERE id = ANY(%(job_ids)s::uuid[]) AND redacted_at IS NULL
+    ORDER BY id
+    FOR KEY SHARE
+), written AS (
     INSERT INTO job_output_chunks (job_id, stream, seq, step, attempt, "offset", text)
-    SELECT * FROM unnest(%(job_ids)s::uuid[], %(streams)s::bigint[], %(seqs)s::int[],
-                         %(steps)s::text[], %(attempts)s::int[], %(offsets)s::int[],
-                         %(texts)s::text[])
+    SELECT c.* FROM unnest(%(job_ids)s::uuid[], %(streams)s::bigint[], %(seqs)s::int[],
+                           %(steps)s::text[], %(attempts)s::int[], %(offsets)s::int[],
+                           %(texts)s::text[])
+                    AS c(job_id, stream, seq, step, attempt, "offset", text)
+    WHERE c.job_id IN (SELECT id FROM live)
     ON CONFLICT (job_id, stream, seq) DO NOTHING
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM written) AS written,
-       (SELECT count(pg_notify('calmq_job_output', p))
-          FROM unnest(%(payloads)s::text[]) AS p) AS notified;
+       (SELECT count(pg_notify('calmq_job_output', p.payload))
+          FROM unnest(%(payloads)s::text[], %(payload_jobs)s::uuid[]) AS p(payload, job_id)
+         WHERE p.job_id IN (SELECT id FROM live)
+           AND EXISTS (SELECT 1 FROM job_followers f
+                       WHERE f.job_id = p.job_id AND f.expires_at > now())) AS notified;
+
+-- name: output_follow
+-- An event stream follows the job (or still does: the expiry moves on), until output_unfollow
+-- or the expiry; its process refreshes it while the stream lasts.
+INSERT INTO job_followers (job_id, follower, expires_at)
+VALUES (%(id)s, %(follower)s, now() + make_interval(secs => %(ttl_seconds)s))
+ON CONFLICT (job_id, follower) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+
+-- name: output_unfollow
+DELETE FROM job_followers WHERE job_id = %(id)s AND follower = %(follower)s;
+
+-- name: output_followers_prune
+-- The rows of streams whose process died without deleting them (the compaction pass's).
+DELETE FROM job_followers WHERE expires_at < now();
 
 -- name: output_after
 -- What a reader after (stream, seq) needs, in one snapshot: every stream of the job
@@ -43,15 +74,18 @@ ORDER BY 2, 3, 1;
 -- The chunks of final jobs (at most %(limit)s jobs a pass): each step's last stream
 -- becomes its job_outputs row, every chunk is deleted. Concurrent passes are safe: a
 -- chunk is deleted once, and a later stream of a step (a redriven job) replaces the row.
+-- A deleted (redacted) job's chunks are deleted and not compacted: its text is gone.
 WITH done AS (
-    SELECT DISTINCT c.job_id FROM job_output_chunks c JOIN jobs j ON j.id = c.job_id
+    SELECT DISTINCT c.job_id, j.redacted_at IS NOT NULL AS deleted
+      FROM job_output_chunks c JOIN jobs j ON j.id = c.job_id
      WHERE j.status IN ('completed', 'dead_letter', 'cancelled')
      LIMIT %(limit)s
 ), gone AS (
     DELETE FROM job_output_chunks c USING done d WHERE c.job_id = d.job_id
-    RETURNING c.job_id, c.stream, c.seq, c.step, c.attempt, c.text
+    RETURNING c.job_id, c.stream, c.seq, c.step, c.attempt, c.text, d.deleted
 ), kept AS (
-    SELECT job_id, step, max(stream) AS stream FROM gone GROUP BY job_id, step
+    SELECT job_id, step, max(stream) AS stream FROM gone WHERE NOT deleted
+     GROUP BY job_id, step
 ), compacted AS (
     INSERT INTO job_outputs (job_id, step, stream, attempt, chunks, text)
     SELECT g.job_id, g.step, g.stream, min(g.attempt), max(g.seq),

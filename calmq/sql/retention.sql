@@ -3,6 +3,13 @@
 
 -- name: retention_redact_job
 -- Keep the row, its status and its history's shape; drop every piece of tenant data.
+-- The row is locked FOR UPDATE first: a worker's group of streamed chunks for the job
+-- (output_append, FOR KEY SHARE) waits until the purge commits and then writes none, so no
+-- text written after the delete survives it (retention_delete_outputs runs in this
+-- transaction).
+WITH locked AS (
+    SELECT id FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s FOR UPDATE
+)
 UPDATE jobs SET input = NULL, input_ref = NULL, metadata = '{}', callback_url = NULL,
                 artifact = NULL,
                 error = CASE WHEN error IS NULL THEN NULL
@@ -13,7 +20,7 @@ UPDATE jobs SET input = NULL, input_ref = NULL, metadata = '{}', callback_url = 
                 -- finishes the work without moving the job's times
                 updated_at = CASE WHEN redacted_at IS NULL THEN now() ELSE updated_at END,
                 redacted_at = COALESCE(redacted_at, now())
-WHERE id = %(id)s AND tenant_id = %(tenant_id)s
+WHERE id = (SELECT id FROM locked)
   AND status IN ('completed', 'dead_letter', 'cancelled')
 RETURNING id;
 

@@ -31,6 +31,7 @@ from aiohttp import web
 from prometheus_client import Counter, Histogram
 
 from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
+from calmq.data.outputs import FOLLOW_REFRESH_SECONDS
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
 from calmq.lanes import choose_lane
@@ -369,9 +370,15 @@ async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after:
         pos = follower.position
         return follower.from_read(await store.outputs.after(ident, pos.stream, pos.seq))
 
-    # Before the first read, so that nothing falls in between.
+    # Before the first read, so that nothing falls in between. The follow (job_followers)
+    # is what makes workers announce the job's text at all; a chunk committed before it is
+    # in the table read, and one whose announcement it just missed shows as a gap at the
+    # next chunk (the table is read then) or is in the final read.
     wake = hub.subscribe(str(ident))
     feed = hub.follow_output(str(ident), wake)
+    stream_id = uuid.uuid4()
+    await store.outputs.follow(ident, stream_id)
+    followed = time.monotonic()
     try:
         status, rows = await history()
         feed.take_events()
@@ -411,6 +418,9 @@ async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after:
             wake.clear()
             if hub.closing:  # shutting down: the client reconnects with Last-Event-ID
                 break
+            if time.monotonic() - followed > FOLLOW_REFRESH_SECONDS:
+                await store.outputs.follow(ident, stream_id)
+                followed = time.monotonic()
             if feed.take_events():
                 status, rows = await history()
                 if status is None:
@@ -422,6 +432,7 @@ async def _stream(request: web.Request, caller: Tenant, ident: uuid.UUID, after:
     finally:
         hub.unfollow_output(str(ident), feed)
         hub.unsubscribe(str(ident), wake)
+        await store.outputs.unfollow(ident, stream_id)
 
 
 # -- artifact, cancel, delete ---------------------------------------------------------------------
