@@ -9,7 +9,10 @@ the data layer (a contract of `make lint`).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,16 +37,29 @@ from calmq.producers.console.shaping import (
     preview,
     providers_view,
 )
-from calmq.producers.context import OBJECTS, SETTINGS, STORE, WORKFLOWS
-from calmq.producers.uploads import tenant_owns
+from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.uploads import read_object, tenant_owns
 from calmq.reviews import Decision, ReviewDesk
 from calmq.workflows import Workflow
 
-__all__ = ["CONSUMER_LAG", "ConsoleData", "ConsoleJob", "DeadLetter", "DeadLetterGroup",
+__all__ = ["CONSUMER_LAG", "ConsoleData", "ConsoleJob", "DeadLetter", "DeadLetterGroup", "Download",
            "HistoryEvent", "JobPage", "JobQuery", "QueuedReview", "RedriveOutcome", "Review"]
 
 # The overview's consumer-lag reader: one per application, so page views share its answer.
 CONSUMER_LAG = web.AppKey("console_consumer_lag", FleetLag)
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """A job's input or artifact to send: its type, its size and its bytes in chunks."""
+
+    content_type: str
+    size: int
+    chunks: AsyncIterator[bytes]
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,28 +179,33 @@ class ConsoleData:
             return preview(None, None, content_type)
         return preview(head[:PREVIEW_BYTES + 1], info.size, content_type or info.content_type)
 
-    async def input_bytes(self, scope: uuid.UUID | None, job_id: uuid.UUID
-                          ) -> tuple[bytes, str]:
-        """The job's whole input, to download: the inline JSON, or its tenant's object."""
-        job = await self.job(scope, job_id)
-        if job.input_preview is not None:
-            import json
+    @contextlib.contextmanager
+    def read_gate(self, tenant_id: uuid.UUID) -> Iterator[None]:
+        """One of the tenant's expensive reads (api_reads_per_tenant, shared with /v1 in
+        this process) while the block runs; 429 too_many_reads at once past it."""
+        with self.app[GATES].hold("read", tenant_id):
+            yield
 
-            return (json.dumps(await self.reads.job_input(scope, job_id)).encode(),
-                    "application/json")
+    async def input_download(self, job: JobPage) -> Download:
+        """The job's whole input, to download: the inline JSON, or its tenant's object as a
+        stream of chunks (never read whole: an input by reference may be hundreds of MiB)."""
+        if job.input_preview is not None:
+            body = json.dumps(await self.reads.job_input(job.tenant_id, job.id)).encode()
+            return Download("application/json", len(body), _once(body))
         if not job.input_ref or not self.owns(job, job.input_ref):
             raise NotFound("the job has no input in its tenant's objects",
                            code="input_not_found")
-        return await self.objects.get(job.input_ref), "application/octet-stream"
+        size, chunks = await read_object(self.objects, job.input_ref)
+        return Download("application/octet-stream", size, chunks)
 
-    async def artifact_bytes(self, scope: uuid.UUID | None, job_id: uuid.UUID
-                             ) -> tuple[bytes, str]:
-        job = await self.job(scope, job_id)
+    async def artifact_download(self, job: JobPage) -> Download:
+        """The job's artifact as a stream of chunks, never read whole."""
         if not job.artifact:
             raise NotFound(f"the job is {job.status} and has no artifact",
                            code="artifact_not_found")
-        return (await self.objects.get(str(job.artifact["uri"])),
-                str(job.artifact.get("content_type") or "application/octet-stream"))
+        size, chunks = await read_object(self.objects, str(job.artifact["uri"]))
+        return Download(str(job.artifact.get("content_type") or "application/octet-stream"),
+                        size, chunks)
 
     async def cancel(self, scope: uuid.UUID | None, job_id: uuid.UUID, by: str) -> None:
         job = await self.job(scope, job_id)

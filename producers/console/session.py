@@ -185,7 +185,10 @@ def guard(*roles: str) -> Callable[[Handler], Callable[[web.Request],
             try:
                 return await handler(request, page)
             except ContractError as exc:
-                return error_page(request, page, exc.status, exc.code, exc.message)
+                answer = error_page(request, page, exc.status, exc.code, exc.message)
+                if isinstance(exc, Throttled):  # a read gate's refusal: when to come back
+                    answer.headers["Retry-After"] = exc.retry_after_header
+                return answer
 
         return run
 

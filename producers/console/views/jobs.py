@@ -11,7 +11,7 @@ from aiohttp import web
 from calmq.errors import ContractError
 from calmq.jobs import TERMINAL, EventType, Status
 from calmq.producers.console.forms import storable_problem
-from calmq.producers.console.reads import ConsoleData, ConsoleJob, JobQuery
+from calmq.producers.console.reads import ConsoleData, ConsoleJob, Download, JobQuery
 from calmq.producers.console.session import Page, guard, redirect
 from calmq.producers.console.shaping import (
     attempt_rows,
@@ -138,23 +138,44 @@ async def job_json(request: web.Request, page: Page) -> web.StreamResponse:
              "detail": e.detail} for e in events]})
 
 
+async def _send(request: web.Request, download: Download, headers: dict[str, str]
+                ) -> web.StreamResponse:
+    """The bytes as they are read, chunk by chunk: memory holds one chunk per download."""
+    resp = web.StreamResponse(headers={"Content-Type": download.content_type,
+                                       "Content-Length": str(download.size), **headers})
+    await resp.prepare(request)
+    async for chunk in download.chunks:
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+# Both downloads hold one of the job's tenant's expensive reads while they last (its read
+# gate, api_reads_per_tenant, as GET /v1/jobs/{id}/artifact does): a signed-in page cannot
+# run more of them at once than the API would.
+
 @guard()
 async def job_input(request: web.Request, page: Page) -> web.StreamResponse:
     ident = job_id(request)
-    body, content_type = await ConsoleData.of(request).input_bytes(page.scope, ident)
-    headers = ({} if content_type == "application/json" else
-               {"Content-Disposition": f'attachment; filename="{ident}-input"'})
-    return web.Response(body=body, content_type=content_type, headers=headers)
+    data = ConsoleData.of(request)
+    job = await data.job(page.scope, ident)
+    with data.read_gate(job.tenant_id):
+        download = await data.input_download(job)
+        headers = ({} if download.content_type == "application/json" else
+                   {"Content-Disposition": f'attachment; filename="{ident}-input"'})
+        return await _send(request, download, headers)
 
 
 @guard()
 async def job_artifact(request: web.Request, page: Page) -> web.StreamResponse:
     """The artifact's bytes (for a platform key too, which /v1 scopes to its own tenant)."""
     ident = job_id(request)
-    body, content_type = await ConsoleData.of(request).artifact_bytes(page.scope, ident)
-    return web.Response(body=body, headers={
-        "Content-Type": content_type,
-        "Content-Disposition": f'attachment; filename="{ident}-artifact"'})
+    data = ConsoleData.of(request)
+    job = await data.job(page.scope, ident)
+    with data.read_gate(job.tenant_id):
+        download = await data.artifact_download(job)
+        return await _send(request, download, {
+            "Content-Disposition": f'attachment; filename="{ident}-artifact"'})
 
 
 @guard("submit", "operate")
