@@ -29,6 +29,7 @@ from calmq.data.reviews import PendingReview, ReviewDecision, ReviewJob, Reviews
 from calmq.errors import ContractError, NotFound, StepFailure
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
+from calmq.storable import non_finite
 from calmq.workflows import Workflow
 from calmq.workflows.progress import artifact_key
 
@@ -134,6 +135,12 @@ class ReviewDesk:
             return await self._dead_letter(tx, job, expired, decision)
         step = workflow.step(job.step)
         if decision.fields:
+            # The event records the fields as given (also those the output model drops):
+            # jsonb holds no infinity, so one there is the reviewer's error, not a 5xx.
+            found = non_finite(decision.fields, "fields")
+            if found is not None:
+                raise ContractError(f"{found} is a number that is not finite",
+                                    code="non_finite_number")
             detail["fields"] = decision.fields
             try:
                 output = step.check_output({**output, **decision.fields})
