@@ -15,6 +15,17 @@ over or the cap was raised. Bulk work waits first: once spend reaches
 
 Calls in flight are not stopped, and their cost counts once their attempt ends: a fleet may
 pass a cap by what its in-flight attempts spend.
+
+The batch lane's cost comes back with a batch's results, hours after its requests were
+sent, so it is reserved when they are packed (``SpendCaps.admit``): each request's estimate
+(its prompt's estimated tokens and its max output tokens, at the batch price) counts as
+spent from the transaction that records its batch until its result settles it with the
+real cost; a batch that ends without a result for it (failed, expired, cancelled) releases
+it. A request is packed while its tenant, and the fleet, are below the cap for its priority
+counting what is spent and reserved, by the same rule as the holds above; the rest of the
+pack waits queued with the cap's reason, as online work does, and the release pass
+re-publishes it. So a cap is passed by at most one request's estimate (the one packed while
+below it), and a job released by the pass is one a pack takes.
 """
 
 from __future__ import annotations
@@ -23,14 +34,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
-from calmq.data.spending import Spend, SpendCap, SpendLedger
+from calmq.data.spending import Charge, Spend, SpendCap, SpendLedger, Standing
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
@@ -159,6 +170,38 @@ class SpendCaps:
         gauge.labels("bulk").set(len(bulk) + (fleet_bulk is not None))
         gauge.labels("interactive").set(len(every) + (fleet_every is not None))
         return Holds(bulk, every, fleet_bulk, fleet_every)
+
+    @property
+    def fleet_capped(self) -> bool:
+        return self.fleet.daily is not None or self.fleet.monthly is not None
+
+    def admit(self, standing: Standing, charges: Sequence[Charge]) -> dict[uuid.UUID, str]:
+        """Which of ``charges`` (in order: the oldest first) may not be reserved now, with
+        the reason their jobs wait: a charge is reserved while its tenant and the fleet are
+        below the cap for its priority (``Holds``' rule), counting what ``standing`` says
+        is spent and reserved and the charges reserved before it."""
+        refused: dict[uuid.UUID, str] = {}
+        spent = dict(standing.spent)
+        fleet = standing.fleet if self.fleet_capped else None
+        for charge in charges:
+            own = spent.get(charge.tenant_id, Spend(0.0, 0.0))
+            reason = None
+            if fleet is not None:
+                every, bulk = _over(fleet, self.fleet, self.bulk_fraction)
+                reason = every if charge.priority == "interactive" else bulk
+                reason = f"fleet_{reason}" if reason else None
+            cap = standing.caps.get(charge.tenant_id)
+            if reason is None and cap is not None:
+                every, bulk = _over(own, cap, self.bulk_fraction)
+                reason = every if charge.priority == "interactive" else bulk
+            if reason is not None:
+                refused[charge.job_id] = reason
+                continue
+            spent[charge.tenant_id] = Spend(own.day + charge.cost_usd,
+                                            own.month + charge.cost_usd)
+            if fleet is not None:
+                fleet = Spend(fleet.day + charge.cost_usd, fleet.month + charge.cost_usd)
+        return refused
 
     async def release(self) -> int:
         """Re-publish the waiting jobs no cap holds any more (holds from a read started

@@ -13,6 +13,13 @@ attempts are cancelled, which acknowledges them); the batch is created at the pr
 that key in its metadata, and its id and each job's ``batched`` event are recorded
 (``Batches.submitted``).
 
+Spend caps hold before the bill arrives: the results, and with them the cost, come back
+hours after a pack is sent, so that same transaction reserves each request's estimated cost
+(the prompt's estimated tokens plus its max output tokens, at the batch price) against its
+tenant's and the fleet's caps (calmq.spending); a request that does not fit is not sent,
+and its job waits queued with the cap's reason, uncounted, as online work does. Results
+settle the reservation with the real cost; a batch that ends without them releases it.
+
 Poller. One poller at a time holds a batch (a lease on its row). A batch still ``creating``
 whose batcher died is found again at the provider by its key (adopted) or created then;
 never twice. A batch that ended is collected: its results are streamed in chunks and each
@@ -60,11 +67,12 @@ from calmq.batches import (
     open_batch_client,
 )
 from calmq.batching import Batcher
+from calmq.budget import estimate_prompt_tokens
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
 from calmq.data.providers import ProviderLedger
-from calmq.data.spending import SpendLedger
+from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
 from calmq.gateway import ModelReply, classify_status, current_clock, model_clock
@@ -72,7 +80,13 @@ from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
-from calmq.processors.admission import ReviewCapGate, SpendCapGate, review_workflows
+from calmq.processors import metrics
+from calmq.processors.admission import (
+    Gate,
+    ReviewCapGate,
+    SpendCapGate,
+    review_workflows,
+)
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
@@ -83,7 +97,7 @@ from calmq.processors.slots import CallSlots
 from calmq.providers import ProviderGate, provider_key
 from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
-from calmq.spending import spend_caps_from_settings
+from calmq.spending import SpendCaps, spend_caps_from_settings
 from calmq.storable import refused
 from calmq.supervision import Lifecycle
 from calmq.workflows import Workflow, load_workflows
@@ -116,6 +130,13 @@ DELETED = Counter("calmq_batch_files_deleted_total",
                   "Ended provider batches whose files (or batch) calmq deleted at the provider")
 UNREADABLE = Counter("calmq_batch_unreadable_lines_total",
                      "Lines of a provider's results file that named no request (skipped)")
+SPEND_HELD = Counter("calmq_batch_jobs_spend_held_total",
+                     "Packed requests not sent because their tenant or the fleet reached a "
+                     "spend cap with what is spent and reserved (their jobs wait, uncounted)",
+                     ["reason"])
+RESERVED = Gauge("calmq_batch_reserved_usd",
+                 "Estimated cost of batched requests not yet settled, reserved against the "
+                 "spend caps")
 
 _SETTLE_CHUNK = 200
 
@@ -129,6 +150,7 @@ class _Waiting:
     body: dict[str, Any]
     line: bytes
     tokens: int
+    cost: float  # the estimate reserved against the spend caps (batch price)
     future: asyncio.Future[ModelReply]
 
 
@@ -178,6 +200,8 @@ class BatchPacker:
         # The provider's fleet-wide state (BatchLane sets it): a blocked provider gets no
         # request packed; the attempt is handed back uncounted (ProviderBlocked).
         self.gate: ProviderGate | None = None
+        # The spend caps each pack reserves against when it is recorded (BatchLane sets it).
+        self.spend: SpendCaps | None = None
 
     async def complete(self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
                        response_schema: dict[str, Any] | None = None) -> ModelReply:
@@ -191,10 +215,16 @@ class BatchPacker:
                                         max_tokens=max_tokens, response_schema=response_schema)
         cid = custom_id(job.id, job.attempt)
         line = self.client.line(cid, body)
+        model = str(body.get("model") or self.client.model)
+        # The cost reserved against the spend caps: the prompt estimated as the online
+        # budget estimates it, and the answer at its bound, at the batch price.
+        cost = batch_cost_usd(self.settings.prices, self.client.kind, model,
+                              estimate_prompt_tokens(messages), max_tokens,
+                              table=self.settings.prices_table)
         # Estimated like the budget does: the prompt's bytes / 4 plus the answer's bound.
-        item = _Waiting(job, cid, body, line, len(line) // 4 + max_tokens,
+        item = _Waiting(job, cid, body, line, len(line) // 4 + max_tokens, cost,
                         asyncio.get_running_loop().create_future())
-        key = (str(body.get("model") or self.client.model), self.client.endpoint)
+        key = (model, self.client.endpoint)
         pack = self.packs.setdefault(key, _Pack(*key))
         if pack.items and (len(pack.items) >= self.max_requests
                            or pack.size + len(line) > self.max_bytes):
@@ -269,21 +299,34 @@ class BatchPacker:
             key = uuid.uuid4()
             items = list(pack.items.values())
             rows = [BatchRequestRow(i.job.id, i.job.attempt, i.custom_id, i.body,
-                                    i.job.lease_version) for i in items]
-            moved = await self.store.batches.record(
+                                    i.job.lease_version, i.cost) for i in items]
+            # Reserved oldest job first: a cap reached mid-pack holds the newest.
+            charges = [Charge(i.job.id, i.job.tenant_id, i.job.priority, i.cost)
+                       for i in sorted(items, key=lambda i: (i.job.created_at, i.job.id))]
+            spend = self.spend
+            moved, refused = await self.store.batches.record(
                 key=key, provider=self.client.kind, model=pack.model, endpoint=pack.endpoint,
                 pool=s.pool, worker=self.worker_id, rows=rows, input_bytes=pack.size,
                 enqueued_tokens=pack.tokens, lease_seconds=s.batch_lease_seconds,
-                hold_seconds=s.batch_completion_window_seconds + s.batch_deadline_margin_seconds)
+                hold_seconds=s.batch_completion_window_seconds + s.batch_deadline_margin_seconds,
+                charges=charges, admit=spend.admit if spend is not None else None,
+                fleet_capped=spend is not None and spend.fleet_capped)
         except Exception as exc:  # noqa: BLE001 - the jobs keep their leases; tried again
             log.warning("recording a batch of %d jobs failed (%s); trying again",
                         len(pack.items), exc)
             self._put_back(pack)
             return
         # Recorded: the jobs belong to the batch. Their attempts end here, which marks their
-        # offsets done (a job that was not moved was lost meanwhile: acknowledged too).
+        # offsets done (a job that was not moved was lost meanwhile, or waits for a spend
+        # cap: acknowledged too, its job waits in the database).
         self._release(items)
         PACKED.inc(len(moved))
+        if refused:
+            for reason in refused.values():
+                SPEND_HELD.labels(reason).inc()
+            metrics.HELD.labels("bulk").inc(len(refused))
+            log.info("%d of %d packed requests wait for a spend cap (%s)", len(refused),
+                     len(items), ", ".join(sorted(set(refused.values()))))
         if not moved:
             return
         lines = [i.line for i in items if i.job.id in moved]
@@ -370,10 +413,11 @@ class ReplyBook:
         reply = result.reply
         prices, kind, model = self.settings.prices, self.client.kind, self.client.model
         cached = reply.cached_input_tokens
+        table = self.settings.prices_table
         cost = batch_cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens,
-                              cached_input_tokens=cached)
+                              cached_input_tokens=cached, table=table)
         online = cost_usd(prices, kind, model, reply.input_tokens, reply.output_tokens,
-                          cached_input_tokens=cached)
+                          cached_input_tokens=cached, table=table)
         self.costs[job_id] = (reply.input_tokens, reply.output_tokens, cost, online)
         clock = current_clock()
         if clock is not None:
@@ -482,6 +526,9 @@ class Poller:
                                                           failure.failure_class).pauses
         if pauses and isinstance(exc, BatchRefused) and self.gate is not None:
             failure = await self.gate.failed(failure)
+            # Unconfirmed by the gate's probe (calmq.providers): the refusal was about this
+            # batch's content, not the key, so no job waits for a block that never comes.
+            pauses = isinstance(failure, ProviderBlocked)
         if (batch.state == "submitted" and isinstance(exc, BatchRefused) and exc.missing
                 and batch.provider_id is not None):
             # The provider has no such batch (any more): its jobs were not run there, and go
@@ -673,7 +720,9 @@ class Poller:
                 batch.key, [j.id for j in blocked], waiting_reason="provider_blocked",
                 republish_jobs=False,
                 detail={"reason": "provider_blocked", "code": code,
-                        "provider": self.client.kind, "model": self.client.model})
+                        "provider": self.client.kind, "model": self.client.model,
+                        # their own results met it: one such hand-back each (attempt.py)
+                        "met": True})
             counts["provider_blocked"] = counts.get("provider_blocked", 0) + len(blocked)
         work = [(job, t) for (job, t), end in zip(work, ends, strict=True)
                 if isinstance(end, Finish)]
@@ -819,13 +868,15 @@ class BatchLane:
         # pass re-publishes them to this lane once no cap holds them.
         ledger = SpendLedger(store)
         spend = spend_caps_from_settings(s, ledger)
+        packer.spend = spend
+        gates: list[Gate] = [SpendCapGate(spend, ledger),
+                             ReviewCapGate(store, review_workflows(self.workflows))]
         # A packed attempt waits for its batch to be recorded: its step timeout is the
         # provider's window, and a pack's worth of them wait at once.
         pipeline = self._pipeline = Pipeline(
             store=store, tracker=consumer.tracker,
             intake=Intake(codec, poison, consumer.tracker),
-            gates=[SpendCapGate(spend, ledger),
-                   ReviewCapGate(store, review_workflows(self.workflows))],
+            gates=gates,
             attempt=Attempt(store=store, provider=packer, objects=objects,
                             workflows=self.workflows, failures=failures,
                             worker_id=self.worker_id, slots=CallSlots(window),
@@ -870,6 +921,7 @@ class BatchLane:
             OLDEST_BATCH.set(stats.get("oldest_seconds", 0.0))
             for state in ("pending", "settled", "retried", "cancelled"):
                 BATCH_JOBS.labels(state).set((stats.get("jobs_by_state") or {}).get(state, 0))
+            RESERVED.set(stats.get("reserved_usd", 0.0))
 
         life.side.every("batch-gauges", 5.0, gauges)
         log.info("batcher %s: %s, provider %s, model %s", self.worker_id, self.topic(),

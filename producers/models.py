@@ -298,7 +298,10 @@ class BatchJob(BaseModel):
 
 
 class BatchList(BaseModel):
+    """A page of GET /v1/batches, newest first; ``next_cursor`` is None on the last page."""
+
     batches: list[BatchInfo]
+    next_cursor: str | None
 
 
 class BatchDetail(BatchInfo):

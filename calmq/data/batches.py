@@ -6,6 +6,12 @@ A batch is recorded in two steps (docs/how-to/batch-backfills.md, "crash safety"
 lease BEFORE the provider is asked to create it; ``submitted`` writes the provider's id and
 each job's ``batched`` event once it answered. A batch left ``creating`` (its batcher died
 in between) is found again at the provider by that key, or created then.
+
+``record`` also reserves each request's estimated cost against its tenant's and the fleet's
+spend caps (calmq.spending decides which fit, calmq.data.spending reads under the
+reservation locks), in the same transaction: a request that does not fit is not sent, and
+its job waits with the cap's reason. Each tenant's share of a batch is a ``batch_tenants``
+row (migration 0049): the tenant's batch list and what its batches reserve read those.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
 from calmq.data.jobs import Job, republish
+from calmq.data.spending import Admit, Charge, SpendLedger
 
 __all__ = ["BatchMember", "BatchRequestRow", "BatchSummary", "Batches", "OpenBatch",
            "batch_owner"]
@@ -39,6 +46,7 @@ class BatchRequestRow:
     custom_id: str
     request: dict[str, Any]
     lease_version: int = 0  # the packing attempt's fencing token
+    reserved_usd: float = 0.0  # its estimated cost, reserved against the spend caps
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,31 +134,55 @@ class Batches:
     async def record(
         self, *, key: uuid.UUID, provider: str, model: str, endpoint: str, pool: str,
         worker: str, rows: Sequence[BatchRequestRow], input_bytes: int, enqueued_tokens: int,
-        lease_seconds: float, hold_seconds: float,
-    ) -> set[uuid.UUID]:
+        lease_seconds: float, hold_seconds: float, charges: Sequence[Charge] = (),
+        admit: Admit | None = None, fleet_capped: bool = False,
+    ) -> tuple[set[uuid.UUID], dict[uuid.UUID, str]]:
         """Record a batch about to be created (state ``creating``, leased by ``worker``) and
-        move the jobs ``worker`` still holds to its lease, in ONE transaction; returns the
-        ids of the jobs that moved (the others were cancelled or taken meanwhile)."""
+        move the jobs ``worker`` still holds to its lease, in ONE transaction. With
+        ``admit``, the ``charges`` (each row's estimated cost, oldest first) are reserved
+        against the spend caps first, under the reservation locks of their tenants (and the
+        fleet's, ``fleet_capped``): the jobs of the charges it refuses are not moved but
+        wait, uncounted, with the cap's reason. Returns the ids of the jobs that moved (the
+        others were refused, or cancelled or taken meanwhile) and those refused (with
+        their reason)."""
         async with self._db.pool.connection() as conn, conn.transaction():
             await conn.execute(self._q["batch_insert"], {
                 "key": key, "provider": provider, "model": model, "endpoint": endpoint,
                 "pool": pool, "request_count": len(rows), "input_bytes": input_bytes,
                 "enqueued_tokens": enqueued_tokens, "worker": worker,
                 "lease_seconds": lease_seconds})
+            refused: dict[uuid.UUID, str] = {}
+            if admit is not None and charges:
+                standing = await SpendLedger(self._db).standing(
+                    conn, [c.tenant_id for c in charges], fleet=fleet_capped)
+                refused = dict(admit(standing, charges))
             ordered = sorted(rows, key=lambda r: r.job_id)
+            await conn.execute(self._q["batch_lock_packed"],
+                               {"ids": [r.job_id for r in ordered]})
+            sent = [r for r in ordered if r.job_id not in refused]
             cur = await conn.execute(self._q["batch_take_jobs"], {
-                "ids": [r.job_id for r in ordered],
-                "versions": [r.lease_version for r in ordered], "worker": worker,
+                "ids": [r.job_id for r in sent],
+                "versions": [r.lease_version for r in sent], "worker": worker,
                 "owner": batch_owner(key), "hold_seconds": hold_seconds})
             moved = {r["id"] for r in await cur.fetchall()}
+            if refused:
+                waiting = [r for r in ordered if r.job_id in refused]
+                cur = await conn.execute(self._q["batch_hold_packed"], {
+                    "ids": [r.job_id for r in waiting],
+                    "versions": [r.lease_version for r in waiting],
+                    "reasons": [refused[r.job_id] for r in waiting], "worker": worker})
+                held = {r["id"] for r in await cur.fetchall()}
+                refused = {i: reason for i, reason in refused.items() if i in held}
             await conn.execute(self._q["batch_insert_jobs"], {
                 "key": key, "ids": list(moved), "rows": Jsonb([
                     {"job_id": str(r.job_id), "attempt": r.attempt, "custom_id": r.custom_id,
-                     "request": r.request} for r in rows])})
+                     "request": r.request, "reserved_usd": r.reserved_usd} for r in rows])})
+            if moved:
+                await conn.execute(self._q["batch_insert_tenants"], {"key": key})
             if len(moved) != len(rows):
                 await conn.execute(self._q["batch_set_count"], {"key": key,
                                                                 "count": len(moved)})
-        return moved
+        return moved, refused
 
     async def submitted(self, key: uuid.UUID, provider_id: str, status: str,
                         poll_seconds: float) -> None:
@@ -264,17 +296,33 @@ class Batches:
             return int(row["tokens"]) if row else 0
 
     async def overview(self, *, state: str | None = None, tenant_id: uuid.UUID | None = None,
-                   limit: int = 50) -> list[BatchSummary]:
+                       limit: int = 50, after: tuple[datetime, uuid.UUID] | None = None
+                       ) -> list[BatchSummary]:
+        """Batches newest first. For a tenant: those holding its jobs, read from its own
+        shares, the tenant's share of each, after ``after`` (the created_at and key of the
+        last one of the page before); for the operator (no tenant): every batch."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["batch_list"], {
-                "state": state, "tenant_id": tenant_id, "limit": limit})
+            if tenant_id is None:
+                cur = await conn.execute(self._q["batch_list"], {"state": state,
+                                                                 "limit": limit})
+            else:
+                cur = await conn.execute(self._q["batch_list_tenant"], {
+                    "state": state, "tenant_id": tenant_id, "limit": limit,
+                    "cursor_at": after[0] if after else None,
+                    "cursor_key": after[1] if after else None})
             return [BatchSummary(**r) for r in await cur.fetchall()]
 
     async def find(self, ref: str, tenant_id: uuid.UUID | None = None) -> BatchSummary | None:
-        """A batch by calmq's key or the provider's id (for a tenant: one holding its jobs)."""
+        """A batch by calmq's key or the provider's id (for a tenant: one holding its jobs,
+        with the tenant's share)."""
+        try:
+            key: uuid.UUID | None = uuid.UUID(ref)
+        except ValueError:
+            key = None
+        params = {"ref": ref, "key": key, "tenant_id": tenant_id}
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["batch_find"], {"ref": ref,
-                                                             "tenant_id": tenant_id})
+            cur = await conn.execute(
+                self._q["batch_find" if tenant_id is None else "batch_find_tenant"], params)
             row = await cur.fetchone()
             return BatchSummary(**row) if row else None
 

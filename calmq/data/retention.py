@@ -52,6 +52,8 @@ COVERAGE: dict[str, str] = {
                   "the provider's copies: its batches are due for a poller at once, which "
                   "deletes their files at the provider (an open batch none of whose jobs "
                   "still waits is cancelled there first)",
+    "batch_tenants": "kept: each tenant's share of a provider batch (request counts by "
+                     "state, cost, what is reserved against its spend caps), no job data",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",

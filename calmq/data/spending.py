@@ -5,20 +5,25 @@ tokens, for the console: ``spend_hours``, migration 0040; the jobs finished per 
 ``finish_bins``, migration 0042), and the jobs that
 wait past a cap (``jobs.waiting_reason``, migration 0012). What is held when is
 calmq.spending's.
+
+The batch lane reserves each packed request's estimated cost (``Charge``) in the
+transaction that records its batch (calmq/data/batches.py, ``batch_tenants``, migration
+0049): ``standing`` takes the reservation locks of the pack's tenants (and the fleet's) and
+reads what they spent and reserved, so that packs reserving against one cap take turns.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calmq.data.database import Database
+from calmq.data.database import Connection, Database
 from calmq.data.jobs import Job, republish
 
-__all__ = ["Spend", "SpendCap", "SpendLedger"]
+__all__ = ["Admit", "Charge", "Spend", "SpendCap", "SpendLedger", "Standing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +42,57 @@ class Spend:
     month: float
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One request's estimated cost in USD, reserved against its tenant's and the fleet's
+    caps when it is packed into a provider batch."""
+
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    priority: str
+    cost_usd: float
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """What the tenants of a pack spent this UTC day and month, open reservations included,
+    with their caps (a tenant without a row: no cap); ``fleet``: the fleet's, when read."""
+
+    spent: dict[uuid.UUID, Spend]
+    caps: dict[uuid.UUID, SpendCap]
+    fleet: Spend | None = None
+
+
+# Which charges may not be reserved now (job id -> the cap's waiting reason), given what is
+# spent and reserved: calmq.spending decides, the batch's transaction records.
+Admit = Callable[[Standing, Sequence[Charge]], Mapping[uuid.UUID, str]]
+
+
 class SpendLedger:
     def __init__(self, db: Database) -> None:
         self._db = db
+
+    async def standing(self, conn: Connection, tenants: Sequence[uuid.UUID], *,
+                       fleet: bool) -> Standing:
+        """On ``conn``, in its transaction: take the reservation locks of ``tenants`` (and
+        the fleet's, with ``fleet``), then read what they spent and reserved, and their
+        caps. The locks are held until the transaction ends."""
+        ids = sorted(set(tenants))
+        names = [str(t) for t in ids] + (["fleet"] if fleet else [])
+        await conn.execute(self._db.q["spend_reserve_lock"], {"names": names})
+        cur = await conn.execute(self._db.q["spend_standing"], {"tenants": ids})
+        spent: dict[uuid.UUID, Spend] = {}
+        caps: dict[uuid.UUID, SpendCap] = {}
+        for r in await cur.fetchall():
+            spent[r["tenant_id"]] = Spend(r["spent_day"], r["spent_month"])
+            if r["daily"] is not None or r["monthly"] is not None:
+                caps[r["tenant_id"]] = SpendCap(r["daily"], r["monthly"])
+        total = None
+        if fleet:
+            cur = await conn.execute(self._db.q["spend_fleet_standing"])
+            row = await cur.fetchone()
+            total = Spend(row["spent_day"], row["spent_month"]) if row else Spend(0.0, 0.0)
+        return Standing(spent, caps, total)
 
     async def caps(self) -> dict[uuid.UUID, SpendCap]:
         async with self._db.pool.connection() as conn:

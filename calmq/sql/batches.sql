@@ -2,6 +2,11 @@
 -- A batch's jobs are held under the lease owner 'batch:<key>' from the moment they are
 -- packed until their result is settled, so no worker, reaper or second batcher takes them,
 -- and a late or duplicate result is a no-op (finish_attempts' lease guard).
+--
+-- Each tenant's share of a batch is a row of batch_tenants (migration 0049): its requests,
+-- their counts by state and their cost as they settle, and what they reserve against its
+-- spend caps until then. Every statement that moves a request out of ``pending`` updates its
+-- share in the same statement; one that ends a batch drops what the batch still reserves.
 
 -- name: batch_insert
 INSERT INTO provider_batches (key, provider, model, endpoint, pool, request_count, input_bytes,
@@ -29,12 +34,61 @@ UPDATE jobs j SET lease_owner = %(owner)s,
 FROM held WHERE j.id = held.id
 RETURNING j.id;
 
+-- name: batch_lock_packed
+-- Every job of a pack being recorded, locked in id order (claim, heartbeat and finish lock
+-- in that order) before batch_take_jobs and batch_hold_packed each take their part of them.
+SELECT id FROM jobs WHERE id = ANY(%(ids)s::uuid[]) ORDER BY id FOR UPDATE;
+
+-- name: batch_hold_packed
+-- Packed jobs a spend cap refuses (calmq.spending: their tenant, or the fleet, reached it
+-- with what is spent and reserved) are not sent: back to queued at the attempt before (their
+-- attempt row removed: none is counted), waiting with the cap's reason as a job the spend
+-- gate held, until the spend release pass re-publishes them. Given as (id, lease_version,
+-- reason); only jobs the packing attempt still holds.
+WITH mine AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(versions)s::bigint[], %(reasons)s::text[])
+        AS m(id, lease_version, reason)
+), held AS (
+    SELECT j.id, j.step, j.attempt, j.created_at, m.reason FROM jobs j
+    JOIN mine m ON m.id = j.id AND m.lease_version = j.lease_version
+    WHERE j.lease_owner = %(worker)s AND j.status = 'running'
+    ORDER BY j.id
+    FOR UPDATE OF j
+), back AS (
+    UPDATE jobs j SET status = 'queued', attempt = j.attempt - 1,
+                      lease_owner = NULL, lease_expires_at = NULL,
+                      waiting_reason = held.reason, updated_at = now()
+    FROM held WHERE j.id = held.id
+    RETURNING j.id, held.step, held.attempt, held.created_at, held.reason
+), uncounted AS (
+    DELETE FROM job_attempts a USING back
+    WHERE a.job_id = back.id AND a.step = back.step AND a.attempt = back.attempt
+      AND a.started_at >= back.created_at
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'waiting', attempt - 1, jsonb_build_object('reason', reason) FROM back
+)
+SELECT id FROM back;
+
 -- name: batch_insert_jobs
-INSERT INTO batch_jobs (batch_key, job_id, attempt, custom_id, request)
-SELECT %(key)s, r.job_id, r.attempt, r.custom_id, r.request
+INSERT INTO batch_jobs (batch_key, job_id, attempt, custom_id, request, reserved_usd)
+SELECT %(key)s, r.job_id, r.attempt, r.custom_id, r.request, r.reserved_usd
 FROM jsonb_to_recordset(%(rows)s::jsonb)
-     AS r(job_id uuid, attempt integer, custom_id text, request jsonb)
+     AS r(job_id uuid, attempt integer, custom_id text, request jsonb, reserved_usd numeric)
 WHERE r.job_id = ANY(%(ids)s);
+
+-- name: batch_insert_tenants
+-- Each tenant's share of the batch being recorded (the requests that moved into it), with
+-- what they reserve against its spend caps from now on.
+INSERT INTO batch_tenants (batch_key, tenant_id, created_at, requests, reserved_day,
+                           reserved_usd)
+SELECT bj.batch_key, j.tenant_id, b.created_at, count(*)::int,
+       (now() AT TIME ZONE 'UTC')::date, sum(bj.reserved_usd)
+FROM batch_jobs bj
+JOIN jobs j ON j.id = bj.job_id
+JOIN provider_batches b ON b.key = bj.batch_key
+WHERE bj.batch_key = %(key)s
+GROUP BY bj.batch_key, j.tenant_id, b.created_at;
 
 -- name: batch_set_count
 UPDATE provider_batches SET request_count = %(count)s,
@@ -113,13 +167,31 @@ ORDER BY j.id
 LIMIT %(limit)s;
 
 -- name: batch_settle
-UPDATE batch_jobs bj SET state = r.state, input_tokens = r.input_tokens,
-                         output_tokens = r.output_tokens, cost_usd = r.cost_usd,
-                         online_cost_usd = r.online_cost_usd, settled_at = now()
-FROM jsonb_to_recordset(%(rows)s::jsonb)
-     AS r(custom_id text, state text, input_tokens bigint, output_tokens bigint,
-          cost_usd float8, online_cost_usd float8)
-WHERE bj.batch_key = %(key)s AND bj.custom_id = r.custom_id AND bj.state = 'pending';
+-- Requests settled (or retried) with their tokens and both costs; their tenants' shares
+-- count them, and drop what they reserved: the attempt's real cost was written with its
+-- outcome, just before (until this commits, both count: a cap errs on the safe side).
+WITH done AS (
+    UPDATE batch_jobs bj SET state = r.state, input_tokens = r.input_tokens,
+                             output_tokens = r.output_tokens, cost_usd = r.cost_usd,
+                             online_cost_usd = r.online_cost_usd, settled_at = now()
+    FROM jsonb_to_recordset(%(rows)s::jsonb)
+         AS r(custom_id text, state text, input_tokens bigint, output_tokens bigint,
+              cost_usd float8, online_cost_usd float8)
+    WHERE bj.batch_key = %(key)s AND bj.custom_id = r.custom_id AND bj.state = 'pending'
+    RETURNING bj.job_id, bj.state, bj.cost_usd, bj.online_cost_usd, bj.reserved_usd
+), shares AS (
+    SELECT j.tenant_id, count(*) FILTER (WHERE d.state = 'settled') AS settled,
+           count(*) FILTER (WHERE d.state = 'retried') AS retried,
+           sum(d.cost_usd) AS cost_usd, sum(d.online_cost_usd) AS online_cost_usd,
+           sum(d.reserved_usd) AS reserved_usd
+    FROM done d JOIN jobs j ON j.id = d.job_id
+    GROUP BY j.tenant_id
+)
+UPDATE batch_tenants t SET settled = t.settled + s.settled, retried = t.retried + s.retried,
+                           cost_usd = t.cost_usd + s.cost_usd,
+                           online_cost_usd = t.online_cost_usd + s.online_cost_usd,
+                           reserved_usd = greatest(t.reserved_usd - s.reserved_usd, 0)
+FROM shares s WHERE t.batch_key = %(key)s AND t.tenant_id = s.tenant_id;
 
 -- name: batch_fall_back_online
 -- Jobs whose deadline a new batch would miss continue online (their retry's topic is the
@@ -128,9 +200,21 @@ UPDATE jobs SET lane = 'online' WHERE id = ANY(%(ids)s) AND lane = 'batch';
 
 -- name: batch_collected
 -- Every job of the batch is settled; a pending row left is a job that was no longer held.
+-- The batch reserves nothing any more.
 WITH orphans AS (
     UPDATE batch_jobs SET state = 'cancelled', settled_at = now()
     WHERE batch_key = %(key)s AND state = 'pending'
+    RETURNING job_id
+), shares AS (
+    SELECT j.tenant_id, count(*) AS cancelled
+    FROM orphans o JOIN jobs j ON j.id = o.job_id
+    GROUP BY j.tenant_id
+), released AS (
+    UPDATE batch_tenants t
+    SET cancelled = t.cancelled + coalesce((SELECT s.cancelled FROM shares s
+                                            WHERE s.tenant_id = t.tenant_id), 0),
+        reserved_usd = 0
+    WHERE t.batch_key = %(key)s
 )
 UPDATE provider_batches SET state = 'collected', collected_at = now(),
                             ended_at = COALESCE(ended_at, now()),
@@ -144,65 +228,72 @@ SELECT COALESCE(sum(enqueued_tokens), 0)::bigint AS tokens FROM provider_batches
 WHERE provider = %(provider)s AND model = %(model)s AND state IN ('creating', 'submitted');
 
 -- name: batch_list
--- Batches newest first; for a tenant (tenant_id set) only those holding its jobs, and every
--- count and cost of a batch is the tenant's own share of it (a batch packs many tenants'
--- requests: its request_count, provider counts and cost are nobody else's business), with
--- ``others``, how many of its requests are other tenants' (0 unscoped).
+-- Every batch, newest first (the operator's list: calmq batches list).
 SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
-       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.request_count ELSE mine.n END
-           AS request_count,
-       b.created_at, b.submitted_at, b.ended_at, b.collected_at,
-       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.counts ELSE mine.counts END AS counts,
-       b.cancel_requested, mine.cost_usd, mine.online_cost_usd, mine.others
+       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
+       b.cancel_requested, coalesce(s.cost_usd, 0)::float8 AS cost_usd,
+       coalesce(s.online_cost_usd, 0)::float8 AS online_cost_usd, 0 AS others
 FROM provider_batches b
-CROSS JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE x.mine)::int AS n,
-           COALESCE(sum(x.cost_usd) FILTER (WHERE x.mine), 0)::float8 AS cost_usd,
-           COALESCE(sum(x.online_cost_usd) FILTER (WHERE x.mine), 0)::float8 AS online_cost_usd,
-           COALESCE((SELECT jsonb_object_agg(s.state, s.c) FROM (
-                SELECT y.state, count(*) AS c
-                FROM batch_jobs y JOIN jobs yj ON yj.id = y.job_id
-                WHERE y.batch_key = b.key
-                  AND (%(tenant_id)s::uuid IS NULL OR yj.tenant_id = %(tenant_id)s::uuid)
-                GROUP BY y.state) s), '{}'::jsonb) AS counts,
-           count(*) FILTER (WHERE NOT x.mine)::int AS others
-    FROM (SELECT bj.cost_usd, bj.online_cost_usd,
-                 (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid) AS mine
-          FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
-          WHERE bj.batch_key = b.key) x
-) mine
+LEFT JOIN LATERAL (
+    SELECT sum(t.cost_usd) AS cost_usd, sum(t.online_cost_usd) AS online_cost_usd
+    FROM batch_tenants t WHERE t.batch_key = b.key
+) s ON true
 WHERE (%(state)s::text IS NULL OR b.state = %(state)s)
-  AND (%(tenant_id)s::uuid IS NULL OR mine.n > 0)
 ORDER BY b.created_at DESC
 LIMIT %(limit)s;
 
--- name: batch_find
--- One batch by calmq's key or the provider's id, scoped as batch_list.
+-- name: batch_list_tenant
+-- The batches holding a tenant's jobs, newest first, read from the tenant's own shares
+-- (batch_tenants_list), a page at a time: after the cursor (created_at, key) of the last
+-- one of the page before. Every count and cost is the tenant's share (a batch packs many
+-- tenants' requests: its request_count, provider counts and cost are nobody else's
+-- business), with ``others``, how many of its requests are other tenants'.
 SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
-       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.request_count ELSE mine.n END
-           AS request_count,
-       b.created_at, b.submitted_at, b.ended_at, b.collected_at,
-       CASE WHEN %(tenant_id)s::uuid IS NULL THEN b.counts ELSE mine.counts END AS counts,
-       b.cancel_requested, mine.cost_usd, mine.online_cost_usd, mine.others
+       t.requests AS request_count, b.created_at, b.submitted_at, b.ended_at,
+       b.collected_at,
+       jsonb_strip_nulls(jsonb_build_object(
+           'pending', nullif(t.requests - t.settled - t.retried - t.cancelled, 0),
+           'settled', nullif(t.settled, 0), 'retried', nullif(t.retried, 0),
+           'cancelled', nullif(t.cancelled, 0))) AS counts,
+       b.cancel_requested, t.cost_usd, t.online_cost_usd,
+       greatest(b.request_count - t.requests, 0) AS others
+FROM batch_tenants t
+JOIN provider_batches b ON b.key = t.batch_key
+WHERE t.tenant_id = %(tenant_id)s
+  AND (%(cursor_at)s::timestamptz IS NULL
+       OR (t.created_at, t.batch_key) < (%(cursor_at)s::timestamptz, %(cursor_key)s::uuid))
+  AND (%(state)s::text IS NULL OR b.state = %(state)s)
+ORDER BY t.created_at DESC, t.batch_key DESC
+LIMIT %(limit)s;
+
+-- name: batch_find
+-- One batch by calmq's key or the provider's id (the operator's: every request counted).
+SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
+       b.request_count, b.created_at, b.submitted_at, b.ended_at, b.collected_at, b.counts,
+       b.cancel_requested, coalesce(s.cost_usd, 0)::float8 AS cost_usd,
+       coalesce(s.online_cost_usd, 0)::float8 AS online_cost_usd, 0 AS others
 FROM provider_batches b
-CROSS JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE x.mine)::int AS n,
-           COALESCE(sum(x.cost_usd) FILTER (WHERE x.mine), 0)::float8 AS cost_usd,
-           COALESCE(sum(x.online_cost_usd) FILTER (WHERE x.mine), 0)::float8 AS online_cost_usd,
-           COALESCE((SELECT jsonb_object_agg(s.state, s.c) FROM (
-                SELECT y.state, count(*) AS c
-                FROM batch_jobs y JOIN jobs yj ON yj.id = y.job_id
-                WHERE y.batch_key = b.key
-                  AND (%(tenant_id)s::uuid IS NULL OR yj.tenant_id = %(tenant_id)s::uuid)
-                GROUP BY y.state) s), '{}'::jsonb) AS counts,
-           count(*) FILTER (WHERE NOT x.mine)::int AS others
-    FROM (SELECT bj.cost_usd, bj.online_cost_usd,
-                 (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid) AS mine
-          FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id
-          WHERE bj.batch_key = b.key) x
-) mine
-WHERE (b.key::text = %(ref)s OR b.provider_id = %(ref)s)
-  AND (%(tenant_id)s::uuid IS NULL OR mine.n > 0);
+LEFT JOIN LATERAL (
+    SELECT sum(t.cost_usd) AS cost_usd, sum(t.online_cost_usd) AS online_cost_usd
+    FROM batch_tenants t WHERE t.batch_key = b.key
+) s ON true
+WHERE b.key = %(key)s::uuid OR b.provider_id = %(ref)s;
+
+-- name: batch_find_tenant
+-- One batch holding the tenant's jobs, by calmq's key or the provider's id, with the
+-- tenant's share as batch_list_tenant gives it.
+SELECT b.key, b.provider, b.model, b.pool, b.provider_id, b.state, b.provider_status,
+       t.requests AS request_count, b.created_at, b.submitted_at, b.ended_at,
+       b.collected_at,
+       jsonb_strip_nulls(jsonb_build_object(
+           'pending', nullif(t.requests - t.settled - t.retried - t.cancelled, 0),
+           'settled', nullif(t.settled, 0), 'retried', nullif(t.retried, 0),
+           'cancelled', nullif(t.cancelled, 0))) AS counts,
+       b.cancel_requested, t.cost_usd, t.online_cost_usd,
+       greatest(b.request_count - t.requests, 0) AS others
+FROM provider_batches b
+JOIN batch_tenants t ON t.batch_key = b.key AND t.tenant_id = %(tenant_id)s
+WHERE b.key = %(key)s::uuid OR b.provider_id = %(ref)s;
 
 -- name: batch_members
 SELECT bj.job_id, bj.attempt, bj.custom_id, bj.state, bj.input_tokens, bj.output_tokens,
@@ -218,7 +309,8 @@ WHERE key = %(key)s AND state IN ('creating', 'submitted')
 RETURNING key;
 
 -- name: batch_stats
--- The batch lane's gauges: open batches and the oldest one's age; batched jobs by state.
+-- The batch lane's gauges: open batches and the oldest one's age; batched jobs by state;
+-- what open batches reserve against the spend caps.
 SELECT (SELECT count(*) FROM provider_batches WHERE state IN ('creating', 'submitted'))
            AS open_batches,
        (SELECT COALESCE(extract(epoch FROM now() - min(created_at)), 0)::float8
@@ -227,7 +319,9 @@ SELECT (SELECT count(*) FROM provider_batches WHERE state IN ('creating', 'submi
             SELECT bj.state, count(*) AS n FROM batch_jobs bj
             JOIN provider_batches b ON b.key = bj.batch_key
             WHERE b.state IN ('creating', 'submitted') OR bj.settled_at > now() - interval '1 hour'
-            GROUP BY bj.state) s) AS jobs_by_state;
+            GROUP BY bj.state) s) AS jobs_by_state,
+       (SELECT coalesce(sum(reserved_usd), 0)::float8 FROM batch_tenants
+        WHERE reserved_usd > 0) AS reserved_usd;
 
 -- name: batch_files_deleted
 -- The provider holds nothing of the batch any more (calmq deleted it, or found it gone).
@@ -262,6 +356,15 @@ WITH held AS (
     UPDATE batch_jobs bj SET state = 'retried', settled_at = now()
     FROM held WHERE bj.batch_key = %(key)s AND bj.job_id = held.id
                 AND bj.attempt = held.attempt AND bj.state = 'pending'
+    RETURNING bj.job_id, bj.reserved_usd
+), shares AS (
+    SELECT j.tenant_id, count(*) AS retried, sum(r.reserved_usd) AS reserved_usd
+    FROM retried r JOIN jobs j ON j.id = r.job_id
+    GROUP BY j.tenant_id
+), released AS (
+    UPDATE batch_tenants t SET retried = t.retried + s.retried,
+                               reserved_usd = greatest(t.reserved_usd - s.reserved_usd, 0)
+    FROM shares s WHERE t.batch_key = %(key)s AND t.tenant_id = s.tenant_id
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'waiting', attempt, %(detail)s::jsonb FROM back
@@ -269,7 +372,14 @@ WITH held AS (
 SELECT * FROM back;
 
 -- name: batch_abandon
--- A batch the provider never created (its create was refused): nothing to collect.
+-- A batch the provider never created (its create was refused): nothing to collect, and
+-- nothing reserved any more.
+WITH released AS (
+    UPDATE batch_tenants SET reserved_usd = 0
+    WHERE batch_key = %(key)s AND reserved_usd > 0
+      AND EXISTS (SELECT 1 FROM provider_batches
+                  WHERE key = %(key)s AND state = 'creating')
+)
 UPDATE provider_batches SET state = 'abandoned', lease_owner = NULL, lease_expires_at = NULL,
                             ended_at = now()
 WHERE key = %(key)s AND state = 'creating';

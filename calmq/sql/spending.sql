@@ -9,7 +9,9 @@ FROM tenants WHERE spend_cap_daily_usd IS NOT NULL OR spend_cap_monthly_usd IS N
 -- What each tenant spent this UTC day and this UTC month: the cost of the attempts that
 -- started in the window (retries and dead-lettered attempts included), as spend_days and
 -- the deltas not folded into it yet hold it (migration 0038). An attempt's cost is written
--- with its outcome, so calls in flight are counted when they end.
+-- with its outcome, so calls in flight are counted when they end. What open provider
+-- batches reserve counts as spent until their results settle it (batch_tenants, migration
+-- 0049): the batch lane's cost comes back hours after its requests were sent.
 SELECT tenant_id,
        coalesce(sum(cost_usd) FILTER (WHERE day = (now() AT TIME ZONE 'UTC')::date),
                 0)::float8 AS day,
@@ -18,9 +20,61 @@ FROM (SELECT day, tenant_id, cost_usd FROM spend_days
       WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
       UNION ALL
       SELECT day, tenant_id, cost_usd FROM spend_deltas
-      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date) spent
+      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+      UNION ALL
+      SELECT reserved_day, tenant_id, reserved_usd FROM batch_tenants
+      WHERE reserved_usd > 0
+        AND reserved_day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date) spent
 GROUP BY tenant_id
 HAVING sum(cost_usd) > 0;
+
+-- name: spend_reserve_lock
+-- Reservations against the same caps take turns (the batch lane packing, calmq/data/
+-- batches.py): one advisory lock per tenant of the pack, and the fleet's ('fleet') when it
+-- has a cap, taken in one order so that two batchers cannot deadlock; held until the
+-- transaction that records the pack ends. A pack's read of what is spent and reserved
+-- (spend_standing) then sees every reservation recorded before it.
+SELECT count(pg_advisory_xact_lock(hashtextextended('calmq.spend_reserve/' || k.name, 0)))
+FROM (SELECT DISTINCT name FROM unnest(%(names)s::text[]) AS n(name) ORDER BY 1) k;
+
+-- name: spend_standing
+-- What each of these tenants spent and reserved this UTC day and this UTC month (as
+-- spend_by_tenant counts it), with its caps.
+SELECT t.id AS tenant_id, t.spend_cap_daily_usd::float8 AS daily,
+       t.spend_cap_monthly_usd::float8 AS monthly,
+       coalesce(s.day, 0)::float8 AS spent_day, coalesce(s.month, 0)::float8 AS spent_month
+FROM tenants t
+CROSS JOIN LATERAL (
+    SELECT sum(x.cost_usd) FILTER (WHERE x.day = (now() AT TIME ZONE 'UTC')::date) AS day,
+           sum(x.cost_usd) AS month
+    FROM (SELECT day, cost_usd FROM spend_days
+          WHERE tenant_id = t.id
+            AND day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+          UNION ALL
+          SELECT day, cost_usd FROM spend_deltas
+          WHERE tenant_id = t.id
+            AND day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+          UNION ALL
+          SELECT reserved_day, reserved_usd FROM batch_tenants
+          WHERE tenant_id = t.id AND reserved_usd > 0
+            AND reserved_day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date) x
+) s
+WHERE t.id = ANY(%(tenants)s::uuid[]);
+
+-- name: spend_fleet_standing
+-- What the fleet spent and reserved this UTC day and this UTC month (spend_by_tenant's sum).
+SELECT coalesce(sum(cost_usd) FILTER (WHERE day = (now() AT TIME ZONE 'UTC')::date),
+                0)::float8 AS spent_day,
+       coalesce(sum(cost_usd), 0)::float8 AS spent_month
+FROM (SELECT day, cost_usd FROM spend_days
+      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+      UNION ALL
+      SELECT day, cost_usd FROM spend_deltas
+      WHERE day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date
+      UNION ALL
+      SELECT reserved_day, reserved_usd FROM batch_tenants
+      WHERE reserved_usd > 0
+        AND reserved_day >= date_trunc('month', now() AT TIME ZONE 'UTC')::date) spent;
 
 -- name: fold_spend
 -- The deltas the attempts' trigger appended, added to their days (under the release pass's
@@ -107,11 +161,18 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('calmq.spend_release', 0)) AS 
 -- A job waiting for its token quota is released by the workers' quota pass (release_quota_
 -- jobs); here only once it waited past stale_seconds (no worker runs quotas any more): it
 -- comes back to wait again if its tenant is still crowded.
+-- Only these reasons, the ones calmq.spending's holds write (spend_cap_<window>, and
+-- fleet_spend_cap_<window> for the fleet's cap) and the token quota's: a job waiting for
+-- anything else (its concurrency key, a waiting room, a provider's block, a review cap) has
+-- a release pass of its own that knows when it may run; re-publishing it here after a
+-- while let it past its key's limit, and called it a spend-cap release.
 WITH released AS (
     SELECT j.id FROM jobs j
     WHERE j.waiting_reason IS NOT NULL AND j.status IN ('queued', 'retrying')
-      AND (j.waiting_reason LIKE '%%spend_cap%%'
-           OR j.updated_at < now() - make_interval(secs => %(stale_seconds)s))
+      AND (j.waiting_reason IN ('spend_cap_daily', 'spend_cap_monthly',
+                                'fleet_spend_cap_daily', 'fleet_spend_cap_monthly')
+           OR (j.waiting_reason = 'token_quota'
+               AND j.updated_at < now() - make_interval(secs => %(stale_seconds)s)))
       AND NOT (j.tenant_id = ANY(%(held_bulk)s) AND j.priority <> 'interactive')
       AND NOT (j.tenant_id = ANY(%(held_all)s))
       AND NOT (%(fleet_bulk)s AND j.priority <> 'interactive')

@@ -2,7 +2,9 @@
 APIs, in the OpenAI and the Anthropic shape: batch-lane jobs end exactly as the same jobs
 online (statuses, artifacts, reviews, dead letters) at half the cost; an expired batch's jobs
 finish through a second batch or online; kill -9 of the batcher or the poller loses nothing
-and creates no duplicate provider batch; a job refused for the lane gets a stable code."""
+and creates no duplicate provider batch; a job refused for the lane gets a stable code. Spend
+caps hold before the bill arrives (each packed request reserves its estimate), a workflow's
+concurrency_limit holds, and a tenant's batch list is its own."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from calmq import topics
+from calmq import sql, topics
 from calmq.data import NewJob, Store, insert_job
+from calmq.data.spending import SpendLedger
 from calmq.kafka import create_topics
 from calmq.tooling.devstack import StackState, processes
+from tests.support.api import Api
 from tests.support.cli import calmq, new_tenant
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env, history, metric
@@ -58,8 +62,9 @@ def fake(env: Env) -> str:
     proc = env.procs.start("fake", "fake-provider", "--port", str(port),
                            "--batch-completion-seconds", "1")
     url = f"http://127.0.0.1:{port}"
+    # A deadline, not a pace: it starts in a second, but in over 30 s on a loaded machine.
     wait_for(lambda: proc.poll() is not None or _get(url + "/healthz") is not None,
-             timeout=30, what="the fake provider")
+             timeout=120, what="the fake provider")
     assert proc.poll() is None
     return url
 
@@ -100,17 +105,18 @@ def _batcher(env: Env, pool: str, fake: str, provider: str = "openai", *,
 
 
 def _submit(env: Env, pool: str, inputs: list[dict[str, Any]], *, lane: str,
-            deadline_at: datetime | None = None, tenant: uuid.UUID | None = None
-            ) -> list[str]:
+            deadline_at: datetime | None = None, tenant: uuid.UUID | None = None,
+            workflow: str = "summarize", concurrency_key: str | None = None) -> list[str]:
     async def run() -> list[str]:
         store = Store(env.db, max_size=8)
         await store.open()
         try:
             async def one(data: dict[str, Any]) -> str:
                 job = NewJob(id=uuid.uuid4(), tenant_id=tenant or env.tenant,
-                             workflow="summarize",
+                             workflow=workflow,
                              workflow_version=1, priority="bulk", pool=pool, step="summarize",
-                             max_attempts=3, input=data, deadline_at=deadline_at, lane=lane)
+                             max_attempts=3, input=data, deadline_at=deadline_at, lane=lane,
+                             concurrency_key=concurrency_key)
                 async with store.pool.connection() as conn:
                     await insert_job(conn, job)
                 return str(job.id)
@@ -548,3 +554,203 @@ def test_a_capped_tenants_batch_lane_jobs_wait_before_packing_and_resume_when_ra
     assert {r["status"] for r in rows.values()} == {"completed"}
     assert {r["lane"] for r in rows.values()} == {"batch"}
     assert sum(_custom_ids_at_fake(fake, ids).values()) == len(ids)
+
+
+# -- spend caps hold before the bill, concurrency keys, the tenant's batch list (issue 42) --
+
+def _reserved(db: str, ids: list[str]) -> dict[str, float]:
+    """What each of these jobs' requests reserved against the spend caps when packed."""
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT job_id::text, reserved_usd::float8 FROM batch_jobs "
+                            "WHERE job_id = ANY(%s::uuid[])", (ids,)).fetchall()
+    return {r[0]: r[1] for r in rows}
+
+
+def _tenant_shares(db: str, tenant: uuid.UUID) -> list[dict[str, Any]]:
+    with psycopg.connect(db, row_factory=dict_row) as conn:
+        return conn.execute(
+            "SELECT batch_key, requests, settled, retried, cancelled, cost_usd, "
+            "reserved_usd::float8 AS reserved_usd FROM batch_tenants WHERE tenant_id = %s",
+            (tenant,)).fetchall()
+
+
+def _spent(db: str, tenant: uuid.UUID) -> float:
+    """The tenant's month as the spend caps read it (spend, and open reservations)."""
+    async def run() -> float:
+        store = Store(db, max_size=1)
+        await store.open()
+        try:
+            spend = (await SpendLedger(store).spend()).get(tenant)
+            return spend.month if spend else 0.0
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def test_a_capped_tenants_batch_burst_stops_at_the_cap_plus_at_most_one_pack(
+        stack: StackState, env: Env) -> None:
+    """A tenant far below its daily cap sends a burst of batch-lane jobs whose batches stay
+    open (their results, and the bill, hours away): each packed request reserves its
+    estimated cost, packing stops at the cap plus at most one pack, and the rest wait queued
+    with the cap's reason, no attempt counted and nothing sent to the provider."""
+    port = processes.free_port()
+    slow = env.procs.start("fake", "fake-provider", "--port", str(port),
+                           "--batch-completion-seconds", "3600")
+    fake = f"http://127.0.0.1:{port}"
+    # A deadline, not a pace: it starts in a second, but in over 30 s on a loaded machine.
+    wait_for(lambda: slow.poll() is not None or _get(fake + "/healthz") is not None,
+             timeout=120, what="the fake provider")
+    assert slow.poll() is None
+    pack = 5
+    pool = _pool(env, "blburst")
+    _batcher(env, pool, fake, spend_cap_refresh_seconds="0.2", batch_max_requests=str(pack))
+    name, tenant, _key = new_tenant(stack, "blburst")
+    # What one request reserves: the first job's, packed before any cap (equal inputs,
+    # equal estimates).
+    (first,) = _submit(env, pool, [{"text": "burst 000"}], lane="batch", tenant=tenant)
+    estimate = wait_for(lambda: _reserved(env.db, [first]).get(first), timeout=60,
+                        what="the first request to be packed")
+    assert estimate > 0
+    cap = 12 * estimate
+    capped = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", f"{cap:.12f}")
+    assert capped.returncode == 0, capped.stderr
+    burst = _submit(env, pool, [{"text": f"burst {n:03}"} for n in range(1, 61)],
+                    lane="batch", tenant=tenant)
+
+    def settled_down() -> dict[str, dict[str, Any]] | None:
+        rows = _rows(env.db, burst)
+        packed = _reserved(env.db, burst)
+        waiting = [i for i, r in rows.items() if r["status"] == "queued" and i not in packed]
+        with psycopg.connect(env.db) as conn:
+            held = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[]) AND "
+                                "waiting_reason = 'spend_cap_daily'", (burst,)).fetchone()
+        done = held is not None and held[0] == len(waiting) and (
+            len(packed) + len(waiting) == len(burst))
+        return rows if done else None
+
+    rows = wait_for(settled_down, timeout=180, what="the burst to be packed or held")
+    packed = _reserved(env.db, burst)
+    reserved = estimate + sum(packed.values())
+    assert packed, "nothing of the burst was packed"
+    assert len(packed) < len(burst), "the whole burst was packed past the cap"
+    assert reserved <= cap + pack * estimate * 1.0001, (reserved, cap)
+    # The spend caps count what is reserved, and the tenant's shares hold it.
+    assert _spent(env.db, tenant) == pytest.approx(reserved, rel=1e-6)
+    assert sum(s["reserved_usd"] for s in _tenant_shares(env.db, tenant)) == pytest.approx(
+        reserved, rel=1e-6)
+    held = [i for i in burst if i not in packed]
+    assert all(rows[i]["status"] == "queued" and rows[i]["attempt"] == 0 for i in held)
+    assert all(("waiting", "spend_cap_daily") in [
+        (e["type"], e["detail"].get("reason")) for e in history(env.db, i)] for i in held)
+    assert sum(_custom_ids_at_fake(fake, held).values()) == 0
+
+
+def test_batch_results_settle_the_reservation_with_the_real_cost(
+        stack: StackState, env: Env, fake: str) -> None:
+    """After a batch's results (one batch expired first: its jobs went into a second
+    batch), the tenant's recorded spend equals the jobs' real cost and nothing is reserved
+    any more; each request had reserved its estimate when packed."""
+    pool = _pool(env, "blsettle")
+    _batcher(env, pool, fake)
+    name, tenant, _key = new_tenant(stack, "blsettle")
+    capped = calmq(stack, "tenants", "set-spend-cap", name, "--daily-usd", "5")
+    assert capped.returncode == 0, capped.stderr
+    _admin(fake, expire_next=1)
+    ids = _submit(env, pool, [{"text": f"settle {n}"} for n in range(4)], lane="batch",
+                  tenant=tenant)
+    rows = _settled(env.db, ids, timeout=120)
+    assert {r["status"] for r in rows.values()} == {"completed"}
+    assert {r["attempt"] for r in rows.values()} == {2}  # through the expired batch first
+    cost = sum(float(r["cost_usd"]) for r in rows.values())
+    assert cost > 0
+
+    def released() -> list[dict[str, Any]] | None:
+        shares = _tenant_shares(env.db, tenant)
+        return shares if len(shares) == 2 and all(
+            s["reserved_usd"] == 0 for s in shares) else None
+
+    shares = wait_for(released, timeout=60, what="the reservations to be settled")
+    assert sorted((s["settled"], s["retried"]) for s in shares) == [(0, 4), (4, 0)]
+    assert sum(s["cost_usd"] for s in shares) == pytest.approx(cost, rel=1e-6)
+    assert _spent(env.db, tenant) == pytest.approx(cost, rel=1e-6)
+    assert all(v > 0 for v in _reserved(env.db, ids).values())
+
+
+def test_get_batches_lists_only_the_tenants_own_batches_a_page_at_a_time(
+        stack: StackState, env: Env, fake: str) -> None:
+    """Two tenants' jobs in batches (a batch each, then one batch holding both): each
+    tenant's GET /v1/batches lists, newest first and a page at a time, exactly the batches
+    holding its jobs, with its own share of the shared one; the other's batch is not
+    there, nor found by its id."""
+    pool = _pool(env, "bllist")
+    _batcher(env, pool, fake)
+    api = stack.env["CALMQ_API_URL"]
+    _na, a, key_a = new_tenant(stack, "bllista")
+    _nb, b, key_b = new_tenant(stack, "bllistb")
+    only_a = _submit(env, pool, [{"text": "a alone"}], lane="batch", tenant=a)
+    _settled(env.db, only_a, timeout=120)
+    only_b = _submit(env, pool, [{"text": "b alone"}], lane="batch", tenant=b)
+    _settled(env.db, only_b, timeout=120)
+    both = (_submit(env, pool, [{"text": "a shared 1"}, {"text": "a shared 2"}],
+                    lane="batch", tenant=a)
+            + _submit(env, pool, [{"text": "b shared"}], lane="batch", tenant=b))
+    _settled(env.db, both, timeout=120)
+
+    def carried(ids: list[str]) -> set[str]:
+        with psycopg.connect(env.db) as conn:
+            return {r[0] for r in conn.execute(
+                "SELECT DISTINCT batch_key::text FROM batch_jobs WHERE job_id = ANY(%s::uuid[])",
+                (ids,)).fetchall()}
+
+    def pages(key: str) -> list[dict[str, Any]]:
+        client, seen, cursor = Api(api, key), [], ""
+        while True:
+            status, _h, body = client.call("GET", f"/v1/batches?limit=1{cursor}")
+            assert status == 200, body
+            assert len(body["batches"]) <= 1
+            seen += body["batches"]
+            if body["next_cursor"] is None:
+                return seen
+            cursor = f"&cursor={body['next_cursor']}"
+
+    def own(batch_key: str, ids: list[str]) -> int:
+        with psycopg.connect(env.db) as conn:
+            row = conn.execute("SELECT count(*) FROM batch_jobs WHERE batch_key = %s AND "
+                               "job_id = ANY(%s::uuid[]) AND state = 'settled'",
+                               (batch_key, ids)).fetchone()
+        return int(row[0]) if row else 0
+
+    mine_a, mine_b = carried(only_a + both[:2]), carried(only_b + both[2:])
+    listed_a, listed_b = pages(key_a), pages(key_b)
+    assert {x["key"] for x in listed_a} == mine_a
+    assert {x["key"] for x in listed_b} == mine_b
+    assert len(listed_a) == len(mine_a)  # no page repeats one
+    stamps = [x["created_at"] for x in listed_a]
+    assert stamps == sorted(stamps, reverse=True)  # newest first
+    for batch in listed_a:  # the tenant's own share: its requests, its counts
+        n = own(batch["key"], only_a + both[:2])
+        assert batch["request_count"] == n, batch
+        assert batch["counts"] == {"settled": n}, batch
+    (b_alone,) = carried(only_b) - mine_a
+    status, _h, _body = Api(api, key_a).call("GET", f"/v1/batches/{b_alone}")
+    assert status == 404
+    for one in mine_a & mine_b:  # shared: each sees its own share of it
+        status, _h, body = Api(api, key_b).call("GET", f"/v1/batches/{one}")
+        assert status == 200, body
+        assert body["request_count"] == own(one, both[2:]), body
+
+
+def test_the_tenants_batch_list_reads_its_own_rows(stack: StackState) -> None:
+    """GET /v1/batches's statement starts from the tenant's own shares (an index of
+    batch_tenants): no sequential read of provider_batches, batch_jobs or batch_tenants,
+    and no read of batch_jobs at all (seq scans priced out)."""
+    statement = sql.queries()["batch_list_tenant"]
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(r[0] for r in conn.execute(b"EXPLAIN " + statement.encode(), {
+            "tenant_id": uuid.uuid4(), "state": None, "limit": 51,
+            "cursor_at": datetime.now(UTC), "cursor_key": uuid.uuid4()}).fetchall())
+    assert "batch_tenants_list" in plan, plan
+    assert "Seq Scan" not in plan, plan
+    assert "batch_jobs" not in plan, plan
