@@ -394,6 +394,16 @@ class Settings(BaseSettings):
         description="with fair share: call slots a tenant above its weighted share leaves "
                     "free while another tenant runs or waits in the lane, so that tenant's "
                     "next job starts at once (default: a 256th of concurrency, rounded down)")
+    concurrency_release_batch: int = Field(
+        default=256, ge=1, le=4096,
+        description="concurrency keys one release pass locks at most (an advisory lock "
+                    "each, in PostgreSQL's shared lock table); the next pass goes on from "
+                    "the last, so every waiting key gets its turn")
+    concurrency_keys_waiting_max: int = Field(
+        default=1000, ge=1, le=1_000_000,
+        description="distinct concurrency keys one tenant's jobs may wait for at once; past "
+                    "them a job that must wait for its key waits behind the tenant's keys "
+                    "(waiting_reason concurrency_keys_waiting) until one stops waiting")
     worker_id: str = ""
     lease_seconds: float = Field(default=30.0, gt=0)
     sweeper_grace_seconds: float = Field(

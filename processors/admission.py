@@ -246,16 +246,22 @@ class ConcurrencyKeyGate(Gate):
     that fit under their keys' limits are admitted (``key_admitted_at``: they count until
     their claim, a running job counts by its status); the rest wait in ``queued``
     (``waiting``, reason ``concurrency_key``, no attempt counted) and the release pass
-    (processors/reaper.py) re-publishes them as their key's jobs end. A job admitted and
-    never claimed (its worker died between) gives its place back after a lease."""
+    (processors/reaper.py) re-publishes them as their key's jobs end. Past ``waiting_max``
+    keys waiting for one tenant, a job that must wait waits behind its tenant's keys
+    instead (reason ``concurrency_keys_waiting``) until one stops waiting and it takes its
+    place. A job admitted and never claimed (its worker died between) gives its place back
+    after a lease."""
 
     name = "concurrency_key"
 
     def __init__(self, keys: ConcurrencyKeys, limits: Mapping[str, int],
-                 admitted_seconds: float) -> None:
+                 admitted_seconds: float, *, waiting_max: int) -> None:
         self.keys = keys
         self.limits = dict(limits)
         self.admitted_seconds = admitted_seconds
+        # Distinct keys a tenant's jobs may wait for; past them a job waits behind its
+        # tenant's keys (concurrency_keys_waiting_max, calmq/sql/concurrency.sql).
+        self.waiting_max = waiting_max
 
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
@@ -265,10 +271,14 @@ class ConcurrencyKeyGate(Gate):
             return set()
         held = await retry_forever(
             "admitting jobs by their concurrency keys failed",
-            lambda: self.keys.admit(ids, self.limits, self.admitted_seconds))
+            lambda: self.keys.admit(ids, self.limits, self.admitted_seconds,
+                                    waiting_max=self.waiting_max))
         if held:
             metrics.CONCURRENCY_KEY_HELD.inc(len(held))
-        return held
+            behind = sum(1 for why in held.values() if why == "concurrency_keys_waiting")
+            if behind:
+                metrics.CONCURRENCY_KEYS_OVERFLOW.inc(behind)
+        return set(held)
 
 
 class FairShareGate(Gate):

@@ -63,6 +63,9 @@ CONCURRENCY_KEY_HELD = Counter("calmq_concurrency_key_held_total",
 CONCURRENCY_KEY_RESUMED = Counter("calmq_concurrency_key_resumed_total",
                                   "Jobs held for their concurrency key re-published as its "
                                   "jobs ended")
+CONCURRENCY_KEYS_OVERFLOW = Counter("calmq_concurrency_keys_waiting_total",
+                                   "Jobs held behind their tenant's concurrency keys: its "
+                                   "jobs waited for concurrency_keys_waiting_max keys already")
 WAITED_UNCOUNTED = Counter("calmq_waited_uncounted_total",
                            "Attempts handed back uncounted to wait in queued: every model "
                            "their step allows cooling down after a 429 (model_cooldown), or "

@@ -53,7 +53,9 @@ POISON_ERROR: dict[str, str] = {
 
 def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: float, *,
                     sweeper_grace_seconds: float, longest_tier_seconds: float,
-                    lease_seconds: float, first_after: float = 0.0) -> None:
+                    lease_seconds: float, concurrency_release_batch: int = 256,
+                    concurrency_keys_waiting_max: int = 1000,
+                    first_after: float = 0.0) -> None:
     """Run the reaper, the sweeper and the review timer under ``side`` (the reaper and the
     timer every ``interval`` seconds, the sweeper every tenth of its grace at most that
     often), as critical tasks: a process whose reaper stopped must not look healthy."""
@@ -92,16 +94,21 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.warning("re-published %d jobs that waited in a waiting room with no worker "
                         "taking them", len(released))
 
-    keys = ConcurrencyKeys(store)
+    keys = ConcurrencyKeys(store, batch=concurrency_release_batch)
     limits = concurrency_limits(desk.workflows)
 
     async def release_concurrency_keys() -> None:
         # Jobs held for their concurrency key go back to the work topic as its jobs end
         # (calmq.data.concurrency); the keys' locks make this and the admissions take turns.
-        resumed = await keys.release(limits, sorted(desk.workflows), lease_seconds)
-        if resumed:
-            metrics.CONCURRENCY_KEY_RESUMED.inc(len(resumed))
-            log.info("re-published %d jobs held for their concurrency key", len(resumed))
+        # One pass at a time in the fleet, a batch of keys each, on from the last pass's.
+        done = await keys.release(limits, sorted(desk.workflows), lease_seconds,
+                                  waiting_max=concurrency_keys_waiting_max)
+        if done.jobs:
+            metrics.CONCURRENCY_KEY_RESUMED.inc(len(done.jobs))
+            log.info("re-published %d jobs held for their concurrency key", len(done.jobs))
+        if done.promoted:
+            log.info("%d jobs that waited behind their tenant's concurrency keys now wait "
+                     "for their own", done.promoted)
 
     async def expire_reviews() -> None:
         expired = await desk.expire()
@@ -255,6 +262,8 @@ class Reaper:
                           open_object_store(s.object_store_url))
         schedule_reaper(life.side, store, desk, max(0.5, s.lease_seconds / 3),
                         lease_seconds=s.lease_seconds,
+                        concurrency_release_batch=s.concurrency_release_batch,
+                        concurrency_keys_waiting_max=s.concurrency_keys_waiting_max,
                         sweeper_grace_seconds=s.sweeper_grace_seconds,
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         # Jobs that waited past a spend cap resume from here too (a fleet scaled to zero).

@@ -153,7 +153,8 @@ class Worker:
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
         limits = concurrency_limits(self.workflows)
         if limits:
-            gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds))
+            gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds,
+                                            waiting_max=s.concurrency_keys_waiting_max))
         fair: FairShareGate | None = None
         if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
             fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list,
@@ -189,6 +190,8 @@ class Worker:
         # review timer and the holds' release passes. A failed pass is retried next interval.
         schedule_reaper(life.side, store, ReviewDesk(store, self.workflows, objects),
                         interval, first_after=interval, lease_seconds=s.lease_seconds,
+                        concurrency_release_batch=s.concurrency_release_batch,
+                        concurrency_keys_waiting_max=s.concurrency_keys_waiting_max,
                         sweeper_grace_seconds=s.sweeper_grace_seconds,
                         longest_tier_seconds=s.retry_tier_list[-1][1])
         schedule_spend_release(life.side, spend, first_after=interval)

@@ -107,7 +107,7 @@ def test_a_key_holds_at_its_limit_across_two_workers_under_200_submits(
         assert waited[0] >= 100, waited
         detail = conn.execute(
             "SELECT detail FROM job_events WHERE job_id = ANY(%s::uuid[]) AND type = 'waiting'"
-            " LIMIT 1", (busy,)).fetchone()
+            " AND detail ->> 'reason' = 'concurrency_key' LIMIT 1", (busy,)).fetchone()
         assert detail is not None
         assert detail[0]["limit"] == LIMIT
         attempts = conn.execute("SELECT max(attempt) FROM jobs WHERE id = ANY(%s::uuid[])",
@@ -179,7 +179,9 @@ def test_the_release_pass_leaves_a_key_it_did_not_lock(stack: StackState) -> Non
                       " WHERE id = %s", (locked_key, first))
         other.execute("UPDATE jobs SET concurrency_key = %s WHERE id = %s", (late_key, late))
         try:
-            locked = releasing.execute(q["concurrency_lock_held"]).fetchall()
+            locked = releasing.execute(q["concurrency_lock_held"], {
+                "known": [workflow], "batch": 256, "after_tenant": uuid.UUID(int=0),
+                "after_key": ""}).fetchall()
             assert (tenant, locked_key) in {(r["tenant_id"], r["key"]) for r in locked}
             # Now the late key's job begins to wait (a hold committed by another worker).
             other.execute("UPDATE jobs SET waiting_reason = 'concurrency_key' WHERE id = %s",
