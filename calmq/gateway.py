@@ -560,7 +560,13 @@ class _HttpProvider:
             if not reading.ended:
                 raise failure("stream_interrupted", "the provider's stream ended before its "
                               "last event")
-            out.reply = reading.reply()
+            try:
+                out.reply = reading.reply()
+            except (TypeError, ValueError, OverflowError) as exc:
+                # A usage count that is not a number (or 1e999: infinity) is a garbled
+                # answer, as in a whole reply (parse_reply), not a bug of the step.
+                raise failure("upstream_garbled", "the stream's usage is not a count of "
+                              "tokens") from exc
 
         return ModelStream(source)
 

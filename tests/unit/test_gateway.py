@@ -177,3 +177,50 @@ def test_content_policy_400_is_a_policy_failure() -> None:
     assert classify_status(400, body).failure_class is FailureClass.POLICY
     assert classify_status(400, '{"error": "bad field"}').failure_class is FailureClass.INPUT
     assert classify_status(503, "", {"Retry-After": "4"}).retry_after == 4
+
+
+def _infinite_usage_app() -> web.Application:
+    """A provider stand-in whose answers (whole, or streamed) count 1e999 prompt tokens."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        usage = '{"prompt_tokens": 1e999, "completion_tokens": 1, "total_tokens": 2}'
+        if not body.get("stream"):
+            return web.Response(content_type="application/json", text=(
+                '{"id": "c", "object": "chat.completion", "created": 0, "model": "m", '
+                '"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": '
+                '"assistant", "content": "{}"}}], "usage": ' + usage + "}"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id": "c", "object": "chat.completion.chunk", "created": 0, '
+                         b'"model": "m", "choices": [{"index": 0, "delta": {"content": "{}"}, '
+                         b'"finish_reason": "stop"}]}\n\n')
+        await resp.write(b'data: {"id": "c", "object": "chat.completion.chunk", "created": 0, '
+                         b'"model": "m", "choices": [], "usage": ' + usage.encode() + b"}\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_a_token_count_of_1e999_is_a_garbled_answer_not_a_bug(
+        open_provider: OpenProvider) -> None:
+    """A reply (whole or streamed) counting 1e999 tokens fails as upstream_garbled, not as
+    the OverflowError int(inf) raises (a bug, dead-lettered at once)."""
+    provider = await open_provider(app=_infinite_usage_app())
+    with pytest.raises(StepFailure) as whole:
+        await provider.complete(messages=[{"role": "user", "content": "x"}], job_id="j",
+                                max_tokens=10)
+    assert whole.value.code == "upstream_garbled"
+
+    async def read_stream() -> None:
+        stream = provider.stream(messages=[{"role": "user", "content": "x"}], job_id="j",
+                                 max_tokens=10)
+        async for _text in stream:
+            pass
+        await stream.final()
+
+    with pytest.raises(StepFailure) as streamed:
+        await read_stream()
+    assert streamed.value.code == "upstream_garbled"
