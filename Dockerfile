@@ -18,7 +18,9 @@ COPY producers producers
 COPY relay relay
 COPY processors processors
 COPY schemas schemas
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# calmq requires calmq-client, built here from its own folder (it is on no index).
+COPY clients/python clients/python
+RUN pip wheel --no-deps --wheel-dir /wheels . ./clients/python
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1 \

@@ -9,10 +9,12 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# Re-installs only when the project's metadata changed; quick otherwise.
-$(STAMP): pyproject.toml
+# Re-installs only when the project's metadata changed; quick otherwise. calmq-client first:
+# calmq requires it, and it is built from clients/python, not fetched from an index.
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ./clients/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
@@ -51,7 +53,7 @@ test-unit: install
 	$(BIN)/python -m pytest tests/unit
 
 lint: install
-	$(BIN)/ruff check calmq producers relay processors tests bench
+	$(BIN)/ruff check calmq producers relay processors tests bench clients/python
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
@@ -117,7 +119,7 @@ image:
 lock: install
 	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install --quiet --upgrade pip
-	build/lock-venv/bin/pip install --quiet .
+	build/lock-venv/bin/pip install --quiet ./clients/python .
 	{ echo "# The wheel's dependencies, pinned: \`make lock\` installed calmq into a clean venv of"; \
 	  echo "# Python $$(build/lock-venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') (the image's) and froze it. The Dockerfile installs exactly these."; \
-	  build/lock-venv/bin/pip freeze --exclude calmq; } > requirements.lock
+	  build/lock-venv/bin/pip freeze --exclude calmq --exclude calmq-client; } > requirements.lock

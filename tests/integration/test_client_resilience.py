@@ -1,8 +1,8 @@
 """The upstream client through a bad minute: the API killed and restarted mid-burst.
 
 A real API process (its own, on a fixed port) is killed with SIGKILL while a burst of
-submits and an event stream are in flight, and started again on the same port. The client
-retries with backoff under the same idempotency key and resumes the stream with
+submits and an event stream are in flight, and started again on the same port. A submit
+with an idempotency key is retried with backoff under that key, and the stream resumes with
 Last-Event-ID: every submit ends as exactly one job, and the stream misses no event.
 """
 
@@ -78,8 +78,9 @@ def _jobs_of(stack: StackState, tenant: str) -> list[str]:
 async def test_every_submit_of_a_burst_is_one_job_across_an_api_restart(
     stack: StackState, api: Restartable
 ) -> None:
-    """300 submits, 16 at a time; the API is SIGKILLed after the first 100 answers and
-    restarted. Every submit returns a job id, and the tenant has exactly those jobs."""
+    """300 submits with idempotency keys, 16 at a time; the API is SIGKILLed after the
+    first 100 answers and restarted. Every submit returns a job id, and the tenant has
+    exactly those jobs."""
     tenant = f"burst-{uuid.uuid4().hex[:8]}"
     key = await asyncio.to_thread(create_tenant, stack.env["CALMQ_DATABASE_URL"], tenant)
     answered: list[str] = []
@@ -88,7 +89,9 @@ async def test_every_submit_of_a_burst_is_one_job_across_an_api_restart(
 
     async def one(client: Client, n: int) -> str:
         async with gate:
-            body = await client.submit("summarize", {"text": f"burst {n}", "mode": "success"})
+            # The key makes a submit whose answer the kill lost safe to send again.
+            body = await client.submit("summarize", {"text": f"burst {n}", "mode": "success"},
+                                       idempotency_key=f"{tenant}-{n}")
         answered.append(str(body["job_id"]))
         if len(answered) == 100 and not killed.is_set():
             killed.set()

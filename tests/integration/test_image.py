@@ -1,8 +1,9 @@
 """The Dockerfile's steps, run as CI would run them without a Docker engine: the base image
-pinned to a patch release of the Python this test runs, the sources it copies built into a
-wheel, and in a clean virtualenv `pip install --no-deps -r requirements.lock`, the wheel
-with --no-deps, `pip check`, then the installed `calmq` renders the manifests (the alert
-rules and the dashboard are package data) and prints its version.
+pinned to a patch release of the Python this test runs, the sources it copies built into
+calmq's wheel and calmq-client's, and in a clean virtualenv `pip install --no-deps -r
+requirements.lock`, the wheels with --no-deps, `pip check`, then the installed `calmq`
+renders the manifests (the alert rules and the dashboard are package data) and prints its
+version.
 
 It installs from PyPI (about 30 s, pip's cache makes it quicker), so it is one test.
 """
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 import calmq
-from tests.support.install import _SOURCES, ROOT, build_wheel, clean_env
+from tests.support.install import _SOURCES, ROOT, build_wheels, clean_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -62,7 +63,9 @@ def test_the_base_image_and_the_dependencies_are_pinned() -> None:
     import tomllib
 
     wanted = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert sorted(_name(r) for r in wanted if _name(r) not in pins) == []
+    # calmq-client is built beside calmq's wheel from the checkout, never pinned from an index.
+    assert sorted(_name(r) for r in wanted if _name(r) not in pins) == ["calmq-client"]
+    assert "calmq-client" not in pins
 
 
 def test_the_dockerfile_steps_install_the_lock_and_the_wheel(tmp_path: Path) -> None:
@@ -79,7 +82,7 @@ def test_the_dockerfile_steps_install_the_lock_and_the_wheel(tmp_path: Path) -> 
     # The wheel is built from exactly what tests/support/install.py builds it from.
     assert copied - {"requirements.lock"} == set(_SOURCES)
     [run] = [a for i, a in instructions if i == "RUN" and "requirements.lock" in a]
-    wheel = build_wheel(tmp_path)
+    wheels = [str(w) for w in build_wheels(tmp_path)]
     venv = tmp_path / "image"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
@@ -88,8 +91,9 @@ def test_the_dockerfile_steps_install_the_lock_and_the_wheel(tmp_path: Path) -> 
         argv = shlex.split(step)
         if argv[:2] == ["pip", "install"] or argv[:2] == ["pip", "check"]:
             argv = [str(bin_dir / "pip"), *argv[1:]]
-            argv = [str(LOCK) if a == "/tmp/requirements.lock" else
-                    str(wheel) if a == "/wheels/*.whl" else a for a in argv]
+            argv = [w for a in argv for w in
+                    ([str(LOCK)] if a == "/tmp/requirements.lock" else
+                     wheels if a == "/wheels/*.whl" else [a])]
             done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True,
                                   text=True, timeout=600, check=False)
             assert done.returncode == 0, f"{step}:\n{done.stdout}\n{done.stderr}"

@@ -78,6 +78,25 @@ def test_enqueue_commits_with_the_business_write_and_the_job_completes(
     assert job["status"] == "completed"
 
 
+def test_enqueue_takes_a_workflow_registered_by_module(
+        stack: StackState, tenant: tuple[uuid.UUID, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """enqueue knows a workflow the API registers from CALMQ_WORKFLOW_MODULES, not only the
+    built-ins, and validates its input the same way."""
+    monkeypatch.setenv("CALMQ_WORKFLOW_MODULES", "tests.support.workflows")
+    url = stack.env["CALMQ_DATABASE_URL"]
+    with psycopg.connect(url) as conn:
+        with pytest.raises(ContractError) as bad:
+            enqueue(conn, tenant_id=tenant[0], workflow="summarize_t", input={"text": 5})
+        assert bad.value.code == "invalid_input"
+        job_id = enqueue(conn, tenant_id=tenant[0], workflow="summarize_t",
+                         input={"text": "a registered workflow"})
+    assert _rows(url, job_id) == (1, 1, 1)
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT workflow FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("summarize_t",)
+
+
 async def test_enqueue_async_validates_before_writing(
         stack: StackState, tenant: tuple[uuid.UUID, str]) -> None:
     """enqueue_async refuses bad input with the API's codes and writes on the caller's commit."""

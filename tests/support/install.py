@@ -14,13 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "build_wheel", "clean_env", "make_venv", "pip_names"]
+__all__ = ["ROOT", "build_wheel", "build_wheels", "clean_env", "make_venv", "pip_names"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What the Dockerfile's build stage copies: the wheel must not need anything else.
+# What the Dockerfile's build stage copies: the wheels must not need anything else (calmq's,
+# and calmq-client's, which calmq requires and which no index has).
 _SOURCES = ("pyproject.toml", "README.md", "calmq", "producers", "relay", "processors",
-            "schemas")
+            "schemas", "clients/python")
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
 
 
@@ -53,25 +54,34 @@ def _copy_sources(names: tuple[str, ...], source: Path, target: Path) -> None:
 
 
 def build_wheel(tmp: Path, project: str = ".") -> Path:
-    """The wheel of ``project`` (a folder of the repository with a pyproject.toml)."""
+    """The wheel of ``project`` (a folder of the repository with a pyproject.toml), in
+    ``tmp/wheels``: the wheels of one ``tmp`` sit together, for ``make_venv``'s
+    ``find_links``."""
     src = tmp / "src"
-    # A sub-project (clients/python) reaches the kernel through links relative to the
-    # repository, so the copy keeps the repository's shape around it.
-    extra = () if project == "." else (project.split("/", maxsplit=1)[0],)
-    _copy_sources((*_SOURCES, *extra), ROOT, src)
-    where = src / project
+    if not src.exists():
+        _copy_sources(_SOURCES, ROOT, src)
     out = tmp / "wheels"
+    before = set(out.glob("*.whl"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
-          str(out), str(where)], cwd=tmp, timeout=240)
-    (wheel,) = out.glob("*.whl")
+          str(out), str(src / project)], cwd=tmp, timeout=240)
+    (wheel,) = set(out.glob("*.whl")) - before
     return wheel
 
 
-def make_venv(path: Path, *requirements: str) -> Path:
-    """A fresh virtualenv at ``path`` with ``requirements`` installed; returns its bin/."""
+def build_wheels(tmp: Path) -> tuple[Path, Path]:
+    """calmq's wheel and calmq-client's, which calmq requires: install calmq's with
+    ``find_links=wheel.parent``, as the Dockerfile does."""
+    return build_wheel(tmp), build_wheel(tmp, "clients/python")
+
+
+def make_venv(path: Path, *requirements: str, find_links: Path | None = None) -> Path:
+    """A fresh virtualenv at ``path`` with ``requirements`` installed; returns its bin/.
+    ``find_links``: a folder of wheels pip takes distributions from besides the index (the
+    calmq-client wheel, which no index has)."""
     _run([sys.executable, "-m", "venv", str(path)], cwd=path.parent, timeout=120)
     bin_dir = path / "bin"
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", *requirements],
+    links = [] if find_links is None else ["--find-links", str(find_links)]
+    _run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", *links, *requirements],
          cwd=path.parent, timeout=600)
     return bin_dir
 

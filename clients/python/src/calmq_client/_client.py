@@ -1,0 +1,229 @@
+"""``Client``: the API for code without an event loop (Django, Flask, Celery, scripts).
+The asyncio twin (calmq_client._async_client) is the same API, call for call; what a call
+sends and what its answer means is shared (calmq_client._calls), only the I/O differs."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx2
+
+from calmq_client import _calls as calls
+from calmq_client._calls import Call, answer_failure, decode, job_path, transport_failure
+from calmq_client._errors import ClientError
+from calmq_client._events import Delta, EventDecoder, delta
+from calmq_client._retrying import Attempts, RetryPolicy
+from calmq_client._version import USER_AGENT
+
+__all__ = ["Client"]
+
+_CHUNK = 64 * 1024
+
+
+class Client:
+    """The calmq API: ``with Client(url, key) as api:``.
+
+    ``timeout``: seconds to connect and between bytes read (an event stream's keep-alives
+    come every 15 s). ``retry``: how failures a retry may cure are retried
+    (calmq_client.RetryPolicy). ``http``: an httpx2.Client of your own (proxies,
+    certificates, transports); it is not closed here."""
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = 30.0,
+                 retry: RetryPolicy | None = None,
+                 http: httpx2.Client | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT}
+        self._own = http is None
+        self._http = http or httpx2.Client()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: type[BaseException] | BaseException | TracebackType | None
+                 ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._own:
+            self._http.close()
+
+    # -- the calls ----------------------------------------------------------------------------
+
+    def submit(self, workflow: str, input: Mapping[str, Any] | None = None,
+                     *, input_ref: str | None = None, priority: str | None = None,
+                     deadline_seconds: int | None = None, callback_url: str | None = None,
+                     metadata: Mapping[str, Any] | None = None,
+                     idempotency_key: str | None = None, wait: float | None = None,
+                     **fields: Any) -> dict[str, Any]:
+        """POST /v1/jobs; returns ``{"job_id", "status": "queued", "status_url"}``.
+
+        ``wait``: seconds to wait for the answer in the same request (``Prefer: wait``,
+        rounded up; the API holds it at most its api_prefer_wait_max_seconds): a job final
+        by then returns its whole view, with ``result`` (the artifact's JSON).
+        ``idempotency_key``: the same key answers the same job, so a submit whose answer
+        was lost is retried safely; without one the submit is retried only when the API
+        certainly did not take it (OutcomeUnknown otherwise). Other ``fields`` (``lane``,
+        ``concurrency_key``, ...) are sent as they are."""
+        call = calls.submit(workflow, input, idempotency_key=idempotency_key, wait=wait,
+                            fields={"input_ref": input_ref, "priority": priority,
+                                    "deadline_seconds": deadline_seconds,
+                                    "callback_url": callback_url, "metadata": metadata,
+                                    **fields})
+        answer: dict[str, Any] = self._json(call)
+        return answer
+
+    def submit_file(self, workflow: str, path: str | Path, *,
+                          content_type: str = "application/octet-stream",
+                          idempotency_key: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Multipart submit of a file, streamed from disk (and opened again for a retry)."""
+        call = calls.submit_file(workflow, Path(path), content_type=content_type,
+                                 idempotency_key=idempotency_key, fields=fields)
+        answer: dict[str, Any] = self._json(call)
+        return answer
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        """GET /v1/jobs/{id}: the job's view (status, attempt, step, artifact, error,
+        events)."""
+        answer: dict[str, Any] = self._json(Call("GET", job_path(job_id)))
+        return answer
+
+    def list(self, *, status: str | Iterable[str] | None = None,
+                   workflow: str | None = None, created_after: datetime | str | None = None,
+                   created_before: datetime | str | None = None, limit: int | None = None,
+                   cursor: str | None = None) -> dict[str, Any]:
+        """GET /v1/jobs: one page, newest first, ``{"jobs": [...], "next_cursor"}``; pass
+        ``next_cursor`` back as ``cursor`` for the next page (None: the last one)."""
+        answer: dict[str, Any] = self._json(calls.list_jobs(
+            status=status, workflow=workflow, created_after=created_after,
+            created_before=created_before, limit=limit, cursor=cursor))
+        return answer
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """POST /v1/jobs/{id}/cancel. Not safe to repeat (a second cancel of a cancelled job
+        is a conflict): retried only when the API certainly did not act on it."""
+        answer: dict[str, Any] = self._json(
+            Call("POST", job_path(job_id, "/cancel"), safe=False))
+        return answer
+
+    def delete(self, job_id: str) -> None:
+        """DELETE /v1/jobs/{id}: a final job's input, artifact and record are removed."""
+        self._json(Call("DELETE", job_path(job_id), expect=(204,), safe=False))
+
+    def artifact(self, job_id: str) -> Iterator[bytes]:
+        """The artifact's bytes, chunk by chunk."""
+        response = self._open(Call("GET", job_path(job_id, "/artifact")),
+                                    Attempts(self.retry))
+        try:
+            yield from response.iter_bytes(_CHUNK)
+        finally:
+            response.close()
+
+    def download(self, job_id: str, path: str | Path) -> Path:
+        """The artifact written to ``path`` (through ``path.part``, renamed when whole and
+        its SHA-256 matches the one the API sent); a broken download starts over."""
+        target = Path(path)
+        part = target.with_name(target.name + ".part")
+        attempts = Attempts(self.retry)
+        call = Call("GET", job_path(job_id, "/artifact"))
+        while True:
+            response = self._open(call, attempts)
+            digest = hashlib.sha256()
+            fh = part.open("wb")
+            try:
+                for chunk in response.iter_bytes(_CHUNK):
+                    digest.update(chunk)
+                    fh.write(chunk)
+            except httpx2.TransportError as exc:
+                broke = calls.stream_broke(exc)
+            else:
+                fh.close()
+                calls.check_digest(response.headers, digest.hexdigest())
+                part.replace(target)
+                return target
+            finally:
+                fh.close()
+                response.close()
+            time.sleep(attempts.pause(broke, 0.0))
+
+    def events(self, job_id: str, *, after: int | str | None = None
+                     ) -> Iterator[dict[str, Any]]:
+        """The job's events until it is final: each a dict with ``id`` and ``type`` and the
+        event's data (history events, and a streamed step's ``output.delta`` and
+        ``reset``). A stream cut by the network or an API restart is opened again with
+        ``Last-Event-ID``: no event is missed or repeated. ``after``: an event id to start
+        after (the ``id`` of the last event you have)."""
+        last = None if after is None else str(after)
+        attempts = Attempts(self.retry)
+        while True:
+            call = calls.events(job_id, last)
+            response = self._open(call, attempts)
+            decoder = EventDecoder()
+            broke: BaseException | None = None
+            try:
+                for line in response.iter_lines():
+                    event = decoder.feed(line)
+                    if decoder.ended:
+                        return
+                    if event is not None:
+                        last = str(event["id"]) if event.get("id") is not None else last
+                        attempts.reset()
+                        yield event
+            except httpx2.TransportError as exc:
+                broke = exc
+            finally:
+                response.close()
+            time.sleep(attempts.pause(calls.stream_broke(broke), 0.0))
+
+    def output(self, job_id: str, *, step: str | None = None,
+                     after: int | str | None = None) -> Iterator[Delta]:
+        """A streamed step's text as it is written (of ``step``, or of every step), until the
+        job is final; resumed across a dropped connection like ``events``. A ``Delta`` with
+        ``reset`` True says a new attempt starts that step's text over."""
+        for event in self.events(job_id, after=after):
+            piece = delta(event, step)
+            if piece is not None:
+                yield piece
+
+    # -- one call, tried per the policy ---------------------------------------------------------
+
+    def _json(self, call: Call) -> Any:
+        response = self._open(call, Attempts(self.retry), read=True)
+        return decode(response.content)
+
+    def _open(self, call: Call, attempts: Attempts, *, read: bool = False
+                    ) -> httpx2.Response:
+        """The response to ``call`` with an expected status: its body read (``read``, the
+        connection released), or to be read and closed by the caller."""
+        while True:
+            error: ClientError
+            with call.content() as content:
+                request = self._http.build_request(
+                    call.method, self.base_url + call.path, params=call.params,
+                    headers={**self._headers, **call.headers},
+                    timeout=call.timeout(self.timeout), **content)
+                try:
+                    response = self._http.send(request, stream=True)
+                    if response.status_code in call.expect and not read:
+                        return response
+                    try:
+                        response.read()
+                    finally:
+                        response.close()
+                except httpx2.TransportError as exc:
+                    error, wait = transport_failure(call, exc)
+                else:
+                    if response.status_code in call.expect:
+                        return response
+                    error, wait = answer_failure(call, self.retry, response.status_code,
+                                                 response.headers, response.content)
+            if wait is None:
+                raise error
+            time.sleep(attempts.pause(error, wait))
