@@ -5,6 +5,10 @@ into ``components/schemas``); paths and operations come from the route table, so
 cannot be served undocumented. A submit's ``input`` is documented per workflow: the JSON
 body is a ``oneOf`` of one variant per registered workflow, discriminated by ``workflow``,
 whose ``input`` is that workflow's own input model.
+
+``info.version`` is calmq's own version, so a client generated from the document (or the
+copy committed as docs/reference/openapi.json by ``calmq openapi``) says which release it
+describes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
+from calmq import __version__
 from calmq.producers import models
 from calmq.producers.models import SubmitRequest
 from calmq.producers.routing import COMPONENTS, Route
@@ -39,7 +44,7 @@ def document(routes: Iterable[Route], workflows: Mapping[str, Workflow]) -> dict
         paths.setdefault(route.path, {})[route.method.lower()] = copy.deepcopy(route.operation)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "calmq", "version": "1",
+        "info": {"title": "calmq", "version": __version__,
                  "description": "Intake API of calmq; see docs/reference/api.md."},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from calmq.cli import (
     batches,
     completion,
+    contract,
     database,
     deadletters,
     deploy,
@@ -32,7 +33,7 @@ from calmq.errors import CalmqError, UsageError
 __all__ = ["main", "parser"]
 
 _GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion,
-           batches, providers)
+           batches, providers, contract)
 
 
 def _version() -> str:
