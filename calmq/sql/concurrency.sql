@@ -127,7 +127,7 @@ WITH target AS (
                                AND w.waiting_reason = 'concurrency_key'
                                AND w.status IN ('queued', 'retrying')
                              ORDER BY w.concurrency_key LIMIT 1) nx
-            WHERE k.n < %(waiting_max)s
+            WHERE k.n < %(waiting_max)s::int
         )
         SELECT count(*) FROM k
     ) AS waiting
@@ -136,7 +136,7 @@ WITH target AS (
     SELECT o.*,
            CASE WHEN o.key_waits
                   OR k.waiting + dense_rank() OVER (PARTITION BY o.tenant_id, o.key_waits
-                                                    ORDER BY o.key) <= %(waiting_max)s
+                                                    ORDER BY o.key) <= %(waiting_max)s::int
                 THEN 'concurrency_key' ELSE 'concurrency_keys_waiting' END AS reason
     FROM over o LEFT JOIN tenant_keys k ON k.tenant_id = o.tenant_id
 ), admitted AS (
@@ -156,7 +156,7 @@ WITH target AS (
                 THEN jsonb_build_object('reason', reason, 'key', key, 'limit', lim,
                                         'in_flight', used)
                 ELSE jsonb_build_object('reason', reason, 'key', key,
-                                        'max_waiting_keys', %(waiting_max)s)
+                                        'max_waiting_keys', %(waiting_max)s::int)
            END
     FROM held WHERE old_reason IS DISTINCT FROM reason
 )
@@ -233,7 +233,7 @@ WITH RECURSIVE tenants AS (
                     AND j.status IN ('queued', 'retrying') AND j.tenant_id > t.tenant_id
                   ORDER BY j.tenant_id LIMIT 1) nx
 ), room AS (
-    SELECT t.tenant_id, %(waiting_max)s - (
+    SELECT t.tenant_id, %(waiting_max)s::int - (
         WITH RECURSIVE k AS (
             (SELECT w.concurrency_key AS key, 1 AS n FROM jobs w
              WHERE w.tenant_id = t.tenant_id AND w.concurrency_key IS NOT NULL
@@ -246,7 +246,7 @@ WITH RECURSIVE tenants AS (
                                AND w.waiting_reason = 'concurrency_key'
                                AND w.status IN ('queued', 'retrying')
                              ORDER BY w.concurrency_key LIMIT 1) nx
-            WHERE k.n < %(waiting_max)s
+            WHERE k.n < %(waiting_max)s::int
         )
         SELECT count(*) FROM k
     ) AS free
