@@ -1054,7 +1054,8 @@ async def open_metered_provider(
     inner = open_provider(s.provider, url, s.provider_api_key.get_secret_value(), s.model,
                           extra_headers=s.provider_extra_headers,
                           api_version=s.provider_api_version,
-                          structured=s.structured_outputs)
+                          structured=s.structured_outputs,
+                          retry_after_max=s.provider_retry_after_max_seconds)
     usage = UsageRecorder(db)
     usage.start()
     chat = await _metered(s, db, inner, kind=s.provider, url=url, model=s.model, usage=usage,
@@ -1065,7 +1066,8 @@ async def open_metered_provider(
         kind, e_url, key, model, headers, version = endpoint
         if (kind, e_url.rstrip("/"), model) != (s.provider, url.rstrip("/"), s.model):
             e_inner = open_provider(kind, e_url, key, model, extra_headers=headers,
-                                    api_version=version)
+                                    api_version=version,
+                                    retry_after_max=s.provider_retry_after_max_seconds)
             chat.embedder = await _metered(s, db, e_inner, kind=kind, url=e_url, model=model,
                                            usage=usage, shared_budget=shared_budget,
                                            chat=False, api_key=key)
@@ -1086,7 +1088,8 @@ async def open_model(settings: Settings, db: Database, model: str, *,
     url = s.effective_provider_url
     key = s.provider_api_key.get_secret_value()
     inner = open_provider(s.provider, url, key, model, extra_headers=s.provider_extra_headers,
-                          api_version=s.provider_api_version, structured=s.structured_outputs)
+                          api_version=s.provider_api_version, structured=s.structured_outputs,
+                          retry_after_max=s.provider_retry_after_max_seconds)
     recorder = usage or UsageRecorder(db)
     if usage is None:
         recorder.start()

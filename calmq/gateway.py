@@ -19,6 +19,7 @@ from __future__ import annotations
 import email.utils
 import fnmatch
 import json
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
@@ -34,6 +35,7 @@ from calmq.output_schemas import anthropic_schema, openai_schema_name, openai_st
 
 __all__ = [
     "ANTHROPIC_VERSION",
+    "RETRY_AFTER_MAX_SECONDS",
     "AnthropicProvider",
     "CallScope",
     "Embedder",
@@ -223,29 +225,42 @@ class Embedder(Protocol):
     async def embed(self, *, inputs: list[str], job_id: str) -> EmbeddingReply: ...
 
 
-def retry_after(headers: Any) -> float | None:
+# The longest wait a provider's retry-after may impose (Settings.provider_retry_after_max_
+# seconds passes the configured one): a proxy, a gateway or a misconfigured provider that
+# answers ``Retry-After: 86400`` would otherwise pause a model for the whole fleet a day.
+RETRY_AFTER_MAX_SECONDS = 300.0
+
+
+def _wait_seconds(raw: str, scale: float) -> float | None:
+    """``raw`` as seconds, None when it is not a finite number (``inf``, ``nan`` and
+    ``1e999``, which ``float`` reads as infinity, are no wait at all, not a wait for ever)."""
+    try:
+        seconds = float(raw) / scale
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
+def retry_after(headers: Any, maximum: float = RETRY_AFTER_MAX_SECONDS) -> float | None:
     """How long the provider asks to wait: OpenAI's ``retry-after-ms`` (milliseconds, the
-    precise one), else ``retry-after`` in seconds (or an HTTP date)."""
+    precise one), else ``retry-after`` in seconds (or an HTTP date); at most ``maximum``.
+    A value that is not a finite number is treated as absent."""
     if headers is None:
         return None
     raw_ms = headers.get("retry-after-ms")
-    if raw_ms is not None:
-        try:
-            return max(0.0, float(raw_ms) / 1000)
-        except ValueError:
-            pass
+    if raw_ms is not None and (seconds := _wait_seconds(raw_ms, 1000)) is not None:
+        return min(maximum, max(0.0, seconds))
     raw = headers.get("Retry-After")
     if raw is None:
         return None
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    seconds = _wait_seconds(raw, 1)
+    if seconds is None:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return min(maximum, max(0.0, seconds))
 
 
 @dataclass(frozen=True)
@@ -302,15 +317,41 @@ def rate_limits(headers: Any) -> RateLimits:
 # How OpenAI, Azure OpenAI and LiteLLM name a request refused by their content policy.
 _POLICY_MARKS = ("content_policy", "content_filter")
 _CONTEXT_MARKS = ("context_length_exceeded", "prompt is too long", "maximum context length")
+# Exhausted billing, which blocks a provider and model for the fleet: matched only in the
+# provider's structured error code and type (``_error_codes``), never in the error's free
+# text, which may echo the prompt: a tenant whose input says "insufficient_quota" must not
+# stop every tenant's calls.
 _QUOTA_MARKS = ("insufficient_quota", "billing_error", "credit balance is too low")
 
 
-def classify_status(status: int, body: str, headers: Any = None) -> StepFailure:
+def _error_codes(body: str) -> list[str]:
+    """The provider's structured error code and type, from its JSON body: OpenAI's
+    ``error.code`` and ``error.type``, Anthropic's ``error.type``; a batch result line's
+    error object carries them at its top (``{"code", "message"}``). Messages are not read.
+    A body that is not JSON (a firewall's HTML page) has none."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return []
+    if not isinstance(data, dict):
+        return []
+    codes = []
+    for holder in (data.get("error"), data):
+        if isinstance(holder, dict):
+            codes += [str(v).lower() for k in ("code", "type")
+                      if isinstance(v := holder.get(k), str)]
+    return codes
+
+
+def classify_status(status: int, body: str, headers: Any = None, *,
+                    retry_after_max: float = RETRY_AFTER_MAX_SECONDS) -> StepFailure:
     """Turn a provider's non-2xx answer into a StepFailure of a registered code
-    (calmq.failure_codes): what each status and error body means is declared there."""
+    (calmq.failure_codes): what each status and error body means is declared there.
+    ``retry_after_max``: the longest retry-after taken from ``headers``."""
     detail = body[:300]
-    wait = retry_after(headers)
-    if any(mark in body for mark in _QUOTA_MARKS) or status == 402:
+    wait = retry_after(headers, retry_after_max)
+    codes = _error_codes(body)
+    if status == 402 or any(mark in code for code in codes for mark in _QUOTA_MARKS):
         return failure("insufficient_quota", f"the provider account's quota or credit is "
                        f"used up ({status}): {detail}")
     if status == 429:
@@ -415,8 +456,10 @@ class _HttpProvider:
 
     def __init__(self, base_url: str, api_key: str, model: str, *,
                  endpoint: Endpoint | None = None,
-                 structured: Mapping[str, str] | None = None) -> None:
+                 structured: Mapping[str, str] | None = None,
+                 retry_after_max: float = RETRY_AFTER_MAX_SECONDS) -> None:
         self.endpoint_config = endpoint or Endpoint(self.kind, base_url, api_key)
+        self.retry_after_max = retry_after_max
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
@@ -467,7 +510,8 @@ class _HttpProvider:
                     raise failure("upstream_garbled", f"the provider's answer was cut off "
                                   f"({resp.status}): {exc}") from exc
                 if resp.status >= 300:
-                    raise classify_status(resp.status, text, resp.headers)
+                    raise classify_status(resp.status, text, resp.headers,
+                                          retry_after_max=self.retry_after_max)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise failure("connection_error", f"cannot reach the provider: {exc}") from exc
         except TimeoutError as exc:
@@ -509,7 +553,8 @@ class _HttpProvider:
                     except aiohttp.ClientPayloadError as exc:
                         raise failure("upstream_garbled", f"the provider's error answer was "
                                       f"cut off ({resp.status}): {exc}") from exc
-                    raise classify_status(resp.status, text, resp.headers)
+                    raise classify_status(resp.status, text, resp.headers,
+                                          retry_after_max=self.retry_after_max)
                 began = True
                 event, data = "", list[str]()
                 # Lines end at b"\n", so a UTF-8 character never straddles two of them.
@@ -883,12 +928,16 @@ class _AnthropicReading:
 
 def open_provider(kind: str, base_url: str, api_key: str, model: str, *,
                   extra_headers: Mapping[str, str] | None = None, api_version: str = "",
-                  structured: Mapping[str, str] | None = None
+                  structured: Mapping[str, str] | None = None,
+                  retry_after_max: float = RETRY_AFTER_MAX_SECONDS
                   ) -> OpenAIProvider | AnthropicProvider:
-    """The gateway's provider of ``kind`` (``openai``, ``azure``, ``anthropic``)."""
+    """The gateway's provider of ``kind`` (``openai``, ``azure``, ``anthropic``);
+    ``retry_after_max``: the longest retry-after it reports (provider_retry_after_max_
+    seconds)."""
     endpoint = Endpoint(kind, base_url, api_key, tuple((extra_headers or {}).items()),
                         api_version)
     if kind == "anthropic":
         return AnthropicProvider(base_url, api_key, model, endpoint=endpoint,
-                                 structured=structured)
-    return OpenAIProvider(base_url, api_key, model, endpoint=endpoint, structured=structured)
+                                 structured=structured, retry_after_max=retry_after_max)
+    return OpenAIProvider(base_url, api_key, model, endpoint=endpoint, structured=structured,
+                          retry_after_max=retry_after_max)

@@ -352,6 +352,11 @@ class Settings(BaseSettings):
         description="while a provider and model are blocked (bad key, permission, model, "
                     "billing), a worker makes one tiny probe call this often; success "
                     "lifts the block")
+    provider_retry_after_max_seconds: float = Field(
+        default=300.0, gt=0, allow_inf_nan=False,
+        description="the longest wait a provider's Retry-After or retry-after-ms imposes "
+                    "(a rate-limit pause of a model for the fleet, a retry's delay); a "
+                    "longer one is cut to this, one that is not a finite number is ignored")
     provider_learn_limits: bool = Field(
         default=True,
         description="read the providers' rate-limit headers: a budget above the limits "

@@ -12,7 +12,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import AnthropicProvider, OpenAIProvider, Provider, classify_status
+from calmq.gateway import (
+    RETRY_AFTER_MAX_SECONDS,
+    AnthropicProvider,
+    OpenAIProvider,
+    Provider,
+    classify_status,
+    retry_after,
+)
+from calmq.gateway import open_provider as open_gateway_provider
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
 OpenProvider = Callable[..., Awaitable[Provider]]
@@ -177,6 +185,102 @@ def test_content_policy_400_is_a_policy_failure() -> None:
     assert classify_status(400, body).failure_class is FailureClass.POLICY
     assert classify_status(400, '{"error": "bad field"}').failure_class is FailureClass.INPUT
     assert classify_status(503, "", {"Retry-After": "4"}).retry_after == 4
+
+
+def _openai_error(message: str, kind: str, code: str | None) -> str:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}})
+
+
+_ECHOED = ("Could not parse your request: 'Summarize: our insufficient_quota and "
+           "billing_error pages say the credit balance is too low'")
+
+
+_FREE_TEXT = [
+    (400, _openai_error(_ECHOED, "invalid_request_error", None), "provider_bad_request"),
+    (429, _openai_error(_ECHOED, "requests", "rate_limit_exceeded"), "rate_limited"),
+    (503, _ECHOED, "upstream_unavailable"),
+    (400, json.dumps({"type": "error", "error": {"type": "invalid_request_error",
+                                                 "message": _ECHOED}}),
+     "provider_bad_request"),
+]
+_STRUCTURED = [
+    (429, _openai_error("You exceeded your current quota.", "insufficient_quota",
+                        "insufficient_quota")),
+    (429, _openai_error("You exceeded your current quota.", "requests",
+                        "insufficient_quota")),
+    (400, json.dumps({"type": "error", "error": {"type": "billing_error",
+                                                 "message": "Check your billing."}})),
+    (400, json.dumps({"code": "insufficient_quota", "message": "a batch line's error"})),
+    (402, "Payment Required"),
+]
+
+
+def test_quota_words_count_only_in_the_structured_error_code() -> None:
+    """A quota word only in an error's message (a prompt echoed back) does not classify as
+    insufficient_quota, which would block the model for the whole fleet; OpenAI's
+    error.code / error.type, Anthropic's error.type, a batch line's error code, or a 402
+    do."""
+    assert [classify_status(status, body).code for status, body, _ in _FREE_TEXT] == [
+        code for _, _, code in _FREE_TEXT]
+    assert {classify_status(status, body).code for status, body in _STRUCTURED} == {
+        "insufficient_quota"}
+
+
+@pytest.mark.parametrize("headers", [
+    {"Retry-After": "inf"}, {"Retry-After": "nan"}, {"Retry-After": "1e999"},
+    {"Retry-After": "-inf"}, {"retry-after-ms": "inf"}, {"retry-after-ms": "1e999"},
+    {"retry-after-ms": "nan"},
+])
+def test_a_retry_after_that_is_not_a_finite_number_is_ignored(headers: dict[str, str]) -> None:
+    """Retry-After: inf, nan or 1e999 (and the same in retry-after-ms) is treated as absent,
+    not as a wait for ever."""
+    assert retry_after(headers) is None
+    assert classify_status(429, "", headers).retry_after is None
+
+
+def test_a_non_finite_retry_after_ms_falls_back_to_retry_after() -> None:
+    """retry-after-ms: inf is ignored; the retry-after beside it is the wait."""
+    assert retry_after({"retry-after-ms": "inf", "Retry-After": "2"}) == 2
+
+
+@pytest.mark.parametrize("headers", [
+    {"Retry-After": "86400"}, {"retry-after-ms": "86400000"},
+    {"Retry-After": "Fri, 31 Dec 9999 23:59:59 GMT"},
+])
+def test_a_huge_retry_after_is_clamped_to_the_maximum(headers: dict[str, str]) -> None:
+    """A day's Retry-After (in seconds, milliseconds or as a date) is cut to the maximum: the
+    default 300 s, or the one passed (provider_retry_after_max_seconds)."""
+    assert retry_after(headers) == RETRY_AFTER_MAX_SECONDS == 300
+    assert classify_status(429, "", headers, retry_after_max=30).retry_after == 30
+
+
+async def test_the_providers_retry_after_maximum_holds_over_http() -> None:
+    """A provider opened with retry_after_max (the worker passes the setting) reports a
+    429's 120 s Retry-After as that maximum."""
+    server = TestServer(build_app(FakeProviderSettings(retry_after_seconds=120)))
+    await server.start_server()
+    provider = open_gateway_provider("openai", str(server.make_url("")).rstrip("/"), "key",
+                                     "fake-small", retry_after_max=7.5)
+    try:
+        with pytest.raises(StepFailure) as caught:
+            await provider.complete(messages=_messages(mode="rate_limited"), job_id="j1",
+                                    max_tokens=8)
+    finally:
+        await provider.close()
+        await server.close()
+    assert (caught.value.code, caught.value.retry_after) == ("rate_limited", 7.5)
+
+
+def test_the_retry_after_maximum_is_a_setting_of_300_seconds() -> None:
+    """provider_retry_after_max_seconds defaults to 300 and refuses a non-finite value."""
+    from pydantic import ValidationError
+
+    from calmq.settings import Settings
+
+    assert Settings().provider_retry_after_max_seconds == 300
+    with pytest.raises(ValidationError):
+        Settings(provider_retry_after_max_seconds=float("inf"))
 
 
 def _infinite_usage_app() -> web.Application:
