@@ -31,16 +31,20 @@ BATCH: int = Settings.model_fields["concurrency_release_batch"].default
 
 
 def _insert_waiting(url: str, tenant: uuid.UUID, workflow: str, keys: int) -> None:
-    """One job per key ``customer-000001``.. waiting for it, on a pool nobody consumes."""
+    """Per key ``customer-000001``..: one job in flight (admitted, not claimed yet) and one
+    waiting for it, on a pool nobody consumes. The keys are at their limit of 1: a pass
+    locks them and releases nothing (no outbox rows to write), so the passes stay cheap."""
     with psycopg.connect(url) as conn:
         conn.execute(
             "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
             " pool, step, attempt, max_attempts, input, concurrency_key, waiting_reason,"
-            " created_at, updated_at)"
+            " key_admitted_at, created_at, updated_at)"
             " SELECT gen_random_uuid(), %s, %s, 1, 'queued', 'bulk', 'keys-nobody',"
             " 'summarize', 0, 3, '{}'::jsonb, 'customer-' || lpad(i::text, 6, '0'),"
-            " 'concurrency_key', now() - interval '1 minute', now() - interval '1 minute'"
-            " FROM generate_series(1, %s) i", (tenant, workflow, keys))
+            " CASE WHEN w THEN 'concurrency_key' END, CASE WHEN NOT w THEN now() END,"
+            " now() - interval '1 minute', now() - interval '1 minute'"
+            " FROM generate_series(1, %s) i, (VALUES (true), (false)) AS v(w)",
+            (tenant, workflow, keys))
 
 
 def _cancel(url: str, tenant: uuid.UUID) -> None:
@@ -51,13 +55,12 @@ def _cancel(url: str, tenant: uuid.UUID) -> None:
 
 async def _bounded_passes(url: str, workflow: str) -> tuple[int, int, set[str]]:
     """Release passes, each in a transaction the test holds open while it reads the pass's
-    advisory locks from another connection, then rolls back (the jobs stay waiting, the
-    cursor moves on); until every key was released once. Returns (passes, the most
-    advisory locks one pass held, the keys released)."""
+    advisory locks from another connection, then rolls back; until every key was locked by
+    one. Returns (passes, the most advisory locks one pass held, the keys locked)."""
     store = Store(url, min_size=1, max_size=1)
     await store.open()
     keys = ConcurrencyKeys(store, batch=BATCH)
-    released: set[str] = set()
+    locked: set[str] = set()
     passes = most = 0
     try:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as watch:
@@ -66,8 +69,8 @@ async def _bounded_passes(url: str, workflow: str) -> tuple[int, int, set[str]]:
                 async with store.pool.connection() as conn:
                     pid = conn.info.backend_pid
                     async with conn.transaction(force_rollback=True):
-                        done = await keys.release_on(conn, {workflow: 1}, [workflow], 60.0,
-                                                     waiting_max=KEYS)
+                        done = await keys.release_on(conn, {workflow: 1}, [workflow],
+                                                     3600.0, waiting_max=KEYS)
                         cur = await watch.execute(
                             "SELECT count(*) FROM pg_locks"
                             " WHERE locktype = 'advisory' AND pid = %s", (pid,))
@@ -76,15 +79,15 @@ async def _bounded_passes(url: str, workflow: str) -> tuple[int, int, set[str]]:
                         most = max(most, row[0])
                 return done if done.ran else None  # another process's pass had the turn
 
-            while len(released) < KEYS and passes < KEYS // BATCH + 3:
+            while len(locked) < KEYS and passes < KEYS // BATCH + 3:
                 done = await wait_for_async(one_pass, within=30, what="the fleet's turn")
                 passes += 1
                 assert len(done.keys) <= BATCH
-                assert len(done.jobs) == len(done.keys)  # each key had room for its job
-                released.update(str(j.concurrency_key) for j in done.jobs)
+                assert done.jobs == []  # each key is at its limit
+                locked.update(key for _tenant, key in done.keys)
     finally:
         await store.close()
-    return passes, most, released
+    return passes, most, locked
 
 
 @pytest.mark.timeout(300)
@@ -97,12 +100,12 @@ def test_a_release_pass_locks_at_most_its_batch_of_20000_waiting_keys_and_moves_
     workflow = f"bounded_{uuid.uuid4().hex[:6]}"
     _insert_waiting(url, tenant, workflow, KEYS)
     try:
-        passes, most, released = asyncio.run(_bounded_passes(url, workflow))
+        passes, most, locked = asyncio.run(_bounded_passes(url, workflow))
     finally:
         _cancel(url, tenant)
     assert most <= BATCH + 1, most  # the keys' locks and the fleet's pass lock
     assert most >= BATCH  # the pass did lock a whole batch (the read saw it)
-    assert len(released) == KEYS
+    assert len(locked) == KEYS
     assert passes <= KEYS // BATCH + 2, passes
 
 
