@@ -18,7 +18,10 @@ hours after a pack is sent, so that same transaction reserves each request's est
 (the prompt's estimated tokens plus its max output tokens, at the batch price) against its
 tenant's and the fleet's caps (calmq.spending); a request that does not fit is not sent,
 and its job waits queued with the cap's reason, uncounted, as online work does. Results
-settle the reservation with the real cost; a batch that ends without them releases it.
+settle the reservation with the real cost; a batch that ends without them releases it. A
+workflow's ``concurrency_limit`` holds here as online (the concurrency-key gate; the fleet's
+release pass re-publishes what it held): a packed job counts as running until its result
+settles.
 
 Poller. One poller at a time holds a batch (a lease on its row). A batch still ``creating``
 whose batcher died is found again at the provider by its key (adopted) or created then;
@@ -71,6 +74,7 @@ from calmq.budget import estimate_prompt_tokens
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
+from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.providers import ProviderLedger
 from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
@@ -82,9 +86,11 @@ from calmq.objects import open_object_store
 from calmq.pricing import batch_cost_usd, cost_usd
 from calmq.processors import metrics
 from calmq.processors.admission import (
+    ConcurrencyKeyGate,
     Gate,
     ReviewCapGate,
     SpendCapGate,
+    concurrency_limits,
     review_workflows,
 )
 from calmq.processors.attempt import Attempt
@@ -871,6 +877,15 @@ class BatchLane:
         packer.spend = spend
         gates: list[Gate] = [SpendCapGate(spend, ledger),
                              ReviewCapGate(store, review_workflows(self.workflows))]
+        # A workflow's concurrency_limit holds on this lane as online: a key's jobs beyond
+        # it wait (concurrency_key) before they are packed, and a packed job counts as
+        # running until its result settles, so a pack takes no more of a key's jobs than
+        # the limit leaves room for. The fleet's release pass (every worker and `calmq
+        # reaper` that load the workflow) re-publishes them to this lane as those settle.
+        limits = concurrency_limits(self.workflows)
+        if limits:
+            gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds,
+                                            waiting_max=s.concurrency_keys_waiting_max))
         # A packed attempt waits for its batch to be recorded: its step timeout is the
         # provider's window, and a pack's worth of them wait at once.
         pipeline = self._pipeline = Pipeline(

@@ -30,6 +30,7 @@ from calmq.kafka import create_topics
 from calmq.tooling.devstack import StackState, processes
 from tests.support.api import Api
 from tests.support.cli import calmq, new_tenant
+from tests.support.keyed_workflows import LIMIT
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env, history, metric
 
@@ -675,6 +676,34 @@ def test_batch_results_settle_the_reservation_with_the_real_cost(
     assert sum(s["cost_usd"] for s in shares) == pytest.approx(cost, rel=1e-6)
     assert _spent(env.db, tenant) == pytest.approx(cost, rel=1e-6)
     assert all(v > 0 for v in _reserved(env.db, ids).values())
+
+
+def test_the_batch_lane_honours_a_workflows_concurrency_limit(env: Env, fake: str) -> None:
+    """Jobs of one concurrency key on a workflow with concurrency_limit 2, all at once on
+    the batch lane: no batch carries more than 2 of them and never more than 2 are in open
+    batches; the others wait for their key and all complete."""
+    pool = _pool(env, "blkey")
+    keyed = {"workflow_modules": "tests.support.keyed_workflows"}
+    _batcher(env, pool, fake, **keyed)
+    # The fleet's concurrency-key release pass (here `calmq reaper`, as in a fleet whose
+    # workers are scaled to zero) re-publishes the held jobs as the key's jobs settle.
+    env.procs.start("reaper", "reaper", **BASE, **keyed)
+    ids = _submit(env, pool, [{"text": f"customer work {n}"} for n in range(6)],
+                  lane="batch", workflow="summarize_keyed", concurrency_key="cust-1")
+    rows = _settled(env.db, ids, timeout=180)
+    assert {r["status"] for r in rows.values()} == {"completed"}
+    with psycopg.connect(env.db, row_factory=dict_row) as conn:
+        spans = conn.execute(
+            "SELECT b.key, b.created_at, b.collected_at, count(*) AS n FROM batch_jobs bj "
+            "JOIN provider_batches b ON b.key = bj.batch_key "
+            "WHERE bj.job_id = ANY(%s::uuid[]) GROUP BY b.key", (ids,)).fetchall()
+    assert max(s["n"] for s in spans) <= LIMIT, spans
+    for s in spans:  # the key's jobs in batches open at the moment this one was created
+        open_then = sum(o["n"] for o in spans if o["created_at"] <= s["created_at"]
+                        and (o["collected_at"] is None or o["collected_at"] > s["created_at"]))
+        assert open_then <= LIMIT, spans
+    assert any(("waiting", "concurrency_key") in [
+        (e["type"], e["detail"].get("reason")) for e in history(env.db, i)] for i in ids)
 
 
 def test_get_batches_lists_only_the_tenants_own_batches_a_page_at_a_time(
