@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
-	manifests image lock pgbouncer
+	manifests image lock pgbouncer typescript
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool helm kustomize pgbouncer
+test: install browser promtool helm kustomize pgbouncer typescript
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -48,6 +48,18 @@ pgbouncer:
 	  || apt-get install -y --no-install-recommends pgbouncer \
 	  || { apt-get update && apt-get install -y --no-install-recommends pgbouncer; } \
 	  || echo "make pgbouncer: the pgbouncer package could not be installed; the PgBouncer test will be skipped"
+
+# The TypeScript client (clients/typescript): its devDependencies from the npm registry, as
+# pinned by package-lock.json (installed again only when the lock changed), then the
+# package, its node tests and its React example compiled (tsc -b: a no-op when nothing
+# changed). tests/integration/test_typescript_client.py runs the node tests against the
+# stack. Without npm they are skipped with the reason (and fail under CI=true).
+typescript:
+	@command -v npm >/dev/null || { echo "make typescript: no npm; the TypeScript client's tests will be skipped"; exit 0; }; \
+	  cd clients/typescript && \
+	  { test node_modules/.package-lock.json -nt package-lock.json || npm ci --no-audit --no-fund; } && \
+	  npm run build \
+	  || echo "make typescript: the build failed; tests/integration/test_typescript_client.py will show why"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
