@@ -38,7 +38,8 @@ from calmq.producers.context import (
 )
 from calmq.producers.throttle import Throttled
 
-__all__ = ["COOKIE", "forget_session", "key_tenant", "limit", "session_tenant", "tenant"]
+__all__ = ["COOKIE", "check_unauthenticated", "forget_session", "key_tenant", "limit",
+           "session_tenant", "spend_unauthenticated", "tenant"]
 
 _CACHE_MAX = 10_000
 # The console's sign-in cookie: a session token (producers/console/session.py).
@@ -55,7 +56,7 @@ async def tenant(request: web.Request, *roles: str) -> Tenant:
     found: Tenant | None
     if not header and request.method in ("GET", "HEAD") and request.cookies.get(COOKIE):
         token = request.cookies[COOKIE]
-        _unauthenticated_wait(request, _SESSION + token)
+        check_unauthenticated(request, _SESSION + token)
         found = await session_tenant(request, token)
         if found is None:
             _refuse(request, ContractError("the console session has ended; sign in again",
@@ -64,7 +65,7 @@ async def tenant(request: web.Request, *roles: str) -> Tenant:
         if scheme.lower() != "bearer" or not key.strip():
             _refuse(request, ContractError("send Authorization: Bearer <api key>",
                                            code="missing_api_key", status=401))
-        _unauthenticated_wait(request, key.strip())
+        check_unauthenticated(request, key.strip())
         found = await key_tenant(request, key.strip())
         if found is None:
             _refuse(request, ContractError("the API key is unknown or revoked",
@@ -92,7 +93,7 @@ def _throttled(wait: float, rate: float) -> Throttled:
         retry_after=wait)
 
 
-def _unauthenticated_wait(request: web.Request, key: str) -> None:
+def check_unauthenticated(request: web.Request, key: str) -> None:
     """Before a lookup that reaches the database: 429 if the caller's address has spent its
     bucket of failed requests. A key this process has known as valid is let through even
     when its cache entry has expired: behind a shared proxy, one client's flood of made-up
@@ -106,12 +107,18 @@ def _unauthenticated_wait(request: web.Request, key: str) -> None:
         raise _throttled(wait, bucket.rate)
 
 
-def _refuse(request: web.Request, error: ContractError) -> NoReturn:
-    """``error`` (a 401), spending the address's bucket; 429 when it was empty."""
+def spend_unauthenticated(request: web.Request) -> None:
+    """A request without a valid key spends its address's bucket: Throttled (429) when the
+    bucket was empty already."""
     bucket = request.app[UNAUTHENTICATED]
     wait = bucket.take(_address(request))
     if wait > 0:
         raise _throttled(wait, bucket.rate)
+
+
+def _refuse(request: web.Request, error: ContractError) -> NoReturn:
+    """``error`` (a 401), spending the address's bucket; 429 when it was empty."""
+    spend_unauthenticated(request)
     raise error
 
 

@@ -192,3 +192,17 @@ def test_the_per_key_rate_limit_is_on_by_default(stack: StackState) -> None:
     assert refused, sorted({s for s, _r in answers})
     assert all(int(r or 0) >= 1 for r in refused)
     assert {s for s, _r in answers} <= {400, 429}
+
+
+def test_console_sign_in_with_made_up_keys_spends_the_address_bucket(
+        guarded_api: ApiProcess) -> None:
+    """Signing in to the console with made-up keys answers 401 until the address's bucket
+    (burst 3) is spent, then 429: the form is no way around the per-address limit."""
+    answers = []
+    for _ in range(4):
+        try:
+            console_session(guarded_api.url, uuid.uuid4().hex)
+        except AssertionError as exc:
+            answers.append(str(exc).rsplit(" ", 1)[-1])
+    assert "429" in answers, answers
+    assert set(answers[:answers.index("429")]) <= {"401"}, answers

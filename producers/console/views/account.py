@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from calmq.errors import ContractError
+from calmq.producers.auth import check_unauthenticated, spend_unauthenticated
 from calmq.producers.console.forms import text
 from calmq.producers.console.session import (
     CSRF_COOKIE,
@@ -19,6 +20,7 @@ from calmq.producers.console.session import (
 )
 from calmq.producers.console.templates import render
 from calmq.producers.console.views.common import Route
+from calmq.producers.throttle import Throttled
 
 __all__ = ["ROUTES"]
 
@@ -46,9 +48,18 @@ async def sign_in(request: web.Request) -> web.StreamResponse:
     except ContractError as exc:
         return _sign_in_page(request, new_login_token(), exc.message, exc.status)
     response = redirect(safe_next(request.query.get("next")))
-    if not key or not await open_session(request, response, key):
-        return _sign_in_page(request, new_login_token(),
-                             "that API key is unknown or revoked", 401)
+    try:
+        # A sign-in with a made-up key spends its address's bucket, as an API request does
+        # (producers/auth.py): the form is no way around the per-address limit.
+        check_unauthenticated(request, key)
+        if not key or not await open_session(request, response, key):
+            spend_unauthenticated(request)
+            return _sign_in_page(request, new_login_token(),
+                                 "that API key is unknown or revoked", 401)
+    except Throttled as exc:
+        refused = _sign_in_page(request, new_login_token(), exc.message, exc.status)
+        refused.headers["Retry-After"] = exc.retry_after_header
+        return refused
     response.del_cookie(CSRF_COOKIE, path="/console/sign-in")
     return response
 
