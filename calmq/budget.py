@@ -360,6 +360,11 @@ class TokenBudget:
         self._wake.set()
         return True
 
+    def resume(self) -> None:
+        """End a pause now (`calmq provider unpause` lifted the fleet's)."""
+        self._paused_until = 0.0
+        self._wake.set()
+
     async def pause_fleet(self, seconds: float) -> None:
         if self.pause(seconds):
             _metrics().pauses.labels(self.model).inc()
@@ -749,6 +754,8 @@ class BudgetedProvider:
         self.quota = quota
         # Blocks and rate-limit pauses, fleet-wide (calmq.providers).
         self.gate = gate
+        if gate is not None:  # a pause lifted early is lifted in the budget too
+            gate.on_unpaused = self._unpaused
         # Makes a budget from the limits the provider states when none was configured.
         self._learn_limits = learn_limits
         self._learning: asyncio.Task[None] | None = None
@@ -767,6 +774,10 @@ class BudgetedProvider:
         self.counts_max_tokens = counts_max_tokens
         self.default_pause_seconds = default_pause_seconds
         self._in_call = 0  # admitted by the budget, waiting for the provider's answer
+
+    def _unpaused(self) -> None:
+        if self.budget is not None:
+            self.budget.resume()
 
     def in_flight_limit(self, queue_seconds: float) -> int | None:
         """How many jobs this worker should hold: those in a model call now, plus what its

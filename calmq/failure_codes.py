@@ -5,7 +5,8 @@ The gateway's ``classify_status`` builds its failures from here (``failure``), t
 stage and the retry policy read ``retried``, the budget reads ``budget`` (``refund``: the
 provider refused the call or never got it, so its reservation goes back whole; ``keep``: the
 provider may have counted it; ``pause``: the provider and model are the fleet's
-configuration problem, so they pause fleet-wide and the job waits, no attempt counted), and
+configuration problem once a probe call or a second job confirms it (calmq.providers), so
+they pause fleet-wide and the job waits, no attempt counted), and
 the failure table in docs/reference/providers.md is checked against ``docs_table()``.
 ``tests/unit/test_failure_codes.py`` fails when calmq raises a code this registry lacks.
 
@@ -29,7 +30,9 @@ __all__ = ["CODES", "BudgetEffect", "FailureCode", "KeyRateLimited", "ModelsCool
 class BudgetEffect(StrEnum):
     REFUND = "refund"  # the provider refused the call or never got it: nothing counted
     KEEP = "keep"  # the provider may have counted it: the estimate stays spent
-    PAUSE = "pause"  # the provider/model is blocked fleet-wide until a probe call succeeds
+    # confirmed by a probe call or a second job: the provider/model is blocked fleet-wide
+    # until a probe call succeeds; unconfirmed: the job's own failure, as its class says
+    PAUSE = "pause"
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ R, K, PA = BudgetEffect.REFUND, BudgetEffect.KEEP, BudgetEffect.PAUSE
 
 _ALL: Final = (
     # -- the provider's answers (calmq.gateway.classify_status) ---------------------------
-    FailureCode("rate_limited", T, R, "rate limited: waits exactly retry-after-ms / "
-                "retry-after, fleet-wide for that provider and model, then retried",
+    FailureCode("rate_limited", T, R, "rate limited: waits retry-after-ms / retry-after "
+                "(at most provider_retry_after_max_seconds), fleet-wide for that provider "
+                "and model, then retried",
                 provider_status="429"),
     FailureCode("upstream_unavailable", T, R, "the provider failed; retried with backoff, "
                 "never sooner than Retry-After", provider_status="500, 502, 503, 504"),
@@ -75,14 +79,18 @@ _ALL: Final = (
     FailureCode("stream_interrupted", T, K, "a streamed answer broke off after it began (the "
                 "connection, the provider's error event, no last event): retried with a new "
                 "stream, clients are told to reset", provider_status="2xx stream cut off"),
-    FailureCode("provider_auth", P, PA, "the key is wrong or revoked: the provider and model "
-                "pause fleet-wide, jobs wait queued", provider_status="401"),
-    FailureCode("provider_permission", P, PA, "the key may not use this model or endpoint: "
-                "the provider and model pause fleet-wide", provider_status="403"),
+    FailureCode("provider_auth", P, PA, "the key is wrong or revoked: once a probe call or "
+                "a second job confirms it, the provider and model pause fleet-wide and jobs "
+                "wait queued; unconfirmed, the job's own (dead letter)", provider_status="401"),
+    FailureCode("provider_permission", P, PA, "the key may not use this model or endpoint "
+                "(or a firewall refused one request): confirmed, the provider and model "
+                "pause fleet-wide; unconfirmed, the job's own", provider_status="403"),
     FailureCode("model_not_found", P, PA, "the model does not exist or the account cannot "
-                "use it: the provider and model pause fleet-wide", provider_status="404"),
+                "use it: confirmed, the provider and model pause fleet-wide; unconfirmed, "
+                "the job's own", provider_status="404"),
     FailureCode("insufficient_quota", P, PA, "billing: the account's quota or credit is used "
-                "up: the provider and model pause fleet-wide",
+                "up (read from the error's code or type, never its message): confirmed, "
+                "the provider and model pause fleet-wide",
                 provider_status="429 insufficient_quota, 402 billing_error"),
     FailureCode("context_length_exceeded", IN, R, "the prompt is longer than the model's "
                 "context: the job's input", provider_status="400 context_length_exceeded"),
@@ -162,14 +170,22 @@ def failure(code: str, message: str, *, retry_after: float | None = None) -> Ste
 
 class ProviderBlocked(StepFailure):
     """The provider and model are blocked fleet-wide (a bad key, a missing permission, a
-    model the account cannot use, exhausted billing): not the job's fault. The job is handed
-    back to wait (``waiting_reason`` ``provider_blocked``) with no attempt counted, and runs
-    again when the block lifts (a probe call succeeded, or ``calmq provider unblock``)."""
+    model the account cannot use, exhausted billing, each confirmed by a probe call or a
+    second job: calmq.providers): not the job's fault. The job is handed back to wait
+    (``waiting_reason`` ``provider_blocked``) with no attempt counted, and runs again when
+    the block lifts (a probe call succeeded, or ``calmq provider unblock``).
 
-    def __init__(self, message: str, *, code: str, provider: str, model: str) -> None:
+    ``met``: the job's own call got the refusal (not a call refused here before it was
+    sent). Such a job is handed back uncounted once; meeting it again after the block
+    lifted, it ends in dead letter with the code, rather than being sent again at every
+    unblock for ever."""
+
+    def __init__(self, message: str, *, code: str, provider: str, model: str,
+                 met: bool = False) -> None:
         super().__init__(message, code=code, failure_class=CODES[code].failure_class)
         self.provider = provider
         self.model = model
+        self.met = met
 
 
 class WaitUncounted(StepFailure):

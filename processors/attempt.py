@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 
 from calmq.data import Finish, Job, Store
+from calmq.data.providers import ProviderLedger
 from calmq.data.rate_keys import RateKeys
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
@@ -109,7 +110,16 @@ class Attempt:
                 raise StepFailure(f"no workflow named {job.workflow!r} on this worker",
                                   code="unknown_workflow", failure_class=FailureClass.INPUT)
             output = await self._step(job, workflow)
-        except (ProviderBlocked, WaitUncounted):
+        except ProviderBlocked as blocked:
+            if blocked.met and await self._met_block_before(job):
+                # Its own call met a blocked provider's refusal again, after its one
+                # uncounted wait for the block to lift: counted now, it ends in dead letter
+                # with the code instead of being sent again at every unblock.
+                return self.failures.outcome(job, topic, StepFailure(
+                    f"{blocked.message} (met again after one uncounted wait for the block "
+                    f"to lift)", code=blocked.code, failure_class=blocked.failure_class))
+            raise  # not the job's attempt: the pipeline hands the job back, uncounted
+        except WaitUncounted:
             raise  # not the job's attempt: the pipeline hands the job back, uncounted
         except StepFailure as failure:
             return self.failures.outcome(job, topic, failure)
@@ -144,6 +154,16 @@ class Attempt:
             # After the model call: writing the artifact or step output failed. The store
             # being away is not the job's fault (retried); anything else is a bug.
             return self.failures.outcome(job, topic, _after_step(job, exc))
+
+    async def _met_block_before(self, job: Job) -> bool:
+        """Whether ``job`` was handed back once already after its own call met a blocked
+        provider (calmq.failure_codes.ProviderBlocked.met); the database away: not known,
+        so handed back (the hand-back waits for the database)."""
+        try:
+            return await ProviderLedger(self.store).met_before(job.id)
+        except (psycopg.Error, InfrastructureError, OSError) as exc:
+            log.warning("reading the hand-backs of %s failed: %s", job.id, exc)
+            return False
 
     async def _step(self, job: Job, workflow: Workflow) -> StepOutput:
         step = workflow.step(job.step)

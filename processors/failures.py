@@ -53,12 +53,14 @@ async def hand_back_blocked(store: Store, job: Job, worker_id: str,
     """An attempt that met a blocked provider (calmq.providers) is not the job's attempt:
     the job goes back to ``queued`` at its previous attempt, its attempt row removed (none
     is counted), waiting with ``waiting_reason`` ``provider_blocked`` until the block lifts
-    and the release re-publishes it. Nothing is dead-lettered. False when the attempt no
-    longer held the job (another attempt has it now)."""
+    and the release re-publishes it. Nothing is dead-lettered. The event says whether the
+    job's own call met the refusal (``met``): such a hand-back is the job's only one
+    (processors/attempt.py). False when the attempt no longer held the job (another attempt
+    has it now)."""
     moved = await ProviderLedger(store).hand_back(
         job.id, job.lease_version, worker_id,
         {"code": blocked.code, "provider": blocked.provider.split(":", 1)[0],
-         "model": blocked.model})
+         "model": blocked.model, "met": blocked.met})
     if moved:
         _handbacks().labels(blocked.code).inc()
     else:

@@ -1,4 +1,5 @@
-"""``calmq provider check|status|unblock``: the model providers as the fleet sees them.
+"""``calmq provider check|status|unblock|unpause``: the model providers as the fleet sees
+them.
 
 ``check`` is the first command to run with a real key: one minimal call per configured
 provider and model (the chat model, and the embeddings model), then it says whether the
@@ -230,7 +231,8 @@ def cmd_unblock(args: argparse.Namespace) -> int:
     async def run() -> tuple[list[tuple[str, str]], int]:
         async with open_store(settings, max_size=2) as store:
             ledger = ProviderLedger(store)
-            lifted = await ledger.unblock(args.provider or None, args.model or None)
+            lifted = await ledger.unblock(args.provider_key or None,
+                                          args.provider_model or None)
             released = 0
             while batch := await ledger.release_jobs():
                 released += len(batch)
@@ -242,8 +244,26 @@ def cmd_unblock(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def cmd_unpause(args: argparse.Namespace) -> int:
+    from calmq.data.providers import ProviderLedger
+
+    settings = settings_for(args)
+
+    async def run() -> list[tuple[str, str, str]]:
+        async with open_store(settings, max_size=1) as store:
+            return await ProviderLedger(store).unpause(args.provider_key or None,
+                                                       args.provider_model or None)
+
+    lifted = asyncio.run(run())
+    emit_one({"unpaused": [f"{p} {m}" for p, m, pause in lifted if pause == "provider"],
+              "budgets_unpaused": [f"{p} {m}" for p, m, pause in lifted if pause == "budget"]},
+             output_format(args))
+    return Exit.OK
+
+
 _ACTIONS = {"check": (cmd_check, ()), "status": (cmd_status, ("database_url",)),
-            "unblock": (cmd_unblock, ("database_url",))}
+            "unblock": (cmd_unblock, ("database_url",)),
+            "unpause": (cmd_unpause, ("database_url",))}
 
 
 def cmd_provider(args: argparse.Namespace) -> int:
@@ -252,11 +272,21 @@ def cmd_provider(args: argparse.Namespace) -> int:
     return fn(args)
 
 
+def _target(parser: argparse.ArgumentParser, what: str) -> None:
+    """PROVIDER and MODEL, named apart from the settings ``provider`` and ``model`` (every
+    argument named as a setting is read as that setting: calmq.cli.flags.settings_for)."""
+    parser.add_argument("provider_key", nargs="?", default=None, metavar="PROVIDER",
+                        help="the provider key (kind:URL) as `status` shows it (default: "
+                             f"every {what} one)")
+    parser.add_argument("provider_model", nargs="?", default=None, metavar="MODEL",
+                        help=f"the model (default: every {what} one)")
+
+
 def register(command: Command, flags: Flags) -> None:
     p = command("provider", cmd_provider, "the model providers: check the configured key and "
-                "models, show blocks and pauses, lift a block")
+                "models, show blocks and pauses, lift a block or a pause")
     sub = p.add_subparsers(dest="provider_action", required=True, metavar="ACTION",
-                           help="check, status or unblock")
+                           help="check, status, unblock or unpause")
     check = sub.add_parser(
         "check", help="one minimal call per configured provider and model",
         description="one minimal call per configured provider and model (chat, embeddings): "
@@ -272,9 +302,12 @@ def register(command: Command, flags: Flags) -> None:
         "unblock", help="lift a block at once and release the jobs waiting for it",
         description="lift a provider's block at once (without waiting for a probe call) "
                     "and release the jobs waiting for it")
-    unblock.add_argument("provider", nargs="?", default=None,
-                         help="the provider key (kind:URL) as `status` shows it (default: "
-                              "every blocked one)")
-    unblock.add_argument("model", nargs="?", default=None,
-                         help="the model (default: every blocked one)")
+    _target(unblock, "blocked")
     add_output(unblock)
+    unpause = sub.add_parser(
+        "unpause", help="lift a fleet-wide rate-limit pause at once",
+        description="lift a provider and model's fleet-wide rate-limit pause (the "
+                    "provider's Retry-After, and the token budget's pause of the same "
+                    "endpoint and model) at once, without waiting for it to run out")
+    _target(unpause, "paused")
+    add_output(unpause)

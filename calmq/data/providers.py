@@ -61,6 +61,19 @@ class ProviderLedger:
                 await self._notify(conn, {"event": "unblocked", "provider": p, "model": m})
         return lifted
 
+    async def unpause(self, provider: str | None = None,
+                      model: str | None = None) -> list[tuple[str, str, str]]:
+        """Lift rate-limit pauses now (the gates' and the token budgets'); returns each
+        lifted one as (provider, model, ``provider`` or ``budget``)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["provider_unpause"],
+                                     {"provider": provider, "model": model})
+            lifted = [(r["provider"], r["model"], r["pause"]) for r in await cur.fetchall()]
+            for p, m, pause in lifted:
+                if pause == "provider":
+                    await self._notify(conn, {"event": "unpaused", "provider": p, "model": m})
+        return lifted
+
     async def pause(self, provider: str, model: str, seconds: float) -> float:
         """Pause fleet-wide for ``seconds``; returns how long the pause now runs."""
         async with self._db.pool.connection() as conn:
@@ -96,6 +109,14 @@ class ProviderLedger:
                 "reason": reason, "wait_seconds": wait_seconds,
                 "detail": json.dumps({"reason": reason, **detail})})
             return await cur.fetchone() is not None
+
+    async def met_before(self, job_id: uuid.UUID) -> bool:
+        """Whether ``job_id`` was handed back once already after its own call met a blocked
+        provider's refusal."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["provider_met_before"], {"id": job_id})
+            row = await cur.fetchone()
+        return bool(row and row["met"])
 
     async def release_waited(self, limit: int = 1000) -> list[tuple[Job, str]]:
         """Re-publish (through the outbox, in the same transaction) up to ``limit`` jobs

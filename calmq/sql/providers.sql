@@ -31,6 +31,28 @@ ON CONFLICT (provider, model) DO UPDATE SET
     updated_at = now()
 RETURNING extract(epoch FROM paused_until - clock_timestamp())::float8 AS seconds_left;
 
+-- name: provider_unpause
+-- Lift a rate-limit pause early (`calmq provider unpause`); NULL provider or model: every
+-- paused one. The token budget's fleet pause of the same endpoint and model goes too (its
+-- bucket names the endpoint without the key's fingerprint). Returns what was lifted.
+WITH lifted AS (
+    UPDATE provider_states SET paused_until = '-infinity', updated_at = now()
+    WHERE paused_until > clock_timestamp()
+      AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
+      AND (%(model)s::text IS NULL OR model = %(model)s::text)
+    RETURNING provider, model
+), budget AS (
+    UPDATE budget_buckets b SET paused_until = '-infinity', updated_at = now()
+    WHERE b.paused_until > clock_timestamp()
+      AND (%(provider)s::text IS NULL
+           OR b.provider = split_part(%(provider)s::text, '#key-', 1))
+      AND (%(model)s::text IS NULL OR b.model = %(model)s::text)
+    RETURNING b.provider, b.model
+)
+SELECT provider, model, 'provider' AS pause FROM lifted
+UNION ALL
+SELECT provider, model, 'budget' AS pause FROM budget;
+
 -- name: provider_observe
 -- The limits the provider's rate-limit headers stated.
 INSERT INTO provider_states (provider, model, observed_tokens_per_minute,
@@ -83,6 +105,18 @@ WITH held AS (
     SELECT id, 'waiting', attempt - 1, %(detail)s::jsonb FROM back
 )
 SELECT id FROM back;
+
+-- name: provider_met_before
+-- Whether the job was handed back already after its own call met a blocked provider's
+-- refusal (a waiting event marked met): it is handed back once, not sent again at every
+-- unblock for ever. Its history lies from its creation on (the partitions before it are
+-- never opened: jobs.sql, job_events).
+SELECT EXISTS (
+    SELECT 1 FROM job_events h
+    WHERE h.job_id = %(id)s AND h.type = 'waiting'
+      AND h.at >= (SELECT k.created_at FROM jobs k WHERE k.id = %(id)s)
+      AND h.detail->>'reason' = 'provider_blocked' AND h.detail->>'met' = 'true'
+) AS met;
 
 -- name: provider_release_jobs
 -- Jobs that waited for a blocked provider, once a block lifted (oldest first, interactive

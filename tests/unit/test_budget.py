@@ -364,12 +364,14 @@ async def test_with_no_budget_set_one_starts_from_the_stated_limits() -> None:
 
 
 async def test_a_bad_key_blocks_the_provider_and_later_calls_do_not_reach_it() -> None:
-    """A 401 becomes ProviderBlocked (no retry, no dead letter), later calls are refused
-    without a call, and a successful probe lifts the block."""
+    """A 401 that the probe call confirms becomes ProviderBlocked (no retry, no dead
+    letter), later calls are refused without a call, and a successful probe lifts the
+    block."""
     from calmq.failure_codes import ProviderBlocked, failure
     from calmq.providers import ProviderGate
 
     inner = ScriptedProvider(failure("provider_auth", "401 bad key"),
+                             failure("provider_auth", "401 bad key (the confirming probe)"),
                              ModelReply("{}", None, 1, 1))
     lifted: list[bool] = []
 
@@ -385,10 +387,11 @@ async def test_a_bad_key_blocks_the_provider_and_later_calls_do_not_reach_it() -
     try:
         with pytest.raises(ProviderBlocked) as first:
             await provider.complete(messages=messages, job_id="j", max_tokens=10)
-        assert first.value.code == "provider_auth"
-        with pytest.raises(ProviderBlocked):
+        assert (first.value.code, first.value.met) == ("provider_auth", True)
+        with pytest.raises(ProviderBlocked) as second:
             await provider.complete(messages=messages, job_id="j", max_tokens=10)
-        assert inner.calls == 1  # the second call never reached the provider
+        assert second.value.met is False  # refused here, before it was sent
+        assert inner.calls == 2  # the call and its probe; the second call never reached it
         assert await gate.probe_once() is True
         assert (gate.blocked, lifted) == (None, [True])
     finally:
