@@ -31,10 +31,9 @@ def cmd_openapi(args: argparse.Namespace) -> int:
     from calmq.settings import Settings
     from calmq.workflows import load_workflows
 
-    # Only the workflow settings shape the document; the stack's addresses do not, so the
-    # settings come from the environment and flags alone (no running stack is asked).
-    flags = {"workflow_modules": args.workflow_modules} if args.workflow_modules else {}
-    settings = Settings.load(flags, settings_environ(args))
+    # Only the workflow registry shapes the document (CALMQ_WORKFLOW_MODULES, entry
+    # points); the stack's addresses do not, so no running stack is asked.
+    settings = Settings.load({}, settings_environ(args))
     written = text(document(ROUTES, load_workflows(settings)))
     if args.output_file in (None, "", "-"):
         sys.stdout.write(written)
@@ -48,7 +47,7 @@ def cmd_openapi(args: argparse.Namespace) -> int:
 
 def register(command: Command, flags: Flags) -> None:
     p = command("openapi", cmd_openapi,
-                "write the OpenAPI 3.1 document the API serves at /openapi.json")
+                "write the OpenAPI 3.1 document the API serves at /openapi.json (for the "
+                "workflows registered here: built-in, entry points, CALMQ_WORKFLOW_MODULES)")
     flags.option(p, "--output-file", "-o",
                  help="where to write it (default: standard output)")
-    flags.setting(p, "workflow_modules")
