@@ -42,6 +42,7 @@ def restartable(stack: StackState) -> Iterator[tuple[Restartable, str]]:
 
     class Control(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
+            body: dict[str, Any]
             try:
                 api.kill_and_restart()
                 status, body = 200, {"restarts": api.restarts}
