@@ -115,7 +115,7 @@ describe("against the stack", { skip: stack ? false : "CALMQ_API_URL and CALMQ_A
        async () => {
     const calmq = client();
     const { job_id } = await calmq.submit("draft", {
-      prompt: "a long one", tokens: 300, tokens_per_second: 10 }, { idempotencyKey: true });
+      prompt: "a long one", tokens: 100, tokens_per_second: 10 }, { idempotencyKey: true });
     const job = await calmq.get(job_id);
     assert.equal(job.job_id, job_id);
     assert.equal(job.workflow, "draft");

@@ -154,3 +154,30 @@ describe("retries", () => {
     }
   });
 });
+
+describe("events", () => {
+  test("a stream gone quiet is reopened with Last-Event-ID and carries on", async () => {
+    const asked: (string | undefined)[] = [];
+    const api = await server((req, res) => {
+      asked.push(req.headers["last-event-id"] as string | undefined);
+      res.writeHead(200, { "Content-Type": "text/event-stream" });
+      if (asked.length === 1) {
+        // One event, then silence: a connection whose peer vanished.
+        res.write("id: 1:0:0:0\nevent: queued\ndata: {\"type\": \"queued\"}\n\n");
+        return;
+      }
+      res.end("id: 2:0:0:0\nevent: completed\ndata: {\"type\": \"completed\"}\n\n"
+              + "event: end\ndata: {\"status\": \"completed\"}\n\n");
+    });
+    try {
+      const client = new CalmqClient({ baseUrl: api.url, apiKey: "k", streamIdleMs: 300,
+                                       retry: { initialDelayMs: 10 } });
+      const events = await all(client.events("j1"));
+      assert.deepEqual(events.map((e) => [e.id, e.type]),
+                       [["1:0:0:0", "queued"], ["2:0:0:0", "completed"]]);
+      assert.deepEqual(asked, [undefined, "1:0:0:0"]);
+    } finally {
+      await api.close();
+    }
+  });
+});
