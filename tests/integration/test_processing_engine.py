@@ -89,20 +89,20 @@ def test_fake_provider_mode_through_the_worker(
         assert min(delays) >= 1.0
 
 
-def test_a_401_is_the_fleets_problem_not_the_jobs(env: Env, served: tuple[str, int]) -> None:
-    """A 401 (mode unauthorized) blocks the provider and model instead of failing the job:
-    the job waits queued (provider_blocked), with no attempt counted and no error, and the
-    worker's metric names invalid_api_key."""
+def test_a_401_only_one_jobs_request_meets_is_that_jobs_own(env: Env,
+                                                            served: tuple[str, int]) -> None:
+    """A 401 (mode unauthorized) that only this job's request meets, while the probe call
+    is answered, blocks nothing: the job ends in dead_letter (provider_auth, permission) at
+    its first attempt, never waits as provider_blocked, and the worker's metric names no
+    block."""
     (job_id,) = env.submit(served[0], {"text": "bad key", "mode": "unauthorized"})
-    row = wait_for(lambda: (r := job_rows(env.db, [job_id])[job_id])["status"] == "queued"
-                   and "waiting" in _types(history(env.db, job_id)) and r, timeout=60,
-                   what="the job to wait for the blocked provider")
-    assert (row["attempt"], row["errors"] or []) == (0, [])
-    waiting = [e for e in history(env.db, job_id) if e["type"] == "waiting"][-1]
-    assert waiting["detail"]["reason"] == "provider_blocked"
-    assert waiting["detail"]["code"] == "provider_auth"
-    # Its input keeps asking for a 401 while the probe succeeds: cancel it, as a person would.
-    assert env.api.call("POST", f"/v1/jobs/{job_id}/cancel")[0] in (200, 202)
+    job = env.finished(job_id)
+    assert job["status"] == "dead_letter"
+    assert (job["error"]["code"], job["error"]["class"], job["attempt"]) == (
+        "provider_auth", "permission", 1)
+    assert [e for e in history(env.db, job_id) if e["type"] == "waiting"
+            and e["detail"].get("reason") == "provider_blocked"] == []
+    assert (metric(served[1], "calmq_provider_blocked") or 0) == 0
 
 
 def test_cancel_skips_queued_job_and_aborts_running_one(env: Env) -> None:
