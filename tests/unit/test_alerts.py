@@ -119,6 +119,7 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     calmq.fallback._fallbacks()
     calmq.providers._blocked_gauge()
     calmq.providers._paused_gauge()
+    calmq.providers._unconfirmed_counter()
     calmq.processors.failures._handbacks()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()
@@ -278,6 +279,8 @@ _HEALTHY_SAMPLES = [  # what a healthy install reports besides `up`, flat over 4
     _sample("calmq_model_calls_total", "0+60x40", provider="openai", model="gpt-4o-mini",
             outcome="ok", **_WORKER),
     _sample("calmq_poison_messages_total", "0x40", **_WORKER),
+    _sample("calmq_provider_refusals_unconfirmed_total", "0+0x40", provider="openai",
+            model="gpt-4o-mini", code="provider_permission", **_WORKER),
     _sample("calmq_db_dead_tuple_ratio", "0.03x40", table="jobs", **_API),
     _sample("calmq_db_dead_tuples", "600000x40", table="jobs", **_API),
     _sample("calmq_db_dead_tuple_ratio", "0.5x40", table="tenants", **_API),
@@ -297,6 +300,12 @@ _DATABASE_TROUBLE = [
     # A listening session stopped reading: the queue grows by 1% a minute.
     (_sample("calmq_db_notification_queue_usage", "", **_API)[0], "0+0.01x40",
      "CalmqNotificationQueueFilling", {}),
+    # A step's every request refused by a firewall in front of the provider: 2 a minute,
+    # each its job's own (the probe call went through).
+    (_sample("calmq_provider_refusals_unconfirmed_total", "", provider="openai",
+             model="gpt-4o-mini", code="provider_permission", **_WORKER)[0], "0+2x40",
+     "CalmqProviderRefusalsUnconfirmed",
+     {"provider": "openai", "model": "gpt-4o-mini", "code": "provider_permission"}),
 ]
 
 
