@@ -13,7 +13,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +38,9 @@ from calmq.producers.console.shaping import (
     providers_view,
 )
 from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
+from calmq.producers.problems import hide_hosts
 from calmq.producers.uploads import read_object, tenant_owns
+from calmq.producers.views import public_error
 from calmq.reviews import Decision, ReviewDesk
 from calmq.workflows import Workflow
 
@@ -135,21 +137,32 @@ class ConsoleData:
         return await self.reads.jobs(query)
 
     async def job(self, scope: uuid.UUID | None, job_id: uuid.UUID) -> JobPage:
-        """The job's row (bounded), or NotFound (unknown, or another tenant's)."""
+        """The job's row (bounded), or NotFound (unknown, or another tenant's). A tenant
+        (``scope``) reads its error as the API shows it, with no internal host name; a
+        platform key reads it whole."""
         job = await self.reads.job(scope, job_id)
         if job is None:
             raise NotFound("no such job")
-        return job
+        return job if scope is None else replace(job, error=public_error(job.error))
+
+    async def _events(self, scope: uuid.UUID | None, job_id: uuid.UUID, after: int = 0
+                      ) -> list[HistoryEvent]:
+        events = await self.reads.events(job_id, after)
+        if scope is None:
+            return events
+        return [replace(e, detail=public_error(e.detail)) for e in events]
 
     async def job_view(self, scope: uuid.UUID | None, job_id: uuid.UUID) -> JobView:
         job = await self.job(scope, job_id)
-        events = await self.reads.events(job_id)
+        events = await self._events(scope, job_id)
         input_preview = None
         if job.input_preview is None and job.input_ref and self.owns(job, job.input_ref):
             input_preview = await self.preview(job.input_ref, None)
         artifact = job.artifact
         return JobView(
-            job=job, events=events, attempts=await self.reads.attempts(job_id),
+            job=job, events=events, attempts=[
+                (n, attempt if scope is None else _public_attempt(attempt))
+                for n, attempt in await self.reads.attempts(job_id)],
             last_event=events[-1].id if events else 0, input_preview=input_preview,
             artifact_preview=await self.preview(str(artifact["uri"]),
                                                 artifact.get("content_type"))
@@ -160,7 +173,7 @@ class ConsoleData:
         """The job's status and its history after event ``after``: status first, so a
         terminal status implies its event is among them."""
         job = await self.job(scope, job_id)
-        return job.status, await self.reads.events(job_id, after)
+        return job.status, await self._events(scope, job_id, after)
 
     def owns(self, job: JobPage | Review, uri: str) -> bool:
         """Whether ``uri`` is an object of the job's tenant (the only ones a page reads)."""
@@ -250,3 +263,10 @@ class ConsoleData:
     async def redrive(self, ids: list[uuid.UUID], *, by: str, reason: str,
                       scope: uuid.UUID | None) -> list[RedriveOutcome]:
         return await self._dead().redrive(ids, by=by, reason=reason, tenant_id=scope)
+
+
+def _public_attempt(attempt: dict[str, Any]) -> dict[str, Any]:
+    """An attempt's record as its tenant may read it: its error with no internal host."""
+    message = attempt.get("error_message")
+    return attempt if not isinstance(message, str) else {**attempt,
+                                                         "error_message": hide_hosts(message)}

@@ -4,11 +4,13 @@ job's row keeps the whole text for operators (``calmq dlq show``)."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from calmq.tooling.devstack import StackState
+from tests.support.api import console_session
 from tests.support.waiting import wait_for
 from tests.support.workers import BASE, Env, forwarded_env, job_rows
 
@@ -24,8 +26,8 @@ def env(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def test_a_connection_error_shows_no_internal_host_to_the_tenant(env: Env) -> None:
-    """The provider's host is unreachable: GET /v1/jobs/{id}, its events and the job list
-    show the error without the host name; the row keeps it."""
+    """The provider's host is unreachable: GET /v1/jobs/{id}, its events, the job list and
+    the console's job page show the error without the host name; the row keeps it."""
     pool = env.pool("hosts")
     env.procs.worker(pool, **BASE, provider="openai", provider_url=f"http://{HOST}:8443",
                      model="gpt-4o-mini")
@@ -39,3 +41,12 @@ def test_a_connection_error_shows_no_internal_host_to_the_tenant(env: Env) -> No
     assert HOST not in str(view), view
     _status, _h, listed = env.api.call("GET", "/v1/jobs?limit=50")
     assert HOST not in str(listed)
+    # The console shows the tenant the same: its job page and the page's JSON.
+    cookie = console_session(env.api.base_url, env.api.key)
+    for path in (f"/console/jobs/{job_id}", f"/console/jobs/{job_id}.json"):
+        req = urllib.request.Request(env.api.base_url + path,
+                                     headers={"Cookie": f"calmq_console={cookie}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            page = resp.read().decode()
+        assert "connection_error" in page, path
+        assert HOST not in page, path
