@@ -48,6 +48,17 @@ def test_a_shared_batch_shows_each_tenant_only_its_own_counts_and_cost(
             conn.execute("INSERT INTO batch_jobs (batch_key, job_id, attempt, custom_id, request,"
                          " state, cost_usd, online_cost_usd) VALUES (%s, %s, 1, %s, '{}',"
                          " 'settled', %s, %s)", (batch, job, f"{job}_1", cost, cost * 2))
+        # Each tenant's share of the batch, as the batcher records it when it packs and
+        # settles (the list reads these rows, not every batch's requests).
+        conn.execute(
+            "INSERT INTO batch_tenants (batch_key, tenant_id, created_at, requests, settled,"
+            " cost_usd, online_cost_usd, reserved_day)"
+            " SELECT bj.batch_key, j.tenant_id, b.created_at, count(*),"
+            " count(*) FILTER (WHERE bj.state = 'settled'), sum(bj.cost_usd),"
+            " sum(bj.online_cost_usd), current_date"
+            " FROM batch_jobs bj JOIN jobs j ON j.id = bj.job_id"
+            " JOIN provider_batches b ON b.key = bj.batch_key"
+            " WHERE bj.batch_key = %s GROUP BY 1, 2, 3", (batch,))
     api = Api(stack.env["CALMQ_API_URL"], key)
     status, _h, listed = api.call("GET", "/v1/batches")
     assert status == 200, listed
