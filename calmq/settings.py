@@ -25,6 +25,7 @@ __all__ = [
     "ENV_PREFIX",
     "FILE_SUFFIX",
     "IMAGE_REPOSITORY",
+    "PROBLEM_BASE_URL",
     "STRICT_ENV",
     "Settings",
     "claimed_window",
@@ -48,6 +49,9 @@ _NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK", STRICT_ENV, "CALMQ_CONSUM
 _ALIASES = {"CALMQ_KEDA_IMAGE": "image"}
 # Where the release workflow pushes the image (docs/how-to/deploy-kubernetes.md).
 IMAGE_REPOSITORY = "ghcr.io/calmq/calmq"
+# The API reference as the repository publishes it: a problem's type URI is this and its code,
+# an anchor of docs/reference/api.md (setting api_problem_base_url).
+PROBLEM_BASE_URL = "https://github.com/calmq/calmq/blob/main/docs/reference/api.md#"
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +232,10 @@ class Settings(BaseSettings):
         description="how long a console sign-in lasts: the session cookie holds a random "
                     "token of its own (stored server-side as a hash, ended by sign-out or "
                     "by revoking its key), never the API key")
+    api_problem_base_url: str = Field(
+        default=PROBLEM_BASE_URL, pattern=r"^https?://\S+#$",
+        description="where a problem's type URI points: this URL (ending in #) followed by "
+                    "the problem's code, an anchor of docs/reference/api.md (Problem codes)")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     auth_cache_seconds: float = Field(default=5.0, ge=0)
     auth_cache_max_misses: int = Field(

@@ -47,7 +47,7 @@ from calmq.producers.routes import ROUTES
 from calmq.producers.throttle import RateLimiter, TenantGates, Throttled
 from calmq.producers.views import job_view
 from calmq.producers.webhooks import Dispatcher
-from calmq.settings import Settings
+from calmq.settings import PROBLEM_BASE_URL, Settings
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow, load_workflows
 
@@ -60,6 +60,9 @@ REJECTED = Counter("calmq_requests_rejected_total", "Requests rejected", ["code"
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    # The metrics-only app has no settings: its problems point at the default docs.
+    settings = request.app.get(SETTINGS)
+    base = settings.api_problem_base_url if settings is not None else PROBLEM_BASE_URL
     try:
         # A NUL (or a lone surrogate) in a query parameter would reach PostgreSQL as a text
         # parameter it refuses: a 400 here, for every route at once.
@@ -70,40 +73,43 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)  # type: ignore[no-any-return]
     except Throttled as exc:
         REJECTED.labels(exc.code).inc()
-        response = problem(exc.status, exc.code, exc.message)
+        response = problem(exc.status, exc.code, exc.message, base=base)
         response.headers["Retry-After"] = exc.retry_after_header
         return response
     except ContractError as exc:
         REJECTED.labels(exc.code).inc()
-        return problem(exc.status, exc.code, exc.message)
+        return problem(exc.status, exc.code, exc.message, base=base)
     except web.HTTPRequestEntityTooLarge:
         REJECTED.labels("body_too_large").inc()
-        return problem(413, "body_too_large",
-                       f"the body is over the {request.app[SETTINGS].max_body_bytes} byte limit")
+        limit = settings.max_body_bytes if settings is not None else "size"
+        return problem(413, "body_too_large", f"the body is over the {limit} byte limit",
+                       base=base)
     except web.HTTPNotFound:
-        return problem(404, "no_route", f"no route for {request.method} {request.path}")
+        return problem(404, "no_route", f"no route for {request.method} {request.path}",
+                       base=base)
     except web.HTTPMethodNotAllowed:
         return problem(405, "method_not_allowed",
-                       f"{request.method} is not allowed on {request.path}")
+                       f"{request.method} is not allowed on {request.path}", base=base)
     except CalmqError as exc:
         log.exception("request failed")
-        return problem(503, exc.code, exc.message)
+        return problem(503, exc.code, exc.message, base=base)
     except (psycopg.OperationalError, PoolTimeout):
         # The database is away (a failover, a restart, a partition): the client's retry
         # will do, so 503 with Retry-After, not 500. The driver's text (addresses, users,
         # server messages) goes to the log only, never into the answer.
         log.exception("database unavailable")
         response = problem(503, "database_unavailable",
-                           "the database is unavailable; try again shortly")
+                           "the database is unavailable; try again shortly", base=base)
         response.headers["Retry-After"] = "1"
         return response
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except web.HTTPException as exc:
-        return problem(exc.status, "http_error", exc.reason)
+        return problem(exc.status, "http_error", exc.reason, base=base)
     except Exception:
         log.exception("unexpected error")
-        return problem(500, "internal_error", "an unexpected error; it has been logged")
+        return problem(500, "internal_error", "an unexpected error; it has been logged",
+                       base=base)
 
 
 def build_app(

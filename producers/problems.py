@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["hide_hosts", "problem"]
+from calmq.settings import PROBLEM_BASE_URL
+
+__all__ = ["hide_hosts", "problem", "problem_type"]
 
 _HIDDEN = "<internal>"
 _HOSTS = re.compile(
@@ -47,9 +49,15 @@ _TITLES = {
 }
 
 
-def problem(status: int, code: str, detail: str, **extra: Any) -> web.Response:
+def problem_type(code: str, base: str = PROBLEM_BASE_URL) -> str:
+    """The ``type`` URI of ``code``: its anchor under ``base`` (a URL ending in ``#``)."""
+    return f"{base}{code}"
+
+
+def problem(status: int, code: str, detail: str, *, base: str = PROBLEM_BASE_URL,
+            **extra: Any) -> web.Response:
     body = {
-        "type": f"https://calmq.dev/problems/{code}",
+        "type": problem_type(code, base),
         "title": _TITLES.get(status, "Error"),
         "status": status,
         "detail": hide_hosts(detail),

@@ -141,7 +141,8 @@ def error_page(request: web.Request, page: Page | None, status: int, code: str,
     if request.path.endswith(".json"):
         from calmq.producers.problems import problem
 
-        return problem(status, code, message)
+        return problem(status, code, message,
+                       base=request.app[SETTINGS].api_problem_base_url)
     return render("error.html", status, title=f"Error {status}", page=page, current="",
                   code=code, message=message)
 

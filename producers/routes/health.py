@@ -7,7 +7,7 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from calmq.producers.context import STORE
+from calmq.producers.context import SETTINGS, STORE
 from calmq.producers.problems import problem
 from calmq.producers.routing import PUBLIC, Route, problems
 
@@ -26,7 +26,8 @@ async def readyz(request: web.Request) -> web.Response:
     except Exception:  # any failure means not ready
         # The driver's text stays in the log: it names hosts, users and server messages.
         log.warning("readiness check: PostgreSQL does not answer", exc_info=True)
-        return problem(503, "database_unavailable", "PostgreSQL does not answer")
+        return problem(503, "database_unavailable", "PostgreSQL does not answer",
+                       base=request.app[SETTINGS].api_problem_base_url)
     return web.json_response({"ok": True})
 
 
