@@ -130,6 +130,8 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
     """``{path in the chart: text}``."""
     import yaml
 
+    from calmq.tooling.values_schema import schema_text
+
     meta = {
         "apiVersion": "v2",
         "name": "calmq",
@@ -144,6 +146,8 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
         "Chart.yaml": f"# {HEADER}\n" + yaml.safe_dump(meta, sort_keys=False),
         "values.yaml": values_text(values, HEADER + "\nEvery value the templates read, with "
                                    "the defaults calmq computes for its default settings."),
+        # Helm checks every install, upgrade and template against it: a typo fails.
+        "values.schema.json": schema_text(values),
         ".helmignore": "# " + HEADER + "\n*.orig\n*.swp\n",
         "templates/_helpers.tpl": "{{- /* " + HEADER + " */}}\n" + HELPERS + "\n"
                                   + keda.HELPER + SECRETS_HELPER,

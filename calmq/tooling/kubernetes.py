@@ -1122,10 +1122,14 @@ def render(values: Mapping[str, Any], namespace: str = "calmq", *, only: str | N
     """``{file name: manifest}`` of the values; the numbers in the names are the order to
     apply them in (``jobs/`` first: they are hooks). ``only="workers"``: the worker
     Deployments and their ScaledObjects alone."""
+    from calmq.tooling.values_schema import check_values
+
     ctx = Context(values, namespace, chart_files())
     # Before any document: the hook Jobs carry the config inline, and --only workers
     # renders no ConfigMap, so its check alone would not see every path.
     NoSecrets().evaluate(ctx)
+    # As helm checks values.schema.json: a misspelt value fails, naming its path.
+    check_values(values)
     if only is None:
         return dict(documents(DOCS, ctx))
     if only != "workers":

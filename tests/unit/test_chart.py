@@ -219,3 +219,50 @@ def test_kustomize_build_of_the_base_passes_strict_validation() -> None:
             assert container["envFrom"] == [
                 {"configMapRef": {"name": config["metadata"]["name"]}}]
             assert container["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+# Three misspelt values that used to render with exit 0 and be ignored (issue 47).
+_TYPOS = {
+    "config.kafka_bootstap": {"config": {"kafka_bootstap": "kafka.prod:9092"}},
+    "workers.pools.default.keda.minReplicas": {
+        "workers": {"pools": {"default": {"keda": {"minReplicas": 2}}}}},
+    "api.replica": {"api": {"replica": 3}},
+}
+
+
+@pytest.mark.parametrize("typo", sorted(_TYPOS))
+def test_a_misspelt_value_fails_helm_and_calmq_k8s_render(typo: str, tmp_path: Path) -> None:
+    """`helm template`, `helm install --dry-run` and `calmq k8s render` refuse a misspelt
+    value, naming it, where they used to render and ignore it."""
+    from calmq.tooling.manifests import merge_values
+
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(merge_values(
+        {"config": {"provider_url": "https://api.openai.com"}}, _TYPOS[typo])))
+    *parent, key = typo.split(".")
+    for argv in ([tool("helm"), "template", "calmq", str(CHART), "-f", str(values)],
+                 [tool("helm"), "install", "calmq", str(CHART), "--dry-run=client",
+                  "-f", str(values)]):
+        done = _run(argv)
+        assert done.returncode != 0, argv
+        assert f"'/{'/'.join(parent)}'" in done.stderr
+        assert f"'{key}'" in done.stderr
+    done = _run([sys.executable, "-m", "calmq.cli", "k8s", "render", "-f", str(values),
+                 "-o", "-"])
+    assert done.returncode != 0
+    assert f"{typo}: the chart has no value {key}" in done.stderr
+
+
+def test_the_committed_values_schema_is_the_generated_one() -> None:
+    """deploy/helm/calmq/values.schema.json is what Settings and the renderer's values give
+    today (after a new setting or value: `make manifests`)."""
+    from calmq.settings import Settings
+    from calmq.tooling.kubernetes import default_values
+    from calmq.tooling.values_schema import schema_text
+
+    fresh = schema_text(default_values(Settings.load(environ={})))
+    assert (CHART / "values.schema.json").read_text() == fresh, "run `make manifests`"
+    schema = yaml.safe_load(fresh)
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["config"]["additionalProperties"] is False
+    assert "kafka_bootstrap" in schema["properties"]["config"]["properties"]
