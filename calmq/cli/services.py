@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from calmq.cli.flags import Command, Flags, configure_logging, settings_for
 from calmq.errors import ConfigError
+from calmq.heartbeat import Heartbeat, with_heartbeat
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Histogram
@@ -129,14 +130,18 @@ def _observe_gc_pauses(registry: CollectorRegistry | None = None
     return timed
 
 
-def _metrics_server(port: int | None, host: str) -> None:
+def _metrics_server(port: int | None, host: str) -> Heartbeat:
     """Serve /metrics on ``host`` (``metrics_host``): all interfaces in a pod, where
     Prometheus scrapes the pod's IP; loopback in `calmq dev up`. The same port is the
-    probe of the parts that have no HTTP API (docs/how-to/deploy-kubernetes.md)."""
-    if port:
-        from prometheus_client import start_http_server
+    probe of the parts that have no HTTP API (docs/how-to/deploy-kubernetes.md): /livez
+    answers from the returned heartbeat, which the part's event loop must keep beating
+    (``with_heartbeat``), so a wedged loop fails liveness."""
+    from calmq.heartbeat import serve_metrics
 
-        start_http_server(int(port), addr=host)
+    heartbeat = Heartbeat()
+    if port:
+        serve_metrics(int(port), host, heartbeat)
+    return heartbeat
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -160,7 +165,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
         print(f"dropped replication slot {settings.relay_slot}" if dropped
               else f"no replication slot {settings.relay_slot} in this database")
         return 0
-    _metrics_server(args.metrics_port, settings.metrics_host)
+    if args.metrics_port:  # a thread loop, no event loop: /livez answers while it runs
+        from calmq.heartbeat import serve_metrics
+
+        serve_metrics(int(args.metrics_port), settings.metrics_host)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -195,9 +203,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     _needs_provider(settings, "worker")
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port, settings.metrics_host)
+    heartbeat = _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
-    asyncio.run(Worker(settings).run())
+    asyncio.run(with_heartbeat(Worker(settings).run(), heartbeat))
     return 0
 
 
@@ -211,9 +219,10 @@ def cmd_batcher(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     _needs_provider(settings, "batcher")
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port, settings.metrics_host)
+    heartbeat = _metrics_server(args.metrics_port, settings.metrics_host)
     _long_running()
-    asyncio.run(BatchLane(settings, pack=not args.poll_only, poll=not args.pack_only).run())
+    asyncio.run(with_heartbeat(
+        BatchLane(settings, pack=not args.poll_only, poll=not args.pack_only).run(), heartbeat))
     return 0
 
 
@@ -227,7 +236,7 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port, settings.metrics_host)
+    heartbeat = _metrics_server(args.metrics_port, settings.metrics_host)
     tier_topics = [topics.topic_for_route(topics.retry_route(t)) for t, _ in
                    settings.retry_tier_list]
     connection = service_connection(settings)
@@ -236,7 +245,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
                                                    compression=settings.kafka_compression)),
                           make_codec(settings.schema_registry_url, registry_config(settings)),
                           tier_topics, commit_interval=settings.commit_interval_ms / 1000)
-    asyncio.run(ForwarderService(forwarder, grace_seconds=settings.grace_seconds).run())
+    asyncio.run(with_heartbeat(
+        ForwarderService(forwarder, grace_seconds=settings.grace_seconds).run(), heartbeat))
     return 0
 
 
@@ -245,8 +255,8 @@ def cmd_reaper(args: argparse.Namespace) -> int:
 
     settings = settings_for(args)
     configure_logging(settings.log_level, settings.log_redact_fields)
-    _metrics_server(args.metrics_port, settings.metrics_host)
-    asyncio.run(Reaper(settings).run())
+    heartbeat = _metrics_server(args.metrics_port, settings.metrics_host)
+    asyncio.run(with_heartbeat(Reaper(settings).run(), heartbeat))
     return 0
 
 

@@ -666,8 +666,9 @@ def _container(name: Any, args: list[Any], part: _Part, *,
                lifecycle: dict[str, Any] | None = None) -> dict[str, Any]:
     """One calmq container: ``calmq <args>``, every setting from the ConfigMap (Jobs: the
     same entries inline) and the Secrets. ``probes``: (port, liveness path, readiness
-    path); the parts without an HTTP API are probed on their metrics port, which answers
-    while the process runs."""
+    path); the parts without an HTTP API are probed on their metrics port: /livez fails
+    once the part's event loop stops turning (calmq/heartbeat.py), /metrics answers while
+    the process runs."""
     container: dict[str, Any] = {
         "name": name,
         "image": Image(),
@@ -771,7 +772,7 @@ def _metrics_part(component: str, part: _Part, args: list[Any], *, pool: Any = N
                   env: Sequence[Any] = ()) -> dict[str, Any]:
     return _container(component, [*args, "--metrics-port", str(METRICS_PORT)], part, env=env,
                       ports=[{"name": "metrics", "containerPort": METRICS_PORT}],
-                      probes=("metrics", "/metrics", "/metrics"))
+                      probes=("metrics", "/livez", "/metrics"))
 
 
 def _hooks(weight: int) -> dict[str, str]:
@@ -931,7 +932,7 @@ def _workers() -> list[Doc]:
     batch = _container("batcher", ["batcher", "--metrics-port", str(METRICS_PORT)], batcher,
                        env=[{"name": "CALMQ_POOL", "value": pool}],
                        ports=[{"name": "metrics", "containerPort": METRICS_PORT}],
-                       probes=("metrics", "/metrics", "/metrics"))
+                       probes=("metrics", "/livez", "/metrics"))
     # A pool's batch lane (`calmq batcher`): one replica packs and polls; pollers share
     # batches by lease and packers claim jobs like workers, so more replicas are safe.
     batcher_deployment = _deployment(
