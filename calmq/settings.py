@@ -330,6 +330,11 @@ class Settings(BaseSettings):
         description="webhook deliveries one tenant may have in flight at once in one API "
                     "process; its other due deliveries wait, so one tenant's slow or dead "
                     "endpoint holds only its own slots")
+    webhook_payload_version: int = Field(
+        default=2, ge=1, le=2,
+        description="a webhook's body: 2, the Standard Webhooks shape {type: job.<event>, "
+                    "timestamp, data: the job}; 1, calmq's first {event, job}, kept for one "
+                    "release for receivers not moved yet")
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)
     webhook_secret_grace_seconds: float = Field(

@@ -20,6 +20,12 @@ only allowed addresses, so what was checked is what is connected to (DNS rebindi
 reach loopback). Translated IPv6 addresses (IPv4-mapped, NAT64, 6to4) are judged by the
 IPv4 address inside. At most ``ANSWER_READ_BYTES`` of an answer are read.
 
+The body (setting ``webhook_payload_version``): version 2, the default, is the Standard
+Webhooks shape ``{"type": "job.completed", "timestamp": "<ISO 8601, when the event was
+recorded>", "data": <the job's status document>}``; version 1 is calmq's first
+``{"event": "completed", "job": <the job's status document>}``, kept for one release so a
+receiver can move when it is ready (docs/how-to/webhooks.md).
+
 Signatures: Standard Webhooks (``webhook-id``/``-timestamp``/``-signature``, one ``v1,``
 signature per valid secret: two during a rotation's grace) and calmq's first, Stripe-style
 scheme (verifiable with :func:`verify`, newest secret only)::
@@ -43,6 +49,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlparse
 
@@ -53,6 +60,7 @@ from aiohttp.resolver import ThreadedResolver
 from calmq.data import JobDetail, Store
 from calmq.data.webhooks import DeliveryStatus, WebhookDeliveries, WebhookDelivery
 from calmq.errors import ContractError
+from calmq.producers.timestamps import format_time
 from calmq.retrying import Backoff
 from calmq.settings import Settings
 
@@ -71,12 +79,28 @@ __all__ = [
     "signed_headers",
     "standard_secret",
     "verify",
+    "webhook_body",
 ]
 
 log = logging.getLogger(__name__)
 
 TIMESTAMP_HEADER = "Calmq-Timestamp"
 SIGNATURE_HEADER = "Calmq-Signature"
+
+
+def webhook_body(version: int, event_type: str, occurred_at: datetime,
+                 job: Mapping[str, Any]) -> bytes:
+    """The body of a callback for ``event_type`` (``completed``, ``dead_lettered``,
+    ``cancelled``) in payload ``version`` 2 (Standard Webhooks) or 1 (calmq's first)."""
+    payload: dict[str, Any]
+    if version == 1:
+        payload = {"event": event_type, "job": job}
+    else:
+        # The standard's type is "<group>.<event>": receivers route on it, and other
+        # resources' events can join the group later without a clash.
+        payload = {"type": f"job.{event_type}", "timestamp": format_time(occurred_at),
+                   "data": job}
+    return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -423,9 +447,9 @@ class Dispatcher:
 
     async def _deliver(self, delivery: WebhookDelivery) -> None:
         job = await self._store.jobs.view(delivery.tenant_id, delivery.job_id)
-        body = json.dumps({"event": delivery.event_type,
-                           "job": self._view(job) if job else {"job_id": str(delivery.job_id)}},
-                          separators=(",", ":")).encode()
+        body = webhook_body(self._settings.webhook_payload_version, delivery.event_type,
+                            delivery.created_at,
+                            self._view(job) if job else {"job_id": str(delivery.job_id)})
         ts = int(time.time())
         # webhook-id is the delivery's id: the same on every retry, so a receiver that
         # de-duplicates on it (as Standard Webhooks asks) handles a redelivery once.

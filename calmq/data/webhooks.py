@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 from calmq.data.database import Database
@@ -30,6 +31,9 @@ class WebhookDelivery:
     event_type: str
     attempts: int
     webhook_secret: str
+    # When the event was recorded (the row is written in the event's transaction): the
+    # body's ``timestamp``, the same on every retry.
+    created_at: datetime
     # The secret the last rotation replaced, while its grace lasts; deliveries are signed
     # with both meanwhile.
     webhook_secret_previous: str | None = None
@@ -62,7 +66,7 @@ class WebhookDeliveries:
                 "scan": max(limit * 8, per_tenant * 8, 256)})
             rows = await cur.fetchall()
         return [WebhookDelivery(r["id"], r["job_id"], r["tenant_id"], r["url"], r["event_type"],
-                                r["attempts"], r["webhook_secret"],
+                                r["attempts"], r["webhook_secret"], r["created_at"],
                                 r["webhook_secret_previous"]) for r in rows]
 
     async def record(

@@ -33,6 +33,7 @@ SET next_at = now() + make_interval(secs => %(lease_seconds)s), attempts = d.att
 FROM due, tenants t
 WHERE d.id = due.id AND t.id = d.tenant_id
 RETURNING d.id, d.job_id, d.tenant_id, d.url, d.event_type, d.attempts, t.webhook_secret,
+          d.created_at,
           -- the secret a rotation replaced, while its grace lasts (migration 0010)
           CASE WHEN t.webhook_secret_previous_until > now() THEN t.webhook_secret_previous END
               AS webhook_secret_previous;

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -60,8 +62,8 @@ class Receiver:
         self.server.server_close()
 
 
-@pytest.fixture(scope="module")
-def local_api(stack: StackState) -> Iterator[tuple[ApiProcess, str]]:
+@contextlib.contextmanager
+def _webhook_api(stack: StackState, **settings: str) -> Iterator[tuple[ApiProcess, str]]:
     """An API that may call back to 127.0.0.1, retrying quickly, on a database of its own.
 
     Its own database, because every API process dispatches webhooks: the session API
@@ -74,8 +76,15 @@ def local_api(stack: StackState) -> Iterator[tuple[ApiProcess, str]]:
     url = stack.env["CALMQ_DATABASE_URL"].rsplit("/", 1)[0] + "/" + name
     migrate(url)
     with running_api(stack, {"CALMQ_DATABASE_URL": url, "CALMQ_WEBHOOK_ALLOW_PRIVATE": "true",
-                             "CALMQ_WEBHOOK_BACKOFF_SECONDS": "0.2"}) as api:
+                             "CALMQ_WEBHOOK_BACKOFF_SECONDS": "0.2", **settings}) as api:
         yield api, url
+
+
+@pytest.fixture(scope="module")
+def local_api(stack: StackState) -> Iterator[tuple[ApiProcess, str]]:
+    """A webhook API with the default settings (payload version 2)."""
+    with _webhook_api(stack) as found:
+        yield found
 
 
 def _tenant(stack: StackState, url: str) -> tuple[Api, str]:
@@ -171,7 +180,7 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
     assert not verify(secret, headers, body + b" ")
     assert not verify("another-tenants-secret", headers, body)
     standard = Webhook(standard_secret(secret))
-    assert standard.verify(body, headers)["job"]["job_id"] == job_id
+    assert standard.verify(body, headers)["data"]["job_id"] == job_id
     with pytest.raises(WebhookVerificationError):
         standard.verify(body + b" ", headers)
     with pytest.raises(WebhookVerificationError):
@@ -179,9 +188,14 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
     first_headers, _ = receiver.calls[0]
     assert first_headers["webhook-id"] == headers["webhook-id"]  # one id across retries
     payload = json.loads(body)
-    assert payload["event"] == "cancelled"
-    assert payload["job"]["job_id"] == job_id
-    assert payload["job"]["status"] == "cancelled"
+    # Standard Webhooks' {type, timestamp, data} (payload version 2, the default); the
+    # timestamp is the event's, so a retry carries the first attempt's.
+    assert sorted(payload) == ["data", "timestamp", "type"]
+    assert payload["type"] == "job.cancelled"
+    assert payload["data"]["job_id"] == job_id
+    assert payload["data"]["status"] == "cancelled"
+    assert datetime.fromisoformat(payload["timestamp"]).tzinfo is not None
+    assert json.loads(receiver.calls[0][1])["timestamp"] == payload["timestamp"]
 
     def recorded() -> list[tuple[Any, ...]] | None:
         with psycopg.connect(database_url) as conn:
@@ -193,6 +207,20 @@ def test_webhook_is_signed_retried_and_recorded(local_api: tuple[ApiProcess, str
 
     rows = wait_for(recorded, timeout=30, what="the delivery to be recorded as delivered")
     assert [(r[1], r[2]) for r in rows] == [(1, 500), (2, 204)]
+
+
+def test_payload_version_1_keeps_the_first_body(stack: StackState) -> None:
+    """CALMQ_WEBHOOK_PAYLOAD_VERSION=1 sends calmq's first {event, job} body, signed alike."""
+    with _webhook_api(stack, CALMQ_WEBHOOK_PAYLOAD_VERSION="1") as (api_process, database_url):
+        name = f"hook1-{uuid.uuid4().hex[:8]}"
+        api = Api(api_process.url, create_tenant(database_url, name))
+        secret = tenants.webhook_secret(database_url, name)
+        with Receiver() as receiver:
+            headers, body = _delivered(api, receiver)
+    payload = Webhook(standard_secret(secret)).verify(body, headers)
+    assert sorted(payload) == ["event", "job"]
+    assert payload["event"] == "cancelled"
+    assert payload["job"]["status"] == "cancelled"
 
 
 def _delivered(api: Api, receiver: Receiver) -> tuple[dict[str, str], bytes]:
@@ -225,7 +253,8 @@ def test_rotated_secret_signs_with_both_during_the_grace(
         headers, body = _delivered(api, receiver)
         assert len(headers["webhook-signature"].split(" ")) == 2
         for secret in (old, new):
-            assert Webhook(standard_secret(secret)).verify(body, headers)["event"] == "cancelled"
+            assert Webhook(standard_secret(secret)).verify(body, headers)["type"] == (
+                "job.cancelled")
         assert verify(new, headers, body)
         assert not verify(old, headers, body)
 
@@ -235,7 +264,7 @@ def test_rotated_secret_signs_with_both_during_the_grace(
                          "- interval '1 second' WHERE name = %s", (name,))
         headers, body = _delivered(api, receiver)
     assert len(headers["webhook-signature"].split(" ")) == 1
-    assert Webhook(standard_secret(new)).verify(body, headers)["event"] == "cancelled"
+    assert Webhook(standard_secret(new)).verify(body, headers)["type"] == "job.cancelled"
     with pytest.raises(WebhookVerificationError):
         Webhook(standard_secret(old)).verify(body, headers)
     assert tenants.webhook_secrets(database_url, name).previous is None
@@ -299,7 +328,7 @@ def test_a_dead_endpoint_does_not_hold_back_another_tenants_webhooks(
             claimed = a_claimed()
             held_since = time.monotonic() - a_started
         assert took < 5, f"tenant B's callbacks took {took:.1f} s"
-        assert sorted(json.loads(body)["job"]["job_id"] for _h, body in receiver.calls) == (
+        assert sorted(json.loads(body)["data"]["job_id"] for _h, body in receiver.calls) == (
             sorted(b_jobs))
         if held_since < 9:  # before A's first attempts time out and free their slots
             assert claimed <= 4, claimed

@@ -26,4 +26,4 @@ export type {
   Status, Usage,
 } from "./types.js";
 export { verifyWebhook } from "./webhooks.js";
-export type { VerifyOptions } from "./webhooks.js";
+export type { VerifyOptions, WebhookEvent, WebhookEventType } from "./webhooks.js";

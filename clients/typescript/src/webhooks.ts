@@ -7,9 +7,27 @@
  *
  * Web Crypto only, so the same function runs in Node, Deno, Bun, edge runtimes and
  * browsers.
+ *
+ * The body is the standard's shape, `{type, timestamp, data}` (calmq's webhook payload
+ * version 2, the default). calmq's first body, `{event, job}` (`CALMQ_WEBHOOK_PAYLOAD_VERSION=1`,
+ * kept for one release), is returned in the same shape, so a receiver moved to this one
+ * works before and after the server switches.
  */
 
 import { WebhookVerificationError } from "./errors.js";
+import type { Job } from "./types.js";
+
+/** The terminal events a callback is sent for. */
+export type WebhookEventType = "job.completed" | "job.dead_lettered" | "job.cancelled";
+
+/** A verified callback: Standard Webhooks' `{type, timestamp, data}`. */
+export interface WebhookEvent {
+  type: WebhookEventType;
+  /** ISO 8601: when the job's terminal event was recorded (the same on every retry). */
+  timestamp: string;
+  /** The job's status document, as `GET /v1/jobs/{id}` answers it then. */
+  data: Job;
+}
 
 export interface VerifyOptions {
   /** How far (seconds) the timestamp may be from now, either way: replays older than
@@ -24,7 +42,7 @@ type HeaderSource = Headers | Record<string, string | string[] | undefined>;
 const encoder = new TextEncoder();
 
 /**
- * Checks a received callback and returns its parsed JSON body; throws
+ * Checks a received callback and returns its body as a {@link WebhookEvent}; throws
  * WebhookVerificationError when a header is missing, the timestamp is outside the
  * tolerance, or no signature verifies.
  *
@@ -34,7 +52,7 @@ const encoder = new TextEncoder();
  */
 export async function verifyWebhook(secret: string, headers: HeaderSource,
                                     body: string | Uint8Array | ArrayBuffer,
-                                    options: VerifyOptions = {}): Promise<unknown> {
+                                    options: VerifyOptions = {}): Promise<WebhookEvent> {
   const id = header(headers, "webhook-id");
   const timestamp = header(headers, "webhook-timestamp");
   const signatures = header(headers, "webhook-signature");
@@ -65,10 +83,22 @@ export async function verifyWebhook(secret: string, headers: HeaderSource,
     }
     // subtle.verify compares in constant time.
     if (await crypto.subtle.verify("HMAC", key, given, signed)) {
-      return JSON.parse(new TextDecoder().decode(raw)) as unknown;
+      return asEvent(JSON.parse(new TextDecoder().decode(raw)) as Record<string, unknown>,
+                     Number(timestamp));
     }
   }
   throw new WebhookVerificationError("no signature matches");
+}
+
+function asEvent(body: Record<string, unknown>, sentAt: number): WebhookEvent {
+  if (typeof body.type === "string") return body as unknown as WebhookEvent;
+  // Payload version 1: {"event": "completed", "job": {...}}. It carried no event time; the
+  // signed send time stands in for it.
+  return {
+    type: `job.${String(body.event)}` as WebhookEventType,
+    timestamp: new Date(sentAt * 1000).toISOString(),
+    data: body.job as Job,
+  };
 }
 
 function header(headers: HeaderSource, name: string): string | undefined {

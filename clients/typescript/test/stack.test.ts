@@ -199,7 +199,13 @@ describe("against the stack", { skip: stack ? false : "CALMQ_API_URL and CALMQ_A
                                      async () => received[0]);
       const secret = env.CALMQ_TEST_WEBHOOK_SECRET!;
       const payload = await verifyWebhook(secret, delivery.headers, delivery.body);
-      assert.ok(JSON.stringify(payload).includes(job_id));
+      // The Standard Webhooks body (payload version 2, the default).
+      assert.equal(payload.type, "job.cancelled");
+      assert.equal(payload.data.job_id, job_id);
+      assert.equal(payload.data.status, "cancelled");
+      assert.ok(!Number.isNaN(Date.parse(payload.timestamp)));
+      assert.deepEqual(Object.keys(JSON.parse(delivery.body.toString()) as object).sort(),
+                       ["data", "timestamp", "type"]);
       await assert.rejects(verifyWebhook(secret, delivery.headers,
                                          Buffer.concat([delivery.body, Buffer.from(" ")])));
     } finally {

@@ -48,7 +48,8 @@ function sign(secret: string, id: string, timestamp: number, payload: string): s
 
 describe("verifyWebhook", () => {
   const secret = "tenant-secret-1234";
-  const payload = JSON.stringify({ event: "completed", job: { job_id: "j1" } });
+  const payload = JSON.stringify({ type: "job.completed", timestamp: "2026-12-07T06:00:00+00:00",
+                                   data: { job_id: "j1" } });
   const now = Math.floor(Date.now() / 1000);
   const headers = {
     "webhook-id": "d1", "webhook-timestamp": String(now),
@@ -62,6 +63,15 @@ describe("verifyWebhook", () => {
     assert.deepEqual(await verifyWebhook(whsec, new Headers(headers),
                                          new TextEncoder().encode(payload)),
                      JSON.parse(payload));
+  });
+
+  test("a version 1 body ({event, job}) is returned in the standard's shape", async () => {
+    const old = JSON.stringify({ event: "dead_lettered", job: { job_id: "j2" } });
+    const signed = { ...headers, "webhook-signature": sign(secret, "d1", now, old) };
+    assert.deepEqual(await verifyWebhook(secret, signed, old), {
+      type: "job.dead_lettered", timestamp: new Date(now * 1000).toISOString(),
+      data: { job_id: "j2" },
+    });
   });
 
   test("during a rotation any one of the signatures verifies", async () => {
