@@ -458,6 +458,13 @@ class Settings(BaseSettings):
                     "create` makes (set together; a larger outbox row goes to calmq.dlq as "
                     "record_too_large)")
     topic_partitions: int = Field(default=8, ge=1)
+    results_topic_per_tenant: bool = Field(
+        default=False,
+        description="each tenant's results to calmq.results.<tenant> and its dead letters to "
+                    "calmq.results.<tenant>.dlq: `calmq tenants create` and `calmq topics "
+                    "create` give every tenant without one its own topics (made first); "
+                    "false: the shared calmq.results, except for tenants configured with "
+                    "`calmq tenants results-topic`")
     topic_replication: int = Field(default=1, ge=1)
     topic_min_insync_replicas: int | None = Field(
         default=None, ge=1,

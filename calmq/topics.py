@@ -5,6 +5,8 @@ Batch lane:  calmq.<pool>.batch           job.requested of batch-lane jobs, read
 Retry tiers: calmq.retry.<tier>           held by the forwarder until due, then sent back
 Dead letter: calmq.dlq                    read by people, redriven by `calmq dlq redrive`
 Results:     calmq.results                terminal events for downstream services
+Per tenant:  calmq.results.<tenant>       a tenant's results, where it has a topic of its own
+             calmq.results.<tenant>.dlq   and its dead letters (migration 0056)
 
 The outbox's ``aggregatetype`` column holds the route (``default.interactive``,
 ``retry.5s``, ``results``); the topic is ``calmq.`` + route, which is exactly what
@@ -18,6 +20,9 @@ groups from the topics' names).
 
 from __future__ import annotations
 
+import re
+
+from calmq.errors import ConfigError
 from calmq.jobs import Priority
 
 __all__ = [
@@ -31,8 +36,11 @@ __all__ = [
     "all_topics",
     "batch_route",
     "batcher_group",
+    "check_results_topic",
     "consumer_group",
+    "dead_letter_topic",
     "retry_route",
+    "tenant_results_topic",
     "topic_for_route",
     "work_route",
     "worker_group",
@@ -102,3 +110,33 @@ def all_topics(pools: list[str], tiers: list[str]) -> list[str]:
     topics += [topic_for_route(batch_route(p)) for p in pools]
     topics += [topic_for_route(retry_route(t)) for t in tiers]
     return [*topics, RESULTS, DLQ]
+
+
+# A tenant's own results topic: under calmq.results., in Kafka's alphabet, short enough for
+# its ".dlq" twin (249 characters at most). The database checks the same (migration 0056).
+_TENANT_TOPIC = re.compile(r"^calmq\.results\.[A-Za-z0-9._-]{1,200}$")
+
+
+def check_results_topic(topic: str) -> str:
+    """``topic`` if a tenant's results may go there; ConfigError otherwise.
+
+    Under ``calmq.results.`` so that it can never be a work, retry or dead-letter topic, and
+    not named like a pool's work topic (``calmq.results.bulk``), which the lag readers would
+    take for the workers' of a pool named ``results``."""
+    if not _TENANT_TOPIC.match(topic) or consumer_group(topic) is not None:
+        raise ConfigError(
+            f"{topic!r} cannot be a tenant's results topic: it is calmq.results. followed by "
+            "1 to 200 letters, digits, '.', '_' or '-', and not by a priority or 'batch'",
+            code="invalid_results_topic")
+    return topic
+
+
+def tenant_results_topic(tenant: str) -> str:
+    """``calmq.results.<tenant>``: the tenant's own results topic (setting
+    results_topic_per_tenant); ConfigError when the name cannot be part of a topic's."""
+    return check_results_topic(f"{RESULTS}.{tenant}")
+
+
+def dead_letter_topic(results_topic: str) -> str:
+    """Where the dead letters of a tenant whose results go to ``results_topic`` go."""
+    return results_topic + ".dlq"

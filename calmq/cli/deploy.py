@@ -9,13 +9,41 @@ from typing import TYPE_CHECKING
 
 from calmq.cli.flags import Command, Flags, settings_environ, settings_for
 from calmq.cli.output import add_output, emit_rows, output_format
-from calmq.cli.probes import check_registry, open_admin
+from calmq.cli.probes import check_database, check_registry, open_admin
 from calmq.errors import ConfigError
 
 if TYPE_CHECKING:
     from calmq.settings import Settings as SettingsType
 
-__all__ = ["register"]
+__all__ = ["create_results_topics", "register"]
+
+
+def create_results_topics(settings: SettingsType, results_topics: list[str]) -> list[str]:
+    """Create tenants' own results topics and their dead-letter twins, as calmq's others
+    are made; returns the ones created now."""
+    from calmq import topics
+    from calmq.kafka import connection_config, create_topics
+
+    names = [n for t in results_topics for n in (t, topics.dead_letter_topic(t))]
+    return create_topics(connection_config(settings), names,
+                         partitions=settings.topic_partitions,
+                         replication=settings.topic_replication,
+                         min_insync_replicas=settings.topic_min_insync_replicas,
+                         max_message_bytes=settings.kafka_max_message_bytes)
+
+
+def _tenants_topics(settings: SettingsType) -> tuple[list[str], dict[str, str]]:
+    """Every tenant's own results topic, each tenant without one given
+    calmq.results.<name> (returned apart: its row is written once the topic exists, as an
+    event for a missing topic would go to calmq.dlq instead)."""
+    from calmq import topics
+    from calmq.data import tenants
+
+    found = tenants.results_topics(settings.database_url)
+    fresh = {name: topics.tenant_results_topic(name) for name, topic in found.items()
+             if not topic and name != tenants.PLATFORM_TENANT}
+    own = {topic for topic in found.values() if topic}
+    return sorted(own | set(fresh.values())), fresh
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
@@ -26,11 +54,27 @@ def cmd_topics(args: argparse.Namespace) -> int:
     connection = connection_config(settings)
     open_admin(connection)  # fail in seconds, with the address, not in 15 s
     names = topics.all_topics([settings.pool], [t for t, _ in settings.retry_tier_list])
+    fresh: dict[str, str] = {}
+    # With results per tenant, every tenant's own topics too (they live in the database:
+    # only then is it read, so a deployment's Kafka setup needs no database otherwise).
+    if settings.results_topic_per_tenant:
+        if not settings.database_url:
+            raise ConfigError("results_topic_per_tenant: `calmq topics create` reads the "
+                              "tenants from the database; set CALMQ_DATABASE_URL",
+                              code="no_stack")
+        check_database(settings)
+        own, fresh = _tenants_topics(settings)
+        names += [n for t in own for n in (t, topics.dead_letter_topic(t))]
     created = create_topics(connection, names,
                             partitions=settings.topic_partitions,
                             replication=settings.topic_replication,
                             min_insync_replicas=settings.topic_min_insync_replicas,
                             max_message_bytes=settings.kafka_max_message_bytes)
+    if fresh:
+        from calmq.data import tenants
+
+        for name, topic in fresh.items():
+            tenants.set_results_topic(settings.database_url, name, topic)
     rows = [{"topic": name, "created": name in created} for name in names]
     if output_format(args) != "table":
         emit_rows(rows, output_format(args), [])

@@ -6,13 +6,16 @@ import argparse
 import asyncio
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from calmq.cli.connect import open_store
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_rows, output_format
 from calmq.cli.probes import check_database
 from calmq.errors import UsageError
+
+if TYPE_CHECKING:
+    from calmq.settings import Settings
 
 __all__ = ["register"]
 
@@ -144,6 +147,42 @@ def _set_weight(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def own_results_topic(settings: Settings, name: str, topic: str | None) -> str:
+    """Give the tenant ``name`` its own results topic (``topic``, or calmq.results.<name>):
+    the topic and its .dlq twin are created first, then the tenant's row names it, so no
+    event goes to a topic that does not exist yet."""
+    from calmq import topics
+    from calmq.cli.deploy import create_results_topics
+    from calmq.data import tenants
+
+    chosen = topics.check_results_topic(topic) if topic else topics.tenant_results_topic(name)
+    create_results_topics(settings, [chosen])
+    tenants.set_results_topic(settings.database_url, name, chosen)
+    return chosen
+
+
+def _results_topic(args: argparse.Namespace) -> int:
+    """results-topic: where the tenant's results and dead letters go (migration 0056)."""
+    from calmq import topics
+    from calmq.data import tenants
+
+    if args.topic and args.shared:
+        raise UsageError("--topic or --shared, not both")
+    settings = settings_for(args)
+    check_database(settings)
+    if args.shared:
+        tenants.set_results_topic(settings.database_url, args.name, None)
+        print(f"results of {args.name} go to the shared {topics.RESULTS} from its next event "
+              f"(dead letters to {topics.DLQ})")
+        return Exit.OK
+    chosen = own_results_topic(settings, args.name, args.topic)
+    print(chosen)
+    print(f"results of {args.name} go to {chosen}, its dead letters to "
+          f"{topics.dead_letter_topic(chosen)}, from its next event; grant its consumer "
+          "READ on that topic alone (docs/how-to/consume-results.md)", file=sys.stderr)
+    return Exit.OK
+
+
 def cmd_tenants(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(args)
@@ -167,6 +206,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         return _limits(args)
     if args.action == "set-weight":
         return _set_weight(args)
+    if args.action == "results-topic":
+        return _results_topic(args)
+    if args.topic is not None or args.shared:
+        raise UsageError("--topic and --shared go with results-topic")
     if args.weight is not None:
         raise UsageError("--weight goes with set-weight")
     if args.rotate and args.action != "webhook-secret":
@@ -176,6 +219,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     async def create() -> str:
         async with open_store(settings, max_size=1) as store:
             tenant, key = await store.tenants.create(args.name)
+        if settings.results_topic_per_tenant:
+            topic = own_results_topic(settings, tenant.name, None)
+            print(f"its results go to {topic}")
         print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
         return key
 
@@ -208,11 +254,12 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 
 def register(command: Command, flags: Flags) -> None:
     p = command("tenants", cmd_tenants, "manage tenants: list, create, add-key, revoke-key, "
-                "webhook-secret, platform-key, set-quota, set-spend-cap, set-weight",
+                "webhook-secret, platform-key, set-quota, set-spend-cap, set-weight, "
+                "results-topic",
                 needs=("database_url",))
     p.add_argument("action", choices=["list", "create", "add-key", "revoke-key",
                                       "webhook-secret", "platform-key", "set-quota",
-                                      "set-spend-cap", "set-weight"],
+                                      "set-spend-cap", "set-weight", "results-topic"],
                    help="list the tenants and their keys, or act on one tenant")
     p.add_argument("name", nargs="?",
                    help="the tenant's name (list: only this tenant; required otherwise)")
@@ -234,4 +281,10 @@ def register(command: Command, flags: Flags) -> None:
     flags.option(p, "--weight",
                  help="set-weight: the tenant's weight in a contended lane's fair share "
                       "(default 1; 2 gets twice the slots of a tenant of weight 1)")
+    flags.option(p, "--topic", default=None,
+                 help="results-topic: the tenant's own results topic (calmq.results.<...>; "
+                      "default calmq.results.NAME); its dead letters go to TOPIC.dlq")
+    flags.option(p, "--shared", action="store_true",
+                 help="results-topic: back to the shared calmq.results")
+    flags.setting(p, "results_topic_per_tenant")
     add_output(p)

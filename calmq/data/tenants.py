@@ -7,8 +7,8 @@ on that notification, so a revoked key answers 401 at once (a missed notificatio
 entry still expires after ``auth_cache_seconds``).
 
 ``Tenants(db)`` is the async side (API, CLI ``tenants create``); ``add_key``,
-``revoke_keys`` and ``webhook_secret`` take a database URL and run synchronously, for the
-CLI commands that open one connection and leave.
+``revoke_keys``, ``webhook_secret`` and ``set_results_topic`` take a database URL and run
+synchronously, for the CLI commands that open one connection and leave.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ __all__ = [
     "key_prefix",
     "new_key",
     "parse_roles",
+    "results_topics",
     "revoke_keys",
     "rotate_webhook_secret",
+    "set_results_topic",
     "webhook_secret",
     "webhook_secrets",
 ]
@@ -268,3 +270,21 @@ def rotate_webhook_secret(database_url: str, tenant: str, grace_seconds: float
         raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
     return WebhookSecrets(str(row["webhook_secret"]), row["webhook_secret_previous"],
                           row["webhook_secret_previous_until"])
+
+
+def set_results_topic(database_url: str, tenant: str, topic: str | None) -> None:
+    """Route the tenant's results to ``topic`` (and its dead letters to ``topic.dlq``) from
+    the next event on; None: back to the shared calmq.results. The topics must exist first
+    (the relay sends an event for a missing topic to calmq.dlq)."""
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(sql.queries()["set_results_topic"],
+                           {"name": tenant, "topic": topic}).fetchone()
+    if row is None:
+        raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
+
+
+def results_topics(database_url: str) -> dict[str, str | None]:
+    """Every tenant's name and its own results topic (None: the shared one)."""
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(sql.queries()["results_topics"]).fetchall()
+    return {str(name): topic for name, topic in rows}

@@ -106,3 +106,12 @@ WITH closed AS (
     RETURNING 1
 )
 SELECT pg_notify('calmq_api_keys', '') FROM closed;
+
+-- name: set_results_topic
+-- Where the tenant's results (and dead letters) go from the next event on; NULL: the shared
+-- calmq.results. The outbox's trigger reads it (migration 0056).
+UPDATE tenants SET results_topic = %(topic)s WHERE name = %(name)s RETURNING id;
+
+-- name: results_topics
+-- Every tenant's own results topic (NULL: the shared one), for `calmq topics create`.
+SELECT name, results_topic FROM tenants ORDER BY name;
