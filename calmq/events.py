@@ -88,6 +88,13 @@ def _metadata(get: Callable[[str], Any]) -> str | None:
     return json.dumps(value, separators=(",", ":"), sort_keys=True) if value else None
 
 
+def _parent(get: Callable[[str], Any]) -> str | None:
+    """The job's parent (a child job, calmq.data.children) when the record carries it; the
+    attempts' finishing statement (finish_attempts) fills it in from the job row."""
+    value = get("parent_id")
+    return str(value) if value is not None else None
+
+
 def _usage(get: Callable[[str], Any]) -> dict[str, Any] | None:
     """The job's usage totals when the record carries them. The attempts' finishing
     statement (finish_attempts) overwrites this with the totals it has just written."""
@@ -121,6 +128,7 @@ def result(
         "metadata": _metadata(get),
         "workflow_version": get("workflow_version"),
         "usage": _usage(get),
+        "parent_id": _parent(get),
     }
 
 
@@ -151,4 +159,5 @@ def dead_lettered(
         "metadata": _metadata(get) if get else None,
         "workflow_version": get("workflow_version") if get else None,
         "usage": _usage(get) if get else None,
+        "parent_id": _parent(get) if get else None,
     }

@@ -147,6 +147,15 @@ _ALL: Final = (
     FailureCode("ledger_unavailable", T, K, "invoice: the ledger answered 429 or 5xx"),
     FailureCode("ledger_unreachable", T, K, "invoice: the ledger could not be reached"),
     FailureCode("empty_document", IN, K, "embed_document: the document has no text"),
+    FailureCode("too_many_children", IN, K, "a step started more child jobs than "
+                "children_per_parent_max; none was started"),
+    FailureCode("children_too_deep", IN, K, "a child job nested children_depth_max deep "
+                "started children; none was started"),
+    FailureCode("children_failed", IN, K, "the join of a job's child jobs can no longer hold "
+                "(a child of an all join failed, or too many for at least k); the error "
+                "names the failed children"),
+    FailureCode("spawn_without_next_step", B, K, "the last step of a workflow started child "
+                "jobs: a next step must join them"),
 )
 
 CODES: Final[dict[str, FailureCode]] = {c.code: c for c in _ALL}

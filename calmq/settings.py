@@ -301,6 +301,14 @@ class Settings(BaseSettings):
         default=KEEP_ERRORS, ge=1, le=1000,
         description="a job keeps the errors of its last this many failed attempts (older "
                     "ones drop off); job.dead_lettered carries them")
+    children_per_parent_max: int = Field(
+        default=100_000, ge=1, le=1_000_000,
+        description="most child jobs one step may start (ctx.spawn); more fails the step "
+                    "(input, too_many_children) and starts none")
+    children_depth_max: int = Field(
+        default=3, ge=1, le=20,
+        description="how deep child jobs may nest (a child starting children is level 2); "
+                    "a step past it fails (input, children_too_deep) and starts none")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     history_partition_hours: float = Field(

@@ -45,7 +45,7 @@ from calmq.processors.slots import CallSlots
 from calmq.rate_keys import KeyRateLimiter
 from calmq.storable import UNSTORABLE_OUTPUT, clean, unstorable_outcome
 from calmq.workflows import StepContext, StepOutput, Workflow
-from calmq.workflows.progress import Progress
+from calmq.workflows.progress import ChildLimits, Progress
 
 __all__ = ["Attempt"]
 
@@ -59,7 +59,8 @@ class Attempt:
                  review_deadline_seconds: float = 48 * 3600.0,
                  outputs: OutputWriter | None = None,
                  step_providers: Mapping[tuple[str, str], Provider] | None = None,
-                 key_rate_limits: bool = True) -> None:
+                 key_rate_limits: bool = True,
+                 child_limits: ChildLimits | None = None) -> None:
         self.store = store
         self.provider = provider
         # The steps that name their allowed models (calmq.fallback), by (workflow, step);
@@ -77,7 +78,8 @@ class Attempt:
         # Where streamed steps' text goes as the model writes it (None: nowhere, the batch
         # lane: its calls are answered whole).
         self.outputs = outputs
-        self.progress = Progress(store, objects, review_deadline_seconds)
+        self.progress = Progress(store, objects, review_deadline_seconds,
+                                 workflows=workflows, limits=child_limits)
 
     async def run(self, job: Job, topic: str) -> Finish:
         """The outcome of ``job``'s attempt, as it will be committed (by the committer or
@@ -179,6 +181,8 @@ class Attempt:
         data = self.progress.step_input(workflow, step, recorded)
         if data is None:
             data = await self._input(job, workflow)
+        else:  # after a step that started children: their outcomes, in input order
+            data = await self.progress.joined(job, data)
         if log.isEnabledFor(logging.DEBUG):  # the formatter redacts "input" fields
             log.debug("step %s starts", step.name, extra={"input": data})
         # The effect log of this attempt: its records carry the fencing token.
@@ -218,7 +222,7 @@ class Attempt:
                 # follower sees last), whatever the outcome.
                 await streamed.close()
         return StepOutput(step.check_output(output.artifact), output.confidence,
-                          output.input_tokens, output.output_tokens)
+                          output.input_tokens, output.output_tokens, output.spawn)
 
     async def _input(self, job: Job, workflow: Workflow) -> dict[str, Any]:
         if job.input is not None:

@@ -53,6 +53,7 @@ from calmq.settings import Settings, claimed_window
 from calmq.spending import spend_caps_from_settings
 from calmq.supervision import Lifecycle, Supervisor
 from calmq.workflows import Workflow, load_workflows
+from calmq.workflows.progress import ChildLimits
 
 __all__ = ["Worker", "schedule_lag_gauge"]
 
@@ -173,7 +174,9 @@ class Worker:
                             slots=CallSlots(s.concurrency, consumer.reserve),
                             step_timeout_seconds=s.step_timeout_seconds,
                             review_deadline_seconds=s.review_deadline_seconds,
-                            outputs=self._outputs, step_providers=step_providers),
+                            outputs=self._outputs, step_providers=step_providers,
+                            child_limits=ChildLimits(s.children_per_parent_max,
+                                                     s.children_depth_max)),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
             usage=provider.usage.record if provider.usage is not None else None, fair=fair)
         self.pipeline.start()

@@ -14,6 +14,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
+from calmq.data.children import ChildRows
 from calmq.data.database import Database
 from calmq.data.outbox import OutboxEntry
 
@@ -49,6 +50,10 @@ class Finish:
     # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd, model}
     # (model: the one that served its last call, calmq.fallback).
     usage: dict[str, Any] | None = None
+    # Why the job waits in its next status (a spawning step: "children", with ``spawn`` the
+    # children and the join written in the same transaction, calmq.data.children).
+    waiting_reason: str | None = None
+    spawn: ChildRows | None = None
 
     def record_params(self) -> dict[str, Any]:
         """``wf_record_step_output``'s parameters (only for a Finish with a ``record``)."""
@@ -77,6 +82,7 @@ class Finish:
             "error": self.error,
             "next_step": self.next_step,
             "reset_attempt": self.reset_attempt,
+            "waiting_reason": self.waiting_reason,
             "outbox": [e.as_json(n) for n, e in enumerate(self.outbox)],
             **(self.usage or _NO_USAGE),
             "ord": ord_,
@@ -114,4 +120,10 @@ class Attempts:
                 await cur.executemany(self._q["wf_record_step_output"], records)
                 await cur.execute(self._q["finish_attempts"],
                                   {"rows": rows, "keep_errors": keep})
-                return {r["id"] for r in await cur.fetchall()}
+                moved = {r["id"] for r in await cur.fetchall()}
+                # A spawning step's children and join: only with the parent's move (its
+                # statements check the parent waits for them, so a fenced finish starts none).
+                for f in finishes:
+                    if f.spawn is not None and f.job_id in moved:
+                        await f.spawn.write(cur, self._q, f.job_id)
+                return moved

@@ -143,6 +143,13 @@ class DeadLetterRecords:
             row = await cur.fetchone()
             if row is None:
                 return None
+            # A parent whose join failed waits for its failed children again, run anew; the
+            # children that succeeded keep their outputs (calmq.data.children).
+            cur = await conn.execute(self._db.q["children_rearm"], {"id": job_id})
+            if await cur.fetchone() is not None:
+                cur = await conn.execute(self._db.q["children_requeue_failed"], {"id": job_id})
+                await outbox.insert(conn, [requested(c) for c in await cur.fetchall()])
+                return Redriven(row["id"], row["step"], row["round"])
             # Through the one job.requested builder: a redriven job keeps its lane.
             await outbox.insert(conn, [requested(row)])
         return Redriven(row["id"], row["step"], row["round"])

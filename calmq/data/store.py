@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from calmq.data.attempts import Attempts
 from calmq.data.batches import Batches
+from calmq.data.children import Children
 from calmq.data.database import KEEP_ERRORS, Database
 from calmq.data.jobs import Jobs
 from calmq.data.outputs import Outputs
@@ -34,3 +35,4 @@ class Store(Database):
         self.tenants = Tenants(self)
         self.batches = Batches(self)
         self.outputs = Outputs(self)
+        self.children = Children(self)

@@ -20,7 +20,8 @@ WITH input AS (
          AS r(job_id uuid, worker text, step text, attempt integer, lease_version bigint,
               status text,
               event_type text, outcome text, event_detail jsonb, artifact jsonb, error jsonb,
-              next_step text, reset_attempt boolean, outbox jsonb, model_calls integer,
+              next_step text, reset_attempt boolean, waiting_reason text, outbox jsonb,
+              model_calls integer,
               input_tokens bigint, output_tokens bigint, cost_usd float8, model text,
               ord bigint)
          JOIN jobs k ON k.id = r.job_id
@@ -41,13 +42,15 @@ WITH input AS (
                       lease_owner = NULL, lease_expires_at = NULL,
                       attempt = CASE WHEN i.reset_attempt THEN 0 ELSE j.attempt END,
                       step = COALESCE(i.next_step, j.step),
+                      -- set: the job waits (a spawning step's parent: for its children)
+                      waiting_reason = COALESCE(i.waiting_reason, j.waiting_reason),
                       input_tokens = j.input_tokens + i.input_tokens,
                       output_tokens = j.output_tokens + i.output_tokens,
                       cost_usd = j.cost_usd + i.cost_usd,
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
-    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd
+    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd, j.parent_id
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
                               error_code = i.error ->> 'code',
@@ -85,6 +88,10 @@ WITH input AS (
                                  ELSE '{}'::jsonb END)
                      || CASE WHEN e.type = 'job.dead_lettered'
                              THEN jsonb_build_object('errors', m.errors) ELSE '{}'::jsonb END
+                     -- a child job's names its parent (calmq.data.children)
+                     || CASE WHEN m.parent_id IS NOT NULL
+                             THEN jsonb_build_object('parent_id', m.parent_id::text)
+                             ELSE '{}'::jsonb END
                 ELSE e.payload END,
            e.headers
     FROM input i JOIN moved m ON m.id = i.job_id,

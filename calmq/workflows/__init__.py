@@ -9,7 +9,7 @@ goes out, so a crash resumes at the step that failed (docs/explanation/workflows
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 __all__ = [
     "ByReference",
     "EffectLog",
+    "JoinPolicy",
     "KeyRateLimit",
     "RetryPolicy",
     "ReviewExpiry",
+    "Spawn",
     "Step",
     "StepContext",
     "StepFunction",
@@ -69,6 +71,19 @@ class StepContext:
     # by it, so a stale attempt never overwrites what the attempt holding the job wrote.
     lease_version: int = 0
 
+    def spawn(self, workflow: str, inputs: Sequence[dict[str, Any]], *,
+              join: JoinPolicy | JoinKind = "all", lane: Literal["online", "batch"] | None = None,
+              priority: Literal["interactive", "bulk"] | None = None,
+              concurrency_key: str | None = None, output: dict[str, Any] | None = None,
+              ) -> StepOutput:
+        """The step's output that starts one child job of ``workflow`` per input: return it.
+        The job waits (queued, waiting_reason ``children``) until ``join`` holds; its next
+        step then gets ``output`` with the children, in input order (calmq.workflows.Spawn)."""
+        return StepOutput(artifact=dict(output or {}), spawn=Spawn(
+            workflow, tuple(inputs), join=join if isinstance(join, JoinPolicy)
+            else JoinPolicy(join), lane=lane, priority=priority,
+            concurrency_key=concurrency_key))
+
     @property
     def idempotency_key(self) -> str:
         """Stable across attempts of this step: hand it to external systems."""
@@ -85,15 +100,69 @@ class StepContext:
         return f"{self.tenant_id}/{self.job_id}/{self.step}/{self.lease_version}/{name}"
 
 
+JoinKind = Literal["all", "at_least", "all_finish"]
+
+
+@dataclass(frozen=True)
+class JoinPolicy:
+    """When a job that started children goes on: ``all`` of them succeed; ``at_least`` ``k``
+    of them succeed; ``all_finish``: every one ended, the failed ones listed. A join that can
+    no longer hold (a child of ``all`` failed; too many failed for ``k``) fails the job at
+    once, naming the failed children."""
+
+    kind: JoinKind = "all"
+    k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("all", "at_least", "all_finish"):
+            raise ValueError(f"a join is all, at_least or all_finish, not {self.kind!r}")
+        if (self.kind == "at_least") != (self.k is not None) or (self.k is not None
+                                                                 and self.k < 1):
+            raise ValueError("a join at_least k needs k >= 1, and only it takes k")
+
+    def needed(self, n: int) -> int:
+        """How many of ``n`` children must succeed (all_finish: none)."""
+        if self.kind == "all":
+            return n
+        if self.kind == "at_least":
+            assert self.k is not None
+            return self.k
+        return 0
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Child jobs a step starts (``StepContext.spawn``): one job of ``workflow`` per input,
+    each an ordinary job (its own id, retries, lease) of the parent's tenant, trace and
+    deadline; ``lane``, ``priority`` and ``concurrency_key`` default to the parent's lane,
+    priority and none. They are written with the step's output, in one transaction."""
+
+    workflow: str
+    inputs: tuple[dict[str, Any], ...]
+    join: JoinPolicy = JoinPolicy()
+    lane: Literal["online", "batch"] | None = None
+    priority: Literal["interactive", "bulk"] | None = None
+    concurrency_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("a spawn starts at least one child")
+        if self.join.k is not None and self.join.k > len(self.inputs):
+            raise ValueError(f"a join at least {self.join.k} of {len(self.inputs)} children "
+                             "can never hold")
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """What a step produced: the output (the last step's is the artifact), and the model's
-    confidence if any (below the workflow's threshold, a person reviews it)."""
+    confidence if any (below the workflow's threshold, a person reviews it). ``spawn``:
+    child jobs to start; the next step runs once they joined."""
 
     artifact: dict[str, Any]
     confidence: float | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    spawn: Spawn | None = None
 
 
 StepFunction = Callable[[StepContext, dict[str, Any]], Awaitable[StepOutput]]

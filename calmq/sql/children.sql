@@ -1,0 +1,145 @@
+-- Child jobs and their join (calmq/data/children.py, migration 0053). The join itself is
+-- decided by the trigger calmq_settle_child, in the transaction that settles a child.
+
+-- name: children_ancestors
+-- How many ancestors a job has (its nesting depth: 0 for a job nobody started), counted up
+-- to %(limit)s: a step may start children only below the depth limit.
+WITH RECURSIVE up AS (
+    SELECT parent_id, 1 AS d FROM jobs WHERE id = %(id)s
+    UNION ALL
+    SELECT j.parent_id, u.d + 1 FROM jobs j JOIN up u ON j.id = u.parent_id
+    WHERE u.d <= %(limit)s
+)
+SELECT count(*) AS n FROM up WHERE parent_id IS NOT NULL;
+
+-- name: insert_children
+-- A spawning step's children (rows as a JSON array), their first history event and their
+-- job.requested, in the group commit's transaction after finish_attempts: only while that
+-- statement has just moved the parent to wait for them (a fenced finish moved nothing, and
+-- starts nothing). Same columns as insert_jobs, plus parent_id and child_index.
+WITH parent AS (
+    SELECT id FROM jobs
+    WHERE id = %(parent_id)s AND status = 'queued' AND waiting_reason = 'children'
+), src AS (
+    SELECT r.* FROM parent, jsonb_to_recordset(%(jobs)s::jsonb) AS r(
+        id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
+        pool text, step text, max_attempts integer, input jsonb, metadata jsonb,
+        deadline_at timestamptz, trace_parent text, lane text, concurrency_key text,
+        child_index integer, event_id uuid, route text, payload jsonb, headers jsonb)
+), job AS (
+    INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
+                      max_attempts, input, metadata, deadline_at, trace_parent, lane,
+                      concurrency_key, parent_id, child_index)
+    SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
+           max_attempts, input, COALESCE(metadata, '{}'), deadline_at, trace_parent,
+           COALESCE(lane, 'online'), concurrency_key, %(parent_id)s, child_index
+    FROM src
+    RETURNING id, created_at
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'queued', 0, jsonb_build_object('parent_id', %(parent_id)s::text) FROM job
+)
+INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+SELECT s.event_id, s.route, j.id::text, 'job.requested',
+       s.payload || jsonb_build_object(
+           'created_at', floor(extract(epoch FROM j.created_at) * 1000)::bigint),
+       COALESCE(s.headers, '{}')
+FROM job j JOIN src s ON s.id = j.id;
+
+-- name: insert_join
+-- The parent's join record, beside its children (same transaction). A step that spawns
+-- again (a redrive, a later step) replaces its row.
+INSERT INTO job_joins (parent_id, step, policy, k, n, resume_outbox, fail_outbox)
+SELECT %(parent_id)s, %(step)s, %(policy)s, %(k)s, %(n)s, %(resume_outbox)s, %(fail_outbox)s
+WHERE EXISTS (SELECT 1 FROM jobs WHERE id = %(parent_id)s AND status = 'queued'
+                                   AND waiting_reason = 'children')
+ON CONFLICT (parent_id, step) DO UPDATE
+    SET policy = EXCLUDED.policy, k = EXCLUDED.k, n = EXCLUDED.n, succeeded = 0, failed = 0,
+        resume_outbox = EXCLUDED.resume_outbox, fail_outbox = EXCLUDED.fail_outbox,
+        created_at = now(), fired_at = NULL, outcome = NULL;
+
+-- name: children_outcomes
+-- What the parent's next step receives: each child of the parent, in input order, with its
+-- status and its artifact (a reference) or its error.
+SELECT id, child_index, status, artifact, error FROM jobs
+WHERE parent_id = %(parent_id)s
+ORDER BY child_index;
+
+-- name: children_page
+-- A page of a tenant's job's children, in input order, after the cursor (the last
+-- child_index of the previous page; -1 from the first).
+SELECT c.id, c.child_index, c.workflow, c.status, c.attempt, c.step, c.artifact, c.error,
+       c.created_at, c.updated_at
+FROM jobs c
+WHERE c.parent_id = %(parent_id)s AND c.tenant_id = %(tenant_id)s
+  AND c.child_index > %(after)s
+ORDER BY c.child_index
+LIMIT %(limit)s;
+
+-- name: children_counts
+-- A job's children by status, and its joins (newest first).
+SELECT (SELECT COALESCE(jsonb_object_agg(status, n), '{}'::jsonb)
+        FROM (SELECT status, count(*) AS n FROM jobs
+              WHERE parent_id = %(parent_id)s AND tenant_id = %(tenant_id)s
+              GROUP BY status) s) AS counts,
+       (SELECT COALESCE(jsonb_agg(jsonb_build_object(
+                   'step', step, 'policy', policy, 'k', k, 'n', n, 'succeeded', succeeded,
+                   'failed', failed, 'fired_at', fired_at, 'outcome', outcome)
+                   ORDER BY created_at DESC), '[]'::jsonb)
+        FROM job_joins WHERE parent_id = %(parent_id)s) AS joins,
+       (SELECT parent_id FROM jobs WHERE id = %(parent_id)s) AS parent_id;
+
+-- name: children_rearm
+-- A redriven parent whose last join failed (in dlq_requeue's transaction, after it): the
+-- join is armed again with what the children that succeeded already did (they keep their
+-- outputs and are not run again), and the parent waits for it instead of running its next
+-- step. Returns the join's step; no row: the parent had no failed join (an ordinary redrive).
+WITH j AS (
+    SELECT parent_id, step FROM job_joins
+    WHERE parent_id = %(id)s AND outcome = 'failed'
+    ORDER BY created_at DESC LIMIT 1
+    FOR UPDATE
+), parent AS (
+    UPDATE jobs p SET waiting_reason = 'children'
+    FROM j WHERE p.id = j.parent_id AND p.status = 'queued'
+    RETURNING p.id
+)
+UPDATE job_joins jj
+SET succeeded = (SELECT count(*) FROM jobs c
+                 WHERE c.parent_id = jj.parent_id AND c.status = 'completed'),
+    failed = 0, fired_at = NULL, outcome = NULL
+FROM j, parent
+WHERE jj.parent_id = j.parent_id AND jj.step = j.step
+RETURNING jj.step;
+
+-- name: children_requeue_failed
+-- The re-armed join's failed children (dead-lettered, or cancelled with the parent) queued
+-- again from the step they failed at, each with the history saying why; the caller writes
+-- their job.requested in this transaction. The whole rows: job.requested is filled from them.
+-- Their attempts are kept aside by round, as dlq_requeue keeps a redriven job's (the new
+-- round's attempts start at 1 again).
+WITH again AS (
+    UPDATE jobs c SET status = 'queued', attempt = 0, error = NULL, waiting_reason = NULL,
+                      lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE c.parent_id = %(id)s AND c.status IN ('dead_letter', 'cancelled')
+      AND c.redacted_at IS NULL
+    RETURNING c.*
+), round AS (
+    SELECT a.id, (SELECT count(*) + 1 FROM job_events e
+                  WHERE e.job_id = a.id AND e.at >= a.created_at AND e.type = 'redriven') AS n
+    FROM again a
+), archived AS (
+    DELETE FROM job_attempts t USING again a
+    WHERE t.job_id = a.id AND t.started_at >= a.created_at
+    RETURNING t.*
+), kept AS (
+    INSERT INTO job_attempts_redriven (job_id, round, step, attempt, record)
+    SELECT t.job_id, r.n, t.step, t.attempt, to_jsonb(t) - 'job_id'
+    FROM archived t JOIN round r ON r.id = t.job_id
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT a.id, 'redriven', 0, jsonb_build_object('by', 'parent', 'parent_id', %(id)s::text,
+                                                   'round', r.n)
+    FROM again a JOIN round r ON r.id = a.id
+)
+SELECT * FROM again ORDER BY child_index;

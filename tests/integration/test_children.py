@@ -1,0 +1,234 @@
+"""Child jobs and the durable join on the real stack (issue 43): a step starts children
+(``ctx.spawn``), the parent waits in ``queued`` (waiting_reason ``children``) with no lease,
+and the join, decided in the transaction that settles the child it needs, resumes the
+parent's next step with the children's outcomes in input order, or fails it at once naming
+the failed children. Cancelling or deleting the parent reaches its children; a redrive of a
+parent re-runs only its failed children. The children's model calls are counted at the
+fake provider."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from calmq.tooling.devstack import StackState, processes
+from tests.support.api import Api
+from tests.support.fanout_workflows import NAME, POOL
+from tests.support.waiting import wait_for
+from tests.support.workers import (
+    Procs,
+    create_pool_topics,
+    create_tenant_id,
+    fake_stats,
+    start_fake_provider,
+)
+
+pytestmark = pytest.mark.integration
+
+TERMINAL = ("completed", "dead_letter", "cancelled")
+
+
+@dataclass
+class Fanout:
+    api: Api
+    db: str
+    provider: str
+
+
+@pytest.fixture(scope="module")
+def fanout(stack: StackState) -> Iterator[Fanout]:
+    """An API and a worker that load the fan-out workflows, and a fake provider of their own."""
+    log_dir = Path(tempfile.mkdtemp(prefix="calmq-children-logs-"))
+    procs = Procs(stack.env, log_dir)
+    pids: list[int] = []
+    try:
+        pid, url = start_fake_provider(log_dir)
+        pids.append(pid)
+        create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], POOL, ["1s"], partitions=4)
+        settings = {"workflow_modules": "tests.support.fanout_workflows",
+                    "provider_url": url, "retry_tiers": "1s"}
+        api = procs.api(**settings)
+        procs.worker(POOL, concurrency="32", workflow_modules=settings["workflow_modules"],
+                     provider_url=url, retry_tiers="1s")
+        db = stack.env["CALMQ_DATABASE_URL"]
+        _tenant, key = create_tenant_id(db, f"fanout-{uuid.uuid4().hex[:8]}")
+        yield Fanout(Api(api, key), db, url)
+    finally:
+        procs.stop_all()
+        for pid in pids:
+            processes.stop(pid)
+
+
+def _submit(f: Fanout, **input_: Any) -> str:
+    status, _h, body = f.api.call("POST", "/v1/jobs", {"workflow": NAME, "input": input_})
+    assert status == 202, body
+    return str(body["job_id"])
+
+
+def _finished(f: Fanout, job_id: str, timeout: float = 90) -> dict[str, Any]:
+    return dict(wait_for(lambda: (j := f.api.job(job_id))["status"] in TERMINAL and j,
+                         timeout=timeout, what=f"job {job_id} to finish"))
+
+
+def _rows(f: Fanout, sql: str, *args: Any) -> list[dict[str, Any]]:
+    with psycopg.connect(f.db, row_factory=dict_row) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def _children(f: Fanout, parent: str) -> list[dict[str, Any]]:
+    return _rows(f, "SELECT id::text AS id, child_index, status, updated_at FROM jobs"
+                    " WHERE parent_id = %s ORDER BY child_index", parent)
+
+
+def _events(f: Fanout, job_id: str) -> list[dict[str, Any]]:
+    return _rows(f, "SELECT type, detail FROM job_events WHERE job_id = %s ORDER BY id", job_id)
+
+
+def _artifact(f: Fanout, job_id: str) -> dict[str, Any]:
+    status, _h, body = f.api.call("GET", f"/v1/jobs/{job_id}/artifact")
+    assert status == 200, body
+    return dict(body)
+
+
+def test_all_join_resumes_the_parent_once_with_outputs_in_input_order(fanout: Fanout) -> None:
+    """An all join resumes the parent's next step once, with the children in input order."""
+    texts = [f"child text number {i}" for i in range(6)]
+    parent = _submit(fanout, texts=texts)
+    job = _finished(fanout, parent)
+    assert job["status"] == "completed", job
+    kids = _children(fanout, parent)
+    assert [k["child_index"] for k in kids] == list(range(6))
+    assert {k["status"] for k in kids} == {"completed"}
+    got = _artifact(fanout, parent)
+    assert got["asked"] == 6
+    assert [c["job_id"] for c in got["children"]] == [k["id"] for k in kids]
+    assert all(c["status"] == "completed" and c["summary"] for c in got["children"])
+    types = [e["type"] for e in _events(fanout, parent)]
+    assert types.count("children_spawned") == 1
+    assert types.count("children_joined") == 1
+    assert types.index("children_spawned") < types.index("children_joined")
+    joins = _rows(fanout, "SELECT succeeded, failed, fired_at, outcome FROM job_joins"
+                          " WHERE parent_id = %s", parent)
+    assert len(joins) == 1
+    assert joins[0]["succeeded"] == 6
+    assert joins[0]["outcome"] == "resumed"
+    # Each child is an ordinary job of the parent's tenant with its own single paid call.
+    by_job = fake_stats(fanout.provider)["by_job"]
+    assert [by_job[k["id"]]["calls"] for k in kids] == [1] * 6
+
+
+def test_a_failed_child_fails_an_all_join_at_once_naming_it(fanout: Fanout) -> None:
+    """A dead-lettered child fails an all join at once, naming it; its siblings are cancelled."""
+    parent = _submit(fanout, texts=["slow a", "bad", "slow b"],
+                     modes=["success", "malformed", "success"], delays=[20_000, 0, 20_000])
+    job = _finished(fanout, parent, timeout=15)  # well before the slow siblings could answer
+    assert job["status"] == "dead_letter", job
+    assert job["error"]["code"] == "children_failed"
+    kids = _children(fanout, parent)
+    bad = kids[1]
+    assert bad["status"] == "dead_letter"
+    assert bad["id"] in job["error"]["message"]
+    # Decided in the transaction that settled the failed child: the same now().
+    parent_at = _rows(fanout, "SELECT updated_at FROM jobs WHERE id = %s", parent)[0]
+    assert parent_at["updated_at"] == bad["updated_at"]
+    assert [kids[0]["status"], kids[2]["status"]] == ["cancelled", "cancelled"]
+    dead = [e for e in _events(fanout, parent) if e["type"] == "dead_lettered"]
+    assert len(dead) == 1
+    assert dead[0]["detail"]["failed_children"] == [bad["id"]]
+
+
+def test_at_least_k_resumes_when_k_succeeded(fanout: Fanout) -> None:
+    """A join of at least k of n resumes the parent once k children succeeded, one failing."""
+    parent = _submit(fanout, texts=["a", "b", "c", "d"],
+                     modes=["success", "malformed", "success", "success"],
+                     join="at_least", k=3)
+    job = _finished(fanout, parent)
+    assert job["status"] == "completed", job
+    got = _artifact(fanout, parent)
+    statuses = [c["status"] for c in got["children"]]
+    assert statuses.count("completed") >= 3
+
+
+def test_at_least_k_fails_once_k_can_no_longer_succeed(fanout: Fanout) -> None:
+    """A join of at least k fails the parent as soon as too many children failed for k to hold."""
+    parent = _submit(fanout, texts=["a", "b", "c"], modes=["malformed", "malformed", "success"],
+                     join="at_least", k=2)
+    job = _finished(fanout, parent)
+    assert job["status"] == "dead_letter", job
+    assert job["error"]["code"] == "children_failed"
+    kids = _children(fanout, parent)
+    failed = [k["id"] for k in kids if k["status"] == "dead_letter"]
+    assert len(failed) == 2
+    assert all(i in job["error"]["message"] for i in failed)
+
+
+def test_all_finish_lists_the_failed_children(fanout: Fanout) -> None:
+    """A join of all_finish resumes once every child ended, the failed ones listed in order."""
+    parent = _submit(fanout, texts=["a", "b", "c"], modes=["success", "malformed", "success"],
+                     join="all_finish")
+    job = _finished(fanout, parent)
+    assert job["status"] == "completed", job
+    got = _artifact(fanout, parent)
+    assert [c["status"] for c in got["children"]] == ["completed", "dead_letter", "completed"]
+    assert got["children"][1]["summary"] is None
+    kids = _children(fanout, parent)
+    joined = [e for e in _events(fanout, parent) if e["type"] == "children_joined"]
+    assert len(joined) == 1
+    assert joined[0]["detail"]["failed_children"] == [kids[1]["id"]]
+
+
+def test_the_waiting_parent_holds_no_lease(fanout: Fanout) -> None:
+    """While its children run, the parent is queued with waiting_reason children and no lease."""
+    parent = _submit(fanout, texts=["a", "b"], delays=[3_000, 3_000])
+    row = wait_for(lambda: (r := _rows(fanout, "SELECT status, waiting_reason, lease_owner"
+                                                " FROM jobs WHERE id = %s", parent))
+                   and r[0]["waiting_reason"] == "children" and r[0],
+                   timeout=30, what="the parent to wait for its children")
+    assert row["status"] == "queued"
+    assert row["lease_owner"] is None
+    assert f"{fanout.api.job(parent)['status']}" == "queued"
+    assert _finished(fanout, parent)["status"] == "completed"
+
+
+def test_cancelling_the_parent_cancels_its_children(fanout: Fanout) -> None:
+    """Cancelling a parent that waits for its children cancels every child not yet ended."""
+    parent = _submit(fanout, texts=["a", "b", "c"], delays=[20_000] * 3)
+    wait_for(lambda: len(_children(fanout, parent)) == 3, timeout=30,
+             what="the children to start")
+    status, _h, body = fanout.api.call("POST", f"/v1/jobs/{parent}/cancel")
+    assert status == 200, body
+    kids = _children(fanout, parent)
+    assert {k["status"] for k in kids} == {"cancelled"}
+    for kid in kids:
+        assert any(e["type"] == "cancelled" and e["detail"].get("by") == "parent"
+                   for e in _events(fanout, kid["id"]))
+
+
+def test_redriving_the_parent_reruns_only_its_failed_children(fanout: Fanout) -> None:
+    """Redriving a parent whose join failed re-runs only its failed child, counted at the fake."""
+    parent = _submit(fanout, texts=["a", "b", "c"], modes=["success", "flaky", "success"])
+    job = _finished(fanout, parent)
+    assert job["status"] == "dead_letter", job
+    kids = _children(fanout, parent)
+    assert [k["status"] for k in kids] == ["completed", "dead_letter", "completed"]
+    status, _h, body = fanout.api.call("POST", f"/v1/dead-letters/{parent}/redrive",
+                                       {"reason": "the provider is back"})
+    assert status == 200, body
+    job = _finished(fanout, parent)
+    assert job["status"] == "completed", job
+    got = _artifact(fanout, parent)
+    assert [c["status"] for c in got["children"]] == ["completed"] * 3
+    by_job = fake_stats(fanout.provider)["by_job"]
+    # The flaky child's first call failed; the redrive's is its second.
+    assert [by_job[k["id"]]["calls"] for k in kids] == [1, 2, 1]
+    types = [e["type"] for e in _events(fanout, parent)]
+    assert types.count("children_joined") == 1
+    assert types.count("children_spawned") == 1
