@@ -271,6 +271,14 @@ class Settings(BaseSettings):
         default=30.0, ge=0, le=300,
         description="the longest wait POST /v1/jobs honours from Prefer: wait=N (RFC 7240): "
                     "a job final within it is answered 200 with its result; 0: never waits")
+    api_bulk_max_jobs: int = Field(
+        default=1000, ge=1, le=10_000,
+        description="most jobs one POST /v1/jobs/bulk may carry (all written in one "
+                    "transaction); more answers 413 too_many_jobs and writes nothing")
+    api_bulk_max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024,
+        description="largest body of POST /v1/jobs/bulk (max_body_bytes bounds every other "
+                    "request); more answers 413 body_too_large and writes nothing")
     api_reads_per_tenant: int = Field(
         default=8, ge=0,
         description="expensive reads (job, review and dead-letter lists, artifact "

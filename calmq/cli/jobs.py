@@ -79,6 +79,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     settings = settings_for(args)
     if not args.api_key:
         raise ConfigError("pass --api-key or set CALMQ_API_KEY", code="missing_api_key")
+    if args.file:
+        from calmq.cli.backfills import run_file
+
+        return run_file(api_url=settings.api_url, api_key=args.api_key, path=Path(args.file),
+                        chunk_size=int(args.chunk_size), max_chunks=args.max_chunks,
+                        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                        fmt=output_format(args))
     data = _input(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
     status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
         "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
@@ -272,13 +279,26 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _metadata(pairs: list[str] | str | None) -> dict[str, str] | None:
+    """``--metadata KEY=VALUE`` (repeated) as the object a job's metadata must contain."""
+    if isinstance(pairs, str):  # from CALMQ_METADATA: one pair
+        pairs = [pairs]
+    found: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--metadata {pair!r} is KEY=VALUE", code="invalid_metadata")
+        found[key] = value
+    return found or None
+
+
 async def _list(store: Store, args: argparse.Namespace, fmt: Format) -> int:
     size = int(args.limit or 50)
     if not 1 <= size <= 1000:
         raise UsageError("--limit is between 1 and 1000 (the API's bounds)", code="invalid_limit")
     cursor_at, cursor_id = _decode_cursor(args.cursor)
     which = dataclasses.replace(_search(_flag_filters(args), size + 1), cursor_at=cursor_at,
-                                cursor_id=cursor_id)
+                                cursor_id=cursor_id, metadata=_metadata(args.metadata))
     rows = await store.jobs.search(which)
     page, more = rows[:size], len(rows) > size
     next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None
@@ -452,6 +472,15 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--text", help="the input text")
     option(p, "--mode", help="the fake provider's mode for this job (success, flaky, ...)")
     option(p, "--input", help="the whole input as JSON (instead of --text and --mode)")
+    option(p, "--file", help="submit every line of this JSON Lines file (each a POST /v1/jobs "
+                             "body) through POST /v1/jobs/bulk, resumable: a backfill")
+    option(p, "--chunk-size", type=int, default=1000,
+           help="--file: jobs a request (default 1000, the API's api_bulk_max_jobs)")
+    option(p, "--checkpoint", help="--file: where the run records how far it got (default: "
+                                   "beside the file, FILE.calmq-checkpoint.json)")
+    option(p, "--max-chunks", type=int,
+           help="--file: stop after this many requests (exit 130; run again to resume)")
+    add_output(p)
     p = command("status", cmd_status, "show a job through the API (calmq jobs show reads the "
                 "database)", needs=("api_url",))
     option(p, "--api-key", help="the tenant's API key")
@@ -464,6 +493,9 @@ def register(command: Command, flags: Flags) -> None:
     ls = sub.add_parser("list", help="a page of jobs, newest first (the API's filters)",
                         description="a page of jobs, newest first (the API's filters)")
     _filters(flags, ls)
+    option(ls, "--metadata", action="append",
+           help="only jobs whose metadata holds this string value: KEY=VALUE (repeat for "
+                "more, all must hold), as GET /v1/jobs?metadata.KEY=VALUE")
     option(ls, "--limit", type=int, help="at most this many (default 50, at most 1000)")
     option(ls, "--cursor", help="the next page: the cursor the previous page printed")
     add_output(ls)

@@ -189,6 +189,8 @@ class JobFilter:
     created_before: datetime | None = None
     cursor_at: datetime | None = None
     cursor_id: uuid.UUID | None = None
+    # Pairs the job's metadata must all hold (jsonb containment, index jobs_metadata).
+    metadata: dict[str, Any] | None = None
 
 
 _FILTER_FIELDS = tuple(f.name for f in fields(JobFilter))
@@ -215,9 +217,17 @@ class JobSearch:
     created_before: datetime | None = None
     cursor_at: datetime | None = None
     cursor_id: uuid.UUID | None = None
+    metadata: dict[str, Any] | None = None
 
 
 _SEARCH_FIELDS = tuple(f.name for f in fields(JobSearch))
+
+
+def _filter_params(which: JobFilter | JobSearch, names: tuple[str, ...]) -> dict[str, Any]:
+    params = {name: getattr(which, name) for name in names}
+    if params["metadata"] is not None:
+        params["metadata"] = Jsonb(params["metadata"])
+    return params
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +346,80 @@ class Jobs:
                     continue
         raise InfrastructureError("idempotency key kept conflicting; retry the request")
 
+    async def submit_many(self, tenant_id: uuid.UUID,
+                          items: Sequence[tuple[NewJob, Idempotency | None]]
+                          ) -> list[tuple[uuid.UUID, bool] | BaseException]:
+        """Write a bulk submit's jobs, their outbox rows and their keys in ONE transaction.
+
+        Per item, in order: ``(job id, created)`` as ``submit`` answers it (a key seen before,
+        or earlier in ``items``, with the same request hash: that job and ``False``), or the
+        exception that refuses it alone: ContractError 409 for a key reused with another
+        request, or the driver's error for a row PostgreSQL would not store (the caller maps
+        it, producers.intake.refusal). When a row fails, the others are written with each
+        row in a savepoint of the same transaction, so a bad row never refuses the rest.
+        """
+        async with self._db.pool.connection() as conn:
+            for _ in range(3):
+                try:
+                    async with conn.transaction():
+                        return await self._write_many(conn, tenant_id, items)
+                except psycopg.errors.UniqueViolation:
+                    # A concurrent request took one of the keys: read them all again.
+                    continue
+        raise InfrastructureError("idempotency keys kept conflicting; retry the request")
+
+    async def _write_many(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
+                          items: Sequence[tuple[NewJob, Idempotency | None]]
+                          ) -> list[tuple[uuid.UUID, bool] | BaseException]:
+        keys = sorted({idem.key for _, idem in items if idem is not None})
+        known: dict[str, tuple[bytes, uuid.UUID]] = {}
+        if keys:
+            cur = await conn.execute(self._q["find_idempotency_keys"],
+                                     {"tenant_id": tenant_id, "keys": keys})
+            known = {r["key"]: (bytes(r["request_hash"]), r["job_id"])
+                     for r in await cur.fetchall()}
+        answers: list[tuple[uuid.UUID, bool] | BaseException] = []
+        new: list[tuple[int, NewJob, Idempotency | None]] = []
+        for index, (job, idem) in enumerate(items):
+            if idem is not None and idem.key in known:
+                request_hash, earlier = known[idem.key]
+                answers.append((earlier, False) if request_hash == idem.request_hash
+                               else ContractError(
+                                   "this idempotency key was used before with a different "
+                                   "request body", code="idempotency_key_reused", status=409))
+                continue
+            if idem is not None:  # a later item with the same key is its duplicate
+                known[idem.key] = (idem.request_hash, job.id)
+            answers.append((job.id, True))
+            new.append((index, job, idem))
+        try:
+            async with conn.transaction():  # a savepoint: the fallback below needs one
+                await self._insert_many(conn, tenant_id, [(j, i) for _, j, i in new])
+        except (UnicodeError, psycopg.DataError):
+            for index, job, idem in new:
+                try:
+                    async with conn.transaction():
+                        await self._insert_many(conn, tenant_id, [(job, idem)])
+                except (UnicodeError, psycopg.DataError) as exc:
+                    answers[index] = exc
+            failed = {job.id: answers[index] for index, job, _ in new
+                      if isinstance(answers[index], BaseException)}
+            # A later item under a failed item's key named a job that was not written.
+            answers = [failed.get(a[0], a) if isinstance(a, tuple) else a for a in answers]
+        return answers
+
+    async def _insert_many(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
+                           rows: Sequence[tuple[NewJob, Idempotency | None]]) -> None:
+        if not rows:
+            return
+        await insert_jobs(conn, [job for job, _ in rows])
+        keyed = [(idem, job.id) for job, idem in rows if idem is not None]
+        if keyed:
+            await conn.execute(self._q["insert_idempotency_keys"], {
+                "tenant_id": tenant_id, "keys": [i.key for i, _ in keyed],
+                "hashes": [i.request_hash for i, _ in keyed],
+                "job_ids": [j for _, j in keyed]})
+
     async def _earlier_job(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
                            idempotency: Idempotency) -> uuid.UUID | None:
         cur = await conn.execute(self._q["find_idempotency_key"],
@@ -366,21 +450,23 @@ class Jobs:
 
     async def page(self, which: JobFilter) -> list[JobSnapshot]:
         """One page of a tenant's jobs, newest first."""
-        params = {name: getattr(which, name) for name in _FILTER_FIELDS}
+        params = _filter_params(which, _FILTER_FIELDS)
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._q["list_jobs"], params)
+            cur = await conn.execute(
+                self._q["list_jobs" if which.metadata is None else "list_jobs_by_metadata"],
+                params)
             return [JobSnapshot(**r) for r in await cur.fetchall()]
 
     async def search(self, which: JobSearch) -> list[TenantJob]:
         """One page of every tenant's jobs (operators), newest first."""
-        params = {name: getattr(which, name) for name in _SEARCH_FIELDS}
+        params = _filter_params(which, _SEARCH_FIELDS)
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["ops_list_jobs"], params)
             return [TenantJob(**r) for r in await cur.fetchall()]
 
     async def count(self, which: JobSearch) -> int:
         """How many jobs ``search`` would page through from ``which``'s cursor on."""
-        params = {name: getattr(which, name) for name in _SEARCH_FIELDS}
+        params = _filter_params(which, _SEARCH_FIELDS)
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["ops_count_jobs"], params)
             row = await cur.fetchone()

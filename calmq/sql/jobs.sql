@@ -19,6 +19,18 @@ WHERE tenant_id = %(tenant_id)s AND key = %(key)s;
 INSERT INTO idempotency_keys (tenant_id, key, request_hash, job_id)
 VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
 
+-- name: find_idempotency_keys
+-- A bulk submit's keys, all at once (POST /v1/jobs/bulk).
+SELECT key, request_hash, job_id FROM idempotency_keys
+WHERE tenant_id = %(tenant_id)s AND key = ANY(%(keys)s::text[]);
+
+-- name: insert_idempotency_keys
+-- A bulk submit's new keys in one statement, in the transaction of their jobs.
+INSERT INTO idempotency_keys (tenant_id, key, request_hash, job_id)
+SELECT %(tenant_id)s, k.key, k.request_hash, k.job_id
+FROM unnest(%(keys)s::text[], %(hashes)s::bytea[], %(job_ids)s::uuid[])
+     AS k(key, request_hash, job_id);
+
 -- name: insert_job
 -- The job row, its first history event and its outbox row in one statement: one round trip.
 -- created_at in events is epoch ms TRUNCATED (floor; ::bigint alone would round), the rule
@@ -104,6 +116,26 @@ WHERE tenant_id = %(tenant_id)s
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s;
 
+-- name: list_jobs_by_metadata
+-- list_jobs with GET /v1/jobs?metadata.<key>=<value> (issue 43: a backfill followed by its
+-- tag). A statement of its own rather than one more "IS NULL OR" arm: a prepared
+-- statement's generic plan cannot use an index for an arm that may be switched off, and
+-- the containment must be able to use the GIN index jobs_metadata (migration 0031) when the
+-- tag is rare; when it is common the planner walks jobs_tenant_created and stops at LIMIT.
+SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
+       metadata
+FROM jobs
+WHERE tenant_id = %(tenant_id)s
+  AND metadata @> %(metadata)s::jsonb
+  AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+  AND (%(created_after)s::timestamptz IS NULL OR created_at >= %(created_after)s::timestamptz)
+  AND (%(created_before)s::timestamptz IS NULL OR created_at < %(created_before)s::timestamptz)
+  AND (%(cursor_at)s::timestamptz IS NULL
+       OR (created_at, id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s;
+
 -- name: ops_list_jobs
 -- Operators' view (the CLI): every tenant's jobs, list_jobs' filters plus the tenant's name,
 -- newest first, after the (created_at, id) cursor of the previous page.
@@ -115,6 +147,7 @@ WHERE (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
   AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
   AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
   AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
+  AND (%(metadata)s::jsonb IS NULL OR j.metadata @> %(metadata)s::jsonb)
   AND (%(cursor_at)s::timestamptz IS NULL
        OR (j.created_at, j.id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid))
 ORDER BY j.created_at DESC, j.id DESC
@@ -129,6 +162,7 @@ WHERE (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
   AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
   AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s::timestamptz)
   AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s::timestamptz)
+  AND (%(metadata)s::jsonb IS NULL OR j.metadata @> %(metadata)s::jsonb)
   AND (%(cursor_at)s::timestamptz IS NULL
        OR (j.created_at, j.id) < (%(cursor_at)s::timestamptz, %(cursor_id)s::uuid));
 

@@ -6,11 +6,20 @@ served routes and the documented paths cannot drift apart.
 
 from __future__ import annotations
 
-from calmq.producers.routes import batches, dead_letters, docs, health, jobs, reviews, workflows
+from calmq.producers.routes import (
+    batches,
+    bulk,
+    dead_letters,
+    docs,
+    health,
+    jobs,
+    reviews,
+    workflows,
+)
 from calmq.producers.routing import Route
 
 __all__ = ["ROUTES"]
 
 ROUTES: tuple[Route, ...] = (
-    *jobs.ROUTES, *workflows.ROUTES, *reviews.ROUTES, *dead_letters.ROUTES, *health.ROUTES,
-    *batches.ROUTES, *docs.ROUTES)
+    *bulk.ROUTES, *jobs.ROUTES, *workflows.ROUTES, *reviews.ROUTES, *dead_letters.ROUTES,
+    *health.ROUTES, *batches.ROUTES, *docs.ROUTES)

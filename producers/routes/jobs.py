@@ -28,9 +28,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
+from multidict import MultiMapping
 from prometheus_client import Counter, Histogram
 
-from calmq.data import HistoryEvent, Idempotency, JobFilter, Tenant
+from calmq.data import HistoryEvent, Idempotency, JobFilter, NewJob, Tenant
 from calmq.data.outputs import FOLLOW_REFRESH_SECONDS
 from calmq.errors import ContractError, NotFound
 from calmq.jobs import TERMINAL, Status
@@ -70,7 +71,7 @@ from calmq.producers.views import job_summary, job_view
 from calmq.producers.webhooks import check_callback_url
 from calmq.workflows import Workflow, find_workflow
 
-__all__ = ["ROUTES"]
+__all__ = ["ROUTES", "check_idempotency_key", "checked_job"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ ACCEPT_SECONDS = Histogram("calmq_accept_seconds", "Time to accept a job",
 _SSE_KEEPALIVE = 15.0
 _LIST_PARAMS = frozenset({"status", "workflow", "created_after", "created_before", "limit",
                           "cursor"})
+# GET /v1/jobs?metadata.<key>=<value>: a filter by one of the submit's metadata values.
+_METADATA = "metadata."
+_METADATA_KEY_MAX = 200
 
 
 # -- submit -------------------------------------------------------------------------------------
@@ -115,34 +119,9 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         req = validate(SubmitRequest, fields)
     else:
         req, raw = await read_body(request, SubmitRequest)
-    check_metadata(req.metadata, settings.max_metadata_bytes)
-    workflow = find_workflow(req.workflow, workflows)
-    if (req.input is None) == (req.input_ref is None):
-        raise ContractError("send exactly one of input and input_ref", code="invalid_body",
-                            status=422)
-    data = workflow.validate_input(req.input) if req.input is not None else None
-    if req.input_ref is not None and not multipart and not tenant_owns(
-            settings.object_store_url, caller.id, req.input_ref):
-        raise ContractError("input_ref must point inside your tenant's prefix of the store",
-                            code="input_ref_forbidden", status=403)
-    if req.input_ref is not None:
-        await _check_reference(request, workflow, req.input_ref, stored)
-    lane = choose_lane(req.lane, req.priority, req.deadline_seconds,
-                       bulk_lane=workflow.bulk_lane,
-                       window_seconds=settings.batch_completion_window_seconds,
-                       margin_seconds=settings.batch_deadline_margin_seconds)
-    if req.callback_url is not None:
-        await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
-    key = request.headers.get("Idempotency-Key")
-    # Printable ASCII only: aiohttp hands other header bytes over as lone surrogates, which
-    # the key's text column cannot store.
-    if key is not None and not (0 < len(key) <= 255 and key.isascii() and key.isprintable()):
-        raise ContractError("Idempotency-Key must be 1 to 255 printable ASCII characters",
-                            code="invalid_header")
-    # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
-    job = prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}), "input": data,
-                                          "lane": lane},
-                  trace_parent=trace_parent(request.headers.get("traceparent")))
+    job = await checked_job(request, caller, req, stored, multipart=multipart)
+    key = check_idempotency_key(request.headers.get("Idempotency-Key"), "Idempotency-Key",
+                                code="invalid_header")
     if key is None:
         await request.app[GROUP_COMMIT].submit(job)
         new_id, created = job.id, True
@@ -174,6 +153,47 @@ async def _submit(request: web.Request, caller: Tenant, stored: list[ObjectRef]
         {"job_id": str(new_id), "status": "queued", "status_url": f"/v1/jobs/{new_id}"},
         status=202,
     )
+
+
+async def checked_job(request: web.Request, caller: Tenant, req: SubmitRequest,
+                      stored: list[ObjectRef], *, multipart: bool = False) -> NewJob:
+    """The job of a validated submit body after every intake check of the body's fields
+    (metadata size, workflow and its input, input_ref, lane, callback URL); a ContractError
+    names the first that fails. POST /v1/jobs and each item of POST /v1/jobs/bulk go
+    through here, so a bulk item is refused for exactly what a single submit is."""
+    settings = request.app[SETTINGS]
+    check_metadata(req.metadata, settings.max_metadata_bytes)
+    workflow = find_workflow(req.workflow, request.app[WORKFLOWS])
+    if (req.input is None) == (req.input_ref is None):
+        raise ContractError("send exactly one of input and input_ref", code="invalid_body",
+                            status=422)
+    data = workflow.validate_input(req.input) if req.input is not None else None
+    if req.input_ref is not None and not multipart and not tenant_owns(
+            settings.object_store_url, caller.id, req.input_ref):
+        raise ContractError("input_ref must point inside your tenant's prefix of the store",
+                            code="input_ref_forbidden", status=403)
+    if req.input_ref is not None:
+        await _check_reference(request, workflow, req.input_ref, stored)
+    lane = choose_lane(req.lane, req.priority, req.deadline_seconds,
+                       bulk_lane=workflow.bulk_lane,
+                       window_seconds=settings.batch_completion_window_seconds,
+                       margin_seconds=settings.batch_deadline_margin_seconds)
+    if req.callback_url is not None:
+        await check_callback_url(req.callback_url, allow_private=settings.webhook_allow_private)
+    # Every field of the body but the workflow is a column of the job (calmq.data.NewJob).
+    return prepare(workflow, caller.id, **{**req.model_dump(exclude={"workflow"}),
+                                           "input": data, "lane": lane},
+                   trace_parent=trace_parent(request.headers.get("traceparent")))
+
+
+def check_idempotency_key(key: str | None, where: str, *, code: str) -> str | None:
+    """``key`` if it is one an idempotency key may be: 1 to 255 printable ASCII characters
+    (aiohttp hands other header bytes over as lone surrogates, which the key's text column
+    cannot store); else ContractError 400 ``code``."""
+    if key is not None and not (isinstance(key, str) and 0 < len(key) <= 255
+                                and key.isascii() and key.isprintable()):
+        raise ContractError(f"{where} must be 1 to 255 printable ASCII characters", code=code)
+    return key
 
 
 _WAIT = re.compile(r'^\s*wait\s*=\s*"?(\d{1,9})"?\s*$', re.IGNORECASE)
@@ -307,10 +327,27 @@ def _decode_cursor(value: str | None) -> tuple[datetime | None, uuid.UUID | None
                             code="invalid_cursor") from exc
 
 
+def metadata_filter(params: MultiMapping[str]) -> dict[str, str] | None:
+    """The ``metadata.<key>=<value>`` parameters of a list as one JSON object a job's
+    metadata must contain (every pair: AND; a value matches a string value exactly), or
+    None. The jobs_metadata GIN index serves the containment (migration 0031)."""
+    found: dict[str, str] = {}
+    for name in params:
+        if not name.startswith(_METADATA):
+            continue
+        key, values = name[len(_METADATA):], params.getall(name)
+        if not key or len(key) > _METADATA_KEY_MAX or len(values) > 1:
+            raise ContractError(f"{name}: a metadata filter is metadata.<key>=<value>, "
+                                f"one value per key (keys up to {_METADATA_KEY_MAX} "
+                                "characters)", code="invalid_query")
+        found[key] = values[0]
+    return found or None
+
+
 async def list_jobs(request: web.Request) -> web.Response:
     caller = await tenant(request)
     params = request.query
-    unknown = sorted(set(params) - _LIST_PARAMS)
+    unknown = sorted(p for p in set(params) - _LIST_PARAMS if not p.startswith(_METADATA))
     if unknown:
         raise ContractError(f"unknown query parameter(s) {', '.join(unknown)}",
                             code="invalid_query")
@@ -325,6 +362,7 @@ async def list_jobs(request: web.Request) -> web.Response:
         created_after=parse_time("created_after", params.get("created_after")),
         created_before=parse_time("created_before", params.get("created_before")),
         cursor_at=cursor_at, cursor_id=cursor_id, limit=page_size + 1,
+        metadata=metadata_filter(params),
     )
     with request.app[GATES].hold("read", caller.id):
         rows = await request.app[STORE].jobs.page(which)
@@ -513,6 +551,10 @@ ROUTES = [
     }),
     Route("GET", "/v1/jobs", list_jobs, {
         "operationId": "listJobs",
+        "description": "Filters: status, workflow, created_after/created_before, and any "
+                       "number of metadata.<key>=<value> parameters (a job whose metadata "
+                       "holds the string value at that key; several: all of them), e.g. "
+                       "?metadata.batch=2026-12-07. Paginated by cursor like every list.",
         "parameters": [
             query("status", {"type": "string"},
                   "one status or a comma list: " + ", ".join(s.value for s in Status)),

@@ -120,3 +120,20 @@ def test_the_timed_wait_release_reads_its_own_index_not_the_jobs(stack: StackSta
     used = set(re.findall(r"Index (?:Only )?Scan (?:Backward )?(?:using|on) (jobs_\w+)", plan))
     assert used <= {"jobs_timed_waiting", "jobs_pkey"}, plan
     assert "jobs_timed_waiting" in used, plan
+
+
+def test_the_metadata_filter_of_a_job_list_reads_an_index_not_the_jobs(stack: StackState
+                                                                       ) -> None:
+    """GET /v1/jobs?metadata.<key>=<value> (list_jobs_by_metadata) finds a tenant's jobs
+    with that value through an index (jobs_metadata, or the tenant's by creation), never by
+    reading jobs whole (seq scans priced out)."""
+    from psycopg.types.json import Jsonb
+
+    statement = sql.queries()["list_jobs_by_metadata"]
+    with psycopg.connect(stack.env["CALMQ_DATABASE_URL"]) as conn:
+        conn.execute("SET enable_seqscan = off")
+        params = {**_params(statement, uuid.uuid4()), "metadata": Jsonb({"backfill": "x"})}
+        rows = conn.execute(b"EXPLAIN " + statement.encode(), params).fetchall()
+    plan = "\n".join(r[0] for r in rows)
+    assert _sequential_scans(plan) == set(), plan
+    assert re.search(r"(Index|Bitmap Index) Scan", plan), plan
