@@ -26,9 +26,6 @@ __all__ = [
     "BatchInfo",
     "BatchJob",
     "BatchList",
-    "BulkItem",
-    "BulkSubmitRequest",
-    "BulkSubmitted",
     "DeadLetter",
     "DeadLetterList",
     "JobError",
@@ -41,6 +38,8 @@ __all__ = [
     "Problem",
     "RedriveRequest",
     "Redriven",
+    "RerunAccepted",
+    "RerunRequest",
     "ReviewItem",
     "ReviewList",
     "ReviewRequest",
@@ -80,19 +79,6 @@ class SubmitRequest(BaseModel):
                                         pattern=CONCURRENCY_KEY_PATTERN)
 
 
-class BulkSubmitRequest(BaseModel):
-    """The body of POST /v1/jobs/bulk: each item is a SubmitRequest body (JSON only) with
-    an optional ``idempotency_key``; items are checked one by one, so a bad item is
-    refused alone (its result), never the request."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    jobs: list[dict[str, Any]] = Field(
-        min_length=1, description="at most api_bulk_max_jobs items (default 1,000), each a "
-                                  "SubmitRequest plus an optional idempotency_key "
-                                  "(1 to 255 printable ASCII characters)")
-
-
 class ReviewRequest(BaseModel):
     """The body of POST /v1/jobs/{id}/review."""
 
@@ -117,6 +103,21 @@ class RedriveRequest(BaseModel):
     dry_run: bool = False
 
 
+class RerunRequest(BaseModel):
+    """The body of POST /v1/jobs/{id}/rerun."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    from_step: str = Field(min_length=1, max_length=200,
+                           description="the step the rerun starts at; the recorded outputs "
+                                       "of the steps before it are reused, not run again")
+    input: dict[str, Any] | None = Field(
+        default=None, description="what from_step gets instead: the job's input when it is "
+                                  "the first step, otherwise the previous step's output")
+    priority: Literal["interactive", "bulk"] | None = Field(
+        default=None, description="the rerun's priority (default: the original's)")
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 class Accepted(BaseModel):
@@ -125,6 +126,13 @@ class Accepted(BaseModel):
     job_id: uuid.UUID
     status: Literal["queued"]
     status_url: str
+
+
+class RerunAccepted(Accepted):
+    """The 202 answer of POST /v1/jobs/{id}/rerun: a new job, linked to the original."""
+
+    rerun_of: uuid.UUID
+    from_step: str
 
 
 class Artifact(BaseModel):
@@ -194,6 +202,8 @@ class JobView(JobSummary):
     # Why a queued job waits (e.g. spend_cap_daily: its tenant is past its daily spend cap);
     # null when nothing holds it back.
     waiting_reason: str | None = None
+    # The job this one reruns from a step (POST /v1/jobs/{id}/rerun); null for a submit.
+    rerun_of: uuid.UUID | None = None
     events: list[JobEvent]
 
 
@@ -360,28 +370,6 @@ class WorkflowInfo(BaseModel):
 
 class WorkflowList(BaseModel):
     workflows: list[WorkflowInfo]
-
-
-class BulkItem(BaseModel):
-    """One item's answer in POST /v1/jobs/bulk: accepted (a new job), duplicate (its
-    idempotency key named an earlier job: that job), or refused (``problem`` says why, as
-    POST /v1/jobs would have answered it)."""
-
-    index: int = Field(description="the item's place in the request's jobs, from 0")
-    status: Literal["accepted", "duplicate", "refused"]
-    job_id: uuid.UUID | None = None
-    status_url: str | None = None
-    problem: Problem | None = None
-
-
-class BulkSubmitted(BaseModel):
-    """The 200 answer of POST /v1/jobs/bulk: one result per item, in input order, and the
-    counts."""
-
-    results: list[BulkItem]
-    accepted: int
-    duplicate: int
-    refused: int
 
 
 class Problem(BaseModel):

@@ -66,7 +66,7 @@ def event_view(event: HistoryEvent) -> dict[str, Any]:
 def job_view(job: JobDetail) -> dict[str, Any]:
     """``models.JobView``: the stable shape of GET /v1/jobs/{id} (docs/reference/api.md)."""
     return {**job_summary(job), "usage": _usage(job), "waiting_reason": job.waiting_reason,
-            "events": [event_view(e) for e in job.events]}
+            "rerun_of": _plain(job.rerun_of), "events": [event_view(e) for e in job.events]}
 
 
 def _usage(job: JobDetail) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from calmq.cli import bulk
+from calmq.cli import bulk, reruns
 from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, Format, add_output, emit_one, emit_rows, jsonable, output_format
 from calmq.cli.times import when as _when
@@ -253,6 +253,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     action = args.jobs_action
     if action == "cancel":
         return _cancel(args, settings)
+    if action == "rerun":
+        from calmq.cli.reruns import cmd_rerun
+
+        return cmd_rerun(args, settings)
     fmt = output_format(args)
     from calmq.cli.connect import open_store
 
@@ -487,9 +491,9 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("job_id", help="the job's id")
 
     p = command("jobs", cmd_jobs, "jobs of every tenant, from the database: list, show, "
-                "events, cancel", needs=("database_url",))
+                "events, cancel, rerun", needs=("database_url",))
     sub = p.add_subparsers(dest="jobs_action", required=True, metavar="ACTION",
-                           help="list, show, events or cancel")
+                           help="list, show, events, cancel or rerun")
     ls = sub.add_parser("list", help="a page of jobs, newest first (the API's filters)",
                         description="a page of jobs, newest first (the API's filters)")
     _filters(flags, ls)
@@ -527,3 +531,4 @@ def register(command: Command, flags: Flags) -> None:
                                         "file under ~/.local/state/calmq/bulk)")
     option(cancel, "--resume", help="continue the interrupted run of this checkpoint file")
     add_output(cancel)
+    reruns.add_parser(sub, flags)

@@ -41,6 +41,7 @@ from calmq.producers.context import GATES, OBJECTS, SETTINGS, STORE, WORKFLOWS
 from calmq.producers.problems import hide_hosts
 from calmq.producers.uploads import read_object, tenant_owns
 from calmq.producers.views import public_error
+from calmq.reruns import Reruns
 from calmq.reviews import Decision, ReviewDesk
 from calmq.workflows import Workflow
 
@@ -225,6 +226,15 @@ class ConsoleData:
         if not await self.store.jobs.cancel(job.tenant_id, job_id, by=by):
             raise ContractError(f"the job is {job.status} already", code="job_terminal",
                                 status=409)
+
+    async def rerun(self, scope: uuid.UUID | None, job_id: uuid.UUID, from_step: str,
+                    by: str) -> uuid.UUID:
+        """A new job that reruns this one from ``from_step`` (calmq.reruns: the API's
+        checks and refusals); its id."""
+        reruns = Reruns(self.store, self.workflows)
+        original = await reruns.original(job_id, scope)
+        made = await reruns.write(original, reruns.plan(original, from_step), by=by)
+        return made.job_id
 
     # -- reviews -----------------------------------------------------------------------------
 

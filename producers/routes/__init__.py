@@ -16,10 +16,11 @@ from calmq.producers.routes import (
     reviews,
     workflows,
 )
+from calmq.producers.routes.reruns import ROUTES as RERUN_ROUTES
 from calmq.producers.routing import Route
 
 __all__ = ["ROUTES"]
 
 ROUTES: tuple[Route, ...] = (
     *bulk.ROUTES, *jobs.ROUTES, *workflows.ROUTES, *reviews.ROUTES, *dead_letters.ROUTES,
-    *health.ROUTES, *batches.ROUTES, *docs.ROUTES)
+    *health.ROUTES, *batches.ROUTES, *RERUN_ROUTES, *docs.ROUTES)

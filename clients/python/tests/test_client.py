@@ -117,6 +117,24 @@ def test_streamed_text_resumes_across_a_cut_connection(
     assert "".join(p.text for p in pieces) == result["text"]
 
 
+def test_submit_many_answers_each_item_in_order_across_chunks(api: Any) -> None:
+    """submit_many sends 5 items in chunks of 2 through POST /v1/jobs/bulk and returns one
+    result per item in input order (a bad item refused alone); list(metadata=...) finds
+    exactly the accepted jobs by their tag."""
+    tag = uuid.uuid4().hex
+    items: list[dict[str, Any]] = [
+        {"workflow": "summarize", "input": {"text": f"bulk {n}", "mode": "success"},
+         "metadata": {"batch": tag}} for n in range(5)]
+    items[3] = {"workflow": "summarize", "input": {"wrong": True}, "metadata": {"batch": tag}}
+    results = api.submit_many(items, chunk_size=2)
+    assert [r["index"] for r in results] == [0, 1, 2, 3, 4]
+    assert [r["status"] for r in results] == ["accepted"] * 3 + ["refused", "accepted"]
+    assert results[3]["problem"]["code"] == "invalid_input"
+    listed = api.list(metadata={"batch": tag}, limit=200)["jobs"]
+    assert sorted(j["job_id"] for j in listed) == sorted(
+        r["job_id"] for r in results if r["status"] == "accepted")
+
+
 # -- the retry rules, against a stand-in server -------------------------------------------------
 
 class StandIn:
@@ -126,11 +144,13 @@ class StandIn:
     def __init__(self, answers: list[tuple[int, dict[str, str], dict[str, Any]] | None]) -> None:
         self.answers = answers
         self.seen: list[tuple[float, dict[str, str]]] = []
+        self.bodies: list[bytes] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.bodies.append(self.rfile.read(int(self.headers.get("Content-Length")
+                                                        or 0)))
                 outer.seen.append((time.monotonic(), dict(self.headers)))
                 answer = outer.answers.pop(0)
                 if answer is None:
@@ -206,3 +226,27 @@ def test_a_submit_whose_answer_is_lost_is_repeated_only_with_a_key(
                                                       idempotency_key="order-1234")
     assert answer["status"] == "queued"
     assert [h.get("Idempotency-Key") for _t, h in server.seen] == ["order-1234"] * 2
+
+
+def test_a_bulk_chunk_whose_answer_is_lost_is_sent_again_with_the_same_keys(
+        connect: Callable[..., Any], stand_in: Callable[..., StandIn]) -> None:
+    """submit_many gives each item without a key one of its own, so a chunk whose answer
+    was lost is sent again with the same keys (the API answers it duplicate, never twice);
+    with idempotent=False it sends no keys and a lost answer raises OutcomeUnknown."""
+    policy = RetryPolicy(backoff=Backoff(initial=0.01, maximum=0.01))
+    done = (200, {}, {"results": [{"index": 0, "status": "accepted", "job_id": "j0"},
+                                  {"index": 1, "status": "duplicate", "job_id": "j1"}],
+                      "accepted": 1, "duplicate": 1, "refused": 0})
+    items = [{"workflow": "summarize", "input": {"text": "a"}},
+             {"workflow": "summarize", "input": {"text": "b"}, "idempotency_key": "mine-1"}]
+    server = stand_in(None, done)
+    results = connect(server.url, retry=policy).submit_many(items)
+    assert [r["status"] for r in results] == ["accepted", "duplicate"]
+    first, second = (json.loads(b)["jobs"] for b in server.bodies)
+    assert first == second
+    assert first[1]["idempotency_key"] == "mine-1"
+    assert first[0]["idempotency_key"]
+    server = stand_in(None, done)
+    with pytest.raises(OutcomeUnknown):
+        connect(server.url, retry=policy).submit_many(items[:1], idempotent=False)
+    assert "idempotency_key" not in json.loads(server.bodies[0])["jobs"][0]

@@ -1,5 +1,5 @@
 """Jobs: the filtered list (and its live rows), a job's page (and its live timeline), its
-input and artifact, and cancelling it."""
+input and artifact, cancelling it, and rerunning one that ended from a step."""
 
 from __future__ import annotations
 
@@ -106,7 +106,18 @@ async def job_page(request: web.Request, page: Page) -> web.StreamResponse:
         held_for_review_cap=job.status == "queued" and held_for_review_cap(view.events),
         wait=waiting_notice(view.events) if job.status in ("queued", "retrying") else None,
         attempts=attempt_rows(view.attempts), trace_id=trace_id(job.trace_parent),
-        can_cancel=page.can("submit") or page.can("operate"))
+        can_cancel=page.can("submit") or page.can("operate"),
+        rerun_steps=_rerun_steps(ConsoleData.of(request), job.workflow, job.status, page))
+
+
+def _rerun_steps(data: ConsoleData, name: str, status: str, page: Page) -> list[str]:
+    """The steps a job that ended can be rerun from (none: it has not, or the caller may
+    not submit, or its workflow is not registered here)."""
+    workflow = data.workflow(name)
+    if status not in TERMINAL or workflow is None or not (
+            page.can("submit") or page.can("operate")):
+        return []
+    return [s.name for s in workflow.steps]
 
 
 @guard()
@@ -185,6 +196,18 @@ async def cancel(request: web.Request, page: Page) -> web.StreamResponse:
     return redirect(f"/console/jobs/{ident}")
 
 
+@guard("submit", "operate")
+async def rerun(request: web.Request, page: Page) -> web.StreamResponse:
+    """Rerun the job from the chosen step: a new job, whose page the answer opens."""
+    ident = job_id(request)
+    form = await request.post()
+    step = str(form.get("from_step", "")).strip()
+    if not step:
+        raise ContractError("choose the step to rerun from", code="invalid_body", status=422)
+    made = await ConsoleData.of(request).rerun(page.scope, ident, step, page.identity)
+    return redirect(f"/console/jobs/{made}")
+
+
 ROUTES: tuple[Route, ...] = (
     ("GET", "/console/jobs", jobs_page),
     ("GET", "/console/jobs/rows", jobs_rows),
@@ -195,4 +218,5 @@ ROUTES: tuple[Route, ...] = (
     ("GET", "/console/jobs/{job_id}/input", job_input),
     ("GET", "/console/jobs/{job_id}/artifact", job_artifact),
     ("POST", "/console/jobs/{job_id}/cancel", cancel),
+    ("POST", "/console/jobs/{job_id}/rerun", rerun),
 )

@@ -88,6 +88,23 @@ class AsyncClient:
         answer: dict[str, Any] = await self._json(call)
         return answer
 
+    async def submit_many(self, items: Iterable[Mapping[str, Any]], *,
+                          chunk_size: int = 1000, idempotent: bool = True
+                          ) -> list[dict[str, Any]]:
+        """Many jobs through POST /v1/jobs/bulk, ``chunk_size`` (at most 1,000) a request,
+        each chunk written by the API in one transaction; returns one result per item, in
+        order: ``{"index", "status": "accepted"|"duplicate"|"refused", "job_id",
+        "status_url"}`` or, refused, ``{"index", "status", "problem"}`` (a bad item never
+        refuses the others). Each item is a POST /v1/jobs body (``workflow``, ``input``,
+        ``metadata``, ...) with an optional ``idempotency_key``. ``idempotent`` (default):
+        an item without a key gets one for this call, so a chunk whose answer was lost is
+        sent again without writing a job twice; False sends no keys of its own (a chunk is
+        then retried only when the API certainly did not take it)."""
+        results: list[dict[str, Any]] = []
+        for start, call in calls.bulk_chunks(items, chunk_size, keys=idempotent):
+            results += calls.bulk_results(start, await self._json(call))
+        return results
+
     async def get(self, job_id: str) -> dict[str, Any]:
         """GET /v1/jobs/{id}: the job's view (status, attempt, step, artifact, error,
         events)."""
@@ -97,12 +114,15 @@ class AsyncClient:
     async def list(self, *, status: str | Iterable[str] | None = None,
                    workflow: str | None = None, created_after: datetime | str | None = None,
                    created_before: datetime | str | None = None, limit: int | None = None,
-                   cursor: str | None = None) -> dict[str, Any]:
+                   cursor: str | None = None,
+                   metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
         """GET /v1/jobs: one page, newest first, ``{"jobs": [...], "next_cursor"}``; pass
-        ``next_cursor`` back as ``cursor`` for the next page (None: the last one)."""
+        ``next_cursor`` back as ``cursor`` for the next page (None: the last one).
+        ``metadata``: only jobs whose metadata holds each of these string values."""
         answer: dict[str, Any] = await self._json(calls.list_jobs(
             status=status, workflow=workflow, created_after=created_after,
-            created_before=created_before, limit=limit, cursor=cursor))
+            created_before=created_before, limit=limit, cursor=cursor,
+            metadata=metadata))
         return answer
 
     async def cancel(self, job_id: str) -> dict[str, Any]:

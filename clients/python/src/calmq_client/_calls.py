@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,8 +19,9 @@ import httpx2
 from calmq_client._errors import ApiError, ClientError, ConnectionFailed, OutcomeUnknown
 from calmq_client._retrying import NOT_ACTED_ON, RetryPolicy, retry_after
 
-__all__ = ["Call", "Upload", "answer_failure", "check_digest", "decode", "events", "job_path",
-           "list_jobs", "problem", "stream_broke", "submit", "submit_file", "transport_failure"]
+__all__ = ["BULK_MAX", "Call", "Upload", "answer_failure", "bulk_chunks", "bulk_results",
+           "check_digest", "decode", "events", "job_path", "list_jobs", "problem",
+           "stream_broke", "submit", "submit_file", "transport_failure"]
 
 # The transport failed before the request left: the API cannot have acted on it.
 _NOT_SENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
@@ -95,6 +97,43 @@ def submit_file(workflow: str, path: Path, *, content_type: str, idempotency_key
                 upload=Upload(Path(path), content_type, form), headers=headers)
 
 
+BULK_MAX = 1000  # the API's default api_bulk_max_jobs
+
+
+def bulk_chunks(items: Iterable[Mapping[str, Any]], size: int, *, keys: bool
+                ) -> Iterator[tuple[int, Call]]:
+    """POST /v1/jobs/bulk calls of at most ``size`` items each, with each chunk's first
+    index. ``keys``: an item without an ``idempotency_key`` gets one, made of a random id of
+    this run and its index, and keeps it on every try, so a chunk whose answer was lost is
+    sent again without writing any job twice (a chunk whose every item has a key is safe to
+    repeat; otherwise it is retried only when the API certainly did not take it)."""
+    if not 1 <= size <= BULK_MAX:
+        raise ValueError(f"chunk_size is 1 to {BULK_MAX}")
+    run = uuid.uuid4().hex if keys else None
+    chunk: list[dict[str, Any]] = []
+    start = 0
+    for index, item in enumerate(items):
+        body = {k: v for k, v in item.items() if v is not None}
+        if run is not None and "idempotency_key" not in body:
+            body["idempotency_key"] = f"{run}-{index}"
+        chunk.append(body)
+        if len(chunk) == size:
+            yield start, _bulk(chunk)
+            start, chunk = start + size, []
+    if chunk:
+        yield start, _bulk(chunk)
+
+
+def _bulk(chunk: list[dict[str, Any]]) -> Call:
+    return Call("POST", "/v1/jobs/bulk", safe=all("idempotency_key" in j for j in chunk),
+                body={"jobs": chunk})
+
+
+def bulk_results(start: int, answer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chunk's results with ``index`` counted over the whole ``submit_many`` call."""
+    return [{**r, "index": start + int(r["index"])} for r in answer["results"]]
+
+
 def _submit_headers(key: str | None, wait: float | None) -> tuple[dict[str, str], float]:
     # No key unless asked for: keyed submits are each their own transaction on the server,
     # while unkeyed ones share group commits.
@@ -108,8 +147,9 @@ def _submit_headers(key: str | None, wait: float | None) -> tuple[dict[str, str]
 
 def list_jobs(*, status: str | Iterable[str] | None, workflow: str | None,
               created_after: datetime | str | None, created_before: datetime | str | None,
-              limit: int | None, cursor: str | None) -> Call:
-    params: dict[str, str] = {}
+              limit: int | None, cursor: str | None,
+              metadata: Mapping[str, str] | None = None) -> Call:
+    params: dict[str, str] = {f"metadata.{k}": str(v) for k, v in (metadata or {}).items()}
     if status is not None:
         params["status"] = status if isinstance(status, str) else ",".join(status)
     for name, value in (("created_after", created_after), ("created_before", created_before)):
