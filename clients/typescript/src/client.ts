@@ -15,8 +15,8 @@ import { ApiError, CalmqError } from "./errors.js";
 import { backoffMs, DEFAULT_RETRY, retryAfterMs, sleep, type RetryPolicy } from "./retry.js";
 import { readEvents } from "./sse.js";
 import type {
-  Accepted, Answered, Job, JobPage, JobStreamEvent, OutputDeltaEvent, OutputResetEvent,
-  OutputPiece, Priority, Status,
+  Accepted, Answered, BulkJob, BulkResult, Job, JobPage, JobStreamEvent, OutputDeltaEvent,
+  OutputResetEvent, OutputPiece, Priority, Status,
 } from "./types.js";
 
 export interface ClientOptions {
@@ -56,6 +56,16 @@ export interface SubmitOptions {
   signal?: AbortSignal;
 }
 
+export interface SubmitManyOptions {
+  /** Jobs a request, 1 to 1000 (the API's api_bulk_max_jobs). Default 1000. */
+  chunkSize?: number;
+  /** Default true: an item without an `idempotency_key` gets one for this call, so a chunk
+   * whose answer was lost is sent again without writing any job twice. `false` sends no
+   * keys of its own: a chunk is then retried only when the API refused it (429, 503). */
+  idempotent?: boolean;
+  signal?: AbortSignal;
+}
+
 export interface ListFilters {
   /** One status or several (sent as a comma list). */
   status?: Status | Status[];
@@ -64,6 +74,8 @@ export interface ListFilters {
   createdBefore?: string | Date;
   limit?: number;
   cursor?: string;
+  /** Only jobs whose metadata holds each of these string values (`metadata.KEY=VALUE`). */
+  metadata?: Record<string, string>;
   signal?: AbortSignal;
 }
 
@@ -153,6 +165,41 @@ export class CalmqClient {
     return (await response.json()) as Accepted | Answered;
   }
 
+  /** `POST /v1/jobs/bulk`, `chunkSize` items a request, each chunk written in one
+   * transaction: one result per item, in input order. A bad item is refused in its result
+   * (`problem`) and never refuses the others. */
+  async submitMany(items: Iterable<BulkJob>, options: SubmitManyOptions = {}
+                   ): Promise<BulkResult[]> {
+    const size = options.chunkSize ?? 1000;
+    if (!Number.isInteger(size) || size < 1 || size > 1000) {
+      throw new RangeError("chunkSize is 1 to 1000");
+    }
+    const run = options.idempotent === false ? undefined : crypto.randomUUID();
+    const results: BulkResult[] = [];
+    let chunk: BulkJob[] = [];
+    let start = 0;
+    let index = 0;
+    const send = async (): Promise<void> => {
+      const safe = chunk.every((job) => job.idempotency_key !== undefined);
+      const response = await this.#call("POST", "/v1/jobs/bulk", {
+        body: JSON.stringify({ jobs: chunk }), headers: { "Content-Type": "application/json" },
+        retry: safe ? "safe" : "refused", signal: options.signal,
+      });
+      const answer = (await response.json()) as { results: BulkResult[] };
+      for (const result of answer.results) results.push({ ...result, index: start + result.index });
+      start += chunk.length;
+      chunk = [];
+    };
+    for (const item of items) {
+      chunk.push(run !== undefined && item.idempotency_key === undefined
+        ? { ...item, idempotency_key: `${run}-${index}` } : item);
+      index += 1;
+      if (chunk.length === size) await send();
+    }
+    if (chunk.length > 0) await send();
+    return results;
+  }
+
   /** `GET /v1/jobs/{id}`: the job's view (status, attempt, step, artifact, error, events). */
   async get(jobId: string, options: { signal?: AbortSignal } = {}): Promise<Job> {
     const response = await this.#call("GET", `/v1/jobs/${encodeURIComponent(jobId)}`,
@@ -170,6 +217,9 @@ export class CalmqClient {
     if (createdBefore !== undefined) query.set("created_before", time(createdBefore));
     if (limit !== undefined) query.set("limit", String(limit));
     if (cursor !== undefined) query.set("cursor", cursor);
+    for (const [key, value] of Object.entries(filters.metadata ?? {})) {
+      query.set(`metadata.${key}`, value);
+    }
     const suffix = query.toString() ? `?${query.toString()}` : "";
     const response = await this.#call("GET", `/v1/jobs${suffix}`, { signal: filters.signal });
     return (await response.json()) as JobPage;

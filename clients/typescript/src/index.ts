@@ -13,7 +13,9 @@
  */
 
 export { CalmqClient, isAnswered, isOutputDelta, isOutputReset } from "./client.js";
-export type { ClientOptions, ListFilters, StreamOptions, SubmitOptions } from "./client.js";
+export type {
+  ClientOptions, ListFilters, StreamOptions, SubmitManyOptions, SubmitOptions,
+} from "./client.js";
 export { ApiError, CalmqError, WebhookVerificationError } from "./errors.js";
 export { DEFAULT_RETRY } from "./retry.js";
 export type { RetryPolicy } from "./retry.js";
@@ -21,7 +23,8 @@ export { readEvents, StreamIdleError } from "./sse.js";
 export type { ServerSentEvent } from "./sse.js";
 export { TERMINAL } from "./types.js";
 export type {
-  Accepted, Answered, Artifact, HistoryEntry, HistoryEvent, Job, JobError, JobPage,
+  Accepted, Answered, Artifact, BulkJob, BulkResult, HistoryEntry, HistoryEvent, Job,
+  JobError, JobPage,
   JobStreamEvent, JobSummary, OutputDeltaEvent, OutputResetEvent, OutputPiece, Priority,
   Status, Usage,
 } from "./types.js";

@@ -77,6 +77,30 @@ export interface Answered extends Job {
   result: unknown;
 }
 
+/** One item of `submitMany`: a `POST /v1/jobs` body, with an optional idempotency key. */
+export interface BulkJob {
+  workflow: string;
+  input?: Record<string, unknown>;
+  input_ref?: string;
+  priority?: Priority;
+  lane?: "online" | "batch";
+  deadline_seconds?: number;
+  callback_url?: string;
+  metadata?: Record<string, unknown>;
+  concurrency_key?: string;
+  idempotency_key?: string;
+}
+
+/** One item's answer of `POST /v1/jobs/bulk` (`index`: its place in the whole call). */
+export interface BulkResult {
+  index: number;
+  status: "accepted" | "duplicate" | "refused";
+  job_id?: string;
+  status_url?: string;
+  /** Why it was refused: the problem `POST /v1/jobs` would have answered. */
+  problem?: { type: string; title: string; status: number; detail: string; code: string };
+}
+
 export interface JobPage {
   jobs: JobSummary[];
   next_cursor: string | null;

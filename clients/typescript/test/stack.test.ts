@@ -112,6 +112,25 @@ describe("against the stack", { skip: stack ? false : "CALMQ_API_URL and CALMQ_A
     assert.equal(typeof (answer.result as { summary: string }).summary, "string");
   });
 
+  test("submitMany answers each item in order, and list finds them by metadata",
+       { timeout: TIMEOUT }, async () => {
+    const calmq = client();
+    const tag = crypto.randomUUID();
+    const items = [0, 1, 2, 3, 4].map((n) => ({
+      workflow: "summarize", input: { text: `bulk ${n}`, mode: "success" },
+      metadata: { batch: tag } }));
+    items[2] = { workflow: "summarize", input: { wrong: true } as never,
+                 metadata: { batch: tag } };
+    const results = await calmq.submitMany(items, { chunkSize: 2 });
+    assert.deepEqual(results.map((r) => r.index), [0, 1, 2, 3, 4]);
+    assert.deepEqual(results.map((r) => r.status),
+                     ["accepted", "accepted", "refused", "accepted", "accepted"]);
+    assert.equal(results[2]!.problem!.code, "invalid_input");
+    const listed = await calmq.list({ metadata: { batch: tag }, limit: 200 });
+    assert.deepEqual(listed.jobs.map((j) => j.job_id).sort(),
+                     results.filter((r) => r.status === "accepted").map((r) => r.job_id).sort());
+  });
+
   test("get, list with filters, cancel, and a second cancel's 409", { timeout: TIMEOUT },
        async () => {
     const calmq = client();

@@ -149,6 +149,42 @@ describe("retries", () => {
     }
   });
 
+  test("a bulk chunk whose answer was lost is sent again with the same keys", async () => {
+    const bodies: string[] = [];
+    const api = await server((req, res) => {
+      let text = "";
+      req.on("data", (piece: Buffer) => { text += piece.toString(); });
+      req.on("end", () => {
+        bodies.push(text);
+        if (bodies.length === 1) {
+          req.socket.destroy(); // sent, never answered
+          return;
+        }
+        const jobs = (JSON.parse(text) as { jobs: unknown[] }).jobs;
+        res.writeHead(200, { "Content-Type": "application/json" });
+        res.end(JSON.stringify({ results: jobs.map((_j, index) => (
+          { index, status: "duplicate", job_id: `j${index}` })) }));
+      });
+    });
+    try {
+      const client = new CalmqClient({ baseUrl: api.url, apiKey: "k",
+                                       retry: { initialDelayMs: 10 } });
+      const results = await client.submitMany([
+        { workflow: "summarize", input: { text: "a" } },
+        { workflow: "summarize", input: { text: "b" }, idempotency_key: "mine-1" },
+        { workflow: "summarize", input: { text: "c" } }], { chunkSize: 2 });
+      assert.deepEqual(results.map((r) => r.index), [0, 1, 2]);
+      const [first, second] = bodies.map((b) => (JSON.parse(b) as {
+        jobs: { idempotency_key?: string }[] }).jobs);
+      assert.deepEqual(first, second);
+      assert.equal(first![1]!.idempotency_key, "mine-1");
+      assert.ok(first![0]!.idempotency_key);
+      assert.equal(bodies.length, 3);
+    } finally {
+      await api.close();
+    }
+  });
+
   test("a problem answer becomes an ApiError with its code and status", async () => {
     const api = await server((_req, res) => {
       res.writeHead(404, { "Content-Type": "application/problem+json" });
