@@ -9,6 +9,7 @@ chart differs from a fresh one.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +33,23 @@ COMMENTS: dict[str, str] = {
                  "create it yourself (kubectl create namespace, then the labels in "
                  "docs/how-to/deploy-kubernetes.md) or set create and install without "
                  "--create-namespace.",
+    "nameOverride": "The name label and the name part of every object's name (default "
+                    "calmq).",
+    "fullnameOverride": "Every object's name prefix. Empty: the release's name when it holds "
+                        "calmq, else RELEASE-calmq; two releases in one namespace never "
+                        "share a name.",
     "commonLabels": "Labels added to every object and pod.",
+    "apiVersions": "APIs to take as served where Helm cannot ask the cluster (helm lint): "
+                   "keda.sh/v1alpha1, monitoring.coreos.com/v1, gateway.networking.k8s.io/v1. "
+                   "A ScaledObject, PodMonitor, PrometheusRule or HTTPRoute asked for on a "
+                   "cluster that serves none fails the install, saying so.",
+    "openshift": "true: no runAsUser, runAsGroup or fsGroup in any pod or container; "
+                 "OpenShift's restricted SCC assigns them from the namespace's range.",
+    "podSecurityContext": "Every pod's securityContext (the image's uid 10001; PodSecurity "
+                          "restricted).",
+    "containerSecurityContext": "Every container's securityContext.",
+    "topologySpread": "A soft spread (ScheduleAnyway) of each Deployment's replicas over "
+                      "topologyKey; a part's topologySpreadConstraints are added to it.",
     "strictSettings": "true: a pod stops on a CALMQ_ setting it does not know; false (the "
                       "default here): it logs a warning, so a ConfigMap one release ahead "
                       "or behind the image does not crash-loop an upgrade or a rollback.",
@@ -69,6 +86,15 @@ COMMENTS: dict[str, str] = {
            "console.enabled false turns the web console off, console.port gives it a port "
            "of its own (0: the API's).",
     "api.preStopSeconds": "Pause before SIGTERM while the Service stops routing to the pod.",
+    "api.pdb": "The API's PodDisruptionBudget, rendered only above one replica (at one it "
+               "would block every node drain).",
+    "api.ingress": "An Ingress to the API. bodySize: the largest upload and its form "
+                   "(max_upload_bytes); timeoutSeconds: how long SSE streams and Prefer: wait "
+                   "stay open; nginx: write both as ingress-nginx annotations (other "
+                   "controllers: set annotations).",
+    "api.httpRoute": "A Gateway API HTTPRoute to the API (parentRefs: your Gateway); "
+                     "timeoutSeconds becomes its request timeouts. A Gateway's body-size "
+                     "limit is its implementation's policy: allow ingress.bodySize there.",
     "relay": "The outbox relay: always one replica (it owns the replication slot).",
     "jobs": "The migrate and Kafka setup Jobs: pre-install/pre-upgrade hooks (Helm) and "
             "PreSync hooks (Argo CD). serviceAccountName empty: the namespace's default "
@@ -88,14 +114,105 @@ COMMENTS: dict[str, str] = {
                                  "authenticationRef names one of your own (which then "
                                  "carries sasl and tls too).",
     "workers.poolDefaults.batcher": "The pool's batch lane (calmq batcher).",
+    "workers.poolDefaults.pdb": "Opt-in PodDisruptionBudget per pool (maxUnavailable).",
     "monitoring": "Prometheus Operator and Grafana, each off until enabled: a PodMonitor "
                   "per part, the PrometheusRule (runbookBaseUrl: where your copy of the "
                   "docs is served, the rules' runbook_url are paths under it), and the "
                   "dashboard ConfigMap for Grafana's sidecar.",
-    "networkPolicy": "Ingress rules: the API port from apiFrom, metrics from metricsFrom, "
+    "jobs.migrate": "hook false: a plain Job instead of a Helm/Argo CD hook (Flux, "
+                    "Terraform); it must then finish before the parts that need the schema "
+                    "start, and be deleted before an upgrade changes it.",
+    "jobs.kafkaSetup": "hook false: as jobs.migrate.",
+    "tests": "enabled: the `helm test` pod, which runs `calmq health` against the release.",
+    "extraObjects": "Objects of your own, each rendered as it is (a Secret, an "
+                    "ExternalSecret, a ServiceMonitor).",
+        "networkPolicy": "Ingress rules: the API port from apiFrom, metrics from metricsFrom, "
                      "the console's own port from consoleFrom (NetworkPolicyPeer lists; "
                      "empty: from anywhere). Other traffic to calmq's pods is refused.",
 }
+
+
+NOTES = """\
+calmq {{ .Chart.AppVersion }} is installed as {{ include "calmq.fullname" . }} in \
+{{ .Release.Namespace }}.
+{{- if or .Values.jobs.migrate.hook .Values.jobs.kafkaSetup.hook }}
+The migrate and Kafka setup Jobs ran as hooks before the parts started.
+{{- end }}
+
+Next:
+  kubectl -n {{ .Release.Namespace }} rollout status \
+deployment/{{ include "calmq.fullname" . }}-api
+  helm test {{ .Release.Name }} -n {{ .Release.Namespace }}    # calmq health, in the cluster
+  kubectl -n {{ .Release.Namespace }} exec deploy/{{ include "calmq.fullname" . }}-api -- \
+calmq tenants create my-team -o json
+  kubectl -n {{ .Release.Namespace }} port-forward \
+svc/{{ include "calmq.fullname" . }}-api 8080:{{ .Values.api.service.port }}
+
+Then send a job (docs/how-to/deploy-kubernetes.md, "Check that jobs flow"). Before an
+upgrade, read UPGRADING.md for the release you move to.
+"""
+
+
+def readme(values: Mapping[str, Any]) -> str:
+    """The chart's README: how to install it, and every value the schema describes."""
+    from calmq.tooling.values_schema import values_schema
+
+    rows: list[str] = []
+
+    def walk(schema: Mapping[str, Any], path: str, default: Any) -> None:
+        props = schema.get("properties") if path != "config" else None
+        note = schema.get("description", "")
+        if note or not props:
+            kind = schema.get("type", "")
+            kind = " or ".join(kind) if isinstance(kind, list) else kind
+            shown = "" if props else f"`{json.dumps(default)}`"
+            if path == "config":
+                shown = "(the settings that were set)"
+            text = note.replace("|", "\\|")
+            rows.append(f"| `{path}` | {kind} | {shown} | {text} |")
+        for key, sub in (props or {}).items():
+            if path.endswith("pools") or path in ("secretSettings", "secretFiles"):
+                continue
+            walk(sub, f"{path}.{key}" if path else key,
+                 default.get(key) if isinstance(default, Mapping) else None)
+
+    for key, sub in values_schema(values)["properties"].items():
+        walk(sub, key, values.get(key))
+    return "\n".join([
+        "<!-- " + HEADER + " -->",
+        "# calmq chart",
+        "",
+        "calmq runs slow AI steps (LLM calls, embeddings, transcription) outside the HTTP "
+        "request, on Kafka and PostgreSQL. This chart installs every part: the API, the "
+        "outbox relay, the retry forwarder, the reaper, a worker Deployment (with its KEDA "
+        "ScaledObject) and a batcher per pool, the migrate and Kafka setup Jobs as hooks, and "
+        "optionally an Ingress or HTTPRoute, PodMonitors, the PrometheusRule, the Grafana "
+        "dashboard and NetworkPolicies.",
+        "",
+        "```sh",
+        "helm install calmq oci://ghcr.io/calmq/charts/calmq --version " + __version__ + " \\",
+        "  --namespace calmq --create-namespace -f my-values.yaml",
+        "helm test calmq -n calmq",
+        "```",
+        "",
+        "`config.provider_url` is required; the database URL and the provider's key come "
+        "from the Secret `calmq` (`secretSettings`). docs/how-to/deploy-kubernetes.md walks "
+        "through an install; UPGRADING.md says what each release changes for an operator.",
+        "`values.schema.json` refuses a value the chart does not know, naming it.",
+        "",
+        "Every part (`api`, `relay`, `forwarder`, `reaper`, `jobs`, each pool and its "
+        "`batcher`) also takes `resources`, `nodeSelector`, `tolerations`, `affinity`, "
+        "`topologySpreadConstraints`, `priorityClassName`, `serviceAccountName`, `labels`, "
+        "`annotations`, `podLabels`, `podAnnotations`, `extraEnv`, `extraVolumes`, "
+        "`extraVolumeMounts`, `initContainers` and `sidecars`.",
+        "",
+        "## Values",
+        "",
+        "| Value | Type | Default | Description |",
+        "| --- | --- | --- | --- |",
+        *rows,
+        "",
+    ])
 
 
 def values_text(values: Mapping[str, Any], header: str) -> str:
@@ -151,11 +268,8 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
         ".helmignore": "# " + HEADER + "\n*.orig\n*.swp\n",
         "templates/_helpers.tpl": "{{- /* " + HEADER + " */}}\n" + HELPERS + "\n"
                                   + keda.HELPER + SECRETS_HELPER,
-        "templates/NOTES.txt": (
-            "calmq {{ .Chart.AppVersion }} in {{ .Release.Namespace }}.\n"
-            "The migrate and Kafka setup Jobs ran as hooks before the parts started.\n"
-            "Next: create a tenant and send a job (docs/how-to/deploy-kubernetes.md, "
-            "\"Check that jobs flow\").\n"),
+        "templates/NOTES.txt": NOTES,
+        "README.md": readme(values),
     }
     by_template: dict[str, list[Any]] = {}
     for doc in DOCS:
@@ -173,8 +287,8 @@ def write_chart(values: Mapping[str, Any], folder: Path) -> list[Path]:
     made = chart(values)
     templates = folder / "templates"
     if templates.is_dir():
-        for old in templates.iterdir():
-            if f"templates/{old.name}" not in made:
+        for old in templates.rglob("*"):
+            if old.is_file() and f"templates/{old.relative_to(templates)}" not in made:
                 old.unlink()
     for name, text in made.items():
         path = folder / name

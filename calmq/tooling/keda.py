@@ -47,6 +47,7 @@ from calmq.tooling.manifests import (
     Context,
     Dashed,
     Expr,
+    FullName,
     Key,
     Not,
     Or,
@@ -59,9 +60,11 @@ from calmq.tooling.manifests import (
 )
 from calmq.workflows import Workflow, load_workflows
 
-__all__ = ["HELPER", "BudgetCap", "KafkaAuth", "budget_cap", "kafka_auth", "lag_threshold",
-           "min_replicas", "needs_trigger_authentication", "pool_scaling", "pools",
+__all__ = ["API_VERSION", "HELPER", "BudgetCap", "KafkaAuth", "budget_cap", "kafka_auth",
+           "lag_threshold", "min_replicas", "needs_trigger_authentication", "pool_scaling", "pools",
            "scaled_object", "trigger_authentication", "worker_name"]
+
+API_VERSION = "keda.sh/v1alpha1"  # ScaledObject and TriggerAuthentication
 
 
 @dataclass(frozen=True)
@@ -340,16 +343,20 @@ class KafkaAuth(Expr):
         return f'(get (include "calmq.kedaKafkaAuth" $ | fromJson) {json.dumps(self.part)})'
 
 
+def _worker_name() -> Printf:
+    return Printf("%s-worker-%s", FullName(), Dashed(Key("pool")))
+
+
 def _own_auth_name() -> Any:
     """The pool's TriggerAuthentication, when KEDA needs credentials and the pool names
     none of its own."""
-    return And((KafkaAuth("spec"), Printf("calmq-worker-%s", Dashed(Key("pool")))))
+    return And((KafkaAuth("spec"), _worker_name()))
 
 
 def trigger_authentication(meta: Any) -> dict[str, Any]:
     """The TriggerAuthentication of the pool bound to the scope ``pool``: the credentials
     KEDA's Kafka scaler reads the lag with (``kafka_auth``)."""
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+    return {"apiVersion": API_VERSION, "kind": "TriggerAuthentication",
             "metadata": meta, "spec": KafkaAuth("spec")}
 
 
@@ -365,10 +372,10 @@ def scaled_object(meta: Any) -> dict[str, Any]:
     def pool(*path: str, block: bool = False) -> Val:
         return Val(("keda", *path), "pool", block=block)
 
-    name = Printf("calmq-worker-%s", Dashed(Key("pool")))
+    name = _worker_name()
     auth = Or((pool("authenticationRef"), _own_auth_name()))
     return {
-        "apiVersion": "keda.sh/v1alpha1",
+        "apiVersion": API_VERSION,
         "kind": "ScaledObject",
         "metadata": meta,
         "spec": {

@@ -50,6 +50,7 @@ from calmq.errors import ConfigError
 from calmq.settings import Settings
 from calmq.tooling import keda
 from calmq.tooling.manifests import (
+    Above,
     And,
     Check,
     Checksum,
@@ -60,7 +61,9 @@ from calmq.tooling.manifests import (
     Each,
     Entries,
     Expr,
+    Fail,
     FileText,
+    FullName,
     Has,
     Image,
     Key,
@@ -68,12 +71,15 @@ from calmq.tooling.manifests import (
     Not,
     Or,
     Printf,
+    Release,
     Required,
+    Served,
     Spread,
     Text,
     Upper,
     Val,
     When,
+    Without,
     documents,
     merge_values,
     setting_text,
@@ -415,6 +421,10 @@ def _part(resources: Resources, **extra: Any) -> dict[str, Any]:
         "podAnnotations": {},
         "extraEnv": [],
         "tmpSizeLimit": "64Mi",  # the emptyDir at /tmp, the one writable place
+        "extraVolumes": [],
+        "extraVolumeMounts": [],
+        "initContainers": [],
+        "sidecars": [],
     }
 
 
@@ -432,6 +442,7 @@ def _pool_values(settings: Settings, grace_seconds: float) -> dict[str, Any]:
         "terminationGracePeriodSeconds": math.ceil(grace) + DRAIN_SECONDS,
         "replicas": 1,  # only without KEDA: with it, KEDA owns the count
         "keda": keda.pool_scaling(settings),
+        "pdb": {"enabled": False, "maxUnavailable": 1},
         "batcher": {"enabled": True, "replicas": 1,
                     "terminationGracePeriodSeconds": max(30, math.ceil(settings.grace_seconds)),
                     **_part(RESOURCES["batcher"])},
@@ -469,18 +480,32 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
     pools = {name: _difference(_pool_values(settings, longest_step(settings, registry, name)),
                                defaults) for name in names}
     return {
+        "nameOverride": "",
+        "fullnameOverride": "",
         "image": {**_image(settings.image), "pullPolicy": settings.image_pull_policy},
         "imagePullSecrets": [{"name": n.strip()} for n in settings.image_pull_secrets.split(",")
                              if n.strip()],
         "namespace": {"create": False, "podSecurity": "restricted", "labels": {}},
         "commonLabels": {},
+        # APIs to take as served where Helm cannot ask the cluster (helm lint).
+        "apiVersions": [],
+        "openshift": False,
+        # The image's user (Dockerfile: uid 10001); the root filesystem is read-only and
+        # the only writable place is /tmp. PodSecurity "restricted" admits these pods.
+        "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                               "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containerSecurityContext": {"allowPrivilegeEscalation": False,
+                                     "readOnlyRootFilesystem": True,
+                                     "capabilities": {"drop": ["ALL"]}},
+        "topologySpread": {"enabled": True, "maxSkew": 1,
+                           "topologyKey": "kubernetes.io/hostname"},
         "strictSettings": False,
         "config": config_values(settings),
         "secretsVersion": "",
         "secretSettings": secrets,
         "secretFiles": files,
         "extraEnv": [],
-        "serviceAccount": {"create": True, "name": "calmq", "annotations": {}},
+        "serviceAccount": {"create": True, "name": "", "annotations": {}},
         "scrapeAnnotations": True,
         "api": {
             "replicas": 2,
@@ -494,7 +519,17 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
             "terminationGracePeriodSeconds": 75,
             "preStopSeconds": 5,
             "service": {"type": "ClusterIP", "port": API_PORT, "annotations": {}},
+            # Rendered only above one replica: at one, minAvailable 1 blocks every drain.
             "pdb": {"enabled": True, "minAvailable": 1},
+            "ingress": {"enabled": False, "className": "", "host": "", "path": "/",
+                        "annotations": {}, "tls": [],
+                        # ingress-nginx's annotations for the upload size and the SSE
+                        # and Prefer: wait timeouts (others: set annotations yourself).
+                        "nginx": True, "bodySize": _body_size(settings),
+                        "timeoutSeconds": _stream_seconds(settings)},
+            "httpRoute": {"enabled": False, "parentRefs": [], "hostnames": [],
+                          "annotations": {},
+                          "timeoutSeconds": _stream_seconds(settings)},
             **_part(RESOURCES["api"]),
         },
         "relay": {"terminationGracePeriodSeconds": 30, **_part(RESOURCES["relay"])},
@@ -503,7 +538,9 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
         "reaper": {"replicas": 1, "terminationGracePeriodSeconds": 15,
                    **_part(RESOURCES["reaper"])},
         "jobs": {"backoffLimit": 4, "ttlSecondsAfterFinished": 86400,
+                 "migrate": {"hook": True}, "kafkaSetup": {"hook": True},
                  **_part(RESOURCES["jobs"])},
+        "tests": {"enabled": True},
         "workers": {"poolDefaults": defaults, "pools": pools},
         "monitoring": {
             "podMonitor": {"enabled": False, "labels": {}, "interval": "30s"},
@@ -513,7 +550,19 @@ def default_values(settings: Settings, workflows: Mapping[str, Workflow] | None 
         },
         "networkPolicy": {"enabled": False, "apiFrom": [], "metricsFrom": [],
                           "consoleFrom": []},
+        "extraObjects": [],
     }
+
+
+def _body_size(settings: Settings) -> str:
+    """An upload's largest body: the file (max_upload_bytes) and the form around it."""
+    return f"{math.ceil(settings.max_upload_bytes / 2**20) + 1}m"
+
+
+def _stream_seconds(settings: Settings) -> int:
+    """How long a proxy keeps a response open: an SSE stream's hour, and never less than
+    the longest Prefer: wait."""
+    return max(3600, math.ceil(settings.api_prefer_wait_max_seconds))
 
 
 # -- the objects ---------------------------------------------------------------------------
@@ -535,8 +584,33 @@ def _root(*path: str, block: bool = False) -> Val:
     return Val(path, block=block)
 
 
+@dataclass(frozen=True)
+class AppVersion(Expr):
+    """calmq's version, the chart's appVersion (the recommended version label)."""
+
+    def evaluate(self, ctx: Context) -> Any:
+        from calmq import __version__
+
+        return __version__
+
+    def go(self) -> str:
+        return "$.Chart.AppVersion"
+
+
+# The name label: the chart's name, or nameOverride.
+_NAME = Default(Val(("nameOverride",)), "calmq")
+
+
+def _named(suffix: str, *args: Any) -> Printf:
+    """An object's name: the release's prefix (``FullName``), then ``suffix``."""
+    return Printf("%s-" + suffix, FullName(), *args)
+
+
 def _selector(component: str, pool: Any = None) -> dict[str, Any]:
-    labels: dict[str, Any] = {"app.kubernetes.io/name": "calmq",
+    """The labels a part's pods are selected by: the release's (instance) among them, so
+    two releases in one namespace never select each other's pods."""
+    labels: dict[str, Any] = {"app.kubernetes.io/name": _NAME,
+                              "app.kubernetes.io/instance": Release(),
                               "app.kubernetes.io/component": component}
     if pool is not None:
         labels["calmq.dev/pool"] = pool
@@ -547,7 +621,8 @@ def _labels(component: str, pool: Any = None) -> dict[Any, Any]:
     """An object's labels: the selector's, the part-of and the scrape job name that both
     Prometheus discovery styles read (the PodMonitor's jobLabel; the pod relabelling of
     docs/how-to/alerting.md)."""
-    labels: dict[Any, Any] = {**_selector(component, pool), "app.kubernetes.io/part-of": "calmq"}
+    labels: dict[Any, Any] = {**_selector(component, pool), "app.kubernetes.io/part-of": "calmq",
+                              "app.kubernetes.io/version": AppVersion()}
     if component in PARTS:
         labels["calmq.dev/job"] = f"calmq-{component}"
     labels[Spread(_root("commonLabels"))] = None
@@ -677,7 +752,7 @@ def _container(name: Any, args: list[Any], part: _Part, *,
         "args": args,
     }
     if not inline_config:
-        container["envFrom"] = [{"configMapRef": {"name": CONFIG_NAME}}]
+        container["envFrom"] = [{"configMapRef": {"name": FullName()}}]
     # env wins over envFrom: a Deployment's own settings (its pool) over the shared ones.
     container["env"] = [
         # The ConfigMap may name a setting this image does not know (an upgrade's or a
@@ -700,21 +775,33 @@ def _container(name: Any, args: list[Any], part: _Part, *,
     if lifecycle is not None:
         container["lifecycle"] = lifecycle
     container["resources"] = part("resources", block=True)
-    container["securityContext"] = {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
+    # openshift: the restricted SCC assigns the UID and GID; a fixed one is refused.
+    container["securityContext"] = Without(_root("containerSecurityContext"), _IDS,
+                                           _root("openshift"))
     container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"},  # noqa: S108
-                                 _file_mount(part.name)]
+                                 _file_mount(part.name), Spread(part("extraVolumeMounts"))]
     return container
+
+
+def _spread(selector: dict[str, Any] | None, part: _Part) -> Any:
+    """Soft topology spread (``topologySpread``: ScheduleAnyway, so a small cluster still
+    schedules every replica) over the part's own pods, and the part's own constraints."""
+    own = part("topologySpreadConstraints")
+    if selector is None:
+        return _when_set(own, block=True)
+    spread = ("topologySpread",)
+    on = _root(*spread, "enabled")
+    soft = {"maxSkew": _root(*spread, "maxSkew"), "topologyKey": _root(*spread, "topologyKey"),
+            "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": selector}}
+    return When(Or((on, own)), [When(on, soft), Spread(own)])
 
 
 def _pod(part: _Part, containers: list[Any], *, grace: Any, restart: str = "Always",
          service_account: Any = None, component: str | None = None) -> dict[str, Any]:
     account = service_account if service_account is not None else Default(
         part("serviceAccountName"),
-        And((_root("serviceAccount", "create"), _root("serviceAccount", "name"))))
+        And((_root("serviceAccount", "create"),
+             Default(_root("serviceAccount", "name"), FullName()))))
     return {
         # Service links would inject CALMQ_<SERVICE>_PORT=tcp://... for a Service named
         # calmq-*; calmq tolerates them, but they are noise and shadow real settings.
@@ -725,18 +812,22 @@ def _pod(part: _Part, containers: list[Any], *, grace: Any, restart: str = "Alwa
         "terminationGracePeriodSeconds": grace,
         # The image's user (Dockerfile: uid 10001); the root filesystem is read-only and
         # the only writable place is /tmp. PodSecurity "restricted" admits this pod.
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+        # openshift: without runAsUser, runAsGroup and fsGroup, which the SCC assigns.
+        "securityContext": Without(_root("podSecurityContext"), _IDS, _root("openshift")),
         "imagePullSecrets": _when_set(_root("imagePullSecrets"), block=True),
         "priorityClassName": _when_set(part("priorityClassName")),
         "nodeSelector": _when_set(part("nodeSelector"), block=True),
         "tolerations": _when_set(part("tolerations"), block=True),
         "affinity": _when_set(part("affinity"), block=True),
-        "topologySpreadConstraints": _when_set(part("topologySpreadConstraints"), block=True),
-        "containers": containers,
+        "topologySpreadConstraints": _spread(None, part),
+        "initContainers": _when_set(part("initContainers"), block=True),
+        "containers": [*containers, Spread(part("sidecars"))],
         "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": part("tmpSizeLimit")}},
-                    _file_volume(component or part.name)],
+                    _file_volume(component or part.name), Spread(part("extraVolumes"))],
     }
+
+
+_IDS = ("runAsUser", "runAsGroup", "fsGroup")
 
 
 def _template_meta(part: _Part, component: str, pool: Any = None) -> dict[str, Any]:
@@ -759,6 +850,8 @@ def _deployment(name: Any, component: str, part: _Part, pod: dict[str, Any], *,
     spec: dict[str, Any] = {}
     if replicas is not None:
         spec["replicas"] = replicas
+    # A Deployment's replicas spread over their own selector (a Job runs one pod).
+    pod = {**pod, "topologySpreadConstraints": _spread(_selector(component, pool), part)}
     spec.update({
         "selector": {"matchLabels": _selector(component, pool)},
         "strategy": {"type": strategy},
@@ -792,10 +885,15 @@ def _hooks(weight: int) -> dict[str, str]:
 _JOBS = _Part("jobs", ("jobs",))
 
 
-def _job(name: str, component: str, containers: list[Any], weight: int) -> dict[str, Any]:
+def _job(name: Any, component: str, containers: list[Any], weight: int, key: str
+         ) -> dict[str, Any]:
+    # jobs.<key>.hook false: a plain Job, for tools that apply a chart's objects without
+    # running hooks (Flux's and Terraform's helm releases can; a GitOps render cannot).
+    hook = _JOBS(key, "hook")
+    annotations = {k: When(hook, v) for k, v in _hooks(weight).items()}
     return {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": _meta(name, component, _JOBS, annotations=_hooks(weight)),
+        "metadata": _meta(name, component, _JOBS, annotations=annotations),
         "spec": {
             "backoffLimit": _JOBS("backoffLimit"),
             # Kept a day for its logs; the next release's hook deletes it first anyway.
@@ -822,11 +920,11 @@ def _jobs() -> list[Doc]:
                          inline_config=True)
     return [
         Doc(lambda _c: "jobs/20-migrate-job.yaml", "job-migrate.yaml",
-            _job("calmq-migrate", "migrate", [migrate], -10)),
+            _job(_named("migrate"), "migrate", [migrate], -10, "migrate")),
         # Topics of every pool and the schemas, before any producer or consumer starts.
         # Each is idempotent, so the Job runs again with every release.
         Doc(lambda _c: "jobs/21-kafka-setup-job.yaml", "job-kafka-setup.yaml",
-            _job("calmq-kafka-setup", "kafka-setup", [topics, schemas], -5)),
+            _job(_named("kafka-setup"), "kafka-setup", [topics, schemas], -5, "kafkaSetup")),
     ]
 
 
@@ -851,12 +949,12 @@ def _api() -> list[Doc]:
         # SIGTERM lets every proxy stop sending to it, so a rollout drops no request.
         lifecycle={"preStop": {"sleep": {"seconds": api("preStopSeconds")}}})
     pod = _pod(api, [container], grace=api("terminationGracePeriodSeconds"))
-    deployment = _deployment("calmq-api", "api", api, pod, replicas=api("replicas"))
+    deployment = _deployment(_named("api"), "api", api, pod, replicas=api("replicas"))
     deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = When(
         _root("scrapeAnnotations"), Text(api("metricsPort")))
     service = {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {**_meta("calmq-api", "api"),
+        "metadata": {**_meta(_named("api"), "api"),
                      "annotations": _when_set(api("service", "annotations"), block=True)},
         "spec": {"type": api("service", "type"), "selector": _selector("api"),
                  "ports": [{"name": "http", "port": api("service", "port"),
@@ -866,15 +964,71 @@ def _api() -> list[Doc]:
     }
     pdb = {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta("calmq-api", "api"),
+        "metadata": _meta(_named("api"), "api"),
         "spec": {"minAvailable": api("pdb", "minAvailable"),
                  "selector": {"matchLabels": _selector("api")}},
     }
     return [
         Doc(lambda _c: "30-api-deployment.yaml", "api.yaml", deployment),
         Doc(lambda _c: "30-api-service.yaml", "api.yaml", service),
-        Doc(lambda _c: "30-api-pdb.yaml", "api.yaml", pdb, when=api("pdb", "enabled")),
+        Doc(lambda _c: "30-api-pdb.yaml", "api.yaml", pdb,
+            when=And((api("pdb", "enabled"), Above(api("replicas"), 1)))),
+        *_routes(),
     ]
+
+
+_GATEWAY_API = "gateway.networking.k8s.io/v1"
+
+
+def _routes() -> list[Doc]:
+    """The API from outside: an Ingress or a Gateway API HTTPRoute. Each carries what the
+    API's requests need of a proxy: an upload's body size (ingress-nginx's annotation; a
+    Gateway's own policy), and SSE streams and Prefer: wait held open for their time."""
+    ingress, route = ("api", "ingress"), ("api", "httpRoute")
+    seconds = Text(Val((*ingress, "timeoutSeconds")))
+    nginx = Val((*ingress, "nginx"))
+    annotations = {
+        "nginx.ingress.kubernetes.io/proxy-body-size": When(nginx, Val((*ingress, "bodySize"))),
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": When(nginx, seconds),
+        "nginx.ingress.kubernetes.io/proxy-send-timeout": When(nginx, seconds),
+        # SSE: each event reaches the client when it is written, not when a buffer fills.
+        "nginx.ingress.kubernetes.io/proxy-buffering": When(nginx, "off"),
+        Spread(Val((*ingress, "annotations"))): None,
+    }
+    backend = {"service": {"name": _named("api"),
+                           "port": {"number": _API("service", "port")}}}
+    host = Val((*ingress, "host"))
+    ing = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+        "metadata": {**_meta(_named("api"), "api"), "annotations": annotations},
+        "spec": {
+            "ingressClassName": _when_set(Val((*ingress, "className"))),
+            "tls": _when_set(Val((*ingress, "tls")), block=True),
+            "rules": [{"host": When(host, host), "http": {"paths": [{
+                "path": Val((*ingress, "path")), "pathType": "Prefix",
+                "backend": backend}]}}],
+        },
+    }
+    timeout = Printf("%ss", Text(Val((*route, "timeoutSeconds"))))
+    http_route = {
+        Check(Fail(Not(Served(_GATEWAY_API)),
+                   f"api.httpRoute.enabled: this cluster serves no {_GATEWAY_API} (the "
+                   "Gateway API's CRDs): install them, or use api.ingress")): None,
+        "apiVersion": _GATEWAY_API, "kind": "HTTPRoute",
+        "metadata": {**_meta(_named("api"), "api"),
+                     "annotations": _when_set(Val((*route, "annotations")), block=True)},
+        "spec": {
+            "parentRefs": Val((*route, "parentRefs"), block=True),
+            "hostnames": _when_set(Val((*route, "hostnames")), block=True),
+            "rules": [{"backendRefs": [{"name": _named("api"),
+                                        "port": _API("service", "port")}],
+                       "timeouts": {"request": timeout, "backendRequest": timeout}}],
+        },
+    }
+    return [Doc(lambda _c: "31-api-ingress.yaml", "ingress.yaml", ing,
+                when=Val((*ingress, "enabled"))),
+            Doc(lambda _c: "31-api-httproute.yaml", "ingress.yaml", http_route,
+                when=Val((*route, "enabled")))]
 
 
 def _singletons() -> list[Doc]:
@@ -883,17 +1037,17 @@ def _singletons() -> list[Doc]:
         # One relay: it owns the replication slot. Recreate stops the old pod before the new
         # one starts, so a rollout never has two relays waiting on the slot.
         Doc(lambda _c: "40-relay-deployment.yaml", "relay.yaml", _deployment(
-            "calmq-relay", "relay", relay,
+            _named("relay"), "relay", relay,
             _pod(relay, [_metrics_part("relay", relay, ["relay"])],
                  grace=relay("terminationGracePeriodSeconds")),
             replicas=1, strategy="Recreate")),
         Doc(lambda _c: "50-forwarder-deployment.yaml", "forwarder.yaml", _deployment(
-            "calmq-forwarder", "forwarder", forwarder,
+            _named("forwarder"), "forwarder", forwarder,
             _pod(forwarder, [_metrics_part("forwarder", forwarder, ["forwarder"])],
                  grace=forwarder("terminationGracePeriodSeconds")),
             replicas=forwarder("replicas"))),
         Doc(lambda _c: "50-reaper-deployment.yaml", "reaper.yaml", _deployment(
-            "calmq-reaper", "reaper", reaper,
+            _named("reaper"), "reaper", reaper,
             _pod(reaper, [_metrics_part("reaper", reaper, ["reaper"])],
                  grace=reaper("terminationGracePeriodSeconds")),
             replicas=reaper("replicas"))),
@@ -921,13 +1075,19 @@ def _workers() -> list[Doc]:
         {"name": "CALMQ_CONCURRENCY", "value": Text(worker("concurrency"))},
         {"name": "CALMQ_GRACE_SECONDS", "value": Text(worker("graceSeconds"))}])
     deployment = _deployment(
-        Printf("calmq-worker-%s", Dashed(pool)), "worker", worker,
+        _named("worker-%s", Dashed(pool)), "worker", worker,
         _pod(worker, [container], grace=worker("terminationGracePeriodSeconds")),
         # With KEDA, no replicas: a sync would reset a busy pool to this count.
         replicas=When(Not(keda_on), worker("replicas")), pool=pool)
-    scaled = keda.scaled_object(_meta(Printf("calmq-worker-%s", Dashed(pool)), "worker",
-                                      pool=pool))
-    auth = keda.trigger_authentication(_meta(Printf("calmq-worker-%s", Dashed(pool)),
+    scaled: dict[Any, Any] = {
+        # Asked for and not served: say so, instead of an apply that fails on a kind the
+        # cluster does not know (or, worse, a pool no one scales).
+        Check(Fail(Not(Served(keda.API_VERSION)),
+                   f"workers: KEDA is enabled but this cluster serves no {keda.API_VERSION}:"
+                   " install KEDA, or set workers.poolDefaults.keda.enabled=false (each pool"
+                   " then runs its replicas)")): None,
+        **keda.scaled_object(_meta(_named("worker-%s", Dashed(pool)), "worker", pool=pool))}
+    auth = keda.trigger_authentication(_meta(_named("worker-%s", Dashed(pool)),
                                              "worker", pool=pool))
     batch = _container("batcher", ["batcher", "--metrics-port", str(METRICS_PORT)], batcher,
                        env=[{"name": "CALMQ_POOL", "value": pool}],
@@ -936,7 +1096,7 @@ def _workers() -> list[Doc]:
     # A pool's batch lane (`calmq batcher`): one replica packs and polls; pollers share
     # batches by lease and packers claim jobs like workers, so more replicas are safe.
     batcher_deployment = _deployment(
-        Printf("calmq-batcher-%s", Dashed(pool)), "batcher", batcher,
+        _named("batcher-%s", Dashed(pool)), "batcher", batcher,
         _pod(batcher, [batch], grace=batcher("terminationGracePeriodSeconds")),
         replicas=batcher("replicas"), pool=pool)
 
@@ -952,19 +1112,27 @@ def _workers() -> list[Doc]:
             each=_pool_each(And((keda_on, keda.needs_trigger_authentication())))),
         Doc(named("61-batcher-%s-deployment.yaml"), "workers.yaml", batcher_deployment,
             each=_pool_each(Val(("batcher", "enabled"), "pool"))),
+        # Opt-in: a pool that scales to zero, or runs one replica, must not block drains.
+        Doc(named("62-worker-%s-pdb.yaml"), "workers.yaml", {
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(_named("worker-%s", Dashed(pool)), "worker", pool=pool),
+            "spec": {"maxUnavailable": worker("pdb", "maxUnavailable"),
+                     "selector": {"matchLabels": _selector("worker", pool)}}},
+            each=_pool_each(Val(("pdb", "enabled"), "pool"))),
     ]
 
 
-def _podmonitor(component: str) -> dict[str, Any]:
+def _podmonitor(component: str) -> dict[Any, Any]:
     endpoint: dict[str, Any] = {"port": "metrics", "path": "/metrics",
                                 "interval": _root("monitoring", "podMonitor", "interval")}
     if component in ("worker", "batcher"):
         # The pool as a target label, as the pod-annotation scrape config sets it.
         endpoint["relabelings"] = [{"sourceLabels": ["__meta_kubernetes_pod_label_calmq_dev_pool"],
                                     "targetLabel": "pool"}]
-    meta = _meta(f"calmq-{component}", component)
+    meta = _meta(_named(component), component)
     meta["labels"][Spread(_root("monitoring", "podMonitor", "labels"))] = None
     return {
+        Check(_operator_check("monitoring.podMonitor.enabled")): None,
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": meta,
         "spec": {
@@ -987,6 +1155,16 @@ def _runbook(rule: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_MONITORING_API = "monitoring.coreos.com/v1"
+
+
+def _operator_check(value: str) -> Fail:
+    return Fail(Not(Served(_MONITORING_API)),
+                f"{value}: this cluster serves no {_MONITORING_API} (the Prometheus "
+                "Operator's CRDs): install the operator, or set it false and scrape the "
+                "pods' prometheus.io annotations (scrapeAnnotations)")
+
+
 def _fixed(name: str) -> Callable[[Context], str]:
     return lambda _c: name
 
@@ -999,16 +1177,17 @@ def _monitoring() -> list[Doc]:
                 when=on)
             for name in ("api", "relay", "forwarder", "reaper", "worker", "batcher")]
     alerts = yaml.safe_load(monitoring_file("alerts.yml"))
-    rule_meta = _meta("calmq", "monitoring")
+    rule_meta = _meta(FullName(), "monitoring")
     rule_meta["labels"][Spread(_root("monitoring", "prometheusRule", "labels"))] = None
     docs.append(Doc(lambda _c: "71-prometheusrule.yaml", "prometheusrule.yaml", {
+        Check(_operator_check("monitoring.prometheusRule.enabled")): None,
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
         "metadata": rule_meta,
         "spec": {"groups": [{**group, "rules": [_runbook(r) for r in group["rules"]]}
                             for group in alerts["groups"]]},
     }, when=_root("monitoring", "prometheusRule", "enabled")))
     dash = _root("monitoring", "dashboard")
-    dash_meta = _meta("calmq-dashboard", "monitoring")
+    dash_meta = _meta(_named("dashboard"), "monitoring")
     dash_meta["labels"][Spread(Val((*dash.path, "labels")))] = None
     dash_meta["annotations"] = _when_set(Val((*dash.path, "annotations")), block=True)
     docs.append(Doc(lambda _c: "72-dashboard-configmap.yaml", "dashboard.yaml", {
@@ -1028,17 +1207,17 @@ def _network_policies() -> list[Doc]:
         return {"ports": [{"port": port, "protocol": "TCP"}],
                 "from": _when_set(Val((*net, peers)), block=True)}
 
-    def policy(name: str, selector: dict[str, Any], rules: list[Any]) -> dict[str, Any]:
+    def policy(name: Any, selector: dict[str, Any], rules: list[Any]) -> dict[str, Any]:
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": _meta(name, "network-policy"),
                 "spec": {"podSelector": selector, "policyTypes": ["Ingress"],
                          "ingress": rules}}
 
-    api = policy("calmq-api", {"matchLabels": _selector("api")}, [
+    api = policy(_named("api"), {"matchLabels": _selector("api")}, [
         rule("http", "apiFrom"), rule("metrics", "metricsFrom"),
         When(_API("console", "port"), rule("console", "consoleFrom"))])
-    parts = policy("calmq-parts", {
-        "matchLabels": {"app.kubernetes.io/name": "calmq"},
+    parts = policy(_named("parts"), {
+        "matchLabels": {"app.kubernetes.io/name": _NAME, "app.kubernetes.io/instance": Release()},
         "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
                               "values": ["relay", "forwarder", "reaper", "worker",
                                          "batcher"]}]}, [rule("metrics", "metricsFrom")])
@@ -1055,10 +1234,10 @@ def _base() -> list[Doc]:
                  "pod-security.kubernetes.io/audit": _root("namespace", "podSecurity"),
                  "pod-security.kubernetes.io/warn": _root("namespace", "podSecurity"),
                  Spread(_root("namespace", "labels")): None}
-    account = _meta(_root("serviceAccount", "name"), "service-account")
+    account = _meta(Default(_root("serviceAccount", "name"), FullName()), "service-account")
     # For IRSA / Workload Identity: the cloud role that may read and write the bucket.
     account["annotations"] = _when_set(_root("serviceAccount", "annotations"), block=True)
-    config_meta = _meta(CONFIG_NAME, "config")
+    config_meta = _meta(FullName(), "config")
     # A ConfigMap without a provider is never rendered: every model call would fail.
     provider = Required(_root("config", "provider_url"),
                         "config.provider_url is required: the model provider's URL "
@@ -1081,9 +1260,32 @@ def _base() -> list[Doc]:
     ]
 
 
+def _tests() -> list[Doc]:
+    """`helm test`: a pod that runs `calmq health` against the release's own parts, with
+    the settings and Secrets a worker has. The chart's alone: a Kustomize base would run
+    it as a plain pod on every apply."""
+    part = _Part("worker", ("jobs",))
+    container = _container("health", ["health"], part, env=[
+        {"name": "CALMQ_API_URL",
+         "value": Printf("http://%s:%s", _named("api"), Text(_API("service", "port")))}])
+    meta = _meta(_named("test"), "test")
+    meta["annotations"] = {"helm.sh/hook": "test",
+                           "helm.sh/hook-delete-policy": "before-hook-creation"}
+    pod = _pod(part, [container], grace=5, restart="Never", component="worker")
+    return [Doc(lambda _c: "90-test-pod.yaml", "tests/test-health.yaml",
+                {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod},
+                when=_root("tests", "enabled"), chart_only=True)]
+
+
+def _extra_objects() -> list[Doc]:
+    """``extraObjects``: any object of your own, each a document of the release."""
+    return [Doc(lambda c: f"95-extra-{c.scopes['extra'].key}.yaml", "extra-objects.yaml",
+                None, items=_root("extraObjects"))]
+
+
 def _docs() -> list[Doc]:
     return [*_base(), *_jobs(), *_api(), *_singletons(), *_workers(), *_monitoring(),
-            *_network_policies()]
+            *_network_policies(), *_tests(), *_extra_objects()]
 
 
 def monitoring_file(name: str) -> str:

@@ -28,6 +28,7 @@ from calmq.errors import ConfigError
 
 __all__ = [
     "HELPERS",
+    "Above",
     "And",
     "Check",
     "Checksum",
@@ -38,7 +39,9 @@ __all__ = [
     "Each",
     "Entries",
     "Expr",
+    "Fail",
     "FileText",
+    "FullName",
     "Has",
     "Image",
     "Key",
@@ -46,14 +49,18 @@ __all__ = [
     "Not",
     "Or",
     "Printf",
+    "Release",
     "Required",
+    "Served",
     "Spread",
     "Text",
     "Upper",
     "Val",
     "When",
+    "Without",
     "config_data",
     "documents",
+    "fullname",
     "go_json",
     "helm_template",
     "merge_values",
@@ -266,6 +273,114 @@ class Namespace(Expr):
 
 
 @dataclass(frozen=True)
+class Release(Expr):
+    """The release's name: Helm's; the render's own (``calmq`` unless given)."""
+
+    def evaluate(self, ctx: Context) -> Any:
+        return ctx.release
+
+    def go(self) -> str:
+        return "$.Release.Name"
+
+
+def fullname(values: Mapping[str, Any], release: str) -> str:
+    """The prefix of every object's name, as Helm's ``<chart>.fullname`` convention makes
+    it: ``fullnameOverride``, else the release's name when it holds the chart's name
+    (``nameOverride`` or ``calmq``), else ``<release>-<name>``; at most 63 characters. A
+    release named ``calmq`` keeps today's names, and two releases never share one."""
+    override = _go_str(values.get("fullnameOverride"))
+    if override:
+        return override[:63].rstrip("-")
+    name = _go_str(values.get("nameOverride")) or "calmq"
+    out = release if name in release else f"{release}-{name}"
+    return out[:63].rstrip("-")
+
+
+@dataclass(frozen=True)
+class FullName(Expr):
+    """``fullname`` of the values and the release (Go: the chart's calmq.fullname)."""
+
+    def evaluate(self, ctx: Context) -> Any:
+        return fullname(ctx.values, ctx.release)
+
+    def go(self) -> str:
+        return '(include "calmq.fullname" $)'
+
+
+@dataclass(frozen=True)
+class Served(Expr):
+    """Whether the cluster serves an API group/version (a custom resource's operator is
+    installed): Helm asks the cluster (``.Capabilities.APIVersions``, or ``helm template
+    --api-versions``), or takes the ``apiVersions`` value's word for it (``helm lint``,
+    which cannot be told). The render has no cluster to ask: it renders what it is told."""
+
+    api: str
+
+    def evaluate(self, ctx: Context) -> Any:
+        return True
+
+    def go(self) -> str:
+        api = json.dumps(self.api)
+        return (f"(or ($.Capabilities.APIVersions.Has {api}) "
+                f"(has {api} ($.Values.apiVersions | default list)))")
+
+
+@dataclass(frozen=True)
+class Above(Expr):
+    """Whether the number ``of`` is above ``bound`` (YAML numbers reach Go as float64)."""
+
+    of: Any
+    bound: int
+
+    def evaluate(self, ctx: Context) -> Any:
+        value = _ev(self.of, ctx)
+        return value is not None and float(value) > self.bound
+
+    def go(self) -> str:
+        return f"(gt (float64 (default 0 {_lit_go(self.of)})) {float(self.bound)!r})"
+
+
+@dataclass(frozen=True)
+class Fail(Expr):
+    """An error saying ``message`` where ``cond`` holds (Go's ``fail``); else nothing."""
+
+    cond: Any
+    message: str
+
+    def evaluate(self, ctx: Context) -> Any:
+        if _truthy(_ev(self.cond, ctx)):
+            raise ConfigError(self.message, code="invalid_values")
+        return ""
+
+    def go(self) -> str:
+        # Not ternary: Go evaluates every argument, so fail must sit behind an if.
+        return (f'(include "calmq.failIf" (list {_lit_go(self.cond)} '
+                f"{json.dumps(self.message)}))")
+
+
+@dataclass(frozen=True)
+class Without(Expr):
+    """The map ``of`` without ``keys`` where ``cond`` holds (sprig's ``omit``)."""
+
+    of: Any
+    keys: tuple[str, ...]
+    cond: Any
+
+    def evaluate(self, ctx: Context) -> Any:
+        value = dict(_ev(self.of, ctx) or {})
+        if _truthy(_ev(self.cond, ctx)):
+            for key in self.keys:
+                value.pop(key, None)
+        return value
+
+    def go(self) -> str:
+        of = _lit_go(self.of)
+        keys = " ".join(json.dumps(k) for k in self.keys)
+        return f"(ternary (omit ({of} | default dict) {keys}) ({of} | default dict) " \
+               f"(not (not {_lit_go(self.cond)})))"
+
+
+@dataclass(frozen=True)
 class Image(Expr):
     """``repository@digest`` when a digest is set, else ``repository:tag``."""
 
@@ -426,6 +541,8 @@ class Doc:
     body: Any
     when: Any = None
     each: Each | None = None  # the body once per entry (its ``body`` is ignored)
+    chart_only: bool = False  # Helm's alone (a `helm test` pod): never in the render
+    items: Val | None = None  # each item of this list value a document, as it is
 
 
 @dataclass
@@ -441,11 +558,12 @@ class Context:
     namespace: str
     files: Mapping[str, str] = field(default_factory=dict)
     scopes: dict[str, Bound] = field(default_factory=dict)
+    release: str = "calmq"
 
     def bind(self, scope: str, key: str, value: Any, defaults: tuple[str, ...] | None
              ) -> Context:
         return Context(self.values, self.namespace, self.files,
-                       {**self.scopes, scope: Bound(key, value, defaults)})
+                       {**self.scopes, scope: Bound(key, value, defaults)}, self.release)
 
 
 # -- Go's view of values -------------------------------------------------------------------
@@ -543,8 +661,24 @@ def config_checksum_text(values: Mapping[str, Any]) -> str:
     return "".join(lines) + f"secretsVersion={_go_str(values.get('secretsVersion'))}\n"
 
 
-# The chart's helpers: the Go twins of setting_text, Image and config_checksum_text.
+# The chart's helpers: the Go twins of setting_text, Image, fullname, Fail and
+# config_checksum_text.
 HELPERS = """\
+{{/* Every object's name prefix (calmq/tooling/manifests.py: fullname). */}}
+{{- define "calmq.fullname" -}}
+{{- if .Values.fullnameOverride -}}{{ .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else -}}
+{{- $name := default "calmq" .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "calmq.failIf" -}}
+{{- if index . 0 -}}{{- fail (index . 1) -}}{{- end -}}
+{{- end -}}
+
 {{/* A config value as its CALMQ_ variable spells it (calmq/tooling/manifests.py:
 setting_text): YAML numbers arrive as float64, so a whole number drops its fraction. */}}
 {{- define "calmq.text" -}}
@@ -640,7 +774,11 @@ def _entries(each: Each, ctx: Context) -> Iterator[Context]:
 def documents(docs: Sequence[Doc], ctx: Context) -> Iterator[tuple[str, dict[str, Any]]]:
     """(file name, manifest) of every document the values render."""
     for doc in docs:
-        if doc.when is not None and not _truthy(_ev(doc.when, ctx)):
+        if doc.chart_only or (doc.when is not None and not _truthy(_ev(doc.when, ctx))):
+            continue
+        if doc.items is not None:
+            for i, item in enumerate(_ev(doc.items, ctx) or []):
+                yield doc.file(ctx.bind("extra", str(i), item, None)), copy.deepcopy(item)
             continue
         for c in (_entries(doc.each, ctx) if doc.each is not None else [ctx]):
             yield doc.file(c), resolve(doc.body, c)
@@ -771,6 +909,10 @@ def helm_template(docs: Sequence[Doc], header: str) -> str:
     """The chart template holding ``docs``, each after a ``---``."""
     lines = [f"{{{{- /* {header} */}}}}"]
     for doc in docs:
+        if doc.items is not None:
+            lines += ["{{- range " + doc.items.go() + " }}", "---",
+                      "{{ toYaml . }}", "{{- end }}"]
+            continue
         body = ["---", *_block(doc.body, 0)]
         if doc.each is not None:
             body = [*_range_open(doc.each), *body, *_range_close(doc.each)]

@@ -34,7 +34,10 @@ NAMESPACE = "calmq"
 # Custom resources the OpenAPI schema does not cover (test_kubernetes checks ScaledObjects
 # and TriggerAuthentications against KEDA's spec, and the PodMonitor and PrometheusRule
 # shapes).
-CUSTOM = {"ScaledObject", "TriggerAuthentication", "PodMonitor", "PrometheusRule"}
+CUSTOM = {"ScaledObject", "TriggerAuthentication", "PodMonitor", "PrometheusRule", "HTTPRoute"}
+# The custom resources' APIs, as a cluster with KEDA and the Prometheus Operator serves them
+# (helm template asks no cluster: it is told).
+SERVED = ["--api-versions", "keda.sh/v1alpha1", "--api-versions", "monitoring.coreos.com/v1"]
 
 
 def _clean_env() -> dict[str, str]:
@@ -49,7 +52,7 @@ def _run(argv: list[str], *, cwd: Path = ROOT) -> subprocess.CompletedProcess[st
 @functools.cache
 def helm_template(values: Path) -> list[dict[str, Any]]:
     done = _run([tool("helm"), "template", "calmq", str(CHART), "--namespace", NAMESPACE,
-                 "-f", str(values)])
+                 *SERVED, "--skip-tests", "-f", str(values)])
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
@@ -120,7 +123,7 @@ def _set(name: str) -> Path:
 def test_helm_refuses_values_without_a_provider(tmp_path: Path) -> None:
     """`helm template` without config.provider_url fails with the reason, as the renderer
     does: a ConfigMap without the provider is never rendered."""
-    done = _run([tool("helm"), "template", "calmq", str(CHART)])
+    done = _run([tool("helm"), "template", "calmq", str(CHART), *SERVED])
     assert done.returncode != 0
     assert "config.provider_url is required" in done.stderr
 
@@ -132,7 +135,7 @@ def test_helm_refuses_a_secret_in_a_plain_setting(tmp_path: Path) -> None:
     values.write_text(yaml.safe_dump({"config": {
         "provider_url": "https://api.openai.com",
         "schema_registry_url": "https://calmq:hunter2@registry.example/apis/ccompat/v7"}}))
-    done = _run([tool("helm"), "template", "calmq", str(CHART), "-f", str(values)])
+    done = _run([tool("helm"), "template", "calmq", str(CHART), *SERVED, "-f", str(values)])
     assert done.returncode != 0
     assert "config.schema_registry_url holds a password" in done.stderr
     assert "hunter2" not in done.stdout
@@ -186,14 +189,15 @@ def test_helm_refuses_kafka_credentials_keda_cannot_read(tmp_path: Path) -> None
     values.write_text(yaml.safe_dump({"config": {
         "provider_url": "https://api.openai.com", "kafka_security_protocol": "SASL_SSL",
         "kafka_sasl_mechanism": "SCRAM-SHA-512", "kafka_sasl_username": "calmq"}}))
-    done = _run([tool("helm"), "template", "calmq", str(CHART), "-f", str(values)])
+    done = _run([tool("helm"), "template", "calmq", str(CHART), *SERVED, "-f", str(values)])
     assert done.returncode != 0
     assert "secretSettings.kafka_sasl_password" in done.stderr
 
 
 def test_helm_lint_passes() -> None:
     """`helm lint` (the chart's metadata and templates) passes with the production set."""
-    done = _run([tool("helm"), "lint", str(CHART), "-f", str(_set("production"))])
+    done = _run([tool("helm"), "lint", str(CHART), "-f", str(_set("production")),
+                 "--set", "apiVersions={keda.sh/v1alpha1,monitoring.coreos.com/v1}"])
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -266,3 +270,170 @@ def test_the_committed_values_schema_is_the_generated_one() -> None:
     assert schema["additionalProperties"] is False
     assert schema["properties"]["config"]["additionalProperties"] is False
     assert "kafka_bootstrap" in schema["properties"]["config"]["properties"]
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return _run([tool("helm"), "template", *args])
+
+
+def _docs(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in ("Deployment", "Job", "Pod")]
+
+
+def test_two_releases_share_a_namespace_without_a_colliding_name() -> None:
+    """Two releases of the production set in one namespace: no two objects share a kind
+    and name, every object validates, and each release's selectors pick its own pods."""
+    releases = {}
+    for release in ("calmq-staging", "calmq-production"):
+        releases[release] = _docs(_helm(release, str(CHART), "--namespace", NAMESPACE,
+                                        *SERVED, "-f", str(_set("production")),
+                                        "--set", "namespace.create=false"))
+    _by_name(releases["calmq-staging"] + releases["calmq-production"])  # no shared name
+    for release, docs in releases.items():
+        _validate([d for d in docs if d["kind"] != "Pod"])
+        for doc in docs:
+            selector = (doc["spec"].get("selector") or {}) if doc["kind"] in (
+                "Deployment", "Service", "PodDisruptionBudget") else {}
+            labels = selector.get("matchLabels", selector)
+            if labels:
+                assert labels["app.kubernetes.io/instance"] == release, doc["metadata"]["name"]
+            assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == release
+
+
+def test_openshift_renders_no_fixed_ids() -> None:
+    """openshift: true leaves runAsUser, runAsGroup and fsGroup to the restricted SCC in
+    every pod and container, through helm and `calmq k8s render` alike; the default keeps
+    the image's uid."""
+    ids = {"runAsUser", "runAsGroup", "fsGroup"}
+    shifted = _docs(_helm("calmq", str(CHART), *SERVED, "-f", str(_set("production")),
+                          "--set", "openshift=true"))
+    for spec in _pod_specs(shifted):
+        assert not ids & set(spec["securityContext"]), spec["containers"][0]["name"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for container in spec["containers"]:
+            assert not ids & set(container["securityContext"])
+    from calmq.settings import Settings
+    from calmq.tooling.kubernetes import default_values, render
+    from calmq.tooling.manifests import merge_values
+
+    values = merge_values(default_values(Settings.load(environ={})),
+                          {"config": {"provider_url": "https://api.openai.com"},
+                           "openshift": True})
+    for doc in render(values).values():
+        if doc["kind"] in ("Deployment", "Job"):
+            assert not ids & set(doc["spec"]["template"]["spec"]["securityContext"])
+    default = _pod_specs(helm_template(_set("production")))
+    assert all(spec["securityContext"]["runAsUser"] == 10001 for spec in default)
+
+
+def test_keda_and_operator_objects_need_their_apis() -> None:
+    """Without KEDA's API, a chart asked for ScaledObjects fails saying so, and renders
+    none with KEDA off; the Prometheus Operator's objects likewise; with the APIs served
+    they render."""
+    minimal = str(_set("minimal"))
+    refused = _helm("calmq", str(CHART), "-f", minimal)
+    assert refused.returncode != 0
+    assert "KEDA is enabled but this cluster serves no keda.sh/v1alpha1" in refused.stderr
+    off = _docs(_helm("calmq", str(CHART), "-f", minimal,
+                      "--set", "workers.poolDefaults.keda.enabled=false"))
+    assert "ScaledObject" not in {d["kind"] for d in off}
+    served = _docs(_helm("calmq", str(CHART), "-f", minimal, "--api-versions",
+                         "keda.sh/v1alpha1"))
+    assert "ScaledObject" in {d["kind"] for d in served}
+    monitoring = _helm("calmq", str(CHART), "-f", minimal, "--api-versions",
+                       "keda.sh/v1alpha1", "--set", "monitoring.podMonitor.enabled=true")
+    assert monitoring.returncode != 0
+    assert "monitoring.podMonitor.enabled: this cluster serves no monitoring.coreos.com/v1" \
+        in monitoring.stderr
+
+
+def test_api_pdb_only_above_one_replica_and_pool_pdbs_opt_in() -> None:
+    """The API's PDB is rendered at two replicas and not at one (where it blocks every
+    drain); a pool gets one only when it asks."""
+    def kinds(*sets: str) -> set[tuple[str, str]]:
+        docs = _docs(_helm("calmq", str(CHART), *SERVED, "-f", str(_set("minimal")),
+                           *(a for s in sets for a in ("--set", s))))
+        return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+    assert ("PodDisruptionBudget", "calmq-api") in kinds("api.replicas=2")
+    one = kinds("api.replicas=1")
+    assert not [k for k in one if k[0] == "PodDisruptionBudget"]
+    pooled = kinds("api.replicas=1", "workers.pools.default.pdb.enabled=true")
+    assert [k for k in pooled if k[0] == "PodDisruptionBudget"] == [
+        ("PodDisruptionBudget", "calmq-worker-default")]
+
+
+def test_helm_test_pod_runs_calmq_health_against_the_release() -> None:
+    """`helm test` runs a pod of `calmq health` with the release's settings and its API's
+    address; `calmq k8s render` has no such pod."""
+    docs = _docs(_helm("staging", str(CHART), *SERVED, "-f", str(_set("minimal"))))
+    [pod] = [d for d in docs if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    [container] = pod["spec"]["containers"]
+    assert container["command"] + container["args"] == ["calmq", "health"]
+    assert {"name": "CALMQ_API_URL", "value": "http://staging-calmq-api:8080"} in \
+        container["env"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "staging-calmq"}}]
+    assert "Pod" not in {d["kind"] for d in calmq_render(_set("minimal"))}
+
+
+def test_ingress_and_httproute_carry_upload_size_and_stream_timeouts(tmp_path: Path) -> None:
+    """The Ingress carries ingress-nginx's body size (the upload limit and its form) and
+    the SSE/Prefer: wait timeouts, unbuffered; the HTTPRoute its request timeouts and needs
+    the Gateway API served; both give helm's and the render's same objects."""
+    values = tmp_path / "routes.yaml"
+    values.write_text(yaml.safe_dump({
+        "config": {"provider_url": "https://api.openai.com"},
+        "api": {"ingress": {"enabled": True, "host": "calmq.example.com",
+                            "className": "nginx"},
+                "httpRoute": {"enabled": True,
+                              "parentRefs": [{"name": "edge", "namespace": "gateways"}]}}}))
+    refused = _helm("calmq", str(CHART), *SERVED, "-f", str(values))
+    assert "serves no gateway.networking.k8s.io/v1" in refused.stderr
+    helm = _by_name(_docs(_helm("calmq", str(CHART), "--namespace", NAMESPACE, *SERVED,
+                                "--skip-tests", "--api-versions",
+                                "gateway.networking.k8s.io/v1", "-f", str(values))))
+    assert helm == _by_name(calmq_render(values))
+    notes = helm[("Ingress", "calmq-api")]["metadata"]["annotations"]
+    assert notes["nginx.ingress.kubernetes.io/proxy-body-size"] == "101m"
+    assert notes["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "3600"
+    assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    [rule] = helm[("HTTPRoute", "calmq-api")]["spec"]["rules"]
+    assert rule["timeouts"] == {"request": "3600s", "backendRequest": "3600s"}
+    _validate([d for d in helm.values() if d["kind"] == "Ingress"])
+
+
+def test_extra_volumes_containers_objects_and_a_job_without_its_hook(tmp_path: Path) -> None:
+    """extraVolumes, extraVolumeMounts, initContainers and sidecars reach the part's pod,
+    extraObjects are documents of their own, and jobs.migrate.hook false renders the
+    migrate Job without hook annotations; helm and the render agree."""
+    values = tmp_path / "extras.yaml"
+    values.write_text(yaml.safe_dump({
+        "config": {"provider_url": "https://api.openai.com"},
+        "api": {"extraVolumes": [{"name": "certs", "configMap": {"name": "certs"}}],
+                "extraVolumeMounts": [{"name": "certs", "mountPath": "/certs"}],
+                "initContainers": [{"name": "wait", "image": "busybox", "args": ["true"]}],
+                "sidecars": [{"name": "proxy", "image": "envoyproxy/envoy:v1.31"}]},
+        "jobs": {"migrate": {"hook": False}},
+        "extraObjects": [{"apiVersion": "v1", "kind": "ConfigMap",
+                          "metadata": {"name": "certs"}, "data": {"ca.crt": "x"}}]}))
+    helm = _by_name(_docs(_helm("calmq", str(CHART), "--namespace", NAMESPACE, *SERVED,
+                                "--skip-tests", "-f", str(values))))
+    assert helm == _by_name(calmq_render(values))
+    pod = helm[("Deployment", "calmq-api")]["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["api", "proxy"]
+    assert [c["name"] for c in pod["initContainers"]] == ["wait"]
+    assert {"name": "certs", "configMap": {"name": "certs"}} in pod["volumes"]
+    assert {"name": "certs", "mountPath": "/certs"} in pod["containers"][0]["volumeMounts"]
+    assert helm[("ConfigMap", "certs")]["data"] == {"ca.crt": "x"}
+    migrate = helm[("Job", "calmq-migrate")]["metadata"].get("annotations") or {}
+    assert not [k for k in migrate if "hook" in k]
+    setup = helm[("Job", "calmq-kafka-setup")]["metadata"]["annotations"]
+    assert setup["helm.sh/hook"] == "pre-install,pre-upgrade"
+    _validate(list(helm.values()))

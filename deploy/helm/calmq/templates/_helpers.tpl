@@ -1,4 +1,19 @@
 {{- /* Written by `calmq k8s chart` from calmq/tooling/kubernetes.py; edit that, not this. */}}
+{{/* Every object's name prefix (calmq/tooling/manifests.py: fullname). */}}
+{{- define "calmq.fullname" -}}
+{{- if .Values.fullnameOverride -}}{{ .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else -}}
+{{- $name := default "calmq" .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "calmq.failIf" -}}
+{{- if index . 0 -}}{{- fail (index . 1) -}}{{- end -}}
+{{- end -}}
+
 {{/* A config value as its CALMQ_ variable spells it (calmq/tooling/manifests.py:
 setting_text): YAML numbers arrive as float64, so a whole number drops its fraction. */}}
 {{- define "calmq.text" -}}
