@@ -26,6 +26,9 @@ __all__ = [
     "BatchInfo",
     "BatchJob",
     "BatchList",
+    "BulkItem",
+    "BulkSubmitRequest",
+    "BulkSubmitted",
     "DeadLetter",
     "DeadLetterList",
     "JobError",
@@ -77,6 +80,19 @@ class SubmitRequest(BaseModel):
     concurrency_key: str | None = Field(default=None, min_length=1,
                                         max_length=MAX_CONCURRENCY_KEY,
                                         pattern=CONCURRENCY_KEY_PATTERN)
+
+
+class BulkSubmitRequest(BaseModel):
+    """The body of POST /v1/jobs/bulk: each item is a SubmitRequest body (JSON only) with
+    an optional ``idempotency_key``; items are checked one by one, so a bad item is
+    refused alone (its result), never the request."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    jobs: list[dict[str, Any]] = Field(
+        min_length=1, description="at most api_bulk_max_jobs items (default 1,000), each a "
+                                  "SubmitRequest plus an optional idempotency_key "
+                                  "(1 to 255 printable ASCII characters)")
 
 
 class ReviewRequest(BaseModel):
@@ -370,6 +386,28 @@ class WorkflowInfo(BaseModel):
 
 class WorkflowList(BaseModel):
     workflows: list[WorkflowInfo]
+
+
+class BulkItem(BaseModel):
+    """One item's answer in POST /v1/jobs/bulk: accepted (a new job), duplicate (its
+    idempotency key named an earlier job: that job), or refused (``problem`` says why, as
+    POST /v1/jobs would have answered it)."""
+
+    index: int = Field(description="the item's place in the request's jobs, from 0")
+    status: Literal["accepted", "duplicate", "refused"]
+    job_id: uuid.UUID | None = None
+    status_url: str | None = None
+    problem: Problem | None = None
+
+
+class BulkSubmitted(BaseModel):
+    """The 200 answer of POST /v1/jobs/bulk: one result per item, in input order, and the
+    counts."""
+
+    results: list[BulkItem]
+    accepted: int
+    duplicate: int
+    refused: int
 
 
 class Problem(BaseModel):
