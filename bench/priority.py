@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 from bench import loadgen
@@ -25,7 +26,7 @@ from bench.procs import Phase, Sampler
 from bench.report import result
 from bench.rig import Rig
 
-__all__ = ["DEFAULT_SIZE", "priority", "turnaround_ms"]
+__all__ = ["DEFAULT_SIZE", "priority", "tail_breakdown", "turnaround_ms"]
 
 DEFAULT_SIZE = 50_000
 PROVIDER_LATENCY_MS = 500
@@ -57,6 +58,42 @@ def turnaround_ms(rig: Rig, tenant_id: str) -> list[float]:
     return [float(r[0]) for r in rows]
 
 
+def tail_breakdown(rig: Rig, tenant_id: str, share: float = 0.05) -> dict[str, Any]:
+    """Where the slowest ``share`` of a tenant's completed jobs spent their time, against
+    the others: submit to the first attempt's start (relay, Kafka, claim, holds), the
+    attempts (budget admission and the provider's call), the last attempt's end to
+    ``completed`` (the finishing transaction); with the extra attempts and holds they met.
+    Medians per group, so one figure says which segment a p99 comes from."""
+    rows = rig.query(
+        """SELECT extract(epoch FROM c.at - q.at) * 1000,
+                  extract(epoch FROM min(a.started_at) - q.at) * 1000,
+                  extract(epoch FROM max(a.finished_at) - min(a.started_at)) * 1000,
+                  extract(epoch FROM c.at - max(a.finished_at)) * 1000,
+                  count(a.*),
+                  (SELECT string_agg(w.detail->>'reason', ',') FROM job_events w
+                    WHERE w.job_id = j.id AND w.type = 'waiting')
+           FROM jobs j JOIN job_events q ON q.job_id = j.id AND q.type = 'queued'
+                       JOIN job_events c ON c.job_id = j.id AND c.type = 'completed'
+                       JOIN job_attempts a ON a.job_id = j.id
+           WHERE j.tenant_id = %s GROUP BY j.id, q.at, c.at""", (tenant_id,))
+    if not rows:
+        return {}
+    rows = sorted(rows, key=lambda r: float(r[0]))
+    cut = max(1, round(len(rows) * share))
+    groups = {"slowest": rows[-cut:], "rest": rows[:-cut]}
+
+    def med(group: list[Any], i: int) -> float:
+        return round(percentile([float(r[i]) for r in group], 50), 1) if group else 0.0
+
+    return {name: {"jobs": len(g), "turnaround_ms": med(g, 0), "to_first_attempt_ms": med(g, 1),
+                   "attempts_ms": med(g, 2), "finish_ms": med(g, 3),
+                   "jobs_with_retries": sum(1 for r in g if int(r[4]) > 1),
+                   "jobs_with_waits": sum(1 for r in g if r[5]),
+                   "waits_by_reason": dict(Counter(x for r in g if r[5]
+                                                   for x in str(r[5]).split(",")))}
+            for name, g in groups.items()}
+
+
 def _completed(rig: Rig, tenant_id: str) -> int:
     return int(rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND "
                          "status = 'completed'", (tenant_id,))[0][0])
@@ -82,8 +119,20 @@ def _attempts_between(rig: Rig, t0: float, t1: float) -> dict[str, int]:
     return {str(p): int(n) for p, n in rows}
 
 
+def _failed_between(rig: Rig, t0: float, t1: float) -> dict[str, int]:
+    """Failed calls that ended in [t0, t1], by priority and code: a 429 despite the budget
+    pauses the model fleet-wide, interactive calls included."""
+    rows = rig.query(
+        """SELECT j.priority || ':' || coalesce(a.error_code, '?'), count(*)
+           FROM job_attempts a JOIN jobs j ON j.id = a.job_id
+           WHERE a.finished_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)
+             AND a.outcome IS DISTINCT FROM 'completed'
+           GROUP BY 1""", (t0, t1))
+    return {str(k): int(n) for k, n in rows}
+
+
 def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
-                      log: Log) -> tuple[dict[str, float], float, float, int]:
+                      log: Log) -> tuple[dict[str, Any], float, float, int]:
     tenant_id, key = rig.tenant(f"bench-{label}-{uuid.uuid4().hex[:6]}")
     log(f"  calmq: interactive jobs at {INTERACTIVE_RATE:.0f}/s for {seconds:.0f} s ({label})")
     t0 = time.time()
@@ -93,10 +142,11 @@ def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
     t1 = time.time()
     done = _wait(lambda: _completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
     lat = turnaround_ms(rig, tenant_id)
-    figures = {"interactive_p50_ms": round(percentile(lat, 50), 1),
+    figures: dict[str, Any] = {"interactive_p50_ms": round(percentile(lat, 50), 1),
                "interactive_p99_ms": round(percentile(lat, 99), 1),
                "interactive_completed": done, "interactive_submitted": load.ok,
-               "interactive_submit_errors": sum(load.errors.values())}
+               "interactive_submit_errors": sum(load.errors.values()),
+               "interactive_tail": tail_breakdown(rig, tenant_id)}
     return figures, t0, t1, done
 
 
@@ -136,6 +186,7 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         sampler.end(phase)
         bulk_after = _completed(rig, bulk_id)
         calls = _attempts_between(rig, b0, b1)
+        failed = _failed_between(rig, b0, b1)
         window = max(b1 - b0, 1e-3)
         total_calls = sum(calls.values())
         figures: dict[str, Any] = {
@@ -145,6 +196,7 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
             if total_calls else 0.0,
             # Calls that ended in the window ÷ what the budget allows in it.
             "budget_used": round(total_calls / (BUDGET_RPM / 60 * window), 3),
+            "failed_calls_in_window": failed,
             "bulk_queued": bulk.ok, "bulk_completed_in_window": bulk_after - bulk_before,
             "bulk_left_at_end": bulk.ok - bulk_after,
             "budget_requests_per_minute": BUDGET_RPM, "provider_latency_ms": PROVIDER_LATENCY_MS,
