@@ -1,6 +1,7 @@
 # The calmq image: every component (api, relay, worker, forwarder, reaper, batcher, fake
 # provider) is `calmq <command>` in it. docker-compose.kafka.yml builds and runs it; the
-# release workflow pushes it (docs/how-to/deploy-kubernetes.md, "Release").
+# release workflow (.github/workflows/release.yml) pushes it (docs/how-to/deploy-kubernetes.md,
+# "What a release contains").
 #
 # Pinned: the base image to a patch release of the Python the lock was made with, and the
 # wheel's dependencies to requirements.lock (`make lock`), installed as they are (--no-deps)

@@ -20,7 +20,11 @@ from calmq.tooling import keda
 from calmq.tooling.kubernetes import DOCS, SECRETS_HELPER, chart_files
 from calmq.tooling.manifests import HELPERS, helm_template
 
-__all__ = ["chart", "values_text", "write_chart"]
+__all__ = ["CHART_VERSION", "chart", "values_text", "write_chart"]
+
+# The chart's own version: raise it with every change to a template or a value, apart
+# from calmq's (appVersion), so a chart fix ships without a calmq release and the other way.
+CHART_VERSION = "0.1.0"
 
 HEADER = "Written by `calmq k8s chart` from calmq/tooling/kubernetes.py; edit that, not this."
 
@@ -190,7 +194,7 @@ def readme(values: Mapping[str, Any]) -> str:
         "dashboard and NetworkPolicies.",
         "",
         "```sh",
-        "helm install calmq oci://ghcr.io/calmq/charts/calmq --version " + __version__ + " \\",
+        "helm install calmq oci://ghcr.io/calmq/charts/calmq --version " + CHART_VERSION + " \\",
         "  --namespace calmq --create-namespace -f my-values.yaml",
         "helm test calmq -n calmq",
         "```",
@@ -254,7 +258,7 @@ def chart(values: Mapping[str, Any]) -> dict[str, str]:
         "name": "calmq",
         "description": "calmq: slow AI steps out of the request, on Kafka and PostgreSQL",
         "type": "application",
-        "version": __version__,
+        "version": CHART_VERSION,
         "appVersion": __version__,
         # The preStop sleep action (GA in 1.30) and PodSecurity admission.
         "kubeVersion": ">=1.30.0-0",
