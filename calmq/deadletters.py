@@ -194,9 +194,12 @@ class DeadLetters:
                   "workflow_version": workflow.version}
         if note:  # what the caller said about who they are: kept, but ``by`` is the audit field
             detail["by_note"] = note[:200]
-        moved = await self.records.requeue(job_id, detail=detail,
-                                           workflow_version=plan.workflow_version,
-                                           pool=plan.pool, max_attempts=plan.max_attempts)
+        try:
+            moved = await self.records.requeue(job_id, detail=detail,
+                                               workflow_version=plan.workflow_version,
+                                               pool=plan.pool, max_attempts=plan.max_attempts)
+        except ContractError as exc:  # a parent whose join can no longer hold (children)
+            return RedriveOutcome(job_id, "rejected", exc.code, exc.message)
         if moved is None:  # someone else redrove (or cancelled) it since we read it
             return RedriveOutcome(job_id, "skipped", "not_dead_lettered",
                                   "the job stopped being a dead letter during the redrive")

@@ -102,6 +102,9 @@ MOVES: frozenset[tuple[Status, Status]] = frozenset({
     (Status.RETRYING, Status.CANCELLED),  # cancel_job
     (Status.AWAITING_REVIEW, Status.CANCELLED),  # cancel_job
     (Status.DEAD_LETTER, Status.QUEUED),  # dlq_requeue: redrive, fresh attempt budget
+    # calmq_settle_child (migration 0053): a parent waiting for its children (waiting_reason
+    # children) whose join can no longer hold, decided as a child settles
+    (Status.QUEUED, Status.DEAD_LETTER),
 })
 
 

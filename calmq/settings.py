@@ -317,6 +317,11 @@ class Settings(BaseSettings):
         default=3, ge=1, le=20,
         description="how deep child jobs may nest (a child starting children is level 2); "
                     "a step past it fails (input, children_too_deep) and starts none")
+    children_in_flight_max: int = Field(
+        default=1000, ge=1, le=1_000_000,
+        description="most of one step's child jobs queued or running at once; the rest wait "
+                    "(waiting_reason parent_in_flight) and each child that ends releases the "
+                    "next, in input order")
     idempotency_retention_seconds: float = Field(default=24 * 3600.0, gt=0)
     job_retention_seconds: float = Field(default=30 * 24 * 3600.0, ge=0)  # 0: keep forever
     history_partition_hours: float = Field(

@@ -202,7 +202,8 @@ class Attempt:
                                       stream_calls=step.streams(job.priority))
         ctx = StepContext(str(job.id), str(job.tenant_id), step.name, job.attempt,
                           provider, self.objects, effects, priority=job.priority,
-                          workflow=job.workflow, lease_version=job.lease_version)
+                          workflow=job.workflow, lease_version=job.lease_version,
+                          pool=job.pool)
         enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
         timeout = self.step_timeout_seconds or step.timeout_seconds
         # Claimed ahead, a job may wait here for a slot; its timeout starts after.

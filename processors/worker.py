@@ -176,7 +176,8 @@ class Worker:
                             review_deadline_seconds=s.review_deadline_seconds,
                             outputs=self._outputs, step_providers=step_providers,
                             child_limits=ChildLimits(s.children_per_parent_max,
-                                                     s.children_depth_max)),
+                                                     s.children_depth_max,
+                                                     s.children_in_flight_max)),
             worker_id=self.worker_id, lease_seconds=s.lease_seconds, workflows=self.workflows,
             usage=provider.usage.record if provider.usage is not None else None, fair=fair)
         self.pipeline.start()

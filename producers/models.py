@@ -29,6 +29,8 @@ __all__ = [
     "BulkItem",
     "BulkSubmitRequest",
     "BulkSubmitted",
+    "ChildPage",
+    "ChildView",
     "DeadLetter",
     "DeadLetterList",
     "JobError",
@@ -218,6 +220,9 @@ class JobView(JobSummary):
     # Why a queued job waits (e.g. spend_cap_daily: its tenant is past its daily spend cap);
     # null when nothing holds it back.
     waiting_reason: str | None = None
+    # The job whose step started this one (a child job: GET /v1/jobs/{id}/children lists
+    # a parent's); null for a job submitted on its own.
+    parent_id: uuid.UUID | None = None
     # The job this one reruns from a step (POST /v1/jobs/{id}/rerun); null for a submit.
     rerun_of: uuid.UUID | None = None
     events: list[JobEvent]
@@ -259,6 +264,35 @@ class Redriven(JobView):
     """The answer of a redrive: the job, and what the redrive did to it."""
 
     redrive: dict[str, Any]
+
+
+class ChildView(BaseModel):
+    """A child job in its parent's page of children, ``index``: its place in the input."""
+
+    job_id: uuid.UUID
+    index: int
+    workflow: str
+    status: Status
+    attempt: int
+    step: str
+    artifact: Artifact | None
+    error: JobError | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class ChildPage(BaseModel):
+    """GET /v1/jobs/{id}/children: a page of the job's children in input order, the
+    children counted by status, its joins (newest first) and its own parent if any;
+    ``next_cursor`` is None on the last page."""
+
+    job_id: uuid.UUID
+    parent_id: uuid.UUID | None
+    counts: dict[str, int]
+    total: int
+    joins: list[dict[str, Any]]
+    children: list[ChildView]
+    next_cursor: str | None
 
 
 class JobPage(BaseModel):

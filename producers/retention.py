@@ -29,7 +29,8 @@ from functools import cache
 
 from prometheus_client import Counter
 
-from calmq.data import Database
+from calmq.data import Database, Jobs
+from calmq.data.children import Children
 from calmq.data.partitions import HistoryPartitions
 from calmq.data.retention import ExpiredJob, JobData, Retention
 from calmq.errors import ContractError, NotFound
@@ -62,10 +63,26 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
     if job.status not in TERMINAL:
         raise ContractError(f"the job is {job.status}; cancel it before deleting it",
                             code="job_not_terminal", status=409)
+    # Its child jobs first (a step of it started them: calmq.data.children), each purged
+    # the same way, their own children too; one not ended yet is cancelled first. The parent
+    # last: a purge that died half way is finished by a repeat, which still finds them.
+    await _purge_children(db, objects, settings, tenant_id, job_id)
     # A repeat is not skipped: it finishes a purge that died half way, or one made before
     # deletion covered every table and object (the work is idempotent).
     await delete_objects(objects, settings, tenant_id, job_id, job)
     await retention.redact(tenant_id, job_id)
+
+
+async def _purge_children(db: Database, objects: ObjectStore, settings: Settings,
+                          tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
+    children, jobs = Children(db), Jobs(db)
+    after = -1
+    while page := await children.page(tenant_id, job_id, after=after, limit=500):
+        for child in page:
+            if child.status not in TERMINAL:
+                await jobs.cancel(tenant_id, child.id, by="its parent was deleted")
+            await purge(db, objects, settings, tenant_id, child.id)
+        after = page[-1].index
 
 
 async def delete_objects(objects: ObjectStore, settings: Settings, tenant_id: uuid.UUID,

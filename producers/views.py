@@ -66,6 +66,7 @@ def event_view(event: HistoryEvent) -> dict[str, Any]:
 def job_view(job: JobDetail) -> dict[str, Any]:
     """``models.JobView``: the stable shape of GET /v1/jobs/{id} (docs/reference/api.md)."""
     return {**job_summary(job), "usage": _usage(job), "waiting_reason": job.waiting_reason,
+            "parent_id": _plain(job.parent_id),
             "rerun_of": _plain(job.rerun_of), "events": [event_view(e) for e in job.events]}
 
 

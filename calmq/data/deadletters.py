@@ -20,6 +20,7 @@ from psycopg.types.json import Jsonb
 from calmq.data import outbox
 from calmq.data.database import Database
 from calmq.data.jobs import requested
+from calmq.errors import ContractError
 
 __all__ = ["DeadJob", "DeadLetter", "DeadLetterGroup", "DeadLetterRecords", "Redriven"]
 
@@ -146,7 +147,14 @@ class DeadLetterRecords:
             # A parent whose join failed waits for its failed children again, run anew; the
             # children that succeeded keep their outputs (calmq.data.children).
             cur = await conn.execute(self._db.q["children_rearm"], {"id": job_id})
-            if await cur.fetchone() is not None:
+            join = await cur.fetchone()
+            if join is not None:
+                needed = join["n"] if join["policy"] == "all" else join["k"]
+                if join["n"] - join["failed"] < needed:  # its cancelled children: never
+                    raise ContractError(
+                        f"{join['failed']} of the job's {join['n']} children were cancelled: "
+                        f"its join ({join['policy']}) can no longer hold",
+                        code="children_cancelled", status=409)
                 cur = await conn.execute(self._db.q["children_requeue_failed"], {"id": job_id})
                 await outbox.insert(conn, [requested(c) for c in await cur.fetchall()])
                 return Redriven(row["id"], row["step"], row["round"])

@@ -174,6 +174,8 @@ class JobDetail(JobSnapshot):
     events: list[HistoryEvent]
     # Why a waiting job is not being run (a spend cap: calmq.spending); None: nothing holds it.
     waiting_reason: str | None = None
+    # The job whose step started this one (calmq.data.children); None: submitted.
+    parent_id: uuid.UUID | None = None
     # The job this one reruns from a step (calmq.reruns); None: not a rerun.
     rerun_of: uuid.UUID | None = None
 

@@ -16,7 +16,9 @@ SELECT count(*) AS n FROM up WHERE parent_id IS NOT NULL;
 -- A spawning step's children (rows as a JSON array), their first history event and their
 -- job.requested, in the group commit's transaction after finish_attempts: only while that
 -- statement has just moved the parent to wait for them (a fenced finish moved nothing, and
--- starts nothing). Same columns as insert_jobs, plus parent_id and child_index.
+-- starts nothing). Same columns as insert_jobs, plus parent_id and child_index; a child
+-- past the in-flight limit (held) waits (parent_in_flight) with its event in
+-- job_held_children instead of the outbox.
 WITH parent AS (
     SELECT id FROM jobs
     WHERE id = %(parent_id)s AND status = 'queued' AND waiting_reason = 'children'
@@ -25,26 +27,34 @@ WITH parent AS (
         id uuid, tenant_id uuid, workflow text, workflow_version integer, priority text,
         pool text, step text, max_attempts integer, input jsonb, metadata jsonb,
         deadline_at timestamptz, trace_parent text, lane text, concurrency_key text,
-        child_index integer, event_id uuid, route text, payload jsonb, headers jsonb)
+        child_index integer, held boolean, event_id uuid, route text, payload jsonb,
+        headers jsonb)
 ), job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, metadata, deadline_at, trace_parent, lane,
-                      concurrency_key, parent_id, child_index)
+                      concurrency_key, parent_id, child_index, waiting_reason)
     SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
            max_attempts, input, COALESCE(metadata, '{}'), deadline_at, trace_parent,
-           COALESCE(lane, 'online'), concurrency_key, %(parent_id)s, child_index
+           COALESCE(lane, 'online'), concurrency_key, %(parent_id)s, child_index,
+           CASE WHEN held THEN 'parent_in_flight' END
     FROM src
     RETURNING id, created_at
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'queued', 0, jsonb_build_object('parent_id', %(parent_id)s::text) FROM job
+), held AS (
+    -- past the in-flight limit: released one by one as earlier children end
+    INSERT INTO job_held_children (job_id, parent_id, child_index, route, payload, headers)
+    SELECT s.id, %(parent_id)s, s.child_index, s.route, s.payload, COALESCE(s.headers, '{}')
+    FROM src s WHERE s.held
 )
 INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
 SELECT s.event_id, s.route, j.id::text, 'job.requested',
        s.payload || jsonb_build_object(
            'created_at', floor(extract(epoch FROM j.created_at) * 1000)::bigint),
        COALESCE(s.headers, '{}')
-FROM job j JOIN src s ON s.id = j.id;
+FROM job j JOIN src s ON s.id = j.id
+WHERE NOT s.held;
 
 -- name: insert_join
 -- The parent's join record, beside its children (same transaction). A step that spawns
@@ -91,9 +101,12 @@ SELECT (SELECT COALESCE(jsonb_object_agg(status, n), '{}'::jsonb)
 
 -- name: children_rearm
 -- A redriven parent whose last join failed (in dlq_requeue's transaction, after it): the
--- join is armed again with what the children that succeeded already did (they keep their
--- outputs and are not run again), and the parent waits for it instead of running its next
--- step. Returns the join's step; no row: the parent had no failed join (an ordinary redrive).
+-- join is armed again with what its children did so far: those that succeeded keep their
+-- outputs and are not run again, those still running count when they end, a cancelled one
+-- stays cancelled and counts as failed; the dead-lettered ones run again
+-- (children_requeue_failed). The parent waits for the join instead of running its next
+-- step. Returns the join as armed; no row: the parent had no failed join (an ordinary
+-- redrive).
 WITH j AS (
     SELECT parent_id, step FROM job_joins
     WHERE parent_id = %(id)s AND outcome = 'failed'
@@ -107,22 +120,22 @@ WITH j AS (
 UPDATE job_joins jj
 SET succeeded = (SELECT count(*) FROM jobs c
                  WHERE c.parent_id = jj.parent_id AND c.status = 'completed'),
-    failed = 0, fired_at = NULL, outcome = NULL
+    failed = (SELECT count(*) FROM jobs c
+              WHERE c.parent_id = jj.parent_id AND c.status = 'cancelled'),
+    fired_at = NULL, outcome = NULL
 FROM j, parent
 WHERE jj.parent_id = j.parent_id AND jj.step = j.step
-RETURNING jj.step;
+RETURNING jj.step, jj.policy, jj.k, jj.n, jj.succeeded, jj.failed;
 
 -- name: children_requeue_failed
--- The re-armed join's failed children (dead-lettered, or cancelled with the parent) queued
--- again from the step they failed at, each with the history saying why; the caller writes
+-- The re-armed join's dead-lettered children queued again from the step they failed at, each with the history saying why; the caller writes
 -- their job.requested in this transaction. The whole rows: job.requested is filled from them.
 -- Their attempts are kept aside by round, as dlq_requeue keeps a redriven job's (the new
 -- round's attempts start at 1 again).
 WITH again AS (
     UPDATE jobs c SET status = 'queued', attempt = 0, error = NULL, waiting_reason = NULL,
                       lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE c.parent_id = %(id)s AND c.status IN ('dead_letter', 'cancelled')
-      AND c.redacted_at IS NULL
+    WHERE c.parent_id = %(id)s AND c.status = 'dead_letter' AND c.redacted_at IS NULL
     RETURNING c.*
 ), round AS (
     SELECT a.id, (SELECT count(*) + 1 FROM job_events e

@@ -88,7 +88,7 @@ FROM job j JOIN src s ON s.id = j.id;
 
 -- name: job_for_tenant
 -- calmq.data.jobs.JobDetail's columns (its events: job_events)
-SELECT id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
+SELECT id, parent_id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
        metadata, input_tokens, output_tokens, cost_usd, waiting_reason, rerun_of
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 

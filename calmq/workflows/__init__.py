@@ -70,19 +70,21 @@ class StepContext:
     # The attempt's fencing token (its claim's lease_version): objects it writes are keyed
     # by it, so a stale attempt never overwrites what the attempt holding the job wrote.
     lease_version: int = 0
+    # The pool the step runs on: a step may start its children there (Spawn.pool).
+    pool: str = ""
 
     def spawn(self, workflow: str, inputs: Sequence[dict[str, Any]], *,
               join: JoinPolicy | JoinKind = "all", lane: Literal["online", "batch"] | None = None,
               priority: Literal["interactive", "bulk"] | None = None,
               concurrency_key: str | None = None, output: dict[str, Any] | None = None,
-              ) -> StepOutput:
+              pool: str | None = None) -> StepOutput:
         """The step's output that starts one child job of ``workflow`` per input: return it.
         The job waits (queued, waiting_reason ``children``) until ``join`` holds; its next
         step then gets ``output`` with the children, in input order (calmq.workflows.Spawn)."""
         return StepOutput(artifact=dict(output or {}), spawn=Spawn(
             workflow, tuple(inputs), join=join if isinstance(join, JoinPolicy)
             else JoinPolicy(join), lane=lane, priority=priority,
-            concurrency_key=concurrency_key))
+            concurrency_key=concurrency_key, pool=pool))
 
     @property
     def idempotency_key(self) -> str:
@@ -135,7 +137,8 @@ class Spawn:
     """Child jobs a step starts (``StepContext.spawn``): one job of ``workflow`` per input,
     each an ordinary job (its own id, retries, lease) of the parent's tenant, trace and
     deadline; ``lane``, ``priority`` and ``concurrency_key`` default to the parent's lane,
-    priority and none. They are written with the step's output, in one transaction."""
+    priority and none, ``pool`` to the child workflow's (``ctx.pool``: where the parent
+    runs). They are written with the step's output, in one transaction."""
 
     workflow: str
     inputs: tuple[dict[str, Any], ...]
@@ -143,6 +146,7 @@ class Spawn:
     lane: Literal["online", "batch"] | None = None
     priority: Literal["interactive", "bulk"] | None = None
     concurrency_key: str | None = None
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -407,14 +411,15 @@ def any_timed_wait(workflows: Mapping[str, Workflow]) -> bool:
 
 
 def builtin_workflows(settings: Settings | None = None) -> dict[str, Workflow]:
-    """The examples shipped with calmq: summarize, invoice, embed_document, draft."""
+    """The examples shipped with calmq: summarize, invoice, embed_document (and the
+    embed_batch its children run), draft."""
     from calmq.workflows.draft import DRAFT
-    from calmq.workflows.embed_document import EMBED_DOCUMENT
+    from calmq.workflows.embed_document import EMBED_BATCH, EMBED_DOCUMENT
     from calmq.workflows.invoice import invoice_workflow
     from calmq.workflows.summarize import SUMMARIZE
 
     ledger_url = settings.ledger_url if settings is not None else ""
-    found = [SUMMARIZE, invoice_workflow(ledger_url), EMBED_DOCUMENT, DRAFT]
+    found = [SUMMARIZE, invoice_workflow(ledger_url), EMBED_DOCUMENT, EMBED_BATCH, DRAFT]
     return {w.name: w for w in found}
 
 

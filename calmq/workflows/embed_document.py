@@ -1,8 +1,10 @@
 """The ``embed_document`` example: chunk a document, embed the chunks in batches.
 
-Chunks and vectors live in the object store (they can be large); the step outputs and the
-artifact carry references. The artifact is ``{"vectors": {uri, sha256, content_type, size},
-"chunks": n, "dimensions": d, "batches": b}``.
+Each batch is a child job (``embed_batch``, docs/how-to/fan-out.md) with its own retries,
+and the vectors step joins their vectors in chunk order. Chunks and vectors live in the
+object store (they can be large); the step outputs and the artifact carry references. The
+artifact is ``{"vectors": {uri, sha256, content_type, size}, "chunks": n, "dimensions": d,
+"batches": b}``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from calmq.errors import ContractError, FailureClass, StepFailure
 from calmq.gateway import Embedder
 from calmq.workflows import ByReference, RetryPolicy, Step, StepContext, StepOutput, Workflow
 
-__all__ = ["EMBED_BY_REFERENCE", "EMBED_DOCUMENT", "EmbedInput", "chunk", "chunk_stream",
-           "chunk_text", "embed"]
+__all__ = ["EMBED_BATCH", "EMBED_BY_REFERENCE", "EMBED_DOCUMENT", "EmbedBatchInput",
+           "EmbedInput", "chunk", "chunk_stream", "chunk_text", "embed", "embed_batch",
+           "join_vectors"]
 
 
 class EmbedInput(BaseModel):
@@ -146,43 +149,96 @@ async def _store_chunks(ctx: StepContext, pieces: list[str], batch_size: int) ->
                                 "batch_size": batch_size})
 
 
+class EmbedBatchInput(BaseModel):
+    """One batch of a document's chunks (``embed_batch``, a child job of embed_document):
+    pieces ``start`` to ``stop`` of the chunks object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    chunks: str = Field(min_length=1, max_length=2048)  # the chunks object's uri
+    start: int = Field(ge=0)
+    stop: int = Field(ge=1)
+
+
+class Batch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    start: int
+    vectors: list[list[float]]
+
+
 async def embed(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    """One child job per batch of chunks (``embed_batch``, on this step's pool), joined when
+    all succeed: a transient failure retries its own batch, never a batch already paid for."""
+    args = Chunked.model_validate(data)
+    uri = str(args.chunks["uri"])
+    inputs = [{"chunks": uri, "start": start, "stop": min(start + args.batch_size, args.count)}
+              for start in range(0, args.count, args.batch_size)]
+    return ctx.spawn(EMBED_BATCH.name, inputs, join="all", pool=ctx.pool or None,
+                     output=args.model_dump(mode="json"))
+
+
+async def embed_batch(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    """Embed pieces ``start`` to ``stop`` of the chunks: the batch's vectors are its artifact."""
     if not isinstance(ctx.provider, Embedder):
         raise StepFailure("the configured provider cannot embed", code="no_embeddings",
                           failure_class=FailureClass.PERMISSION)
+    args = EmbedBatchInput.model_validate(data)
+    pieces: list[str] = json.loads(await _objects(ctx).get(args.chunks))[args.start:args.stop]
+    if not pieces:
+        raise StepFailure(f"no chunks {args.start} to {args.stop} in {args.chunks}",
+                          code="invalid_input", failure_class=FailureClass.INPUT)
+    reply = await ctx.provider.embed(inputs=pieces, job_id=ctx.job_id)
+    if len(reply.vectors) != len(pieces):
+        raise StepFailure("the provider answered a different number of vectors",
+                          code="malformed_output", failure_class=FailureClass.VERIFIER)
+    return StepOutput(artifact={"start": args.start, "vectors": reply.vectors},
+                      input_tokens=reply.input_tokens)
+
+
+async def join_vectors(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    """The batches' vectors in chunk order, stored as one object: the document's artifact."""
     objects = _objects(ctx)
-    pieces: list[str] = json.loads(await objects.get(data["chunks"]["uri"]))
-    size = int(data.get("batch_size", 16))
     vectors: list[list[float]] = []
-    tokens = 0
-    batches = 0
-    for start in range(0, len(pieces), size):
-        reply = await ctx.provider.embed(inputs=pieces[start:start + size], job_id=ctx.job_id)
-        if len(reply.vectors) != len(pieces[start:start + size]):
-            raise StepFailure("the provider answered a different number of vectors",
-                              code="malformed_output", failure_class=FailureClass.VERIFIER)
-        vectors.extend(reply.vectors)
-        tokens += reply.input_tokens
-        batches += 1
+    children = data["children"]
+    for child in children:
+        batch = Batch.model_validate_json(await objects.get(child["artifact"]["uri"]))
+        if batch.start != len(vectors):
+            raise StepFailure(f"batch {child['index']} starts at chunk {batch.start}, not "
+                              f"{len(vectors)}", code="missing_step_output",
+                              failure_class=FailureClass.BUG)
+        vectors.extend(batch.vectors)
     body = json.dumps([{"index": i, "vector": v} for i, v in enumerate(vectors)]).encode()
     ref = await objects.put(ctx.object_key("vectors.json"), body, "application/json")
     return StepOutput(
         artifact={"vectors": ref.as_dict(), "chunks": len(vectors),
-                  "dimensions": len(vectors[0]) if vectors else 0, "batches": batches},
-        input_tokens=tokens,
-    )
+                  "dimensions": len(vectors[0]) if vectors else 0, "batches": len(children)})
 
 
+# The child job of embed_document: one batch of chunks. Its own retries: a transient failure
+# of one batch costs that batch's call again, not the document's.
+EMBED_BATCH = Workflow(
+    name="embed_batch",
+    version=1,
+    input_model=EmbedBatchInput,
+    review_threshold=None,
+    steps=(Step("embed", embed_batch, timeout_seconds=120.0, retry=RetryPolicy(max_attempts=3),
+                output_model=Batch),),
+)
+
+# Version 2: the embeddings are child jobs (embed_batch) joined by the vectors step; version
+# 1 embedded every batch in one step, so one transient failure paid for all of them again.
 EMBED_DOCUMENT = Workflow(
     name="embed_document",
-    version=1,
+    version=2,
     input_model=EmbedInput,
     review_threshold=None,
     by_reference=EMBED_BY_REFERENCE,
     steps=(
         Step("chunk", chunk, timeout_seconds=60.0, retry=RetryPolicy(max_attempts=2),
              output_model=Chunked),
-        Step("embed", embed, timeout_seconds=300.0, retry=RetryPolicy(max_attempts=3),
-             output_model=Embedded),
+        Step("embed", embed, timeout_seconds=60.0, retry=RetryPolicy(max_attempts=3)),
+        Step("vectors", join_vectors, timeout_seconds=300.0,
+             retry=RetryPolicy(max_attempts=3), output_model=Embedded),
     ),
 )

@@ -45,10 +45,14 @@ CHILDREN_SPAWNED = "children_spawned"
 
 @dataclass(frozen=True)
 class ChildLimits:
-    """Settings children_per_parent_max and children_depth_max (docs/explanation/security)."""
+    """Settings children_per_parent_max, children_depth_max and children_in_flight_max
+    (docs/explanation/security.md)."""
 
     per_parent: int = 100_000
     depth: int = 3
+    # children_in_flight_max: a spawn's children past it wait (parent_in_flight), and each
+    # that ends releases the next (calmq/sql/migrations/0053_child_jobs.sql)
+    in_flight: int = 1_000
 
 
 def artifact_key(tenant_id: uuid.UUID, job_id: uuid.UUID, step: str,
@@ -195,7 +199,7 @@ class Progress:
                               f"; at most {self.limits.depth} levels (children_depth_max)",
                               code="children_too_deep", failure_class=FailureClass.INPUT)
         first = child.steps[0]
-        pool = child.pool_of(first)
+        pool = spawn.pool or child.pool_of(first)
         lane = spawn.lane or job.lane
         priority = spawn.priority or job.priority
         route = topics.work_route(pool, priority, lane)
@@ -222,6 +226,7 @@ class Progress:
                 "metadata": new.metadata, "trace_parent": new.trace_parent, "lane": lane,
                 "deadline_at": new.deadline_at.isoformat() if new.deadline_at else None,
                 "concurrency_key": new.concurrency_key, "child_index": index,
+                "held": index >= self.limits.in_flight,
                 "event_id": requested["event_id"], "route": route, "payload": requested,
                 "headers": trace})
         next_pool = workflow.pool_of(following)

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from calmq.data.children import ChildrenSummary, ChildView
 from calmq.data.console import ConsoleJob, ConsoleReads, JobPage, JobQuery, QueuedReview, Review
 from calmq.data.deadletters import DeadLetter, DeadLetterGroup
 from calmq.data.jobs import HistoryEvent
@@ -63,6 +64,15 @@ class Download:
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:
     yield body
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A job's place in a tree of child jobs (calmq.data.children): its parent, its
+    children counted by status and its joins, and the first of its children."""
+
+    summary: ChildrenSummary
+    children: list[ChildView]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +162,14 @@ class ConsoleData:
         if scope is None:
             return events
         return [replace(e, detail=public_error(e.detail)) for e in events]
+
+    async def family(self, job: JobPage, first: int = 50) -> Family:
+        """The job's parent, children (counts by status, the first ``first`` in input
+        order) and joins, for its page; read in the job's own tenant."""
+        summary = await self.store.children.summary(job.tenant_id, job.id)
+        children = (await self.store.children.page(job.tenant_id, job.id, limit=first)
+                    if summary.total else [])
+        return Family(summary, children)
 
     async def job_view(self, scope: uuid.UUID | None, job_id: uuid.UUID) -> JobView:
         job = await self.job(scope, job_id)

@@ -155,8 +155,16 @@ def waiting_notice(events: Sequence[Any]) -> dict[str, str] | None:
     wait (the review cap has a notice of its own)."""
     for e in reversed(events):
         kind = _get(e, "type")
-        if kind == "resumed":
+        if kind in ("resumed", "children_joined"):
             return None
+        if kind == "children_spawned":  # a step started child jobs: docs/how-to/fan-out.md
+            d = _get(e, "detail") or {}
+            join = d.get("policy", "all")
+            if join == "at_least":
+                join = f"at least {d.get('k', '')}"
+            return {"reason": "children", "text": (
+                f"a step started {d.get('count', '')} child jobs of {d.get('workflow', '')}; "
+                f"step {d.get('next_step', '')} runs when their join ({join}) holds")}
         if kind != "waiting":
             continue
         d = _get(e, "detail") or {}

@@ -16,6 +16,7 @@ from calmq.producers.routes import (
     reviews,
     workflows,
 )
+from calmq.producers.routes.children import ROUTES as CHILDREN_ROUTES
 from calmq.producers.routes.reruns import ROUTES as RERUN_ROUTES
 from calmq.producers.routing import Route
 
@@ -23,4 +24,4 @@ __all__ = ["ROUTES"]
 
 ROUTES: tuple[Route, ...] = (
     *bulk.ROUTES, *jobs.ROUTES, *workflows.ROUTES, *reviews.ROUTES, *dead_letters.ROUTES,
-    *health.ROUTES, *batches.ROUTES, *RERUN_ROUTES, *docs.ROUTES)
+    *health.ROUTES, *batches.ROUTES, *RERUN_ROUTES, *CHILDREN_ROUTES, *docs.ROUTES)

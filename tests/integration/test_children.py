@@ -9,6 +9,7 @@ fake provider."""
 from __future__ import annotations
 
 import tempfile
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from calmq.tooling.devstack import StackState, processes
-from tests.support.api import Api
+from calmq.tooling.devstack import StackState
+from tests.support.api import Api, console_session
 from tests.support.fanout_workflows import NAME, POOL
 from tests.support.waiting import wait_for
 from tests.support.workers import (
@@ -28,12 +29,13 @@ from tests.support.workers import (
     create_pool_topics,
     create_tenant_id,
     fake_stats,
-    start_fake_provider,
 )
 
 pytestmark = pytest.mark.integration
 
 TERMINAL = ("completed", "dead_letter", "cancelled")
+# The worker's children_in_flight_max: a parent's children past it wait for earlier ones.
+IN_FLIGHT = 3
 
 
 @dataclass
@@ -45,26 +47,24 @@ class Fanout:
 
 @pytest.fixture(scope="module")
 def fanout(stack: StackState) -> Iterator[Fanout]:
-    """An API and a worker that load the fan-out workflows, and a fake provider of their own."""
+    """An API and a worker that load the fan-out workflows, on the stack's fake provider
+    (its calls are counted per job, so a test reads its own jobs' calls)."""
     log_dir = Path(tempfile.mkdtemp(prefix="calmq-children-logs-"))
     procs = Procs(stack.env, log_dir)
-    pids: list[int] = []
+    url = stack.env["CALMQ_FAKE_PROVIDER_URL"]
     try:
-        pid, url = start_fake_provider(log_dir)
-        pids.append(pid)
         create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], POOL, ["1s"], partitions=4)
         settings = {"workflow_modules": "tests.support.fanout_workflows",
                     "provider_url": url, "retry_tiers": "1s"}
         api = procs.api(**settings)
         procs.worker(POOL, concurrency="32", workflow_modules=settings["workflow_modules"],
-                     provider_url=url, retry_tiers="1s")
+                     provider_url=url, retry_tiers="1s",
+                     children_in_flight_max=str(IN_FLIGHT))
         db = stack.env["CALMQ_DATABASE_URL"]
         _tenant, key = create_tenant_id(db, f"fanout-{uuid.uuid4().hex[:8]}")
         yield Fanout(Api(api, key), db, url)
     finally:
         procs.stop_all()
-        for pid in pids:
-            processes.stop(pid)
 
 
 def _submit(f: Fanout, **input_: Any) -> str:
@@ -126,7 +126,7 @@ def test_all_join_resumes_the_parent_once_with_outputs_in_input_order(fanout: Fa
 
 
 def test_a_failed_child_fails_an_all_join_at_once_naming_it(fanout: Fanout) -> None:
-    """A dead-lettered child fails an all join at once, naming it; its siblings are cancelled."""
+    """A dead-lettered child fails an all join at once, naming it, while its siblings run on."""
     parent = _submit(fanout, texts=["slow a", "bad", "slow b"],
                      modes=["success", "malformed", "success"], delays=[20_000, 0, 20_000])
     job = _finished(fanout, parent, timeout=15)  # well before the slow siblings could answer
@@ -139,7 +139,9 @@ def test_a_failed_child_fails_an_all_join_at_once_naming_it(fanout: Fanout) -> N
     # Decided in the transaction that settled the failed child: the same now().
     parent_at = _rows(fanout, "SELECT updated_at FROM jobs WHERE id = %s", parent)[0]
     assert parent_at["updated_at"] == bad["updated_at"]
-    assert [kids[0]["status"], kids[2]["status"]] == ["cancelled", "cancelled"]
+    # Left to finish (a redrive keeps their outputs), not cancelled with the parent.
+    assert kids[0]["status"] not in TERMINAL
+    assert kids[2]["status"] not in TERMINAL
     dead = [e for e in _events(fanout, parent) if e["type"] == "dead_lettered"]
     assert len(dead) == 1
     assert dead[0]["detail"]["failed_children"] == [bad["id"]]
@@ -232,3 +234,89 @@ def test_redriving_the_parent_reruns_only_its_failed_children(fanout: Fanout) ->
     types = [e["type"] for e in _events(fanout, parent)]
     assert types.count("children_joined") == 1
     assert types.count("children_spawned") == 1
+
+
+def test_the_api_pages_through_a_jobs_children_and_each_names_its_parent(fanout: Fanout) -> None:
+    """GET /v1/jobs/{id}/children pages the children in input order with counts by status."""
+    parent = _submit(fanout, texts=[f"t{i}" for i in range(5)])
+    assert _finished(fanout, parent)["status"] == "completed"
+    seen: list[str] = []
+    cursor: str | None = None
+    pages = 0
+    while True:
+        path = f"/v1/jobs/{parent}/children?limit=2" + (f"&cursor={cursor}" if cursor else "")
+        status, _h, page = fanout.api.call("GET", path)
+        assert status == 200, page
+        assert page["counts"] == {"completed": 5}
+        assert page["total"] == 5
+        assert page["parent_id"] is None
+        assert page["joins"][0]["outcome"] == "resumed"
+        seen += [c["job_id"] for c in page["children"]]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert pages == 3
+    kids = _children(fanout, parent)
+    assert seen == [k["id"] for k in kids]
+    assert fanout.api.job(kids[0]["id"])["parent_id"] == parent
+    assert fanout.api.job(parent)["parent_id"] is None
+    status, _h, _body = fanout.api.call("GET", f"/v1/jobs/{uuid.uuid4()}/children")
+    assert status == 404
+    # The console's job page shows the tree: the children counted by status, each linked,
+    # and on a child's page its parent.
+    cookie = console_session(fanout.api.base_url, fanout.api.key)
+    page = _console(fanout, cookie, parent)
+    assert 'data-testid="children-counts">5 children:' in page
+    assert all(f'href="/console/jobs/{k["id"]}"' in page for k in kids)
+    assert f'href="/console/jobs/{parent}"' in _console(fanout, cookie, kids[0]["id"])
+
+
+def _console(f: Fanout, cookie: str, job_id: str) -> str:
+    req = urllib.request.Request(f"{f.api.base_url}/console/jobs/{job_id}",
+                                 headers={"Cookie": f"calmq_console={cookie}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return str(resp.read().decode())
+
+
+def test_deleting_the_parent_cancels_and_purges_its_children(fanout: Fanout) -> None:
+    """DELETE of a parent cancels its children still running and purges every child too."""
+    parent = _submit(fanout, texts=["a", "b", "c"], modes=["success", "malformed", "success"],
+                     delays=[0, 0, 20_000])
+    assert _finished(fanout, parent)["status"] == "dead_letter"
+    kids = _children(fanout, parent)
+    wait_for(lambda: _children(fanout, parent)[0]["status"] == "completed", timeout=30,
+             what="the first child to complete")
+    assert _children(fanout, parent)[2]["status"] not in TERMINAL
+    status, _h, body = fanout.api.call("DELETE", f"/v1/jobs/{parent}")
+    assert status == 204, body
+    rows = {r["id"]: r for r in _rows(
+        fanout, "SELECT id::text AS id, status, redacted_at, artifact FROM jobs"
+                " WHERE id = ANY(%s::uuid[])", [parent, *(k["id"] for k in kids)])}
+    assert [rows[k["id"]]["status"] for k in kids] == ["completed", "dead_letter", "cancelled"]
+    assert all(r["redacted_at"] is not None for r in rows.values())
+    status, _h, _body = fanout.api.call("GET", f"/v1/jobs/{kids[0]['id']}/artifact")
+    assert status == 404
+
+
+def test_children_past_the_in_flight_limit_wait_for_earlier_ones(fanout: Fanout) -> None:
+    """At most children_in_flight_max of a parent's children run at once; the rest wait."""
+    parent = _submit(fanout, texts=[f"t{i}" for i in range(8)], delays=[1_000] * 8)
+    held = wait_for(lambda: (r := _rows(
+        fanout, "SELECT count(*) FILTER (WHERE waiting_reason = 'parent_in_flight') AS n,"
+                " count(*) AS total FROM jobs WHERE parent_id = %s", parent)[0])["total"] == 8
+        and r, timeout=30, what="the children to be written")
+    assert held["n"] >= 8 - IN_FLIGHT - 1  # one may have ended and released the next already
+    assert _finished(fanout, parent)["status"] == "completed"
+    spans = _rows(fanout, "SELECT a.started_at, a.finished_at FROM job_attempts a"
+                          " JOIN jobs j ON j.id = a.job_id WHERE j.parent_id = %s", parent)
+    assert len(spans) == 8
+    edges = sorted([(r["started_at"], 1) for r in spans]
+                   + [(r["finished_at"], -1) for r in spans], key=lambda e: (e[0], e[1]))
+    now = most = 0
+    for _at, step in edges:
+        now += step
+        most = max(most, now)
+    assert most <= IN_FLIGHT
+    assert _rows(fanout, "SELECT count(*) AS n FROM job_held_children WHERE parent_id = %s",
+                 parent)[0]["n"] == 0

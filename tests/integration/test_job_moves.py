@@ -94,6 +94,30 @@ def _moved(conn: psycopg.Connection[Any], query: str, source: Status,
     return bool(row["moved"])
 
 
+def _join_failed(conn: psycopg.Connection[Any], source: Status) -> bool:
+    """Whether a child's dead letter, failing its parent's join, moves a parent in
+    ``source`` (the trigger calmq_settle_child; rolled back either way)."""
+    parent, child, tenant_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with conn.transaction(force_rollback=True):
+        conn.execute("INSERT INTO tenants (id, name) VALUES (%s, %s)",
+                     (tenant_id, f"moves-{tenant_id.hex[:12]}"))
+        for job, status, parent_id in ((parent, source, None), (child, Status.RUNNING, parent)):
+            conn.execute(
+                "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
+                " pool, step, max_attempts, input, waiting_reason, parent_id, child_index,"
+                " updated_at) VALUES (%s, %s, 'summarize', 1, %s, 'bulk', 'default', 's', 3,"
+                " '{}', %s, %s, %s, %s)",
+                (job, tenant_id, status.value, "children" if parent_id is None else None,
+                 parent_id, 0 if parent_id else None, LONG_AGO))
+        conn.execute("INSERT INTO job_joins (parent_id, step, policy, k, n, resume_outbox,"
+                     " fail_outbox) VALUES (%s, 's', 'all', 1, 1, '[]', '[]')", (parent,))
+        conn.execute("UPDATE jobs SET status = 'dead_letter' WHERE id = %s", (child,))
+        row = conn.execute("SELECT updated_at > %s AS moved FROM jobs WHERE id = %s",
+                           (LONG_AGO, parent)).fetchone()
+    assert row is not None
+    return bool(row["moved"])
+
+
 @pytest.fixture(scope="module")
 def performed(stack: StackState) -> set[tuple[Status, Status]]:
     """Every (from, to) pair that some guarded statement performs."""
@@ -105,6 +129,8 @@ def performed(stack: StackState) -> set[tuple[Status, Status]]:
             for source in Status:
                 if _moved(conn, q[name], source, params, at_cap=name in AT_CAP):
                     found.add((source, target))
+        found |= {(source, Status.DEAD_LETTER) for source in Status
+                  if _join_failed(conn, source)}
     return found
 
 

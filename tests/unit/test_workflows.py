@@ -33,7 +33,7 @@ from calmq.workflows import (
     load_workflows,
 )
 from calmq.workflows.effects import MemoryEffectLog, once
-from calmq.workflows.embed_document import EMBED_DOCUMENT, chunk_text
+from calmq.workflows.embed_document import EMBED_BATCH, EMBED_DOCUMENT, chunk_text
 from calmq.workflows.invoice import (
     InvoiceFields,
     extract_fields,
@@ -349,18 +349,33 @@ def test_chunk_text_cuts_at_boundaries_within_the_size() -> None:
     assert " ".join(chunks).split() == text.split()
 
 
-async def test_embed_document_embeds_in_batches_and_references_the_vectors() -> None:
-    """chunk then embed: batches of batch_size, vectors stored, artifact = their reference."""
+async def test_embed_document_embeds_each_batch_as_a_child_and_joins_the_vectors() -> None:
+    """chunk, then one embed_batch child per batch_size chunks, then their vectors joined in
+    chunk order and referenced by the artifact."""
     objects = MemoryObjects()
     provider = FakeProvider()
     wf = EMBED_DOCUMENT
     chunked = await wf.step("chunk").run(ctx(provider, objects=objects),
                                          {"text": "one two three four five six seven",
                                           "chunk_chars": 50, "batch_size": 2})
-    chunked.artifact["chunks"] = {"uri": chunked.artifact["chunks"]["uri"]}
-    objects.data[chunked.artifact["chunks"]["uri"]] = json.dumps(["a", "bb", "ccc"]).encode()
-    out = await wf.step("embed").run(ctx(provider, objects=objects), chunked.artifact)
-    assert provider.embedded == [["a", "bb"], ["ccc"]]
+    uri = chunked.artifact["chunks"]["uri"]
+    objects.data[uri] = json.dumps(["a", "bb", "ccc"]).encode()
+    chunked.artifact["count"] = 3
+    spawned = await wf.step("embed").run(ctx(provider, objects=objects), chunked.artifact)
+    assert spawned.spawn is not None
+    assert spawned.spawn.workflow == EMBED_BATCH.name
+    assert spawned.spawn.inputs == ({"chunks": uri, "start": 0, "stop": 2},
+                                    {"chunks": uri, "start": 2, "stop": 3})
+    assert provider.embedded == []  # the children embed, each its own batch
+    children = []
+    for index, batch in enumerate(reversed(spawned.spawn.inputs)):  # finish in any order
+        out = await EMBED_BATCH.steps[0].run(ctx(provider, objects=objects), dict(batch))
+        ref = await objects.put(f"t/artifacts/{index}.json", json.dumps(out.artifact).encode(),
+                                "application/json")
+        children.append({"index": 1 - index, "artifact": ref.as_dict()})
+    assert provider.embedded == [["ccc"], ["a", "bb"]]
+    joined = {**spawned.artifact, "children": sorted(children, key=lambda c: c["index"])}
+    out = await wf.step("vectors").run(ctx(provider, objects=objects), joined)
     assert (out.artifact["chunks"], out.artifact["batches"], out.artifact["dimensions"]) == (
         3, 2, 2)
     vectors = json.loads(objects.data[out.artifact["vectors"]["uri"]])

@@ -47,6 +47,19 @@ CREATE TABLE IF NOT EXISTS job_joins (
     PRIMARY KEY (parent_id, step)
 );
 
+-- Children past the parent's in-flight limit (setting children_in_flight_max): written
+-- queued with waiting_reason parent_in_flight and no outbox row; their job.requested waits
+-- here, and each child that ends releases the next (calmq_settle_child), in input order.
+CREATE TABLE IF NOT EXISTS job_held_children (
+    job_id      uuid PRIMARY KEY,
+    parent_id   uuid NOT NULL,
+    child_index integer NOT NULL,
+    route       text NOT NULL,
+    payload     jsonb NOT NULL,
+    headers     jsonb NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS job_held_children_next ON job_held_children (parent_id, child_index);
+
 -- The outbox rows of a join's events (resume_outbox or fail_outbox): each with a fresh id,
 -- which is also its payload's event_id (calmq.data.outbox.entry's rule).
 CREATE OR REPLACE FUNCTION calmq_join_outbox(parent uuid, entries jsonb, extra jsonb)
@@ -70,6 +83,27 @@ DECLARE
     err jsonb;
     p jobs%ROWTYPE;
 BEGIN
+    -- A place in flight is free: the next held sibling goes (SKIP LOCKED: two children
+    -- ending at once release two). One cancelled while held is gone with its row.
+    WITH next AS (
+        DELETE FROM job_held_children h
+        WHERE h.job_id = (SELECT n.job_id FROM job_held_children n
+                          WHERE n.parent_id = NEW.parent_id
+                          ORDER BY n.child_index LIMIT 1 FOR UPDATE SKIP LOCKED)
+        RETURNING h.*
+    ), freed AS (
+        UPDATE jobs c SET waiting_reason = NULL
+        FROM next WHERE c.id = next.job_id AND c.status = 'queued'
+        RETURNING c.id, c.created_at
+    )
+    INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+    SELECT g.id, n.route, f.id::text, 'job.requested',
+           n.payload || jsonb_build_object(
+               'event_id', g.id::text,
+               'created_at', floor(extract(epoch FROM f.created_at) * 1000)::bigint),
+           n.headers
+    FROM next n JOIN freed f ON f.id = n.job_id, LATERAL (SELECT gen_random_uuid() AS id) g;
+
     UPDATE job_joins SET succeeded = succeeded + ok::int, failed = failed + (NOT ok)::int
     WHERE parent_id = NEW.parent_id AND fired_at IS NULL
     RETURNING * INTO j;
@@ -146,10 +180,11 @@ CREATE TRIGGER jobs_settle_child AFTER UPDATE OF status ON jobs
           AND OLD.status NOT IN ('completed', 'dead_letter', 'cancelled'))
     EXECUTE FUNCTION calmq_settle_child();
 
--- A parent cancelled or dead-lettered takes its children that have not ended with it
--- (they are cancelled, with the history saying by whom), and its open join is closed
--- first, so those cancels decide nothing. Through the same statement as the parent's move,
--- whichever path moved it (API cancel, a failed join, a worker's dead letter).
+-- A parent cancelled takes its children that have not ended with it (they are cancelled,
+-- with the history saying by whom), and its open join is closed first, so those cancels
+-- decide nothing. Through the same statement as the parent's cancel. A parent dead-lettered
+-- (its join failed) leaves its children be: those still running finish and keep their
+-- outputs, and a redrive re-runs only the failed ones (children_rearm).
 CREATE OR REPLACE FUNCTION calmq_cascade_parent() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE job_joins SET fired_at = now(), outcome = NEW.status
@@ -162,8 +197,7 @@ BEGIN
     )
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'cancelled', attempt,
-           jsonb_build_object('by', 'parent', 'parent_id', NEW.id::text,
-                              'parent_status', NEW.status)
+           jsonb_build_object('by', 'parent', 'parent_id', NEW.id::text)
     FROM cancelled;
     RETURN NULL;
 END
@@ -172,5 +206,5 @@ $$;
 DROP TRIGGER IF EXISTS jobs_cascade_parent ON jobs;
 CREATE TRIGGER jobs_cascade_parent AFTER UPDATE OF status ON jobs
     FOR EACH ROW
-    WHEN (NEW.status IN ('dead_letter', 'cancelled') AND OLD.status IS DISTINCT FROM NEW.status)
+    WHEN (NEW.status = 'cancelled' AND OLD.status IS DISTINCT FROM NEW.status)
     EXECUTE FUNCTION calmq_cascade_parent();

@@ -59,6 +59,7 @@ def build_app(
     app.router.add_post("/admin/reset", online.handle_reset)
     app.router.add_post("/admin/mode", online.handle_mode)
     app.router.add_post("/admin/outage", online.handle_outage)
+    app.router.add_post("/admin/flaky", online.handle_flaky)
     app.router.add_get("/healthz", online.handle_healthz)
     BatchApis(settings, online.record_refusal, online.batch_call_denied).routes(app)
     return app

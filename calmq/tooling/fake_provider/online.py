@@ -81,6 +81,9 @@ class Online:
         self._outage_until = 0.0
         self._outage: tuple[str, ...] = ()
         self._outage_calls = itertools.count()
+        # POST /admin/flaky: embeddings calls with an input holding the text fail (503) so
+        # many more times (an embeddings call carries no step input to choose a mode by).
+        self._embed_flaky: dict[str, int] = {}
         # An outage of one model only (None: every model), and its own Retry-After (None:
         # the setting's): a model's cooldown while the provider's other models answer.
         self._outage_model: str | None = None
@@ -468,6 +471,14 @@ class Online:
             stats = self._by_job.setdefault(job_id, [0, 0])
             stats[0] += 1
             stats[1] += 1
+        marker = next((m for m, left in self._embed_flaky.items()
+                       if left > 0 and any(m in i for i in inputs)), None)
+        if marker is not None:  # POST /admin/flaky: this call fails, as an outage's 503
+            self._embed_flaky[marker] -= 1
+            if job_id:
+                self._by_job[job_id][1] -= 1
+            await self._sleep(self._latency)
+            return self._fail(False, FAILURES["always_fail"])
         if self._in_outage(str(body.get("model", ""))):
             kind = self._outage[next(self._outage_calls) % len(self._outage)]
             return self._outage_failure(False, kind, str(body.get("model", "")))
@@ -549,6 +560,7 @@ class Online:
         self._status_counts.clear()
         self._by_job.clear()
         self._flaky_attempts.clear()
+        self._embed_flaky.clear()
         self.refused = 0
         self._refusals.clear()
         self._arrivals.clear()
@@ -609,6 +621,23 @@ class Online:
         self._outage_model = model
         self._outage_retry_after = None if retry_after is None else float(retry_after)
         return web.json_response({"seconds": seconds, "statuses": statuses, "model": model})
+
+    async def handle_flaky(self, request: web.Request) -> web.Response:
+        """``{"contains": "text", "times": 2}``: the next ``times`` embeddings calls with an
+        input that contains the text fail with a 503, as the ``flaky`` mode's calls do (one
+        batch of a document failing transiently); each counts as a call, not completed."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            body = None
+        text = body.get("contains") if isinstance(body, dict) else None
+        times = body.get("times", 2) if isinstance(body, dict) else None
+        if (not isinstance(text, str) or not text or isinstance(times, bool)
+                or not isinstance(times, int) or times < 0):
+            return web.json_response({"error": 'body must be {"contains": text, "times": >= 0}'},
+                                     status=400)
+        self._embed_flaky[text] = times
+        return web.json_response({"contains": text, "times": times})
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

@@ -102,6 +102,7 @@ async def job_page(request: web.Request, page: Page) -> web.StreamResponse:
     return render(
         "job.html", title=f"Job {ident}", page=page, current="jobs", job=job,
         view=view, terminal=job.status in TERMINAL,
+        family=await ConsoleData.of(request).family(job),
         event_types=" ".join(t.value for t in EventType),
         held_for_review_cap=job.status == "queued" and held_for_review_cap(view.events),
         wait=waiting_notice(view.events) if job.status in ("queued", "retrying") else None,
