@@ -685,6 +685,11 @@ class Settings(BaseSettings):
     keda_seconds_per_call: float = Field(default=10.0, gt=0)  # estimate: one model call
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    cli_state_dir: str = Field(
+        default="",
+        description="where the CLI writes bulk checkpoints (default: $XDG_STATE_HOME/calmq or"
+                    " ~/.local/state/calmq, else a folder under the temporary directory when"
+                    " neither can be written, as in the image)")
     metrics_host: str = Field(
         default="0.0.0.0",
         description="address --metrics-port listens on (relay, worker, forwarder, reaper);"

@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -206,12 +207,57 @@ class Checkpoint:
         )
 
 
-def default_checkpoint(command: str) -> Path:
-    """A new file under the user's state folder (XDG), one per run."""
-    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+def state_dir(configured: str = "") -> Path:
+    """Where the CLI keeps its checkpoints: ``cli_state_dir`` when set, else the user's state
+    folder (XDG), else, when there is none to write (a container's read-only root filesystem
+    with no home folder), a folder of its own under the temporary directory."""
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    candidates = [Path(xdg)] if xdg else []
+    with contextlib.suppress(RuntimeError, KeyError):  # no home folder at all
+        candidates.append(Path.home() / ".local" / "state")
+    for base in candidates:
+        try:
+            (base / "calmq").mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(base / "calmq", os.W_OK):
+            return base / "calmq"
+    return Path(tempfile.gettempdir()) / f"calmq-{os.getuid()}"
+
+
+def default_checkpoint(command: str, configured: str = "") -> Path:
+    """A new file under the CLI's state folder (``state_dir``), one per run."""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     name = f"{command.replace(' ', '-')}-{stamp}-{uuid.uuid4().hex[:6]}.json"
-    return base / "calmq" / "bulk" / name
+    return state_dir(configured) / "bulk" / name
+
+
+def target(settings: Settings) -> str:
+    """What a bulk action acts on, named in its confirmation: the database's host, port and
+    name, and the Kafka cluster's bootstrap servers, so that a shell still pointed at
+    production says so before anything is touched."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(settings.database_url)
+    except psycopg.ProgrammingError:  # a URL it cannot read fails later, with its error
+        info = {}
+    where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}"
+    database = f"{where}/{info.get('dbname') or '?'}"
+    return f"database {database}, Kafka {settings.kafka_bootstrap or '(not set)'}"
+
+
+def refuse_yes_from_environment() -> None:
+    """A bulk confirmation is only ever given on the command line: a ``CALMQ_YES`` left in a
+    shell profile or a CI job's environment would answer every later one, production's too."""
+    if "CALMQ_YES" in os.environ:
+        raise UsageError(
+            "CALMQ_YES is not read: a bulk action is confirmed on its command line with "
+            "--yes, never by the environment; unset CALMQ_YES",
+            code="confirmation_from_environment")
 
 
 def _duration(seconds: float) -> str:
@@ -293,6 +339,7 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
     """Run ``bulk`` to the end (or to an interruption); returns the exit code."""
     from calmq.cli.connect import open_store
 
+    refuse_yes_from_environment()
     if rate is not None and rate <= 0:
         raise UsageError("--rate is a positive number of jobs per second", code="invalid_rate")
     if resume is not None:
@@ -301,7 +348,8 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
             bulk.resumable.check(resume, state.params, state.started_at)
         bulk = dataclasses.replace(bulk, params=state.params)
     else:
-        state = Checkpoint(path=checkpoint or default_checkpoint(bulk.command),
+        state = Checkpoint(path=checkpoint or default_checkpoint(bulk.command,
+                                                                 settings.cli_state_dir),
                            command=bulk.command, params=bulk.params,
                            started_at=datetime.now(UTC).isoformat())
     if state.finished:
@@ -317,8 +365,8 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
     matched = asyncio.run(count())
     before = state.done + sum(state.skipped.values()) + sum(state.failed.values())
     resumed = f" ({before} handled before the interruption)" if resume is not None else ""
-    print(f"{matched} {bulk.noun} to {bulk.verb}{resumed}: {bulk.describe}", file=sys.stderr,
-          flush=True)
+    print(f"{matched} {bulk.noun} to {bulk.verb}{resumed}: {bulk.describe} "
+          f"(on {target(settings)})", file=sys.stderr, flush=True)
     if matched == 0:
         if not dry_run:
             state.finished = True
@@ -331,7 +379,7 @@ def run_bulk(bulk: Bulk, settings: Settings, *, fmt: Format, yes: bool, dry_run:
                 f"refusing to {bulk.verb} {matched} {bulk.noun} without confirmation: pass "
                 "--yes (or run it on a terminal to be asked); --dry-run shows what it would do",
                 code="confirmation_required")
-        if not _confirm(f"{bulk.verb} {matched} {bulk.noun}?"):
+        if not _confirm(f"{bulk.verb} {matched} {bulk.noun} on {target(settings)}?"):
             raise ConfigError(f"not confirmed: no {bulk.noun} were touched",
                               code="not_confirmed")
     if not dry_run:

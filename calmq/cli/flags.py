@@ -99,7 +99,9 @@ class Flags:
         env = _option_env(action.dest)
         action.help = f"{action.help or ''} [{env}]".lstrip()
         self.option_env.add(env)
-        if env not in os.environ:
+        # --yes is never taken from the environment (calmq.cli.bulk refuses CALMQ_YES): a
+        # variable left in a shell or a CI job would confirm every bulk action after it.
+        if env not in os.environ or action.dest == "yes":
             return
         if kw.get("action") == "store_true":
             action.default = os.environ[env].lower() in _TRUE

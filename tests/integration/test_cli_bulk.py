@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from calmq.tooling.devstack import StackState
 from tests.support.cli import (
@@ -143,6 +144,41 @@ def test_without_a_terminal_a_bulk_redrive_needs_yes(stack: StackState, tmp_path
     assert set(redriven_counts(stack, ids).values()) == {0}
 
 
+def test_calmq_yes_in_the_environment_is_refused_not_read(stack: StackState,
+                                                         tmp_path: Path) -> None:
+    """CALMQ_YES=1 confirms nothing: exit 2 naming it, with or without --yes, none redriven."""
+    name, tenant_id, _key = new_tenant(stack, "bulkenvyes")
+    ids = insert_jobs(stack, tenant_id, 3)
+    env = {**calmq_env(stack), "CALMQ_YES": "1"}
+    for more in ((), ("--yes",)):
+        refused = calmq(stack, *_redrive(name, *more, "--checkpoint",
+                                          str(tmp_path / "c.json")), env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert "[confirmation_from_environment]" in refused.stderr
+    assert set(redriven_counts(stack, ids).values()) == {0}
+
+
+def test_a_bulk_redrive_runs_with_no_home_folder_to_write(stack: StackState,
+                                                          tmp_path: Path) -> None:
+    """As in the image: no home folder to write and no XDG state folder, the default
+    checkpoint goes under the temporary directory and the redrive completes."""
+    name, tenant_id, _key = new_tenant(stack, "bulkrohome")
+    ids = insert_jobs(stack, tenant_id, 4)
+    # A home that is a file: nothing can be created under it, even by root (chmod would not
+    # stop root, and the tests may run as root).
+    home = tmp_path / "home"
+    home.write_text("")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**calmq_env(stack), "HOME": str(home), "TMPDIR": str(scratch)}
+    env.pop("XDG_STATE_HOME", None)
+    done = calmq(stack, *_redrive(name, "--yes"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert set(redriven_counts(stack, ids).values()) == {1}
+    written = list(scratch.glob(f"calmq-{os.getuid()}/bulk/dlq-redrive-*.json"))
+    assert len(written) == 1, done.stderr
+
+
 def test_jsonl_outcomes_partial_exit_3_and_summary(stack: StackState, tmp_path: Path) -> None:
     """-o jsonl: one outcome per line then the summary; a job that cannot run again is
     reported failed with its reason and the exit code is 3."""
@@ -217,7 +253,10 @@ def test_confirmation_on_a_terminal_refused_then_accepted(stack: StackState,
     argv = calmq_argv(*_redrive(name, "--checkpoint", str(tmp_path / "c.json")))
     code, screen = _pty_run(argv, calmq_env(stack), "n")
     assert code == 1, screen
-    assert "redrive 5 dead letters? [y/N]" in screen
+    # The question names what it acts on: the database and the Kafka cluster.
+    db = conninfo_to_dict(stack.env["CALMQ_DATABASE_URL"])
+    assert (f"redrive 5 dead letters on database {db['host']}:{db['port']}/{db['dbname']}, "
+            f"Kafka {stack.env['CALMQ_KAFKA_BOOTSTRAP']}? [y/N]") in screen
     assert "calmq: error [not_confirmed]" in screen
     assert set(redriven_counts(stack, ids).values()) == {0}
 
