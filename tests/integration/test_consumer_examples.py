@@ -1,4 +1,5 @@
-"""The downstream consumer examples (examples/consumers/{python,java,go}) against the real stack.
+"""The downstream consumer examples (examples/consumers/{python,java,go,node}) against the
+real stack.
 
 A mixed run goes through the API (completed, dead-lettered, reviewed then approved); each
 example is built (Maven, the Go toolchain), run as a subprocess with its own consumer group
@@ -6,8 +7,13 @@ from the oldest result, and must agree with the API on every job of the run, pri
 redelivered result once. The examples print the tenant's results only (``CALMQ_TENANT_ID``),
 so other tests' results do not count.
 
+Each reads a properties file (``CALMQ_CONSUMER_CONFIG``) as it would a secured cluster's; the
+Python one reads from the secured stack too, and the Node one reads 40 of 40 results.
+
 Builds are cached under ``$XDG_CACHE_HOME/calmq/consumer-examples`` (default
-``~/.cache/...``), keyed by a hash of each example's sources: a re-run does not rebuild.
+``~/.cache/...``), keyed by a hash of each example's sources: a re-run does not rebuild. The
+Node example's packages are installed by ``npm ci`` from its lock file (``make examples``),
+again only when the lock changed.
 Measured on 2 cores: warm, about 35 s for the module (the stack's start, the run, then 5-10 s
 per example, 5 s of it the idle timeout that ends each); building Java and Go from a warm
 ~/.m2 and module cache adds about 20 s; an empty ~/.m2 or module cache adds the downloads.
@@ -15,6 +21,7 @@ per example, 5 s of it the idle timeout that ends each); building Java and Go fr
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -89,7 +96,21 @@ def _python() -> list[str]:
     return [sys.executable, str(EXAMPLES / "python" / "consume_results.py")]
 
 
-BUILDERS = {"python": _python, "java": _build_java, "go": _build_go}
+def _build_node() -> list[str]:
+    """``npm ci`` of the example's pinned packages when its lock changed (as `make
+    examples` does), under a file lock: test sessions may run at once in one checkout."""
+    _require("node", "npm")
+    src = EXAMPLES / "node"
+    installed, lock = src / "node_modules" / ".package-lock.json", src / "package-lock.json"
+    with open(src / ".install.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not installed.exists() or installed.stat().st_mtime < lock.stat().st_mtime:
+            subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=src, check=True,
+                           timeout=600, capture_output=True)
+    return ["node", str(src / "consume_results.mjs")]
+
+
+BUILDERS = {"python": _python, "java": _build_java, "go": _build_go, "node": _build_node}
 
 
 def _redeliver(bootstrap: str, job_id: str) -> None:
@@ -155,10 +176,16 @@ def run(stack: StackState) -> dict:
 
 @pytest.mark.timeout(900)  # a cold first run downloads the Maven and Go dependencies
 @pytest.mark.parametrize("language", list(BUILDERS))
-def test_example_agrees_with_the_api_on_every_job(run: dict, language: str) -> None:
-    """The example prints one line per job of the run, as the API reports the job."""
+def test_example_agrees_with_the_api_on_every_job(run: dict, language: str,
+                                                  tmp_path: Path) -> None:
+    """The example, given a properties file, prints one line per job of the run, as the
+    API reports the job."""
     command = BUILDERS[language]()
-    env = {**run["env"], "CALMQ_CONSUMER_GROUP": f"examples-{language}-{uuid.uuid4()}"}
+    config = tmp_path / "client.properties"
+    config.write_text("# what a secured cluster's file holds, for this plaintext one\n"
+                      "security.protocol=PLAINTEXT\n")
+    env = {**run["env"], "CALMQ_CONSUMER_GROUP": f"examples-{language}-{uuid.uuid4()}",
+           "CALMQ_CONSUMER_CONFIG": str(config)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180,
                           check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -181,3 +208,69 @@ def test_example_agrees_with_the_api_on_every_job(run: dict, language: str) -> N
         assert line["usage"]["output_tokens"] == usage["output_tokens"], line
         assert line["usage"]["cost_usd"] == pytest.approx(usage["cost_usd"]), line
         assert isinstance(line["workflow_version"], int), line
+
+
+def _lines(done: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(600)
+def test_the_node_example_reads_40_of_40_results(stack: StackState) -> None:
+    """The Node.js example reads the 40 results of a tenant's 40 jobs, each once."""
+    command = _build_node()
+    tenant_id, key = create_tenant_id(stack.env["CALMQ_DATABASE_URL"],
+                                      f"node-{uuid.uuid4().hex[:8]}")
+    api = Api(stack.env["CALMQ_API_URL"], key)
+    jobs = [api.submit({"text": f"result {n} of 40", "mode": "success"}) for n in range(40)]
+    for job_id in jobs:
+        wait_for(lambda j=job_id: api.job(j)["status"] in TERMINAL, timeout=120,
+                 what=f"job {job_id} to finish")
+    env = {**os.environ, **stack.env, "CALMQ_API_KEY": key, "CALMQ_TENANT_ID": str(tenant_id),
+           "CALMQ_MAX_MESSAGES": "40", "CALMQ_IDLE_TIMEOUT": "20",
+           "CALMQ_CONSUMER_GROUP": f"examples-node-40-{uuid.uuid4()}"}
+    lines = _lines(subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=300, check=False))
+    assert sorted(line["job_id"] for line in lines) == sorted(jobs)
+    assert {line["status"] for line in lines} == {"completed"}
+    assert all(line["artifact_sha256"] for line in lines)
+
+
+@pytest.mark.timeout(600)
+def test_the_python_example_reads_from_the_secured_stack(secured_stack: StackState,
+                                                         tmp_path: Path) -> None:
+    """Given a properties file with SASL_SSL (SCRAM-SHA-512), the CA and the registry's
+    basic auth, the Python example reads a tenant's results from the secured stack."""
+    state = secured_stack
+    tenant_id, key = create_tenant_id(state.env["CALMQ_DATABASE_URL"],
+                                      f"secured-ex-{uuid.uuid4().hex[:6]}")
+    api = Api(state.env["CALMQ_API_URL"], key)
+    jobs = [api.submit({"text": f"secured {n}", "mode": "success"}) for n in range(3)]
+    for job_id in jobs:
+        wait_for(lambda j=job_id: api.job(j)["status"] == "completed", timeout=120,
+                 what=f"job {job_id} to complete")
+    config = tmp_path / "secured.properties"
+    kafka_password = Path(state.env["CALMQ_KAFKA_SASL_PASSWORD_FILE"]).read_text().strip()
+    registry_password = Path(
+        state.env["CALMQ_SCHEMA_REGISTRY_PASSWORD_FILE"]).read_text().strip()
+    config.write_text(
+        f"security.protocol={state.env['CALMQ_KAFKA_SECURITY_PROTOCOL']}\n"
+        f"sasl.mechanism={state.env['CALMQ_KAFKA_SASL_MECHANISM']}\n"
+        f"sasl.username={state.env['CALMQ_KAFKA_SASL_USERNAME']}\n"
+        f"sasl.password={kafka_password}\n"
+        f"ssl.ca.location={state.env['CALMQ_KAFKA_SSL_CA_LOCATION']}\n"
+        "schema.registry.basic.auth.user.info="
+        f"{state.env['CALMQ_SCHEMA_REGISTRY_USERNAME']}:{registry_password}\n"
+        f"schema.registry.ssl.ca.location={state.env['CALMQ_SCHEMA_REGISTRY_CA_LOCATION']}\n")
+    config.chmod(0o600)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CALMQ_")}
+    env = {**base, "CALMQ_KAFKA_BOOTSTRAP": state.env["CALMQ_KAFKA_BOOTSTRAP"],
+           "CALMQ_SCHEMA_REGISTRY_URL": state.env["CALMQ_SCHEMA_REGISTRY_URL"],
+           "CALMQ_API_URL": state.env["CALMQ_API_URL"], "CALMQ_API_KEY": key,
+           "CALMQ_CONSUMER_CONFIG": str(config), "CALMQ_IDLE_TIMEOUT": "10",
+           "CALMQ_TENANT_ID": str(tenant_id), "CALMQ_MAX_MESSAGES": str(len(jobs)),
+           "CALMQ_CONSUMER_GROUP": f"examples-secured-{uuid.uuid4()}"}
+    lines = _lines(subprocess.run(_python(), env=env, capture_output=True, text=True,
+                                  timeout=300, check=False))
+    assert sorted(line["job_id"] for line in lines) == sorted(jobs)
+    assert {line["status"] for line in lines} == {"completed"}

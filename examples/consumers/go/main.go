@@ -1,14 +1,23 @@
 // Command results-consumer is a downstream consumer of calmq.results: franz-go for Kafka, its
 // pkg/sr client for the schema registry, hamba/avro to decode. It prints one JSON line per job
 // result and exits after -max-messages results or -idle-timeout without a message. Every flag
-// also reads an environment variable (see -help).
+// also reads an environment variable (see -help); the defaults reach the Docker Compose stack
+// from its host (docker-compose.kafka.yml).
 //
 //	go build -o results-consumer . && ./results-consumer -api-key "$CALMQ_API_KEY"
+//
+// A secured cluster: -config FILE, a properties file with the other examples' keys:
+// security.protocol (SSL, SASL_SSL, SASL_PLAINTEXT), sasl.mechanism (PLAIN, SCRAM-SHA-256,
+// SCRAM-SHA-512), sasl.username, sasl.password, ssl.ca.location (a PEM CA), and
+// schema.registry.basic.auth.user.info (USER:PASSWORD), schema.registry.ssl.ca.location.
 package main
 
 import (
+	"bufio"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -24,6 +33,8 @@ import (
 
 	"github.com/hamba/avro/v2"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
 	"github.com/twmb/franz-go/pkg/sr"
 )
 
@@ -77,9 +88,11 @@ func env(name, fallback string) string {
 }
 
 func main() {
-	bootstrap := flag.String("bootstrap", env("CALMQ_KAFKA_BOOTSTRAP", "localhost:9092"), "Kafka bootstrap servers")
-	registry := flag.String("registry", env("CALMQ_SCHEMA_REGISTRY_URL", ""), "Confluent-compatible registry URL")
-	api := flag.String("api", env("CALMQ_API_URL", "http://localhost:8000"), "calmq API URL")
+	bootstrap := flag.String("bootstrap", env("CALMQ_KAFKA_BOOTSTRAP", "localhost:29092"), "Kafka bootstrap servers")
+	registry := flag.String("registry", env("CALMQ_SCHEMA_REGISTRY_URL", "http://localhost:8081/apis/ccompat/v7"), "Confluent-compatible registry URL")
+	api := flag.String("api", env("CALMQ_API_URL", "http://localhost:8080"), "calmq API URL")
+	topic := flag.String("topic", env("CALMQ_RESULTS_TOPIC", "calmq.results"), "calmq.results, or a tenant's own")
+	config := flag.String("config", env("CALMQ_CONSUMER_CONFIG", ""), "a properties file for a secured cluster")
 	apiKey := flag.String("api-key", env("CALMQ_API_KEY", ""), "calmq API key")
 	group := flag.String("group", env("CALMQ_CONSUMER_GROUP", "results-example-go"), "consumer group")
 	tenant := flag.String("tenant-id", env("CALMQ_TENANT_ID", ""), "print only this tenant's results")
@@ -89,18 +102,26 @@ func main() {
 	flag.Float64Var(&idleSeconds, "idle-timeout", idleSeconds, "exit after this many seconds without a message")
 	flag.Parse()
 
-	rcl, err := sr.NewClient(sr.URLs(*registry))
+	props, err := readProperties(*config)
+	if err != nil {
+		log.Fatal(err)
+	}
+	kafkaOpts, registryOpts, err := secured(props)
+	if err != nil {
+		log.Fatal(err)
+	}
+	rcl, err := sr.NewClient(append([]sr.ClientOpt{sr.URLs(*registry)}, registryOpts...)...)
 	if err != nil {
 		log.Fatal(err)
 	}
 	dec := &decoder{registry: rcl, schemas: map[int]avro.Schema{}}
-	cl, err := kgo.NewClient(
+	cl, err := kgo.NewClient(append([]kgo.Opt{
 		kgo.SeedBrokers(strings.Split(*bootstrap, ",")...),
 		kgo.ConsumerGroup(*group),
-		kgo.ConsumeTopics("calmq.results"),
+		kgo.ConsumeTopics(*topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), // a new group starts at the oldest
 		kgo.DisableAutoCommit(),                           // commit after processing
-	)
+	}, kafkaOpts...)...)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -195,6 +216,90 @@ func header(rec *kgo.Record, key string) string {
 		}
 	}
 	return ""
+}
+
+// readProperties reads a .properties file's key=value lines ("" reads nothing).
+func readProperties(path string) (map[string]string, error) {
+	props := map[string]string{}
+	if path == "" {
+		return props, nil
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	lines := bufio.NewScanner(f)
+	for lines.Scan() {
+		line := strings.TrimSpace(lines.Text())
+		if line == "" || strings.HasPrefix(line, "#") || strings.HasPrefix(line, "!") {
+			continue
+		}
+		key, value, _ := strings.Cut(line, "=")
+		props[strings.TrimSpace(key)] = strings.TrimSpace(value)
+	}
+	return props, lines.Err()
+}
+
+// secured turns the properties into franz-go's and the registry client's options.
+func secured(props map[string]string) ([]kgo.Opt, []sr.ClientOpt, error) {
+	var kafka []kgo.Opt
+	var registry []sr.ClientOpt
+	protocol := strings.ToUpper(props["security.protocol"])
+	if protocol == "SSL" || protocol == "SASL_SSL" {
+		conf, err := tlsConfig(props["ssl.ca.location"])
+		if err != nil {
+			return nil, nil, err
+		}
+		kafka = append(kafka, kgo.DialTLSConfig(conf))
+	}
+	if strings.HasPrefix(protocol, "SASL_") {
+		user, pass := props["sasl.username"], props["sasl.password"]
+		switch strings.ToUpper(props["sasl.mechanism"]) {
+		case "SCRAM-SHA-512":
+			kafka = append(kafka, kgo.SASL(scram.Auth{User: user, Pass: pass}.AsSha512Mechanism()))
+		case "SCRAM-SHA-256":
+			kafka = append(kafka, kgo.SASL(scram.Auth{User: user, Pass: pass}.AsSha256Mechanism()))
+		case "PLAIN", "":
+			kafka = append(kafka, kgo.SASL(plain.Auth{User: user, Pass: pass}.AsMechanism()))
+		default:
+			return nil, nil, fmt.Errorf("sasl.mechanism %q: this example knows PLAIN and SCRAM", props["sasl.mechanism"])
+		}
+	}
+	if info, ok := props["schema.registry.basic.auth.user.info"]; ok {
+		user, pass, _ := strings.Cut(info, ":")
+		registry = append(registry, sr.BasicAuth(user, pass))
+	}
+	if ca, ok := props["schema.registry.ssl.ca.location"]; ok {
+		conf, err := tlsConfig(ca)
+		if err != nil {
+			return nil, nil, err
+		}
+		registry = append(registry, sr.HTTPClient(&http.Client{
+			Timeout: 30 * time.Second, Transport: &http.Transport{TLSClientConfig: conf}}))
+	}
+	return kafka, registry, nil
+}
+
+// tlsConfig trusts the PEM CA at path besides the system's ("": the system's alone).
+func tlsConfig(path string) (*tls.Config, error) {
+	conf := &tls.Config{MinVersion: tls.VersionTLS12}
+	if path == "" {
+		return conf, nil
+	}
+	pem, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	pool, err := x509.SystemCertPool()
+	if err != nil {
+		pool = x509.NewCertPool()
+	}
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("%s holds no PEM certificate", path)
+	}
+	conf.RootCAs = pool
+	return conf, nil
 }
 
 // decoder reads the Confluent wire format (magic byte 0, 4-byte schema id, Avro body),

@@ -10,6 +10,7 @@ import java.net.http.HttpResponse;
 import java.nio.charset.StandardCharsets;
 import java.security.MessageDigest;
 import java.time.Duration;
+import java.util.Collection;
 import java.util.HashMap;
 import java.util.HashSet;
 import java.util.HexFormat;
@@ -20,6 +21,7 @@ import java.util.Properties;
 import java.util.Set;
 import org.apache.avro.generic.GenericRecord;
 import org.apache.kafka.clients.consumer.ConsumerConfig;
+import org.apache.kafka.clients.consumer.ConsumerRebalanceListener;
 import org.apache.kafka.clients.consumer.ConsumerRecord;
 import org.apache.kafka.clients.consumer.KafkaConsumer;
 import org.apache.kafka.clients.consumer.OffsetAndMetadata;
@@ -30,9 +32,16 @@ import org.apache.kafka.common.serialization.StringDeserializer;
 /**
  * A downstream consumer of calmq.results: Apache Kafka's client with Apicurio's Avro
  * deserializer. Prints one JSON line per job result and exits after --max-messages results or
- * --idle-timeout seconds without a message. Every flag also reads an environment variable.
+ * --idle-timeout seconds without a message. Every flag also reads an environment variable;
+ * the defaults reach the Docker Compose stack from its host (docker-compose.kafka.yml).
  *
  * <pre>mvn -q package && java -jar target/results-consumer.jar --api-key $CALMQ_API_KEY</pre>
+ *
+ * <p>A secured cluster: --config FILE, a properties file of Kafka consumer properties
+ * (security.protocol, sasl.mechanism, sasl.jaas.config or sasl.username and sasl.password,
+ * ssl.truststore.* or ssl.ca.location for a PEM CA) and of the registry's
+ * (schema.registry.basic.auth.user.info=USER:PASSWORD, schema.registry.ssl.ca.location, or
+ * Apicurio's own apicurio.* keys).
  */
 public final class ResultsConsumer {
     private static final ObjectMapper JSON = new ObjectMapper();
@@ -42,6 +51,7 @@ public final class ResultsConsumer {
         Map<String, String> opt = options(argv);
         Properties props = new Properties();
         props.put(ConsumerConfig.BOOTSTRAP_SERVERS_CONFIG, opt.get("bootstrap"));
+        if (opt.get("config") != null) secured(props, opt.get("config"));
         props.put(ConsumerConfig.GROUP_ID_CONFIG, opt.get("group"));
         props.put(ConsumerConfig.AUTO_OFFSET_RESET_CONFIG, "earliest"); // a new group starts at the oldest
         props.put(ConsumerConfig.ENABLE_AUTO_COMMIT_CONFIG, false); // commit after processing
@@ -61,16 +71,28 @@ public final class ResultsConsumer {
         // an example; a real service keeps processed ids in its database, with the result.
         Set<String> seen = new HashSet<>();
         int printed = 0;
-        long lastMessage = System.currentTimeMillis();
+        // The idle clock starts once partitions are assigned: joining the group takes seconds
+        // of its own (more on a loaded machine), and must not count as idle.
+        long[] lastMessage = {System.currentTimeMillis()};
+        boolean[] assigned = {false};
         try (KafkaConsumer<String, GenericRecord> consumer = new KafkaConsumer<>(props)) {
-            consumer.subscribe(List.of("calmq.results"));
+            consumer.subscribe(List.of(opt.get("topic")), new ConsumerRebalanceListener() {
+                @Override
+                public void onPartitionsRevoked(Collection<TopicPartition> partitions) { }
+
+                @Override
+                public void onPartitionsAssigned(Collection<TopicPartition> partitions) {
+                    assigned[0] = true;
+                    lastMessage[0] = System.currentTimeMillis();
+                }
+            });
             while (max == 0 || printed < max) {
                 var records = consumer.poll(Duration.ofSeconds(1));
                 if (records.isEmpty()) {
-                    if (System.currentTimeMillis() - lastMessage > idleMillis) break;
+                    if (assigned[0] && System.currentTimeMillis() - lastMessage[0] > idleMillis) break;
                     continue;
                 }
-                lastMessage = System.currentTimeMillis();
+                lastMessage[0] = System.currentTimeMillis();
                 // One partition's records come in order, and a job's events share its key (the
                 // job id) and so a partition: handled one by one, a job's results stay in order.
                 for (ConsumerRecord<String, GenericRecord> rec : records) {
@@ -141,9 +163,11 @@ public final class ResultsConsumer {
     /** --name value flags, each defaulting to an environment variable. */
     static Map<String, String> options(String[] argv) {
         Map<String, String> opt = new HashMap<>();
-        opt.put("bootstrap", env("CALMQ_KAFKA_BOOTSTRAP", "localhost:9092"));
-        opt.put("registry", env("CALMQ_SCHEMA_REGISTRY_URL", "http://localhost:8080/apis/registry/v2"));
-        opt.put("api", env("CALMQ_API_URL", "http://localhost:8000"));
+        opt.put("bootstrap", env("CALMQ_KAFKA_BOOTSTRAP", "localhost:29092"));
+        opt.put("registry", env("CALMQ_SCHEMA_REGISTRY_URL", "http://localhost:8081/apis/ccompat/v7"));
+        opt.put("api", env("CALMQ_API_URL", "http://localhost:8080"));
+        opt.put("topic", env("CALMQ_RESULTS_TOPIC", "calmq.results")); // or a tenant's own
+        opt.put("config", env("CALMQ_CONSUMER_CONFIG", null)); // a properties file
         opt.put("api-key", env("CALMQ_API_KEY", null));
         opt.put("group", env("CALMQ_CONSUMER_GROUP", "results-example-java"));
         opt.put("tenant-id", env("CALMQ_TENANT_ID", null));
@@ -155,6 +179,43 @@ public final class ResultsConsumer {
             opt.put(name, argv[i + 1]);
         }
         return opt;
+    }
+
+    /** The properties file's Kafka keys as they are; librdkafka's names the other examples
+     * share (sasl.username/password, ssl.ca.location) and schema.registry.* in Java's terms. */
+    static void secured(Properties props, String path) throws Exception {
+        Properties file = new Properties();
+        try (var in = java.nio.file.Files.newBufferedReader(java.nio.file.Path.of(path))) {
+            file.load(in);
+        }
+        for (String key : file.stringPropertyNames()) {
+            String value = file.getProperty(key);
+            switch (key) {
+                case "sasl.username", "sasl.password" -> { } // below, as a JAAS line
+                case "ssl.ca.location" -> {
+                    props.put("ssl.truststore.type", "PEM");
+                    props.put("ssl.truststore.location", value);
+                }
+                case "schema.registry.basic.auth.user.info" -> {
+                    String[] pair = value.split(":", 2);
+                    props.put(SerdeConfig.AUTH_USERNAME, pair[0]);
+                    props.put(SerdeConfig.AUTH_PASSWORD, pair.length > 1 ? pair[1] : "");
+                }
+                case "schema.registry.ssl.ca.location" -> {
+                    props.put("apicurio.registry.request.ssl.truststore.type", "PEM");
+                    props.put("apicurio.registry.request.ssl.truststore.location", value);
+                }
+                default -> props.put(key, value);
+            }
+        }
+        String user = file.getProperty("sasl.username");
+        if (user != null && !props.containsKey("sasl.jaas.config")) {
+            String module = String.valueOf(props.get("sasl.mechanism")).startsWith("SCRAM")
+                    ? "org.apache.kafka.common.security.scram.ScramLoginModule"
+                    : "org.apache.kafka.common.security.plain.PlainLoginModule";
+            props.put("sasl.jaas.config", module + " required username=\"" + user
+                    + "\" password=\"" + file.getProperty("sasl.password", "") + "\";");
+        }
     }
 
     static String env(String name, String fallback) {
