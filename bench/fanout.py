@@ -1,0 +1,137 @@
+"""``calmq bench fanout``: one parent with ``size`` child jobs against as many independent jobs.
+
+A ``bench_fanout`` job (bench/fanout_workflows.py) starts ``size`` summarize children in one
+step, and its next step runs once all have joined (docs/how-to/fan-out.md). Figures: the
+children's throughput (first child claimed to last child completed), PostgreSQL CPU per
+child, the time from the last child's completion to the parent's next step being claimed
+(one parent: one sample, reported as its p99 too), and the checks that the join fired
+exactly once, no child was lost and none completed twice. Baseline ``independent``: the same
+number of summarize jobs submitted on their own and queued before the worker starts, on the
+same stack; ``ratios``: calmq's children over it (throughput, and PostgreSQL CPU per job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+from bench import fanout_workflows, loadgen
+from bench.procs import Sampler
+from bench.report import result
+from bench.rig import Rig
+
+__all__ = ["DEFAULT_SIZE", "fanout"]
+
+DEFAULT_SIZE = 100_000
+CONCURRENCY = "256"
+Log = Any
+
+
+def _wait(check: Any, timeout: float, what: str, log: Log) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)  # a polling interval under a deadline
+    log(f"  {what}: not within {timeout:.0f} s")
+    return False
+
+
+def _span(rig: Rig, where: str, params: tuple[Any, ...]) -> tuple[float, float, int]:
+    """First claim and last completion (epoch seconds) of the jobs ``where`` selects, and
+    how many completed."""
+    row = rig.query(
+        f"""SELECT extract(epoch FROM min(e.at) FILTER (WHERE e.type = 'running')),
+                   extract(epoch FROM max(e.at) FILTER (WHERE e.type = 'completed')),
+                   count(*) FILTER (WHERE e.type = 'completed')
+            FROM job_events e JOIN jobs j ON j.id = e.job_id WHERE {where}""", params)[0]
+    return float(row[0] or 0), float(row[1] or 0), int(row[2] or 0)
+
+
+def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: int,
+              key: str, api_url: str) -> dict[str, Any]:
+    phase = sampler.phase({**rig.pids("relay", "fake-provider"), **rig.infra_pids()})
+    worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
+    phase.pids["worker"] = worker.pid
+    req = urllib.request.Request(
+        f"{api_url}/v1/jobs", method="POST",
+        data=json.dumps({"workflow": fanout_workflows.WORKFLOW, "priority": "bulk",
+                         "input": {"n": size}}).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        parent_id = json.loads(resp.read())["job_id"]
+    log(f"  calmq: parent {parent_id} with {size} children")
+    _wait(lambda: rig.query("SELECT status FROM jobs WHERE id = %s",
+                            (parent_id,))[0][0] in ("completed", "dead_letter", "cancelled"),
+          600 + size / 20, "the parent", log)
+    sampler.end(phase)
+    rig.stop("worker")
+    first, last, done = _span(rig, "j.parent_id = %s", (parent_id,))
+    events = rig.query("SELECT type, extract(epoch FROM at) FROM job_events WHERE job_id = %s"
+                       " ORDER BY id", (parent_id,))
+    joined = [t for k, t in events if k == "children_joined"]
+    claims = [float(t) for k, t in events if k == "running"]
+    resumed = claims[1] if len(claims) > 1 else 0.0  # the gather step's claim
+    twice = int(rig.query(
+        "SELECT count(*) FROM (SELECT e.job_id FROM job_events e JOIN jobs j ON j.id = e.job_id"
+        " WHERE j.parent_id = %s AND e.type = 'completed' GROUP BY e.job_id"
+        " HAVING count(*) > 1) t", (parent_id,))[0][0])
+    status = rig.query("SELECT status FROM jobs WHERE id = %s", (parent_id,))[0][0]
+    resume_ms = round((resumed - last) * 1000, 1) if resumed and last else None
+    return {
+        "children_per_s": round(done / max(last - first, 1e-3), 1),
+        "children_completed": done, "children_lost": size - done,
+        "children_completed_twice": twice, "joins_fired": len(joined),
+        "parent_status": status,
+        "resume_after_last_child_ms": resume_ms, "resume_p99_ms": resume_ms,
+        "pg_cpu_ms_per_child": round(phase.cpu.get("postgres", 0.0) * 1000 / max(done, 1), 3),
+        "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3),
+        "peak_rss_mb": round(phase.peak_rss_mb.get("worker", 0.0), 1),
+    }
+
+
+def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: int,
+                 key: str, tenant_id: str, api_url: str) -> dict[str, Any]:
+    load = asyncio.run(loadgen.closed_loop(
+        f"{api_url}/v1/jobs",
+        {"workflow": "summarize", "priority": "bulk",
+         "input": {"text": fanout_workflows.TEXT, "mode": "success"}},
+        {"Authorization": f"Bearer {key}"}, total=size, concurrency=64))
+    log(f"  independent: {load.ok} jobs queued")
+    phase = sampler.phase({**rig.pids("relay", "fake-provider"), **rig.infra_pids()})
+    worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
+    phase.pids["worker"] = worker.pid
+    _wait(lambda: rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND status ="
+                            " 'completed'", (tenant_id,))[0][0] >= load.ok,
+          600 + size / 20, "the independent jobs", log)
+    sampler.end(phase)
+    rig.stop("worker")
+    first, last, done = _span(rig, "j.tenant_id = %s", (tenant_id,))
+    return {"jobs_per_s": round(done / max(last - first, 1e-3), 1), "completed": done,
+            "pg_cpu_ms_per_job": round(phase.cpu.get("postgres", 0.0) * 1000 / max(done, 1),
+                                       3)}
+
+
+def fanout(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    with Rig(log=log) as rig:
+        fp = rig.calmq("fake-provider")
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
+               "CALMQ_WORKFLOW_MODULES": "bench.fanout_workflows",
+               "CALMQ_CHILDREN_PER_PARENT_MAX": str(max(size, 100_000))}
+        api = rig.calmq("api", env=env)
+        rig.calmq("relay", env=env)
+        _tenant, key = rig.tenant(f"bench-fanout-{uuid.uuid4().hex[:6]}")
+        figures = _children(rig, log, sampler, env, size, key, api.url)
+        tenant_b, key_b = rig.tenant(f"bench-independent-{uuid.uuid4().hex[:6]}")
+        base = _independent(rig, log, sampler, env, size, key_b, tenant_b, api.url)
+        versions = rig.versions
+    ratios = {"children_per_s_vs_independent": round(
+                  figures["children_per_s"] / max(base["jobs_per_s"], 1e-3), 3),
+              "pg_cpu_per_child_vs_independent": round(
+                  figures["pg_cpu_ms_per_child"] / max(base["pg_cpu_ms_per_job"], 1e-6), 3)}
+    return result("fanout", size, figures, {"independent": base}, ratios, versions,
+                  extra_versions={"load_generator": loadgen.NAME})
