@@ -144,3 +144,24 @@ def test_a_results_topic_outside_calmq_results_is_refused(stack: StackState) -> 
         done = calmq(stack, "tenants", "results-topic", name, "--topic", bad)
         assert done.returncode != 0
         assert "cannot be a tenant's results topic" in done.stderr
+
+
+def test_topics_create_gives_every_tenant_without_one_its_own(stack: StackState) -> None:
+    """`calmq topics create` with CALMQ_RESULTS_TOPIC_PER_TENANT creates calmq.results.<name>
+    and its .dlq for a tenant that had none, then routes the tenant's results there."""
+    name = f"pertenant-late-{uuid.uuid4().hex[:8]}"
+    key = create_tenant(stack.env["CALMQ_DATABASE_URL"], name)
+    done = calmq(stack, "topics", "create", "-o", "jsonl",
+                 env=calmq_env(stack, CALMQ_RESULTS_TOPIC_PER_TENANT="true"))
+    assert done.returncode == 0, done.stderr
+    own = f"calmq.results.{name}"
+    assert own in done.stdout
+    assert topics.dead_letter_topic(own) in done.stdout
+    reader = Topic(stack, own)  # the topic exists: its metadata has partitions
+    try:
+        api = Api(stack.env["CALMQ_API_URL"], key)
+        job_id = api.submit({"text": "late", "mode": "success"})
+        wait_for(lambda: reader.read() and job_id in reader.jobs(), timeout=90,
+                 what=f"the result on {own}")
+    finally:
+        reader.close()
