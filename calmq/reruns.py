@@ -24,15 +24,17 @@ the first step (held to the workflow's input model), otherwise the previous step
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from calmq.data import Database, NewJob
+from calmq.data.children import Children
 from calmq.data.reruns import Original, RerunRecords
 from calmq.errors import ContractError, NotFound, StepFailure
 from calmq.jobs import TERMINAL, new_id
 from calmq.workflows import Workflow, find_workflow
+from calmq.workflows.progress import CHILDREN
 
 __all__ = ["Rerun", "RerunPlan", "Reruns"]
 
@@ -69,6 +71,7 @@ class Reruns:
     """Plans and writes reruns; an API request and the CLI's bulk rerun share it."""
 
     def __init__(self, db: Database, workflows: dict[str, Workflow]) -> None:
+        self.db = db
         self.records = RerunRecords(db)
         self.workflows = workflows
 
@@ -140,12 +143,28 @@ class Reruns:
             detail["input_replaced"] = True
         if by:
             detail["by"] = by
+        plan = await self._with_children(original, plan)
         written = await self.records.create(
             plan.job, rerun_of=original.id, detail=detail, copy_steps=plan.copy_steps,
             replaced_step=plan.replaced_step, replacement=plan.replacement)
         if not written:
             raise NotFound("no such job")
         return Rerun(plan.job.id, original.id, plan.from_step)
+
+    async def _with_children(self, original: Original, plan: RerunPlan) -> RerunPlan:
+        """A rerun from the step after one that started children has no children of its
+        own: that step's recorded output (a marker the worker resolves by the job's id) is
+        copied with the original's children resolved now, as references in input order."""
+        if plan.replaced_step is not None or not plan.copy_steps:
+            return plan
+        previous = plan.copy_steps[-1]
+        output = await self.records.step_output(original.id, previous)
+        marker = output.get(CHILDREN) if output else None
+        if output is None or not isinstance(marker, dict) or marker.get("spawned") is not True:
+            return plan
+        found = await Children(self.db).outcomes(original.id)
+        return replace(plan, replaced_step=previous,
+                       replacement={**output, CHILDREN: [c.as_input() for c in found]})
 
     async def rerun(self, job_id: uuid.UUID, from_step: str, *,
                     tenant_id: uuid.UUID | None = None,

@@ -147,6 +147,14 @@ class RerunRecords:
             return Estimate(0, 0.0, 0)
         return Estimate(int(row["n"]), float(row["cost_usd"]), int(row["tokens"]))
 
+    async def step_output(self, job_id: uuid.UUID, step: str) -> dict[str, Any] | None:
+        """The job's recorded output of ``step``, or None."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["rerun_step_output"],
+                                     {"id": job_id, "step": step})
+            row = await cur.fetchone()
+        return dict(row["output"]) if row else None
+
     async def rerun_since(self, job_id: uuid.UUID, since: datetime) -> bool:
         """Whether the job has a rerun created at or after ``since``."""
         async with self._db.pool.connection() as conn:

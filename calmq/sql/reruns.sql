@@ -102,3 +102,7 @@ WHERE a.step = ANY(%(steps)s::text[]);
 -- the interrupted run reran after its last checkpoint): the jobs_rerun_of index.
 SELECT EXISTS (SELECT 1 FROM jobs WHERE rerun_of = %(id)s AND created_at >= %(since)s)
        AS found;
+
+-- name: rerun_step_output
+-- One recorded step output of the original (the step before the one a rerun starts at).
+SELECT output FROM step_outputs WHERE job_id = %(id)s AND step = %(step)s;

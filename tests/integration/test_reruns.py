@@ -22,13 +22,15 @@ from psycopg.rows import dict_row
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, NoRedirect, console_session
 from tests.support.cli import calmq, calmq_env, insert_jobs
+from tests.support.fanout_workflows import NAME as FANOUT
+from tests.support.fanout_workflows import POOL as FANOUT_POOL
 from tests.support.rerun_workflows import NAME, POOL
 from tests.support.waiting import wait_for
 from tests.support.workers import Procs, create_pool_topics, create_tenant_id
 
 pytestmark = pytest.mark.integration
 
-MODULES = "tests.support.rerun_workflows"
+MODULES = "tests.support.rerun_workflows,tests.support.fanout_workflows"
 TERMINAL = ("completed", "dead_letter", "cancelled")
 
 
@@ -38,7 +40,8 @@ class RerunEnv:
     def __init__(self, stack: StackState) -> None:
         self.stack = stack
         self.db = stack.env["CALMQ_DATABASE_URL"]
-        create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], POOL, ["5s"])
+        for pool in (POOL, FANOUT_POOL):
+            create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], pool, ["5s"])
         self.settings = {"workflow_modules": MODULES, "retry_tiers": "5s"}
         self.procs = Procs(stack.env, Path(tempfile.mkdtemp(prefix="calmq-rerun-logs-")))
         self.api_url = self.procs.api(**self.settings)
@@ -46,10 +49,12 @@ class RerunEnv:
         self.tenant, key = create_tenant_id(self.db, self.tenant_name)
         self.api = Api(self.api_url, key)
         self.procs.worker(POOL, **self.settings)
+        self.procs.worker(FANOUT_POOL, **self.settings)
 
-    def submit(self, text: str, **fields: Any) -> str:
+    def submit(self, text: str, *, workflow: str = NAME, input_: dict[str, Any] | None = None,
+               **fields: Any) -> str:
         status, _h, body = self.api.call("POST", "/v1/jobs", {
-            "workflow": NAME, "input": {"text": text}, **fields})
+            "workflow": workflow, "input": input_ or {"text": text}, **fields})
         assert status == 202, body
         return str(body["job_id"])
 
@@ -77,10 +82,13 @@ class RerunEnv:
                                 "WHERE job_id = %s GROUP BY step", (job_id,)).fetchall()
         return {r["step"]: r["n"] for r in rows}
 
-    def summary(self, job_id: str) -> str:
+    def artifact(self, job_id: str) -> dict[str, Any]:
         status, _h, body = self.api.call("GET", f"/v1/jobs/{job_id}/artifact")
         assert status == 200, body
-        return str(body["summary"])
+        return dict(body)
+
+    def summary(self, job_id: str) -> str:
+        return str(self.artifact(job_id)["summary"])
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +146,24 @@ def test_rerun_uses_the_replacement_input_of_its_step(env: RerunEnv) -> None:
     env.finished(answer["job_id"])
     assert env.summary(answer["job_id"]) == "a fresh start"
     assert env.provider_calls(answer["job_id"]) == 3
+
+
+def test_rerun_after_a_spawning_step_gets_the_originals_children(env: RerunEnv) -> None:
+    """A rerun from the step after one that started children gets the original's children
+    (in input order) and starts none of its own: no child runs again."""
+    texts = ["first child text", "second child text"]
+    original = env.submit("", workflow=FANOUT, input_={"texts": texts})
+    env.finished(original)
+    before = env.artifact(original)
+    status, answer = env.rerun(original, {"from_step": "gather"})
+    assert status == 202, answer
+    env.finished(answer["job_id"])
+    assert env.artifact(answer["job_id"]) == before
+    assert [c["summary"] for c in before["children"]] == texts
+    with psycopg.connect(env.db) as conn:
+        spawned = conn.execute("SELECT count(*) FROM jobs WHERE parent_id = %s",
+                               (answer["job_id"],)).fetchone()
+    assert spawned == (0,)
 
 
 def test_rerun_refusals_have_stable_codes(env: RerunEnv) -> None:
