@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
-	manifests image lock pgbouncer typescript
+	manifests image lock pgbouncer fish typescript
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool helm kustomize pgbouncer typescript examples
+test: install browser promtool helm kustomize pgbouncer typescript fish examples
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -43,6 +43,13 @@ promtool:
 # PgBouncer in transaction mode for tests/integration/test_pgbouncer.py (`calmq dev up
 # --pgbouncer`), from Debian's pgbouncer package (its service is not started). Skipped where
 # it cannot be installed; under CI=true the test fails instead.
+# fish for the fish completion test (tests/unit/test_cli.py), from Debian's package.
+fish:
+	@command -v fish >/dev/null \
+	  || apt-get install -y --no-install-recommends fish \
+	  || { apt-get update && apt-get install -y --no-install-recommends fish; } \
+	  || echo "make fish: the fish package could not be installed; the fish completion test fails under CI"
+
 pgbouncer:
 	@test -x /usr/sbin/pgbouncer || command -v pgbouncer >/dev/null \
 	  || apt-get install -y --no-install-recommends pgbouncer \

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import shutil
 from importlib.metadata import version
 from pathlib import Path
 
@@ -153,32 +156,80 @@ def test_commands_ask_only_for_the_parts_they_use(name: str, needs: tuple[str, .
 
 
 def _complete(script: str, *words: str) -> list[str]:
-    """What bash offers for the last of ``words`` (the command line so far) with the script."""
+    """What bash offers for the last of ``words`` (the command line so far) with the script:
+    the function the script registers for calmq, called as bash would call it."""
+    import re
     import subprocess
 
+    function = re.search(r"complete .*-F (\S+) calmq", script)
+    assert function, "the script registers no completion function for calmq"
     line = " ".join(f"'{w}'" for w in ("calmq", *words))
-    probe = (f"{script}\nCOMP_WORDS=({line}); COMP_CWORD={len(words)}; _calmq; "
+    probe = (f"{script}\nCOMP_WORDS=({line}); COMP_CWORD={len(words)}; "
+             f"COMP_LINE={line!r}; COMP_POINT=${{#COMP_LINE}}; "
+             f"{function.group(1)} calmq '{words[-1]}' '{('calmq', *words)[-2]}'; "
              'printf "%s\\n" "${COMPREPLY[@]}"')
     done = subprocess.run(["bash", "--norc", "--noprofile", "-c", probe], capture_output=True,
                           text=True, timeout=10, check=True)
-    return done.stdout.split()
+    return [w.strip() for w in done.stdout.split()]
 
 
-def test_bash_completion_offers_commands_flags_and_choices(
+def test_bash_completion_offers_commands_nested_commands_flags_and_choices(
         capsys: pytest.CaptureFixture[str]) -> None:
-    """`calmq completion bash` completes a command name, its flags, a flag's choices and a
-    positional's choices; the zsh script is the same through bashcompinit."""
+    """`calmq completion bash` completes a command, a nested command (jobs rerun), their
+    flags, a flag's choices and a positional's choices; zsh gets its own script of them."""
     assert main(["completion", "bash"]) == 0
     script = capsys.readouterr().out
     assert _complete(script, "la") == ["lag"]
     assert _complete(script, "lag", "--po") == ["--pools"]
     assert _complete(script, "budget", "-o", "") == ["table", "json", "jsonl"]
     assert _complete(script, "tenants", "l") == ["list"]
+    assert _complete(script, "jobs", "re") == ["rerun"]
+    assert "--from-step" in _complete(script, "jobs", "rerun", "--fr")
+    assert _complete(script, "provider", "unp") == ["unpause"]
     assert set(_commands()) <= set(_complete(script, ""))
     assert main(["completion", "zsh"]) == 0
     zsh = capsys.readouterr().out
-    assert "bashcompinit" in zsh
-    assert script in zsh
+    assert zsh.startswith("#compdef calmq")
+    assert "rerun" in zsh
+
+
+@pytest.mark.skipif(shutil.which("fish") is None and os.environ.get("CI") != "true",
+                    reason="fish is not installed (make fish installs it)")
+def test_fish_completion_offers_nested_commands_flags_and_choices(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq completion fish`, sourced in fish: commands, nested commands and their flags,
+    a flag's choices and a positional's choices, as `complete -C` lists them."""
+    import subprocess
+
+    assert main(["completion", "fish"]) == 0
+    script = capsys.readouterr().out
+
+    def offered(line: str) -> list[str]:
+        done = subprocess.run(
+            ["fish", "--no-config", "-c", f"{script}\ncomplete -C {shlex.quote(line)}"],
+            capture_output=True, text=True, timeout=20, check=True)
+        return [row.split("\t")[0] for row in done.stdout.splitlines()]
+
+    assert offered("calmq la") == ["lag"]
+    assert set(offered("calmq jobs ")) >= {"list", "show", "events", "cancel", "rerun"}
+    assert "--from-step" in offered("calmq jobs rerun --fr")
+    assert "--from-step" not in offered("calmq jobs list --fr")  # flags of their own command
+    assert offered("calmq budget -o ") == ["json", "jsonl", "table"]
+    assert offered("calmq tenants l") == ["list"]
+
+
+def test_help_lists_every_command_once_by_section(capsys: pytest.CaptureFixture[str]) -> None:
+    """`calmq --help` lists each command once under a section heading, and no module
+    docstring meant for developers."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "work with jobs:" in text
+    assert "with ``register``" not in text  # the module docstring, a note to developers
+    listed = [line.split()[0] for line in text.splitlines()
+              if line.startswith("  ") and not line.startswith("   ")
+              and not line.strip().startswith(("-", "COMMAND"))]
+    assert sorted(listed) == sorted(_commands())
 
 
 def test_output_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
