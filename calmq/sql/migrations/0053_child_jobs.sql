@@ -181,14 +181,16 @@ CREATE TRIGGER jobs_settle_child AFTER UPDATE OF status ON jobs
     EXECUTE FUNCTION calmq_settle_child();
 
 -- A parent cancelled takes its children that have not ended with it (they are cancelled,
--- with the history saying by whom), and its open join is closed first, so those cancels
--- decide nothing. Through the same statement as the parent's cancel. A parent dead-lettered
--- (its join failed) leaves its children be: those still running finish and keep their
--- outputs, and a redrive re-runs only the failed ones (children_rearm).
+-- with the history saying by whom), in the same statement as the parent's cancel; then its
+-- join, if those cancels left it open, is closed. The join row is taken after the children
+-- (as a finishing child takes its own row, then the join's), so a cancel and a child's
+-- finish only deadlock when that finish decides the join just then (PostgreSQL then ends
+-- one; either is retried). A cancel that decides the join finds the parent cancelled
+-- already and moves nothing. A parent dead-lettered (its join failed) leaves its children
+-- be: those still running finish and keep their outputs, and a redrive re-runs only the
+-- failed ones (children_rearm).
 CREATE OR REPLACE FUNCTION calmq_cascade_parent() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    UPDATE job_joins SET fired_at = now(), outcome = NEW.status
-    WHERE parent_id = NEW.id AND fired_at IS NULL;
     WITH cancelled AS (
         UPDATE jobs SET status = 'cancelled', lease_owner = NULL, lease_expires_at = NULL,
                         waiting_until = NULL, updated_at = now()
@@ -199,6 +201,8 @@ BEGIN
     SELECT id, 'cancelled', attempt,
            jsonb_build_object('by', 'parent', 'parent_id', NEW.id::text)
     FROM cancelled;
+    UPDATE job_joins SET fired_at = now(), outcome = NEW.status
+    WHERE parent_id = NEW.id AND fired_at IS NULL;
     RETURN NULL;
 END
 $$;
