@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from calmq.cli.connect import open_store
 from calmq.cli.flags import Command, Flags, settings_for
-from calmq.cli.output import Exit, add_output, emit_rows, output_format
+from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_format
 from calmq.cli.probes import check_database
 from calmq.errors import UsageError
 
@@ -197,8 +197,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         check_database(settings)
         key = tenants.add_key(settings.database_url, tenants.PLATFORM_TENANT,
                               tenants.parse_roles(args.roles), platform=True)
-        print("a platform API key (shown once; the console shows it every tenant):")
-        print(key)
+        _shown_once(args, "a platform API key (shown once; the console shows it every tenant):",
+                    {"tenant": tenants.PLATFORM_TENANT, "api_key": key})
         return 0
     if not args.name:
         raise UsageError(f"usage: calmq tenants {args.action} NAME")
@@ -216,23 +216,26 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         raise UsageError("--rotate goes with webhook-secret")
     settings = settings_for(args)
 
-    async def create() -> str:
+    async def create() -> None:
         async with open_store(settings, max_size=1) as store:
             tenant, key = await store.tenants.create(args.name)
+        created: dict[str, object] = {"tenant": tenant.name, "id": str(tenant.id)}
         if settings.results_topic_per_tenant:
             topic = own_results_topic(settings, tenant.name, None)
-            print(f"its results go to {topic}")
-        print(f"tenant {tenant.name} created with id {tenant.id}; its API key (shown once):")
-        return key
+            created["results_topic"] = topic
+            print(f"its results go to {topic}", file=_human(args))
+        _shown_once(args, f"tenant {tenant.name} created with id {tenant.id}; its API key "
+                          "(shown once):", {**created, "api_key": key})
 
     if args.action != "create":
         from calmq.data import tenants
 
         check_database(settings)  # one error line with the address, not a traceback
         if args.action == "add-key":
-            print(f"a new API key for {args.name} (shown once):")
-            print(tenants.add_key(settings.database_url, args.name,
-                                  tenants.parse_roles(args.roles)))
+            key = tenants.add_key(settings.database_url, args.name,
+                                  tenants.parse_roles(args.roles))
+            _shown_once(args, f"a new API key for {args.name} (shown once):",
+                        {"tenant": args.name, "api_key": key})
         elif args.action == "revoke-key":
             revoked = tenants.revoke_keys(settings.database_url, args.name, args.key_prefix)
             print(f"revoked {len(revoked)} key(s) of {args.name}: {' '.join(revoked)}")
@@ -240,16 +243,37 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         elif args.rotate:
             grace = settings.webhook_secret_grace_seconds
             done = tenants.rotate_webhook_secret(settings.database_url, args.name, grace)
-            print(done.current)
+            _shown_once(args, None, {"tenant": args.name, "webhook_secret": done.current,
+                                     "previous_signs_until": done.previous_until})
             until = (f"until {done.previous_until.isoformat()}" if done.previous_until
                      else "no longer (grace 0)")
             print(f"the previous secret of {args.name} also signs deliveries {until}",
                   file=sys.stderr)
         else:
-            print(tenants.webhook_secret(settings.database_url, args.name))
+            _shown_once(args, None, {"tenant": args.name, "webhook_secret":
+                                     tenants.webhook_secret(settings.database_url, args.name)})
         return 0
-    print(asyncio.run(create()))
+    asyncio.run(create())
     return 0
+
+
+def _human(args: argparse.Namespace) -> TextIO:
+    """Where a sentence for a person goes: stdout in a table, stderr beside JSON."""
+    return sys.stdout if output_format(args) == "table" else sys.stderr
+
+
+def _shown_once(args: argparse.Namespace, intro: str | None, shown: dict[str, Any]) -> None:
+    """A new key or secret: in a table the sentence, then the value alone on the last line
+    (what scripts have read so far); with ``-o json``/``jsonl`` one object naming it, so a
+    script never parses a sentence to find a key."""
+    fmt = output_format(args)
+    secret = shown.get("api_key", shown.get("webhook_secret"))
+    if fmt == "table":
+        if intro:
+            print(intro)
+        print(secret)
+        return
+    emit_one(shown, fmt)
 
 
 def register(command: Command, flags: Flags) -> None:

@@ -295,6 +295,31 @@ def test_tenants_list_shows_keys_by_prefix_revoked_keys_and_last_use(stack: Stac
     assert usage.stderr.startswith("calmq: error [usage]: ")
 
 
+def test_tenants_commands_that_show_a_key_or_secret_print_it_as_json(
+        stack: StackState) -> None:
+    """create, add-key, platform-key and webhook-secret with -o json: one object naming the
+    key or secret, which works against the API, and no sentence on stdout."""
+    name = f"json-{uuid.uuid4().hex[:8]}"
+    created = _calmq(stack, "tenants", "create", name, "-o", "json")
+    assert created.returncode == 0, created.stderr
+    doc = json.loads(created.stdout)
+    assert doc["tenant"] == name
+    assert uuid.UUID(doc["id"])
+    Api(stack.env["CALMQ_API_URL"], doc["api_key"]).submit({"text": "json key", "mode": "success"})
+
+    added = json.loads(_calmq(stack, "tenants", "add-key", name, "-o", "json").stdout)
+    assert added["tenant"] == name
+    assert added["api_key"] != doc["api_key"]
+    platform = json.loads(_calmq(stack, "tenants", "platform-key", "-o", "json").stdout)
+    assert platform["api_key"]
+    secret = json.loads(_calmq(stack, "tenants", "webhook-secret", name, "-o", "json").stdout)
+    assert secret["tenant"] == name
+    assert secret["webhook_secret"]
+    rotated = _calmq(stack, "tenants", "webhook-secret", name, "--rotate", "-o", "jsonl")
+    assert rotated.returncode == 0, rotated.stderr
+    assert json.loads(rotated.stdout)["webhook_secret"] != secret["webhook_secret"]
+
+
 # -- deployment commands' output -------------------------------------------------------------
 
 def test_deployment_commands_print_jsonl_rows(stack: StackState) -> None:
