@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
-	manifests image lock pgbouncer fish typescript
+	manifests image lock pgbouncer typescript actionlint release-check
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool helm kustomize pgbouncer typescript fish examples
+test: install browser promtool helm kustomize pgbouncer typescript
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -43,13 +43,6 @@ promtool:
 # PgBouncer in transaction mode for tests/integration/test_pgbouncer.py (`calmq dev up
 # --pgbouncer`), from Debian's pgbouncer package (its service is not started). Skipped where
 # it cannot be installed; under CI=true the test fails instead.
-# fish for the fish completion test (tests/unit/test_cli.py), from Debian's package.
-fish:
-	@command -v fish >/dev/null \
-	  || apt-get install -y --no-install-recommends fish \
-	  || { apt-get update && apt-get install -y --no-install-recommends fish; } \
-	  || echo "make fish: the fish package could not be installed; the fish completion test fails under CI"
-
 pgbouncer:
 	@test -x /usr/sbin/pgbouncer || command -v pgbouncer >/dev/null \
 	  || apt-get install -y --no-install-recommends pgbouncer \
@@ -68,25 +61,16 @@ typescript:
 	  npm run build \
 	  || echo "make typescript: the build failed; tests/integration/test_typescript_client.py will show why"
 
-# The Node.js consumer example (examples/consumers/node): its packages from the npm registry
-# as pinned by its package-lock.json, installed again only when the lock changed (an offline
-# re-run needs nothing). tests/integration/test_consumer_examples.py runs it against the
-# stack (and installs the same way itself when this did not run). Without npm it is skipped
-# with the reason (and fails under CI=true).
-.PHONY: examples
-examples:
-	@command -v npm >/dev/null || { echo "make examples: no npm; the Node.js consumer example's test will be skipped"; exit 0; }; \
-	  cd examples/consumers/node && \
-	  { test node_modules/.package-lock.json -nt package-lock.json || npm ci --no-audit --no-fund; } \
-	  || echo "make examples: npm ci failed; tests/integration/test_consumer_examples.py will show why"
-
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
 
-lint: install
+lint: install actionlint
 	$(BIN)/ruff check calmq producers relay processors tests bench clients/python
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
+	@if test -x $(ACTIONLINT); then $(ACTIONLINT) .github/workflows/*.yml && echo "actionlint: the workflows pass"; \
+	  elif test "$$CI" = true; then echo "make lint: actionlint is not built (make actionlint)"; exit 1; \
+	  else echo "make lint: actionlint is not built; the workflows are not checked"; fi
 
 typecheck: install
 	$(BIN)/mypy
@@ -114,11 +98,27 @@ KUSTOMIZE_VERSION := v5.8.1
 HELM := $(TOOLS)/helm-$(HELM_VERSION)/helm
 KUSTOMIZE := $(TOOLS)/kustomize-$(KUSTOMIZE_VERSION)/kustomize
 
+ACTIONLINT_VERSION := v1.7.12
+ACTIONLINT := $(TOOLS)/actionlint-$(ACTIONLINT_VERSION)/actionlint
+
 helm: $(HELM)
 $(HELM):
 	@command -v go >/dev/null || { echo "make helm: no Go toolchain; the chart tests will be skipped"; exit 0; }; \
 	  GOTOOLCHAIN=local GOBIN=$(dir $@) nice go install helm.sh/helm/v4/cmd/helm@$(HELM_VERSION) \
 	  || echo "make helm: helm $(HELM_VERSION) could not be built; the chart tests will be skipped"
+
+# actionlint checks .github/workflows in `make lint`, built like helm.
+actionlint: $(ACTIONLINT)
+$(ACTIONLINT):
+	@command -v go >/dev/null || { echo "make actionlint: no Go toolchain; make lint will not check the workflows"; exit 0; }; \
+	  GOTOOLCHAIN=local GOBIN=$(dir $@) nice go install github.com/rhysd/actionlint/cmd/actionlint@$(ACTIONLINT_VERSION) \
+	  || echo "make actionlint: actionlint $(ACTIONLINT_VERSION) could not be built; make lint will not check the workflows"
+
+# What the release workflow does short of pushing (.ci/release-check): sdists and wheels,
+# the chart packaged and rendered, the wheels in a clean venv running `calmq --version` and
+# `calmq dev up`/`down`. A few minutes; .ci/run runs it.
+release-check: install helm
+	HELM=$(HELM) PYTHON=$(PYTHON) .ci/release-check
 
 kustomize: $(KUSTOMIZE)
 $(KUSTOMIZE):
@@ -138,7 +138,7 @@ manifests: install
 	  $(BIN)/calmq k8s render --settings deploy/kubernetes/settings.yaml -f deploy/kubernetes/values.yaml && \
 	  $(BIN)/calmq k8s render --only workers --settings deploy/kubernetes/settings.yaml -o deploy/keda'
 
-# The image (docs/how-to/deploy-kubernetes.md, "Release"): needs a Docker engine.
+# The image (docs/how-to/deploy-kubernetes.md, "What a release contains"): needs a Docker engine.
 VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' calmq/__init__.py)
 IMAGE ?= ghcr.io/calmq/calmq:$(VERSION)
 image:
