@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-unit lint typecheck bench clean browser promtool helm kustomize \
-	manifests image lock pgbouncer typescript actionlint release-check
+	manifests image lock pgbouncer fish typescript actionlint release-check
 
 install: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 demo: install
 	$(BIN)/calmq demo
 
-test: install browser promtool helm kustomize pgbouncer typescript
+test: install browser promtool helm kustomize pgbouncer typescript fish examples
 	$(BIN)/python -m pytest tests
 
 # The console's browser tests (tests/e2e/test_console.py) drive Debian's Chromium, never a
@@ -43,6 +43,13 @@ promtool:
 # PgBouncer in transaction mode for tests/integration/test_pgbouncer.py (`calmq dev up
 # --pgbouncer`), from Debian's pgbouncer package (its service is not started). Skipped where
 # it cannot be installed; under CI=true the test fails instead.
+# fish for the fish completion test (tests/unit/test_cli.py), from Debian's package.
+fish:
+	@command -v fish >/dev/null \
+	  || apt-get install -y --no-install-recommends fish \
+	  || { apt-get update && apt-get install -y --no-install-recommends fish; } \
+	  || echo "make fish: the fish package could not be installed; the fish completion test fails under CI"
+
 pgbouncer:
 	@test -x /usr/sbin/pgbouncer || command -v pgbouncer >/dev/null \
 	  || apt-get install -y --no-install-recommends pgbouncer \
@@ -60,6 +67,18 @@ typescript:
 	  { test node_modules/.package-lock.json -nt package-lock.json || npm ci --no-audit --no-fund; } && \
 	  npm run build \
 	  || echo "make typescript: the build failed; tests/integration/test_typescript_client.py will show why"
+
+# The Node.js consumer example (examples/consumers/node): its packages from the npm registry
+# as pinned by its package-lock.json, installed again only when the lock changed (an offline
+# re-run needs nothing). tests/integration/test_consumer_examples.py runs it against the
+# stack (and installs the same way itself when this did not run). Without npm it is skipped
+# with the reason (and fails under CI=true).
+.PHONY: examples
+examples:
+	@command -v npm >/dev/null || { echo "make examples: no npm; the Node.js consumer example's test will be skipped"; exit 0; }; \
+	  cd examples/consumers/node && \
+	  { test node_modules/.package-lock.json -nt package-lock.json || npm ci --no-audit --no-fund; } \
+	  || echo "make examples: npm ci failed; tests/integration/test_consumer_examples.py will show why"
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
