@@ -54,6 +54,9 @@ COVERAGE: dict[str, str] = {
                   "still waits is cancelled there first)",
     "batch_tenants": "kept: each tenant's share of a provider batch (request counts by "
                      "state, cost, what is reserved against its spend caps), no job data",
+    "job_held_children": "kept: a child job waiting for its parent's in-flight limit: its "
+                         "id, its parent's and a job.requested of references (ids, workflow, "
+                         "pool; no input, no metadata); the row goes when it is released",
     "api_keys": "kept: the tenant's keys (hash and prefix), no job data",
     "tenants": "kept: the tenant itself, no job data",
     "tenant_token_buckets": "kept: the tenant's token quota level (a number), no job data",

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from calmq import topics
@@ -140,6 +141,10 @@ def test_every_builtin_workflow_completes_against_the_strict_fake(
     assert ledger.for_job(online[1])
     with urllib.request.urlopen(fake + "/admin/calls", timeout=10) as resp:
         calls = json.loads(resp.read())["calls"]
-    paths = {c["path"] for c in calls if c["job"] in wanted}
+    # embed_document's batches are its child jobs (embed_batch, on its pool): theirs too
+    with psycopg.connect(env.db) as conn:
+        children = {str(r[0]) for r in conn.execute(
+            "SELECT id FROM jobs WHERE parent_id = ANY(%s::uuid[])", (list(wanted),))}
+    paths = {c["path"] for c in calls if c["job"] in wanted or c["job"] in children}
     assert ("/v1/messages" if shape == "anthropic" else "/v1/chat/completions") in paths
     assert "/v1/embeddings" in paths
