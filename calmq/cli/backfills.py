@@ -2,7 +2,8 @@
 
 Each line is a POST /v1/jobs JSON body (``workflow``, ``input``, ``metadata``, ...; an
 ``idempotency_key`` of its own is kept). Lines go in chunks of ``--chunk-size`` (at most the
-API's api_bulk_max_jobs), each chunk one request and one transaction.
+API's api_bulk_max_jobs), each chunk one request and one transaction, ``--in-flight``
+chunks at once (default 4).
 
 Nothing is submitted twice, whatever stops the run:
 
@@ -33,8 +34,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,13 +201,16 @@ def _send(url: str, key: str, items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_file(*, api_url: str, api_key: str, path: Path, chunk_size: int,
-             checkpoint: Path | None, max_chunks: int | None, fmt: Format) -> int:
+             checkpoint: Path | None, max_chunks: int | None, fmt: Format,
+             concurrency: int = 4) -> int:
     """Submit every line of ``path``; print the summary; the exit code."""
     if not path.is_file():
         raise UsageError(f"--file {path}: no such file", code="file_not_found")
     if not 1 <= chunk_size <= 10_000:
         raise UsageError("--chunk-size is 1 to 10000 (the API's api_bulk_max_jobs bounds it)",
                          code="invalid_chunk_size")
+    if not 1 <= concurrency <= 32:
+        raise UsageError("--in-flight is 1 to 32", code="invalid_in_flight")
     sha256, total = _digest(path)
     where = checkpoint or path.with_name(path.name + ".calmq-checkpoint.json")
     run = Backfill.resume(path, sha256, where)
@@ -218,30 +223,50 @@ def run_file(*, api_url: str, api_key: str, path: Path, chunk_size: int,
     sent = chunks = 0
     stopped = False
     url = f"{api_url.rstrip('/')}/v1/jobs/bulk"
+    # Chunks in flight at once: one request's validation in the API overlaps another's
+    # transaction. Answers are taken in file order, so the checkpoint only ever moves over
+    # a prefix of lines that were all answered.
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="calmq-submit")
+    flight: deque[tuple[int, Chunk, list[dict[str, Any]], Future[dict[str, Any]] | None]] = (
+        deque())
+
+    def settle() -> None:
+        nonlocal sent
+        after, chunk, bad, future = flight.popleft()
+        answer = future.result() if future is not None else {"results": []}
+        run.counts["bad"] += len(bad)
+        run.problems += bad
+        for (line, _item), result in zip(chunk, answer["results"], strict=True):
+            run.counts[result["status"]] += 1
+            if result["status"] == "refused":
+                problem = result.get("problem") or {}
+                run.refused_by_code[str(problem.get("code"))] += 1
+                run.problems.append({"line": line, "code": problem.get("code"),
+                                     "detail": problem.get("detail")})
+        run.next_line = after
+        run.save(where)
+        sent += len(chunk)
+        progress.advance(after - 1 - progress.n)
+
     try:
         for after, chunk, bad in _chunks(path, run.next_line, chunk_size, key_prefix):
             if max_chunks is not None and chunks >= max_chunks:
                 stopped = True
                 break
-            answer = _send(url, api_key, [item for _, item in chunk]) if chunk else {
-                "results": []}
-            run.counts["bad"] += len(bad)
-            run.problems += bad
-            for (line, _item), result in zip(chunk, answer["results"], strict=True):
-                run.counts[result["status"]] += 1
-                if result["status"] == "refused":
-                    problem = result.get("problem") or {}
-                    run.refused_by_code[str(problem.get("code"))] += 1
-                    run.problems.append({"line": line, "code": problem.get("code"),
-                                         "detail": problem.get("detail")})
-            run.next_line = after
-            run.save(where)
-            sent += len(chunk)
+            future = pool.submit(_send, url, api_key, [i for _, i in chunk]) if chunk else None
             chunks += 1 if chunk else 0
-            progress.advance(after - 1 - progress.n)
+            flight.append((after, chunk, bad, future))
+            while len(flight) >= concurrency:
+                settle()
+        while flight:
+            settle()
     except KeyboardInterrupt:
         stopped = True
     finally:
+        for *_rest, future in flight:
+            if future is not None:
+                future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
         with contextlib.suppress(OSError):
             run.save(where)
     progress.finish()

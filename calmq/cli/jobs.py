@@ -85,7 +85,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return run_file(api_url=settings.api_url, api_key=args.api_key, path=Path(args.file),
                         chunk_size=int(args.chunk_size), max_chunks=args.max_chunks,
                         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                        fmt=output_format(args))
+                        fmt=output_format(args), concurrency=int(args.in_flight))
     data = _input(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
     status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
         "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
@@ -482,6 +482,8 @@ def register(command: Command, flags: Flags) -> None:
            help="--file: jobs a request (default 1000, the API's api_bulk_max_jobs)")
     option(p, "--checkpoint", help="--file: where the run records how far it got (default: "
                                    "beside the file, FILE.calmq-checkpoint.json)")
+    option(p, "--in-flight", type=int, default=4,
+           help="--file: requests in flight at once (default 4)")
     option(p, "--max-chunks", type=int,
            help="--file: stop after this many requests (exit 130; run again to resume)")
     add_output(p)
