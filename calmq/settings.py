@@ -45,7 +45,9 @@ FILE_SUFFIX = "_FILE"
 STRICT_ENV = "CALMQ_STRICT_SETTINGS"
 _NON_SETTING_ENV = frozenset({"CALMQ_TEST_KEEP_STACK", STRICT_ENV, "CALMQ_CONSUMER_GROUP",
                               "CALMQ_TENANT_ID", "CALMQ_MAX_MESSAGES", "CALMQ_IDLE_TIMEOUT",
-                              "CALMQ_RESULTS_TOPIC", "CALMQ_CONSUMER_CONFIG"})
+                              "CALMQ_RESULTS_TOPIC", "CALMQ_CONSUMER_CONFIG",
+                              # the CLI's context in use (calmq.cli.contexts), no setting
+                              "CALMQ_CONTEXT"})
 # Old names kept for one release: variable -> the setting it now sets (a warning says so).
 _ALIASES = {"CALMQ_KEDA_IMAGE": "image"}
 # Where the release workflow pushes the image (docs/how-to/deploy-kubernetes.md).

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 from calmq.cli import (
     batches,
     completion,
+    contexts,
     contract,
     database,
     deadletters,
@@ -33,12 +34,12 @@ from calmq.errors import CalmqError, UsageError
 __all__ = ["main", "parser"]
 
 _GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion,
-           batches, providers, contract)
+           batches, providers, contract, contexts)
 # calmq --help: what a person reaches for first comes first. A group module's commands go to
 # its section; a module missing here fails the parser's test (tests/unit/test_cli.py).
 _SECTIONS: dict[str, tuple[object, ...]] = {
     "work with jobs": (jobs, deadletters, batches),
-    "operate a deployment": (tenants, providers, operations),
+    "operate a deployment": (contexts, tenants, providers, operations),
     "run the parts (one process each)": (services, database),
     "deploy": (deploy, contract),
     "try it on this machine": (dev,),
@@ -93,10 +94,11 @@ class _SectionedHelp(argparse.RawDescriptionHelpFormatter):
     flat block under the COMMAND argument (their help stays on the parser: shell completion
     reads it there)."""
 
-    def _iter_indented_subactions(self, action: argparse.Action) -> Iterator[argparse.Action]:
+    def _iter_indented_subactions(self, action: argparse.Action
+                                  ) -> Generator[argparse.Action, None, None]:
         if isinstance(action, argparse._SubParsersAction):
-            return iter(())
-        return super()._iter_indented_subactions(action)
+            return
+        yield from super()._iter_indented_subactions(action)
 
 
 def _sections(listed: dict[object, list[tuple[str, str]]]) -> str:

@@ -247,7 +247,11 @@ def target(settings: Settings) -> str:
         info = {}
     where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}"
     database = f"{where}/{info.get('dbname') or '?'}"
-    return f"database {database}, Kafka {settings.kafka_bootstrap or '(not set)'}"
+    from calmq.cli.contexts import active
+
+    context = active()
+    named = f"context {context[0]}: " if context else ""
+    return f"{named}database {database}, Kafka {settings.kafka_bootstrap or '(not set)'}"
 
 
 def refuse_yes_from_environment() -> None:

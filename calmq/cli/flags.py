@@ -122,7 +122,8 @@ def data_dir(args: argparse.Namespace) -> Path:
 
 
 def settings_for(args: argparse.Namespace, **overrides: Any) -> Settings:
-    """Settings from env + flags, with empty locations filled from the running local stack.
+    """Settings from flags, env and the context in use (``calmq context``), with empty
+    locations filled from the running local stack.
 
     Fails with ``no_stack`` when a location the command needs (``args.needs``) is still
     empty: a database-only command asks for the database, not for Kafka.
@@ -132,6 +133,15 @@ def settings_for(args: argparse.Namespace, **overrides: Any) -> Settings:
 
     flags = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     flags.update({k: v for k, v in overrides.items() if v is not None})
+    # Then the context in use (calmq context use NAME), below flags and CALMQ_ variables and
+    # above the local stack: a shell with nothing set acts on the deployment it names.
+    from calmq.cli.contexts import active
+
+    context = active()
+    for key, value in (context[1] if context else {}).items():
+        env_key = "CALMQ_" + key.upper()
+        if key not in flags and env_key not in os.environ and env_key + "_FILE" not in os.environ:
+            flags[key] = value
     state = Stack(data_dir(args)).state()
     if state is not None:
         filled = set()
