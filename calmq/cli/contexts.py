@@ -28,7 +28,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 def _path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    base = os.environ.get("XDG_CONFIG_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".config")
+        except (RuntimeError, KeyError):  # no home at all (a pod's user with no passwd entry)
+            base = os.path.join(os.sep, "nonexistent", ".config")
     return Path(base) / "calmq" / "contexts.json"
 
 
