@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_SIZES", "DISPATCH_RUNS", "SCENARIOS", "NotBuiltError", "run_
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
                  "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
                  "logical_messages": 50_000, "happy_path": 20_000, "streaming": 200,
-                 "scale": 20_000_000, "fairness": 12_000, "bulk": 40_000, "fanout": 100_000}
+                 "scale": 20_000_000, "fairness": 12_000, "rerun": 1000, "bulk": 40_000, "fanout": 100_000}
 
 
 def _lazy(module: str, function: str) -> Callable[..., dict[str, Any]]:
@@ -58,6 +58,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "scale": _lazy("scale", "scale"),
     # issue 31: one tenant behind another's backlog in one lane, and weighted shares
     "fairness": _lazy("fairness", "fairness"),
+    # issue 43: the interactive tail while `calmq jobs rerun` reruns a tenant's jobs
+    "rerun": _lazy("rerun", "rerun"),
     # issue 43: a backfill file through `calmq submit --file` against single POSTs
     "bulk": _lazy("bulk", "bulk"),
     # issue 43: one parent's children against as many independent jobs, and the join

@@ -10,8 +10,9 @@ progress, checkpoint and ``--resume``), with what a rerun adds:
 - the count line carries the estimated cost: what the matches' attempts of the steps to
   run again cost when they ran (their recorded ``cost_usd`` and tokens);
 - it paces itself through the token budget: without ``--rate``, and with
-  ``budget_tokens_per_minute`` set, at most the jobs a second whose recorded tokens fit a
-  tenant's default share (``budget_tenant_share``) of the bulk part of the budget (what
+  ``budget_tokens_per_minute`` (or ``budget_requests_per_minute``) set, at most the jobs a
+  second whose recorded tokens (calls) fit a tenant's default share
+  (``budget_tenant_share``) of the bulk part of the budget (what
   ``budget_interactive_share`` leaves), so interactive work keeps its share while it runs;
 - a resumed run skips a job that has a rerun made since the run started (``rerun_since``):
   one rerun after a kill -9 between two checkpoints is not made twice.
@@ -139,16 +140,28 @@ class _Rerun:
                             {"rerun": str(made.job_id)})
 
 
-def _pace(settings: Settings, jobs: int, tokens: int) -> tuple[float | None, str]:
-    """The jobs a second the budget allows a bulk rerun, and how it was found."""
-    tpm = settings.budget_tokens_per_minute
-    if not tpm or not jobs or not tokens:
-        return None, "not paced (no --rate, and no token budget or no recorded tokens)"
+def _pace(settings: Settings, jobs: int, tokens: int, calls: int
+          ) -> tuple[float | None, str]:
+    """The jobs a second the budget allows a bulk rerun, and how it was found: the slower
+    of what its tokens a minute and its requests a minute serve at the matches' recorded
+    tokens and calls a job."""
     share = (1 - settings.budget_interactive_share) * settings.budget_tenant_share
-    per_job = tokens / jobs
-    rate = tpm * share / per_job / 60
-    return rate, (f"paced at {rate:.2f} jobs/s: {share:.0%} of budget_tokens_per_minute "
-                  f"({tpm}) at {per_job:.0f} recorded tokens a job")
+    rates: list[tuple[float, str]] = []
+    tpm, rpm = settings.budget_tokens_per_minute, settings.budget_requests_per_minute
+    if tpm and jobs and tokens:
+        per_job = tokens / jobs
+        rates.append((tpm * share / per_job / 60,
+                      f"{share:.0%} of budget_tokens_per_minute ({tpm}) at {per_job:.0f} "
+                      "recorded tokens a job"))
+    if rpm and jobs and calls:
+        per_job = calls / jobs
+        rates.append((rpm * share / per_job / 60,
+                      f"{share:.0%} of budget_requests_per_minute ({rpm}) at {per_job:.2f} "
+                      "recorded calls a job"))
+    if not rates:
+        return None, "not paced (no --rate, and no budget or no recorded usage)"
+    rate, why = min(rates)
+    return rate, f"paced at {rate:.2f} jobs/s: {why}"
 
 
 def cmd_rerun(args: argparse.Namespace, settings: Settings) -> int:
@@ -211,14 +224,14 @@ def cmd_rerun(args: argparse.Namespace, settings: Settings) -> int:
                          code="unknown_step") from None
     steps = tuple(s.name for s in workflow.steps[start:])
 
-    async def estimate() -> tuple[int, float, int]:
+    async def estimate() -> tuple[int, float, int, int]:
         async with open_store(settings) as store:
             found = await Reruns(store, workflows).records.estimate(_search(params, steps))
-        return found.jobs, found.cost_usd, found.tokens
+        return found.jobs, found.cost_usd, found.tokens, found.calls
 
-    jobs, cost, tokens = asyncio.run(estimate())
+    jobs, cost, tokens, calls = asyncio.run(estimate())
     rate, pacing = (args.rate, f"at most {args.rate} jobs/s (--rate)") if args.rate else _pace(
-        settings, jobs, tokens)
+        settings, jobs, tokens, calls)
 
     def describe(p: dict[str, Any]) -> str:
         words = [f"from step {p['from_step']} ({', '.join(steps)} run again)",

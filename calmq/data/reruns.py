@@ -89,6 +89,7 @@ class Estimate:
     jobs: int
     cost_usd: float
     tokens: int
+    calls: int = 0  # the attempts those steps made (a request budget's unit)
 
 
 class RerunRecords:
@@ -145,7 +146,8 @@ class RerunRecords:
             row = await cur.fetchone()
         if row is None:
             return Estimate(0, 0.0, 0)
-        return Estimate(int(row["n"]), float(row["cost_usd"]), int(row["tokens"]))
+        return Estimate(int(row["n"]), float(row["cost_usd"]), int(row["tokens"]),
+                        int(row["calls"]))
 
     async def step_output(self, job_id: uuid.UUID, step: str) -> dict[str, Any] | None:
         """The job's recorded output of ``step``, or None."""

@@ -93,7 +93,8 @@ LIMIT %(limit)s;
 WITH m AS (SELECT j.id, j.created_at {{rerun_match}})
 SELECT (SELECT count(*) FROM m) AS n,
        coalesce(sum(a.cost_usd), 0)::float8 AS cost_usd,
-       coalesce(sum(a.input_tokens + a.output_tokens), 0)::bigint AS tokens
+       coalesce(sum(a.input_tokens + a.output_tokens), 0)::bigint AS tokens,
+       count(a.*) AS calls
 FROM m JOIN job_attempts a ON a.job_id = m.id AND a.started_at >= m.created_at
 WHERE a.step = ANY(%(steps)s::text[]);
 

@@ -1,0 +1,156 @@
+"""``calmq bench rerun``: what an interactive job experiences while a bulk rerun runs.
+
+Issue 43's target: a bulk rerun of 1,000 jobs (``calmq jobs rerun`` by filter) keeps the
+interactive p99 within 1.2x of its baseline while it runs. The rig is ``priority``'s (the
+fake provider's request limit as the fleet budget, the same interactive load): first the
+interactive load alone (baseline ``no_rerun``), then ``size`` completed jobs of one tenant
+are rerun from their step by the CLI, paced by the budget (no ``--rate``), while the same
+interactive load runs again. The ratio is the second p99 over the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+from bench import loadgen
+from bench.loadgen import percentile
+from bench.priority import (
+    BUDGET_RPM,
+    INTERACTIVE_RATE,
+    PROVIDER_LATENCY_MS,
+    WORKERS,
+    tail_breakdown,
+    turnaround_ms,
+)
+from bench.procs import Phase, Sampler
+from bench.report import result
+from bench.rig import Rig
+
+__all__ = ["DEFAULT_SIZE", "rerun"]
+
+DEFAULT_SIZE = 1000
+INTERACTIVE_SECONDS = 30.0
+
+Log = Any
+
+
+def _body(priority: str) -> dict[str, Any]:
+    return {"workflow": "summarize", "priority": priority,
+            "input": {"text": "Kafka and PostgreSQL carry slow AI jobs.", "mode": "success"}}
+
+
+def _completed(rig: Rig, tenant_id: str) -> int:
+    return int(rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND "
+                         "status = 'completed'", (tenant_id,))[0][0])
+
+
+def _wait(check: Any, target: int, timeout: float, what: str, log: Log) -> int:
+    deadline = time.monotonic() + timeout
+    value = check()
+    while value < target and time.monotonic() < deadline:
+        time.sleep(0.2)  # a polling interval under a deadline
+        value = check()
+    if value < target:
+        log(f"  {what}: only {value} of {target} within {timeout:.0f} s")
+    return int(value)
+
+
+def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
+                      log: Log) -> dict[str, Any]:
+    """``priority``'s interactive load for ``seconds``: its submit-to-completion tail."""
+    tenant_id, key = rig.tenant(f"bench-{label}-{uuid.uuid4().hex[:6]}")
+    log(f"  calmq: interactive jobs at {INTERACTIVE_RATE:.0f}/s for {seconds:.0f} s ({label})")
+    load = asyncio.run(loadgen.open_loop(url, _body("interactive"),
+                                         {"Authorization": f"Bearer {key}"},
+                                         rate=INTERACTIVE_RATE, seconds=seconds))
+    done = _wait(lambda: _completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
+    lat = turnaround_ms(rig, tenant_id)
+    return {"interactive_p50_ms": round(percentile(lat, 50), 1),
+            "interactive_p99_ms": round(percentile(lat, 99), 1),
+            "interactive_completed": done, "interactive_submitted": load.ok,
+            "interactive_submit_errors": sum(load.errors.values()),
+            "interactive_tail": tail_breakdown(rig, tenant_id)}
+
+
+def _reruns(rig: Rig, tenant_id: str) -> tuple[int, int]:
+    """(reruns made, reruns completed) of the tenant's jobs."""
+    row = rig.query("SELECT count(*), count(*) FILTER (WHERE status = 'completed') FROM jobs "
+                    "WHERE tenant_id = %s AND rerun_of IS NOT NULL", (tenant_id,))[0]
+    return int(row[0]), int(row[1])
+
+
+def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+    seconds = max(10.0, min(INTERACTIVE_SECONDS, INTERACTIVE_SECONDS * size / DEFAULT_SIZE))
+    with Rig(log=log) as rig:
+        fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
+                       "--requests-per-minute", str(BUDGET_RPM))
+        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
+               "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
+        api = rig.calmq("api", env=env)
+        rig.calmq("relay", env=env)
+        rig.calmq("forwarder", env=env)
+        names = [f"worker:p{i}" for i in range(WORKERS)]
+        for name in names:
+            rig.calmq(name, env=env)
+        url = f"{api.url}/v1/jobs"
+        warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
+        asyncio.run(loadgen.closed_loop(url, _body("interactive"),
+                                        {"Authorization": f"Bearer {key}"}, total=40,
+                                        concurrency=8))
+        _wait(lambda: _completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+
+        quiet = _interactive_pass(rig, url, seconds, "no-rerun", log)
+
+        name = f"bench-originals-{uuid.uuid4().hex[:6]}"
+        originals_id, key = rig.tenant(name)
+        log(f"  calmq: {size} bulk jobs to complete, the originals of the rerun")
+        asyncio.run(loadgen.closed_loop(url, _body("bulk"), {"Authorization": f"Bearer {key}"},
+                                        total=size, concurrency=64))
+        _wait(lambda: _completed(rig, originals_id), size, 300, "the originals", log)
+
+        log("  calmq: calmq jobs rerun of every original, paced by the budget, with the "
+            "interactive load")
+        started = time.monotonic()
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "calmq.cli", "jobs", "rerun", "--from-step", "summarize",
+             "--workflow", "summarize", "--tenant", name, "--status", "completed", "--yes",
+             "-o", "json"],
+            env=rig.child_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True)
+        phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
+        made_before = _reruns(rig, originals_id)[0]
+        busy = _interactive_pass(rig, url, seconds, "with-rerun", log)
+        made_during = _reruns(rig, originals_id)[0] - made_before
+        sampler.end(phase)
+        _out, err = cli.communicate(timeout=600)
+        cli_seconds = time.monotonic() - started
+        pacing = next((line for line in err.splitlines() if "to rerun" in line), "")
+        made, completed = _reruns(rig, originals_id)
+        if cli.returncode != 0:
+            log(f"  warning: calmq jobs rerun exited {cli.returncode}: {err[-500:]}")
+        if made_during == 0:
+            log("  warning: no rerun was made while the interactive load ran")
+        figures: dict[str, Any] = {
+            **busy,
+            "reruns_made": made, "reruns_completed": completed,
+            "reruns_made_during_interactive": made_during,
+            "rerun_cli_seconds": round(cli_seconds, 1), "rerun_cli_exit": cli.returncode,
+            "rerun_count_line": pacing,
+            "budget_requests_per_minute": BUDGET_RPM, "provider_latency_ms": PROVIDER_LATENCY_MS,
+            "interactive_rate": INTERACTIVE_RATE, "interactive_seconds": seconds,
+            "workers": WORKERS,
+            "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000
+                                         / max(busy["interactive_completed"] + made_during, 1),
+                                         3),
+        }
+        versions = rig.versions
+    return result("rerun", size, figures, {"no_rerun": quiet},
+                  {"interactive_p99_ms_vs_no_rerun": round(
+                      busy["interactive_p99_ms"] / quiet["interactive_p99_ms"], 3)
+                   if quiet["interactive_p99_ms"] else 0.0},
+                  versions, extra_versions={"load_generator": loadgen.NAME})
