@@ -42,7 +42,8 @@ class ChildRows:
             "n": len(self.children), "resume_outbox": Jsonb(self.resume_outbox),
             "fail_outbox": Jsonb(self.fail_outbox)})
         await cur.execute(queries["insert_children"],
-                          {"parent_id": parent_id, "jobs": Jsonb(self.children)})
+                          {"parent_id": parent_id, "step": self.step,
+                           "jobs": Jsonb(self.children)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +102,24 @@ class Children:
             row = await cur.fetchone()
         return int(row["n"]) if row else 0
 
-    async def outcomes(self, parent_id: uuid.UUID) -> list[ChildOutcome]:
-        """Every child of ``parent_id``, in input order."""
+    async def outcomes(self, parent_id: uuid.UUID, step: str, first: int = 0
+                       ) -> list[ChildOutcome]:
+        """The children ``step`` of ``parent_id`` started, in input order (``index`` from 0:
+        their child indexes start at ``first``)."""
         async with self._db.pool.connection() as conn:
-            cur = await conn.execute(self._db.q["children_outcomes"], {"parent_id": parent_id})
+            cur = await conn.execute(self._db.q["children_outcomes"],
+                                     {"parent_id": parent_id, "step": step})
             rows = await cur.fetchall()
-        return [ChildOutcome(r["id"], r["child_index"], r["status"], r["artifact"], r["error"])
-                for r in rows]
+        return [ChildOutcome(r["id"], r["child_index"] - first, r["status"], r["artifact"],
+                             r["error"]) for r in rows]
+
+    async def next_index(self, parent_id: uuid.UUID) -> int:
+        """The first child index of a new spawn of ``parent_id`` (after earlier spawns')."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["children_next_index"],
+                                     {"parent_id": parent_id})
+            row = await cur.fetchone()
+        return int(row["n"]) if row else 0
 
     async def page(self, tenant_id: uuid.UUID, parent_id: uuid.UUID, *, after: int = -1,
                    limit: int = 100) -> list[ChildView]:

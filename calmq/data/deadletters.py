@@ -155,7 +155,8 @@ class DeadLetterRecords:
                         f"{join['failed']} of the job's {join['n']} children were cancelled: "
                         f"its join ({join['policy']}) can no longer hold",
                         code="children_cancelled", status=409)
-                cur = await conn.execute(self._db.q["children_requeue_failed"], {"id": job_id})
+                cur = await conn.execute(self._db.q["children_requeue_failed"],
+                                         {"id": job_id, "step": join["step"]})
                 await outbox.insert(conn, [requested(c) for c in await cur.fetchall()])
                 return Redriven(row["id"], row["step"], row["round"])
             # Through the one job.requested builder: a redriven job keeps its lane.

@@ -32,10 +32,10 @@ WITH parent AS (
 ), job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, metadata, deadline_at, trace_parent, lane,
-                      concurrency_key, parent_id, child_index, waiting_reason)
+                      concurrency_key, parent_id, child_index, parent_step, waiting_reason)
     SELECT id, tenant_id, workflow, workflow_version, 'queued', priority, pool, step,
            max_attempts, input, COALESCE(metadata, '{}'), deadline_at, trace_parent,
-           COALESCE(lane, 'online'), concurrency_key, %(parent_id)s, child_index,
+           COALESCE(lane, 'online'), concurrency_key, %(parent_id)s, child_index, %(step)s,
            CASE WHEN held THEN 'parent_in_flight' END
     FROM src
     RETURNING id, created_at
@@ -69,11 +69,16 @@ ON CONFLICT (parent_id, step) DO UPDATE
         created_at = now(), fired_at = NULL, outcome = NULL;
 
 -- name: children_outcomes
--- What the parent's next step receives: each child of the parent, in input order, with its
--- status and its artifact (a reference) or its error.
+-- What the parent's next step receives: each child its step started, in input order, with
+-- its status and its artifact (a reference) or its error.
 SELECT id, child_index, status, artifact, error FROM jobs
-WHERE parent_id = %(parent_id)s
+WHERE parent_id = %(parent_id)s AND parent_step = %(step)s
 ORDER BY child_index;
+
+-- name: children_next_index
+-- Where a spawn's child indexes start: after every earlier spawn's of the same parent (a
+-- job's children are numbered across its steps, so its page of children has one order).
+SELECT COALESCE(max(child_index) + 1, 0) AS n FROM jobs WHERE parent_id = %(parent_id)s;
 
 -- name: children_page
 -- A page of a tenant's job's children, in input order, after the cursor (the last
@@ -119,9 +124,11 @@ WITH j AS (
 )
 UPDATE job_joins jj
 SET succeeded = (SELECT count(*) FROM jobs c
-                 WHERE c.parent_id = jj.parent_id AND c.status = 'completed'),
+                 WHERE c.parent_id = jj.parent_id AND c.parent_step = jj.step
+                   AND c.status = 'completed'),
     failed = (SELECT count(*) FROM jobs c
-              WHERE c.parent_id = jj.parent_id AND c.status = 'cancelled'),
+              WHERE c.parent_id = jj.parent_id AND c.parent_step = jj.step
+                AND c.status = 'cancelled'),
     fired_at = NULL, outcome = NULL
 FROM j, parent
 WHERE jj.parent_id = j.parent_id AND jj.step = j.step
@@ -135,7 +142,8 @@ RETURNING jj.step, jj.policy, jj.k, jj.n, jj.succeeded, jj.failed;
 WITH again AS (
     UPDATE jobs c SET status = 'queued', attempt = 0, error = NULL, waiting_reason = NULL,
                       lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE c.parent_id = %(id)s AND c.status = 'dead_letter' AND c.redacted_at IS NULL
+    WHERE c.parent_id = %(id)s AND c.parent_step = %(step)s AND c.status = 'dead_letter'
+      AND c.redacted_at IS NULL
     RETURNING c.*
 ), round AS (
     SELECT a.id, (SELECT count(*) + 1 FROM job_events e

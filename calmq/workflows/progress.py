@@ -86,7 +86,8 @@ class Progress:
         marker = data.get(CHILDREN)
         if not isinstance(marker, dict) or marker.get("spawned") is not True:
             return data
-        found = await self.children.outcomes(job.id)
+        found = await self.children.outcomes(job.id, str(marker.get("step", "")),
+                                             int(marker.get("first", 0)))
         return {**data, CHILDREN: [c.as_input() for c in found]}
 
     async def recorded(self, job: Job, workflow: Workflow) -> dict[str, StepRecord]:
@@ -204,6 +205,7 @@ class Progress:
         priority = spawn.priority or job.priority
         route = topics.work_route(pool, priority, lane)
         trace = {"traceparent": job.trace_parent} if job.trace_parent else {}
+        first_index = await self.children.next_index(job.id)
         rows: list[dict[str, Any]] = []
         for index, raw in enumerate(spawn.inputs):
             try:
@@ -225,7 +227,7 @@ class Progress:
                 "step": new.step, "max_attempts": new.max_attempts, "input": data,
                 "metadata": new.metadata, "trace_parent": new.trace_parent, "lane": lane,
                 "deadline_at": new.deadline_at.isoformat() if new.deadline_at else None,
-                "concurrency_key": new.concurrency_key, "child_index": index,
+                "concurrency_key": new.concurrency_key, "child_index": first_index + index,
                 "held": index >= self.limits.in_flight,
                 "event_id": requested["event_id"], "route": route, "payload": requested,
                 "headers": trace})
@@ -240,7 +242,8 @@ class Progress:
                  "payload": events.dead_lettered(moved, last_event=EventType.DEAD_LETTERED),
                  "headers": trace}]
         join = spawn.join
-        summary = {"spawned": True, "workflow": child.name, "count": n, "policy": join.kind,
+        summary = {"spawned": True, "step": step.name, "first": first_index,
+                   "workflow": child.name, "count": n, "policy": join.kind,
                    "k": join.needed(n)}
         record.update(output={**out.artifact, CHILDREN: summary}, next_pool=next_pool,
                       next_max_attempts=following.attempts)

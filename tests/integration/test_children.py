@@ -22,7 +22,7 @@ from psycopg.rows import dict_row
 
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, console_session
-from tests.support.fanout_workflows import NAME, POOL
+from tests.support.fanout_workflows import NAME, POOL, TWICE
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     Procs,
@@ -320,3 +320,17 @@ def test_children_past_the_in_flight_limit_wait_for_earlier_ones(fanout: Fanout)
     assert most <= IN_FLIGHT
     assert _rows(fanout, "SELECT count(*) AS n FROM job_held_children WHERE parent_id = %s",
                  parent)[0]["n"] == 0
+
+
+def test_a_job_that_spawns_twice_joins_each_steps_own_children(fanout: Fanout) -> None:
+    """A job whose two steps each start children gives each next step its own children."""
+    status, _h, body = fanout.api.call("POST", "/v1/jobs", {
+        "workflow": TWICE, "input": {"texts": ["a", "b"]}})
+    assert status == 202, body
+    parent = str(body["job_id"])
+    assert _finished(fanout, parent)["status"] == "completed"
+    assert _artifact(fanout, parent) == {"first": [0, 1], "second": [0, 1, 2]}
+    assert [k["child_index"] for k in _children(fanout, parent)] == [0, 1, 2, 3, 4]
+    joined = [e for e in _events(fanout, parent) if e["type"] == "children_joined"]
+    assert [(e["detail"]["step"], e["detail"]["children"]) for e in joined] == [
+        ("split", 2), ("again", 3)]

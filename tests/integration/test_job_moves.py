@@ -105,10 +105,10 @@ def _join_failed(conn: psycopg.Connection[Any], source: Status) -> bool:
             conn.execute(
                 "INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
                 " pool, step, max_attempts, input, waiting_reason, parent_id, child_index,"
-                " updated_at) VALUES (%s, %s, 'summarize', 1, %s, 'bulk', 'default', 's', 3,"
-                " '{}', %s, %s, %s, %s)",
+                " parent_step, updated_at) VALUES (%s, %s, 'summarize', 1, %s, 'bulk',"
+                " 'default', 's', 3, '{}', %s, %s, %s, %s, %s)",
                 (job, tenant_id, status.value, "children" if parent_id is None else None,
-                 parent_id, 0 if parent_id else None, LONG_AGO))
+                 parent_id, 0 if parent_id else None, "s" if parent_id else None, LONG_AGO))
         conn.execute("INSERT INTO job_joins (parent_id, step, policy, k, n, resume_outbox,"
                      " fail_outbox) VALUES (%s, 's', 'all', 1, 1, '[]', '[]')", (parent,))
         conn.execute("UPDATE jobs SET status = 'dead_letter' WHERE id = %s", (child,))

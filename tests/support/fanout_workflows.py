@@ -21,6 +21,7 @@ from calmq.workflows.summarize import SUMMARIZE
 
 NAME = "fanout"
 CHILD = "fanout_child"
+TWICE = "fanout_twice"
 POOL = "wffanout"
 
 
@@ -58,9 +59,24 @@ async def gather(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
     return StepOutput(artifact={"asked": data["asked"], "children": seen})
 
 
+async def split_again(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    """A second spawn of the same job: three more children, after the first two joined."""
+    return ctx.spawn(CHILD, [{"text": f"again {i}", "mode": "success"} for i in range(3)],
+                     output={"first": [c["index"] for c in data["children"]]})
+
+
+async def gather_again(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
+    return StepOutput(artifact={"first": data["first"],
+                                "second": [c["index"] for c in data["children"]]})
+
+
 WORKFLOWS = [
     Workflow(name=NAME, version=1, input_model=FanoutInput, pool=POOL, review_threshold=None,
              steps=(Step("split", split), Step("gather", gather))),
+    # two spawns in one job: each step that joins gets its own spawn's children
+    Workflow(name=TWICE, version=1, input_model=FanoutInput, pool=POOL, review_threshold=None,
+             steps=(Step("split", split), Step("again", split_again),
+                    Step("gather", gather_again))),
     # One attempt: a transient failure dead-letters the child at once (no forwarder needed),
     # and a redrive's call is the next one the fake provider counts for it.
     replace(SUMMARIZE, name=CHILD, pool=POOL, review_threshold=None,

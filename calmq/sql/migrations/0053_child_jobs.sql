@@ -19,6 +19,9 @@ SET LOCAL lock_timeout = '5s';
 
 ALTER TABLE jobs ADD COLUMN IF NOT EXISTS parent_id uuid;
 ALTER TABLE jobs ADD COLUMN IF NOT EXISTS child_index integer;
+-- The parent's step that started the child: its join (a parent may spawn again in a later
+-- step, while children of an earlier join that held early still run).
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS parent_step text;
 -- No foreign key: a parent row is never deleted before its children (purge redacts, the
 -- retention drops a parent with its children), and a key's check would take a share lock
 -- on the parent's row for every child inserted or settled.
@@ -105,7 +108,7 @@ BEGIN
     FROM next n JOIN freed f ON f.id = n.job_id, LATERAL (SELECT gen_random_uuid() AS id) g;
 
     UPDATE job_joins SET succeeded = succeeded + ok::int, failed = failed + (NOT ok)::int
-    WHERE parent_id = NEW.parent_id AND fired_at IS NULL
+    WHERE parent_id = NEW.parent_id AND step = NEW.parent_step AND fired_at IS NULL
     RETURNING * INTO j;
     IF NOT FOUND THEN
         RETURN NULL;
@@ -126,7 +129,8 @@ BEGIN
     SELECT COALESCE(jsonb_agg(c.id::text ORDER BY c.child_index), '[]'::jsonb)
     INTO failed_ids
     FROM (SELECT id, child_index FROM jobs
-          WHERE parent_id = j.parent_id AND status IN ('dead_letter', 'cancelled')
+          WHERE parent_id = j.parent_id AND parent_step = j.step
+            AND status IN ('dead_letter', 'cancelled')
           ORDER BY child_index LIMIT 1000) c;
     IF verdict = 'resumed' THEN
         UPDATE jobs SET waiting_reason = NULL, updated_at = now()
