@@ -15,6 +15,7 @@ from typing import Any
 
 from bench import loadgen
 from bench.common import (
+    DISPATCH_RATE,
     DISPATCH_RUNS,
     E2E_CONCURRENCY,
     PY,
@@ -115,10 +116,21 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         jobs_per_s = done / max(last - load.started_at, 1e-3)
         statements = rig.statements(done)
 
-        dispatch = dispatch_runs(rig, url, max(1, runs), log)
+        # Dispatch at half the rate this run drained: a slow host drains less and is
+        # offered less, so the figure reads the stack's latency, not how far a fixed rate is
+        # from the host's ceiling (issue 48: 500/s was above what a slow hour drained, and
+        # its p99 read 4.6 s of queueing). The fixed 500/s passes follow, named as such.
+        half = max(10.0, jobs_per_s / 2)
+        dispatch = dispatch_runs(rig, url, max(1, runs), log, rate=half)
+        fixed = dispatch_runs(rig, url, max(1, runs), log, rate=DISPATCH_RATE)
         figures = {"jobs_per_s": rounded(jobs_per_s),
                    "dispatch_p50_ms": dispatch["dispatch_p50_ms"],
-                   "dispatch_p99_ms": dispatch["dispatch_p99_ms"], "completed": done,
+                   "dispatch_p99_ms": dispatch["dispatch_p99_ms"],
+                   "dispatch_rate": rounded(half),
+                   f"dispatch_at_{DISPATCH_RATE:.0f}_p50_ms": fixed["dispatch_p50_ms"],
+                   f"dispatch_at_{DISPATCH_RATE:.0f}_p99_ms": fixed["dispatch_p99_ms"],
+                   f"dispatch_at_{DISPATCH_RATE:.0f}_each_run": fixed["dispatch_each_run"],
+                   "completed": done,
                    "submit_errors": sum(load.errors.values()),
                    "accept_p50_ms_under_load": rounded(percentile(load.latencies_ms, 50), 2),
                    **{k: v for k, v in dispatch.items() if k not in _DISPATCH_HEADLINES},
