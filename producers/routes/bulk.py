@@ -48,13 +48,14 @@ async def submit_bulk(request: web.Request) -> web.Response:
     caller = await tenant(request, "submit")
     settings = request.app[SETTINGS]
     items = await _items(request, settings.api_bulk_max_body_bytes, settings.api_bulk_max_jobs)
+    base = settings.api_problem_base_url
     results: list[dict[str, Any] | None] = [None] * len(items)
     pending: list[tuple[int, NewJob, Idempotency | None]] = []
     for index, item in enumerate(items):
         try:
             job, idem = await _check(request, caller, item)
         except ContractError as exc:
-            results[index] = _refused(index, exc)
+            results[index] = _refused(index, exc, base)
         else:
             pending.append((index, job, idem))
     if pending:
@@ -65,7 +66,7 @@ async def submit_bulk(request: web.Request) -> web.Response:
                 err = refusal(outcome)
                 if not isinstance(err, ContractError):
                     raise err
-                results[index] = _refused(index, err)
+                results[index] = _refused(index, err, base)
                 continue
             ident, created = outcome
             if created:
@@ -137,9 +138,10 @@ async def _check(request: web.Request, caller: Any, item: Any
     return job, Idempotency(key, hashlib.sha256(canonical.encode()).digest())
 
 
-def _refused(index: int, exc: ContractError) -> dict[str, Any]:
-    # The very problem object POST /v1/jobs would have answered (producers.problems).
-    body = problem(exc.status, exc.code, exc.message).text
+def _refused(index: int, exc: ContractError, base: str) -> dict[str, Any]:
+    # The very problem object POST /v1/jobs would have answered (producers.problems), its
+    # type under the same api_problem_base_url.
+    body = problem(exc.status, exc.code, exc.message, base=base).text
     return {"index": index, "status": "refused", "problem": json.loads(body or "{}")}
 
 

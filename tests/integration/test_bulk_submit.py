@@ -78,6 +78,9 @@ def test_bulk_answers_each_item_in_order_and_a_bad_item_refuses_only_itself(
     assert all(r["problem"]["status"] in (400, 404, 422) for r in results
                if r["status"] == "refused")
     assert (body["accepted"], body["duplicate"], body["refused"]) == (3, 1, 4)
+    # A refused item's problem is the one POST /v1/jobs answers for the same body.
+    single_status, _h, single = api.call("POST", "/v1/jobs", items[1])
+    assert (single_status, single) == (results[1]["problem"]["status"], results[1]["problem"])
     written = {str(row[0]) for row in _tagged(stack, tag)}
     assert written == {r["job_id"] for r in results if r["status"] == "accepted"}
     assert api.job(results[0]["job_id"])["metadata"] == {"backfill": tag, "n": "0"}
