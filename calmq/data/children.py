@@ -102,10 +102,10 @@ class Children:
             row = await cur.fetchone()
         return int(row["n"]) if row else 0
 
-    async def outcomes(self, parent_id: uuid.UUID, step: str, first: int = 0
+    async def outcomes(self, parent_id: uuid.UUID, step: str | None = None, first: int = 0
                        ) -> list[ChildOutcome]:
-        """The children ``step`` of ``parent_id`` started, in input order (``index`` from 0:
-        their child indexes start at ``first``)."""
+        """The children ``step`` of ``parent_id`` started (None: every step's), in input
+        order (``index`` from 0: their child indexes start at ``first``)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["children_outcomes"],
                                      {"parent_id": parent_id, "step": step})

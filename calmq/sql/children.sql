@@ -69,10 +69,11 @@ ON CONFLICT (parent_id, step) DO UPDATE
         created_at = now(), fired_at = NULL, outcome = NULL;
 
 -- name: children_outcomes
--- What the parent's next step receives: each child its step started, in input order, with
--- its status and its artifact (a reference) or its error.
+-- What the parent's next step receives: each child its step started (step NULL: every
+-- step's), in input order, with its status and its artifact (a reference) or its error.
 SELECT id, child_index, status, artifact, error FROM jobs
-WHERE parent_id = %(parent_id)s AND parent_step = %(step)s
+WHERE parent_id = %(parent_id)s
+  AND (%(step)s::text IS NULL OR parent_step = %(step)s::text)
 ORDER BY child_index;
 
 -- name: children_next_index
