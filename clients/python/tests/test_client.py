@@ -63,6 +63,21 @@ def test_get_and_list_filter_and_page_the_tenants_jobs(api: Any) -> None:
     assert (missing.value.status, missing.value.code) == (404, "not_found")
 
 
+def test_rerun_makes_a_new_job_linked_to_the_original(api: Any) -> None:
+    """rerun answers 202 with a new job naming the original, which completes and shows
+    rerun_of; an unknown step is ApiError 422 unknown_step."""
+    job_id = api.submit("summarize", {"text": "rerun me", "mode": "success"})["job_id"]
+    assert _final(api, job_id)["status"] == "completed"
+    answer = api.rerun(job_id, "summarize", {"text": "rerun me again", "mode": "success"})
+    assert answer["rerun_of"] == job_id
+    assert answer["job_id"] != job_id
+    again = _final(api, answer["job_id"])
+    assert (again["status"], again["rerun_of"]) == ("completed", job_id)
+    with pytest.raises(ApiError) as refused:
+        api.rerun(job_id, "nope")
+    assert (refused.value.status, refused.value.code) == (422, "unknown_step")
+
+
 def test_cancel_ends_a_running_job(api: Any) -> None:
     """cancel answers cancelled, the event stream ends with it, a second cancel is 409."""
     job_id = api.submit("summarize", {"text": "cancel me", "mode": "slow"})["job_id"]

@@ -87,6 +87,17 @@ def submit(workflow: str, input: Mapping[str, Any] | None, *,
                 body=body, headers=headers, wait=seconds)
 
 
+def rerun(job_id: str, from_step: str, input: Mapping[str, Any] | None,
+          priority: str | None) -> Call:
+    """POST /v1/jobs/{id}/rerun: a new job each time it is sent, so not safe to repeat."""
+    body: dict[str, Any] = {"from_step": from_step}
+    if input is not None:
+        body["input"] = dict(input)
+    if priority is not None:
+        body["priority"] = priority
+    return Call("POST", job_path(job_id, "/rerun"), expect=(202,), safe=False, body=body)
+
+
 def submit_file(workflow: str, path: Path, *, content_type: str, idempotency_key: str | None,
                 fields: Mapping[str, Any]) -> Call:
     form = {"workflow": workflow}

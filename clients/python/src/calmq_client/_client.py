@@ -132,6 +132,17 @@ class Client:
             Call("POST", job_path(job_id, "/cancel"), safe=False))
         return answer
 
+    def rerun(self, job_id: str, from_step: str,
+              input: Mapping[str, Any] | None = None, *,
+              priority: str | None = None) -> dict[str, Any]:
+        """POST /v1/jobs/{id}/rerun: a new job that runs a job that ended again from
+        ``from_step``, reusing the recorded outputs of the steps before it (no paid call of
+        theirs again); ``input`` replaces what the step gets. Returns the 202 answer
+        (``job_id``, ``rerun_of``, ...). Each call makes a new job: retried only when the
+        API certainly did not act on it."""
+        answer: dict[str, Any] = self._json(calls.rerun(job_id, from_step, input, priority))
+        return answer
+
     def delete(self, job_id: str) -> None:
         """DELETE /v1/jobs/{id}: a final job's input, artifact and record are removed."""
         self._json(Call("DELETE", job_path(job_id), expect=(204,), safe=False))
