@@ -283,6 +283,8 @@ class RegistryCodec:
 def registry_config(settings: Settings) -> dict[str, Any]:
     """The registry client's credentials and TLS settings (``confluent_kafka``'s names),
     without the URL. Raises ConfigError naming the settings that do not fit together."""
+    from calmq.settings import registry_properties
+
     s = settings
     config: dict[str, Any] = {}
     password = s.schema_registry_password.get_secret_value()
@@ -316,7 +318,13 @@ def registry_config(settings: Settings) -> dict[str, Any]:
         raise ConfigError("CALMQ_SCHEMA_REGISTRY_KEY_LOCATION needs "
                           "CALMQ_SCHEMA_REGISTRY_CERTIFICATE_LOCATION",
                           code="registry_credentials_missing")
-    return config
+    extra = registry_properties(s.schema_registry_config)
+    if "bearer.auth.credentials.source" in extra and (
+            token or s.schema_registry_username or password):
+        raise ConfigError("CALMQ_SCHEMA_REGISTRY_CONFIG sets bearer.auth.credentials.source: "
+                          "unset CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN and basic auth",
+                          code="conflicting_setting")
+    return {**config, **extra}
 
 
 def check_registry(url: str, config: Mapping[str, Any] | None = None,

@@ -178,6 +178,58 @@ def kafka_properties(text: str) -> dict[str, Any]:
     return props
 
 
+# Registry client properties that schema_registry_config may not set: each has a setting of
+# its own, which registry_config checks against the others (basic auth or a token, not both).
+_OWN_REGISTRY_PROPERTIES = {
+    "url": "CALMQ_SCHEMA_REGISTRY_URL",
+    "basic.auth.user.info": "CALMQ_SCHEMA_REGISTRY_USERNAME and _PASSWORD",
+    "basic.auth.credentials.source": "CALMQ_SCHEMA_REGISTRY_USERNAME and _PASSWORD",
+    "ssl.ca.location": "CALMQ_SCHEMA_REGISTRY_CA_LOCATION",
+    "ssl.certificate.location": "CALMQ_SCHEMA_REGISTRY_CERTIFICATE_LOCATION",
+    "ssl.key.location": "CALMQ_SCHEMA_REGISTRY_KEY_LOCATION",
+}
+
+
+def registry_properties(text: str) -> dict[str, Any]:
+    """``CALMQ_SCHEMA_REGISTRY_CONFIG``: the registry client's other properties, read as
+    kafka_config is (a JSON object or key=value lines). The registry's OAuth (Confluent
+    Cloud's OAUTHBEARER, Azure IMDS) is only these ``bearer.auth.*`` keys, so calmq passes
+    them through rather than shadowing each with a setting; the client itself refuses a name
+    it does not know when the codec is made."""
+    import json
+
+    text = text.strip()
+    if not text:
+        return {}
+    props: dict[str, Any]
+    if text.startswith("{"):
+        try:
+            loaded = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"schema_registry_config is not a JSON object: {exc}") from None
+        if not isinstance(loaded, dict) or not all(
+                isinstance(v, str | int | float | bool) for v in loaded.values()):
+            raise ValueError("schema_registry_config must be a JSON object of strings,"
+                             " numbers and booleans")
+        props = {str(k).strip(): v for k, v in loaded.items()}
+    else:
+        props = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith(("#", "!")):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"schema_registry_config line {number} is not key=value:"
+                                 f" {line[:60]!r}")
+            props[key.strip()] = value.strip()
+    for key in props:
+        if key in _OWN_REGISTRY_PROPERTIES:
+            raise ValueError(f"schema_registry_config sets {key}: use "
+                             f"{_OWN_REGISTRY_PROPERTIES[key]} instead")
+    return props
+
+
 class Settings(BaseSettings):
     """Every setting of every component; see docs/reference/settings.md."""
 
@@ -557,6 +609,13 @@ class Settings(BaseSettings):
         default="", description="PEM client certificate for the registry, for mTLS")
     schema_registry_key_location: str = Field(
         default="", description="PEM private key of the registry client certificate")
+    schema_registry_config: str = Field(
+        default="",
+        description="any other registry client properties (confluent_kafka's names, e.g."
+                    " bearer.auth.credentials.source=OAUTHBEARER and bearer.auth.client.id,"
+                    " .client.secret, .scope, .issuer.endpoint.url, .logical.cluster,"
+                    " .identity.pool.id for OAuth): a JSON object or key=value lines, as"
+                    " kafka_config")
 
     # Relay.
     relay_mode: Literal["polling", "cdc"] = Field(
@@ -731,6 +790,12 @@ class Settings(BaseSettings):
     @classmethod
     def _kafka_properties(cls, value: str) -> str:
         kafka_properties(value)  # raises on what cannot be read or is calmq's own
+        return value
+
+    @field_validator("schema_registry_config")
+    @classmethod
+    def _registry_properties(cls, value: str) -> str:
+        registry_properties(value)  # raises on what cannot be read or has a setting
         return value
 
     @field_validator("priorities")

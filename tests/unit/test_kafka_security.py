@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,42 @@ def test_registry_basic_auth_bearer_token_and_ca_map_to_the_registry_client() ->
         registry_config(_settings(CALMQ_SCHEMA_REGISTRY_USERNAME="key",
                                   CALMQ_SCHEMA_REGISTRY_PASSWORD="secret",
                                   CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN="tok"))
+
+
+def test_registry_oauth_properties_pass_through_to_the_registry_client() -> None:
+    """CALMQ_SCHEMA_REGISTRY_CONFIG's bearer.auth.* keys reach the registry client's config."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    oauth = {"bearer.auth.credentials.source": "OAUTHBEARER",
+             "bearer.auth.client.id": "calmq", "bearer.auth.client.secret": "s3cret",
+             "bearer.auth.scope": "registry",
+             "bearer.auth.issuer.endpoint.url": "https://idp.example/oauth2/token",
+             "bearer.auth.logical.cluster": "lsrc-1", "bearer.auth.identity.pool.id": "pool-1"}
+    as_lines = "\n".join(f"{k}={v}" for k, v in oauth.items())
+    for text in (as_lines, json.dumps(oauth)):
+        config = registry_config(_settings(CALMQ_SCHEMA_REGISTRY_CONFIG=text))
+        assert config == oauth
+    # The client takes them as they are: OAuth from the identity provider, not a static token.
+    client = SchemaRegistryClient({**config, "url": "https://registry.example"})
+    assert client._rest_client.bearer_auth_credentials_source == "OAUTHBEARER"
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"CALMQ_SCHEMA_REGISTRY_CONFIG": "basic.auth.user.info=a:b"},
+     "CALMQ_SCHEMA_REGISTRY_USERNAME"),
+    ({"CALMQ_SCHEMA_REGISTRY_CONFIG": "url=https://elsewhere"}, "CALMQ_SCHEMA_REGISTRY_URL"),
+    ({"CALMQ_SCHEMA_REGISTRY_CONFIG": "not a property"}, "not key=value"),
+])
+def test_registry_pass_through_refuses_what_has_a_setting(env: dict[str, str],
+                                                          named: str) -> None:
+    """A registry property with a setting of its own is refused, naming that setting."""
+    with pytest.raises(ConfigError, match=named):
+        _settings(**env)
+
+
+def test_registry_oauth_and_a_static_token_together_are_refused() -> None:
+    """OAuth through the pass-through and CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN conflict."""
+    with pytest.raises(ConfigError, match="CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN"):
+        registry_config(_settings(
+            CALMQ_SCHEMA_REGISTRY_BEARER_TOKEN="tok",
+            CALMQ_SCHEMA_REGISTRY_CONFIG="bearer.auth.credentials.source=OAUTHBEARER"))
