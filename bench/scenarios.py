@@ -29,7 +29,8 @@ __all__ = ["DEFAULT_SIZES", "DISPATCH_RUNS", "SCENARIOS", "NotBuiltError", "run_
 DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "drain": 10000,
                  "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
                  "logical_messages": 50_000, "happy_path": 20_000, "streaming": 200,
-                 "scale": 20_000_000, "fairness": 12_000, "rerun": 1000, "bulk": 40_000, "fanout": 100_000}
+                 "scale": 20_000_000, "fairness": 12_000, "rerun": 1000, "bulk": 40_000,
+                 "fanout": 100_000}
 
 
 def _lazy(module: str, function: str) -> Callable[..., dict[str, Any]]:
