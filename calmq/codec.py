@@ -169,14 +169,16 @@ class RegistryCodec:
     """Confluent wire format with ids from a Confluent-compatible schema registry.
 
     Subjects follow the RecordNameStrategy (``dev.calmq.events.JobRequested``), so several
-    event types may share a topic. Ids are fetched once and cached. Writing looks the newest
-    schema's id up (read-only); registering is a deployment step (``calmq schemas register``,
-    which ``calmq dev up`` runs), so the services need no write access to the registry.
+    event types may share a topic; ``subject_prefix`` (setting name_prefix) goes in front, so
+    environments sharing a registry register and evolve their schemas apart. Ids are fetched
+    once and cached. Writing looks the newest schema's id up (read-only); registering is a
+    deployment step (``calmq schemas register``, which ``calmq dev up`` runs), so the
+    services need no write access to the registry.
     """
 
     def __init__(self, registry_url: str, store: SchemaStore | None = None, *,
                  client: SchemaRegistryClient | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, subject_prefix: str = "") -> None:
         from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
         self.store = store or SchemaStore()
@@ -186,13 +188,13 @@ class RegistryCodec:
         self._client = client or SchemaRegistryClient.new_client(
             {**(config or {}), "url": registry_url})
         self._schema_cls = Schema
+        self.subject_prefix = subject_prefix
         self._ids: dict[str, int] = {}
         self._by_id: dict[int, SchemaVersion] = {}
 
-    @staticmethod
-    def subject(schema: SchemaVersion) -> str:
+    def subject(self, schema: SchemaVersion) -> str:
         parsed = json.loads(schema.text)
-        return f"{parsed['namespace']}.{parsed['name']}"
+        return f"{self.subject_prefix}{parsed['namespace']}.{parsed['name']}"
 
     def register_all(self) -> dict[str, int]:
         """Register every version, oldest first, so the registry checks each step."""
@@ -381,11 +383,12 @@ def _without_userinfo(url: str) -> str:
 
 
 def make_codec(schema_registry_url: str,
-               config: Mapping[str, Any] | None = None) -> EventCodec:
+               config: Mapping[str, Any] | None = None, subject_prefix: str = "") -> EventCodec:
     """The registry codec when a registry URL is set, else single-object encoding.
-    ``config``: registry_config(settings), the registry's credentials and TLS."""
+    ``config``: registry_config(settings), the registry's credentials and TLS;
+    ``subject_prefix``: setting name_prefix."""
     if schema_registry_url:
-        return RegistryCodec(schema_registry_url, config=config)
+        return RegistryCodec(schema_registry_url, config=config, subject_prefix=subject_prefix)
     return SingleObjectCodec()
 
 

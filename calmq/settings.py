@@ -630,8 +630,15 @@ class Settings(BaseSettings):
     relay_wal_warn_bytes: int = Field(default=1 << 30, ge=1)
     relay_housekeeping_seconds: float = Field(default=5.0, gt=0)
     relay_prune_batch: int = Field(default=5000, ge=1)
-    # Debezium's route.topic.replacement; ${routedByValue} is the row's aggregatetype.
+    # Debezium's route.topic.replacement; ${routedByValue} is the row's aggregatetype. The
+    # relay puts name_prefix in front of it (Debezium: <name_prefix>calmq.${routedByValue}).
     relay_topic_replacement: str = Field(default="calmq.${routedByValue}", min_length=1)
+    # Many environments on one Kafka cluster and registry (calmq.topics.configure).
+    name_prefix: str = Field(
+        default="",
+        description="put in front of every topic, consumer group and schema subject"
+                    " (staging. gives staging.calmq.default.interactive): empty, or lower"
+                    " case letters, digits, '.', '_', '-' ending in '.' or '-'")
 
     # Workflows.
     review_confidence_threshold: float = Field(default=0.9, ge=0, le=1)
@@ -797,6 +804,13 @@ class Settings(BaseSettings):
     def _registry_properties(cls, value: str) -> str:
         registry_properties(value)  # raises on what cannot be read or has a setting
         return value
+
+    @field_validator("name_prefix")
+    @classmethod
+    def _name_prefix(cls, value: str) -> str:
+        from calmq.topics import check_name_prefix
+
+        return check_name_prefix(value)
 
     @field_validator("priorities")
     @classmethod

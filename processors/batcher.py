@@ -857,7 +857,8 @@ class BatchLane:
         store = self._store = Store(s.database_url, max_size=8, keep_errors=s.max_job_errors,
                                     **Store.pool_options(s))
         await store.open()
-        codec = make_codec(s.schema_registry_url, registry_config(s))
+        codec = make_codec(s.schema_registry_url, registry_config(s),
+                           s.name_prefix)
         objects = open_object_store(s.object_store_url)
         packer = self._packer = BatchPacker(self._client(), s, store, self.worker_id)
         window = packer.max_requests

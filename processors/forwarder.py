@@ -53,9 +53,14 @@ _MAX_WAIT = 0.1  # longest poll: bounds how late a timer fires and how fast stop
 # calmq.<pool>.<interactive|bulk>: the only topics a retry goes back to.
 # The batch lane's topic is a work topic too: a batched request that failed transiently
 # goes back to it, into a later provider batch.
-_WORK_TOPIC = re.compile(re.escape(topics.PREFIX)
-                         + r"[A-Za-z0-9_-]+\.(?:interactive|bulk|" + topics.BATCH + ")")
-_RETRY_PREFIX = topics.topic_for_route(topics.retry_route(""))
+_WORK_TOPIC = r"[A-Za-z0-9_-]+\.(?:interactive|bulk|" + topics.BATCH + ")"
+
+
+def _is_work_topic(topic: str) -> bool:
+    # topics.PREFIX read per call: it carries this process's name prefix (topics.configure).
+    return re.fullmatch(re.escape(topics.PREFIX) + _WORK_TOPIC, topic) is not None
+
+
 _MISSING_TTL = 10.0  # a topic found missing is looked up again after this long
 _CLOCK_SLACK = 5.0  # seconds a due time may run past its tier (writers' clocks differ)
 
@@ -243,7 +248,7 @@ class Forwarder:
 
     def _refusal(self, origin: str | None) -> tuple[str, str] | None:
         """Why a retry cannot go back to ``origin`` (code, message), or None if it can."""
-        if not origin or not _WORK_TOPIC.fullmatch(origin):
+        if not origin or not _is_work_topic(origin):
             return ("missing_origin_topic",
                     f"retry message without a usable {ORIGIN} header ({origin!r}): a retry "
                     "goes back to a work topic calmq.<pool>.<interactive|bulk|batch>")
@@ -301,7 +306,8 @@ class ForwarderService:
 
 def _tier_seconds(topic: str) -> float:
     try:
-        return parse_duration(topic.removeprefix(_RETRY_PREFIX))
+        return parse_duration(
+            topic.removeprefix(topics.topic_for_route(topics.retry_route(""))))
     except ConfigError:
         return 3600.0  # not a tier name calmq makes: assume the default longest tier
 

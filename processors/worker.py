@@ -144,7 +144,8 @@ class Worker:
             interactive_reserve=s.interactive_reserve,
             read_ahead=Pipeline.CLAIM_BATCH if s.fair_share else 0,
         )
-        codec = make_codec(s.schema_registry_url, registry_config(s))
+        codec = make_codec(s.schema_registry_url, registry_config(s),
+                           s.name_prefix)
         objects = open_object_store(s.object_store_url)
         ledger = SpendLedger(store)
         spend = spend_caps_from_settings(s, ledger)

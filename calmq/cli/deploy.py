@@ -101,8 +101,8 @@ def cmd_schemas(args: argparse.Namespace) -> int:
         raise ConfigError("no schema registry: set CALMQ_SCHEMA_REGISTRY_URL",
                           code="no_schema_registry")
     check_registry(settings)
-    ids = RegistryCodec(settings.schema_registry_url,
-                        config=registry_config(settings)).register_all()
+    ids = RegistryCodec(settings.schema_registry_url, config=registry_config(settings),
+                        subject_prefix=settings.name_prefix).register_all()
     if output_format(args) != "table":
         emit_rows([{"event_type": e, "schema_id": i} for e, i in ids.items()],
                   output_format(args), [])

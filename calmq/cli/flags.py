@@ -160,6 +160,10 @@ def settings_for(args: argparse.Namespace, **overrides: Any) -> Settings:
                 elif env_key + "_FILE" in state.env:
                     flags[key] = Path(state.env[env_key + "_FILE"]).read_text()
     settings = Settings.load(flags, environ=settings_environ(args))
+    # One process, one environment: every topic and group it names carries the prefix.
+    from calmq import topics
+
+    topics.configure(settings.name_prefix)
     missing = [k for k in getattr(args, "needs", ()) if not getattr(settings, k)]
     if missing:
         raise ConfigError(

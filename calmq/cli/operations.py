@@ -119,8 +119,10 @@ def _oldest_ages(connection: Connection, lagging: list[PartitionLag]) -> None:
         return
     from confluent_kafka import Consumer, TopicPartition
 
+    from calmq import topics
+
     consumer = Consumer(kafka_config(
-        connection, **{"group.id": "calmq.cli.lag-peek", "enable.auto.commit": False,
+        connection, **{"group.id": topics.PREFIX + "cli.lag-peek", "enable.auto.commit": False,
                       "enable.auto.offset.store": False, "enable.partition.eof": False,
                       "fetch.wait.max.ms": 50}))
     wanted = {(r.topic, r.partition): r for r in lagging}

@@ -180,8 +180,10 @@ def cmd_relay(args: argparse.Namespace) -> int:
                                                   **{"linger.ms": 0,
                                                      "message.max.bytes":
                                                          settings.kafka_max_message_bytes})),
-                          make_codec(settings.schema_registry_url, registry_config(settings)),
-                          topic_replacement=settings.relay_topic_replacement)
+                          make_codec(settings.schema_registry_url, registry_config(settings),
+                                     settings.name_prefix),
+                          topic_replacement=settings.name_prefix
+                          + settings.relay_topic_replacement)
     _long_running()
     make_relay(settings, publisher).run(stop)
     return 0
@@ -243,7 +245,8 @@ def cmd_forwarder(args: argparse.Namespace) -> int:
     forwarder = Forwarder(consumer_config(connection, topics.FORWARDER_GROUP),
                           Producer(producer_config(connection,
                                                    compression=settings.kafka_compression)),
-                          make_codec(settings.schema_registry_url, registry_config(settings)),
+                          make_codec(settings.schema_registry_url, registry_config(settings),
+                                     settings.name_prefix),
                           tier_topics, commit_interval=settings.commit_interval_ms / 1000)
     asyncio.run(with_heartbeat(
         ForwarderService(forwarder, grace_seconds=settings.grace_seconds).run(), heartbeat))

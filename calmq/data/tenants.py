@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from calmq import sql
+from calmq import sql, topics
 from calmq.data.database import Database
 from calmq.errors import ContractError, NotFound
 
@@ -275,16 +275,19 @@ def rotate_webhook_secret(database_url: str, tenant: str, grace_seconds: float
 def set_results_topic(database_url: str, tenant: str, topic: str | None) -> None:
     """Route the tenant's results to ``topic`` (and its dead letters to ``topic.dlq``) from
     the next event on; None: back to the shared calmq.results. The topics must exist first
-    (the relay sends an event for a missing topic to calmq.dlq)."""
+    (the relay sends an event for a missing topic to calmq.dlq). The row keeps the name
+    without the environment's prefix (calmq.topics.logical_topic), as the outbox's routes
+    do: the relay puts it back in front as it publishes."""
+    stored = topics.logical_topic(topic) if topic else None
     with psycopg.connect(database_url) as conn:
         row = conn.execute(sql.queries()["set_results_topic"],
-                           {"name": tenant, "topic": topic}).fetchone()
+                           {"name": tenant, "topic": stored}).fetchone()
     if row is None:
         raise NotFound(f"no tenant named {tenant!r}", code="unknown_tenant")
 
 
 def results_topics(database_url: str) -> dict[str, str | None]:
-    """Every tenant's name and its own results topic (None: the shared one)."""
+    """Every tenant's name and its own results topic in Kafka (None: the shared one)."""
     with psycopg.connect(database_url) as conn:
         rows = conn.execute(sql.queries()["results_topics"]).fetchall()
-    return {str(name): topic for name, topic in rows}
+    return {str(name): topics.NAME_PREFIX + topic if topic else None for name, topic in rows}
