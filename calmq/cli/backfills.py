@@ -72,6 +72,7 @@ class Backfill:
                 "problems": self.problems[:_BAD_LINES_SHOWN]}
 
     def save(self, where: Path) -> None:
+        where.parent.mkdir(parents=True, exist_ok=True)
         tmp = where.with_name(where.name + ".tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2))
         os.replace(tmp, where)  # atomic: a reader sees the old checkpoint or the new
@@ -200,9 +201,21 @@ def _send(url: str, key: str, items: list[dict[str, Any]]) -> dict[str, Any]:
                       "again to resume", code="api_unavailable")
 
 
+def default_checkpoint(path: Path, sha256: str, configured_state_dir: str = "") -> Path:
+    """Beside the file, where a resume finds it with no flag; where that folder cannot be
+    written (a read-only mount in a pod), under the CLI's state folder (calmq.cli.bulk
+    ``state_dir``), named by the file's content, so a resume of the same file finds it too."""
+    beside = path.with_name(path.name + ".calmq-checkpoint.json")
+    if beside.exists() or os.access(path.parent, os.W_OK):
+        return beside
+    from calmq.cli.bulk import state_dir
+
+    return state_dir(configured_state_dir) / "submit" / f"{sha256[:32]}.json"
+
+
 def run_file(*, api_url: str, api_key: str, path: Path, chunk_size: int,
              checkpoint: Path | None, max_chunks: int | None, fmt: Format,
-             concurrency: int = 4) -> int:
+             concurrency: int = 4, state_dir: str = "") -> int:
     """Submit every line of ``path``; print the summary; the exit code."""
     if not path.is_file():
         raise UsageError(f"--file {path}: no such file", code="file_not_found")
@@ -212,7 +225,7 @@ def run_file(*, api_url: str, api_key: str, path: Path, chunk_size: int,
     if not 1 <= concurrency <= 32:
         raise UsageError("--in-flight is 1 to 32", code="invalid_in_flight")
     sha256, total = _digest(path)
-    where = checkpoint or path.with_name(path.name + ".calmq-checkpoint.json")
+    where = checkpoint or default_checkpoint(path, sha256, state_dir)
     run = Backfill.resume(path, sha256, where)
     started_at = run.next_line
     key_prefix = f"file-{sha256[:32]}"

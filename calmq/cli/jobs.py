@@ -85,7 +85,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return run_file(api_url=settings.api_url, api_key=args.api_key, path=Path(args.file),
                         chunk_size=int(args.chunk_size), max_chunks=args.max_chunks,
                         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                        fmt=output_format(args), concurrency=int(args.in_flight))
+                        fmt=output_format(args), concurrency=int(args.in_flight),
+                        state_dir=settings.cli_state_dir)
     data = _input(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
     status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
         "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
