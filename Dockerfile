@@ -5,7 +5,9 @@
 #
 # Pinned: the base image to a patch release of the Python the lock was made with, and the
 # wheel's dependencies to requirements.lock (`make lock`), installed as they are (--no-deps)
-# and checked (pip check). The wheel is built in a stage of its own and installed as users
+# and checked (pip check). The lock also holds the otel and msk-iam extras' dependencies,
+# so the image traces (OpenTelemetry) and speaks MSK IAM without a build of one's own.
+# The wheel is built in a stage of its own and installed as users
 # install it: no checkout, no editable install, the schemas and SQL as package data.
 # tests/integration/test_image.py runs these steps without a Docker engine.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm

@@ -164,12 +164,13 @@ image:
 	@command -v docker >/dev/null || { echo "make image: no docker here; CI's release workflow builds the image"; exit 1; }
 	docker build --pull -t $(IMAGE) .
 
-# requirements.lock: the wheel's dependencies, pinned, that the Dockerfile installs. Run after
-# changing [project] dependencies in pyproject.toml (tests/unit/test_image.py checks it).
+# requirements.lock: the wheel's dependencies and the extras the image ships (otel: tracing,
+# msk-iam: Amazon MSK's IAM auth), pinned, that the Dockerfile installs. Run after changing
+# [project] dependencies in pyproject.toml (tests/integration/test_image.py checks it).
 lock: install
 	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install --quiet --upgrade pip
-	build/lock-venv/bin/pip install --quiet ./clients/python .
-	{ echo "# The wheel's dependencies, pinned: \`make lock\` installed calmq into a clean venv of"; \
+	build/lock-venv/bin/pip install --quiet ./clients/python '.[otel,msk-iam]'
+	{ echo "# The wheel's dependencies with its otel and msk-iam extras, pinned: \`make lock\` installed calmq into a clean venv of"; \
 	  echo "# Python $$(build/lock-venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') (the image's) and froze it. The Dockerfile installs exactly these."; \
 	  build/lock-venv/bin/pip freeze --exclude calmq --exclude calmq-client; } > requirements.lock
