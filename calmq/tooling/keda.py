@@ -394,7 +394,10 @@ def scaled_object(meta: Any) -> dict[str, Any]:
                     "bootstrapServers": Text(Val(("config", "kafka_bootstrap"))),
                     # The group processors/worker.py joins; no topic: the lag of every
                     # topic the group reads (calmq.<pool>.interactive and .bulk), summed.
-                    "consumerGroup": Printf("calmq.%s", Key("pool")),
+                    # Behind the environment's name_prefix, as calmq.topics names it.
+                    "consumerGroup": Printf(
+                        "%scalmq.%s", Text(Or((Val(("config", "name_prefix")), ""))),
+                        Key("pool")),
                     "lagThreshold": Text(pool("lagThreshold")),
                     "offsetResetPolicy": "earliest",
                     "allowIdleConsumers": "false",

@@ -314,3 +314,10 @@ def test_credentials_keda_cannot_read_are_a_clear_error(settings: dict[str, str]
                           {"secretSettings": {"kafka_sasl_password": {"secretName": ""}}})
     with pytest.raises(ConfigError, match=message):
         render(values)
+
+
+def test_keda_reads_the_lag_of_the_prefixed_group_of_an_environment() -> None:
+    """With name_prefix, the ScaledObject watches the group the pool's workers join."""
+    settings = Settings.load(environ={"CALMQ_NAME_PREFIX": "staging."})
+    [trigger] = _render(settings)["60-worker-default-scaledobject.yaml"]["spec"]["triggers"]
+    assert trigger["metadata"]["consumerGroup"] == "staging.calmq.default"
