@@ -5,7 +5,7 @@
 #
 # Pinned: the base image to a patch release of the Python the lock was made with, and the
 # wheel's dependencies to requirements.lock (`make lock`), installed as they are (--no-deps)
-# and checked (pip check). The lock also holds the otel and msk-iam extras' dependencies,
+# and checked (pip check), each wheel's sha256 checked (--require-hashes). The lock also holds the otel and msk-iam extras' dependencies,
 # so the image traces (OpenTelemetry) and speaks MSK IAM without a build of one's own.
 # The wheel is built in a stage of its own and installed as users
 # install it: no checkout, no editable install, the schemas and SQL as package data.
@@ -31,7 +31,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY requirements.lock /tmp/requirements.lock
 COPY --from=build /wheels /wheels
-RUN pip install --no-deps -r /tmp/requirements.lock \
+RUN pip install --no-deps --require-hashes -r /tmp/requirements.lock \
     && pip install /wheels/*.whl --no-deps \
     && pip check \
     && rm -rf /wheels /tmp/requirements.lock \

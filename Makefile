@@ -171,6 +171,15 @@ lock: install
 	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/pip install --quiet --upgrade pip
 	build/lock-venv/bin/pip install --quiet ./clients/python '.[otel,msk-iam]'
-	{ echo "# The wheel's dependencies with its otel and msk-iam extras, pinned: \`make lock\` installed calmq into a clean venv of"; \
-	  echo "# Python $$(build/lock-venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') (the image's) and froze it. The Dockerfile installs exactly these."; \
-	  build/lock-venv/bin/pip freeze --exclude calmq --exclude calmq-client; } > requirements.lock
+	build/lock-venv/bin/pip freeze --exclude calmq --exclude calmq-client > build/lock-pins.txt
+	# The wheels the image's pip picks (glibc 2.36: manylinux_2_36 down to 2014), per arch.
+	rm -rf build/lock-wheels && for arch in x86_64 aarch64; do \
+	  build/lock-venv/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+	    --implementation cp --abi cp311 --abi abi3 --abi none \
+	    $$(for v in $$(seq 36 -1 17); do echo --platform manylinux_2_$${v}_$$arch; done) \
+	    --platform manylinux2014_$$arch --platform any \
+	    -r build/lock-pins.txt -d build/lock-wheels/$$arch || exit 1; done
+	{ echo "# The wheel's dependencies with its otel and msk-iam extras, pinned with the sha256 of the"; \
+	  echo "# wheel the image installs on amd64 and on arm64: \`make lock\` installed calmq into a clean venv of"; \
+	  echo "# Python $$(build/lock-venv/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') (the image's), froze it and hashed what pip downloads for both. The Dockerfile installs exactly these (--require-hashes)."; \
+	} | build/lock-venv/bin/python .ci/lock_hashes.py build/lock-pins.txt build/lock-wheels/x86_64 build/lock-wheels/aarch64 > requirements.lock

@@ -46,7 +46,8 @@ def _name(requirement: str) -> str:
 
 def test_the_base_image_and_the_dependencies_are_pinned() -> None:
     """FROM a python image at a patch release (or a digest) of the lock's Python; every
-    dependency of pyproject.toml pinned in requirements.lock with ==."""
+    dependency of pyproject.toml pinned in requirements.lock with == and a sha256 the
+    Dockerfile requires."""
     instructions = _instructions()
     [base] = [a for i, a in instructions if i == "ARG" and a.startswith("PYTHON_IMAGE=")]
     image = base.removeprefix("PYTHON_IMAGE=")
@@ -57,9 +58,15 @@ def test_the_base_image_and_the_dependencies_are_pinned() -> None:
     lock_python = re.search(r"Python (\d+)\.(\d+)", LOCK.read_text())
     assert lock_python, "requirements.lock names the Python it was made with"
     assert match.group(1, 2) == lock_python.group(1, 2)
+    # A pin, then its hashes on continuation lines (indented).
     pins = {_name(line): line for line in LOCK.read_text().splitlines()
-            if line and not line.startswith("#")}
+            if line and not line.startswith(("#", " "))}
     assert all("==" in line for line in pins.values()), pins
+    hashed = re.findall(r"^(\S+==\S+) \\\n    --hash=sha256:[0-9a-f]{64}", LOCK.read_text(), re.M)
+    assert sorted(hashed) == sorted(p.removesuffix(" \\") for p in pins.values()), \
+        "every pin carries a hash"
+    [run] = [a for i, a in instructions if i == "RUN" and "requirements.lock" in a]
+    assert "--require-hashes" in run
     import tomllib
 
     wanted = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
