@@ -27,8 +27,10 @@ ALERTING_DOC = ROOT / "docs" / "how-to" / "alerting.md"
 
 # Labels Prometheus attaches to every series of a target: its scrape job and instance, and
 # the worker pool the documented scrape config sets on worker targets (a worker process
-# serves one pool, so the pool is a property of the target, not of each sample).
-TARGET_LABELS = {"job", "instance", "pool"}
+# serves one pool, so the pool is a property of the target, not of each sample); the
+# environment's namespace (Kubernetes service discovery, PodMonitors) and the cluster (an
+# external label, or a relabelling where one Prometheus scrapes several clusters).
+TARGET_LABELS = {"job", "instance", "pool", "namespace", "cluster"}
 PARTS = ("api", "relay", "worker", "forwarder", "reaper")
 TROUBLESHOOTING = ROOT / "docs" / "how-to" / "troubleshooting.md"
 
@@ -205,13 +207,14 @@ def test_rules_are_well_formed_and_cover_the_concerns() -> None:
 
 def test_every_part_has_a_down_and_an_absent_alert_on_its_scrape_job() -> None:
     """For each part's job (calmq-<part>), a rule fires on `up{job=...} == 0` and one on
-    `absent(up{job=...})`: a part that stopped, or that Prometheus lost track of, is an
-    alert, not a dashboard gap."""
+    its absence from an environment (`unless on (namespace, cluster) up{job=...}`): a part
+    that stopped, or that Prometheus lost track of, is an alert, not a dashboard gap."""
     exprs = [" ".join(r["expr"].split()) for r in _rules()]
     for part in PARTS:
         up = f'up{{job="calmq-{part}"}}'
         assert any(up in e and "== 0" in e for e in exprs), f"no `{up} == 0` rule"
-        assert any(f"absent({up})" in e for e in exprs), f"no `absent({up})` rule"
+        assert any(f"unless on (namespace, cluster) {up}" in e for e in exprs), \
+            f"no rule on `{up}` missing from an environment"
 
 
 def test_every_documented_scrape_gives_the_job_and_pool_labels() -> None:
@@ -251,9 +254,11 @@ def test_every_rule_has_a_runbook_section_in_the_troubleshooting_guide() -> None
     assert missing == []
 
 
-def _scrape(part: str, value: str, pool: str | None = None) -> dict[str, str]:
-    """The `up` series a PodMonitor scrape of one pod of ``part`` gives."""
-    labels = {"job": f"calmq-{part}", "namespace": "calmq", "pod": f"calmq-{part}-5d8f-x2k4p",
+def _scrape(part: str, value: str, pool: str | None = None,
+            namespace: str = "calmq") -> dict[str, str]:
+    """The `up` series a PodMonitor scrape of one pod of ``part`` in ``namespace`` gives."""
+    labels = {"job": f"calmq-{part}", "namespace": namespace,
+              "pod": f"calmq-{part}-5d8f-x2k4p",
               "container": part, "endpoint": "metrics", "instance": "10.42.0.7:9100"}
     if pool:
         labels["pool"] = pool
@@ -342,25 +347,31 @@ def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Pa
               "forwarder": "CalmqForwarderDown", "reaper": "CalmqReaperDown"}
     for part, alert in absent.items():
         parts = {p: v for p, v in healthy.items() if p != part}
-        scenarios.append(_scenario(f"no {part} target", parts,
-                                   {alert: {"job": f"calmq-{part}"}}))
+        scenarios.append(_scenario(f"no {part} target", parts, {alert: {"namespace": "calmq"}}))
         scenarios.append(_scenario(f"{part} down", {**healthy, part: "1x5 0x35"},
-                                   {alert: {}}))
+                                   {alert: {"namespace": "calmq"}}))
     # Workers: down is per pool; no worker target at all is an alert only while jobs wait
     # (a pool KEDA scaled to zero is not an outage): bulk jobs aging by 10 s a minute pass
     # a minute (the absent rule) long before 15 (the bulk SLO).
     scenarios.append(_scenario("worker pool down", {**healthy, "worker": "1x5 0x35"},
-                               {"CalmqWorkerPoolDown": {"pool": "default"}}))
+                               {"CalmqWorkerPoolDown": {"namespace": "calmq",
+                                                        "pool": "default"}}))
     no_workers = {p: v for p, v in healthy.items() if p != "worker"}
     scenarios.append(_scenario("no worker target, nothing waits", no_workers, {}))
     scenarios.append(_scenario(
         "no worker target while jobs wait", no_workers,
-        {"CalmqWorkersAbsent": {"job": "calmq-worker"}}, waiting=True))
+        {"CalmqWorkersAbsent": {}}, waiting=True))
     # The database: bloat on a large table, a transaction open for an hour, freezing behind.
     for text, values, alert, labels in _DATABASE_TROUBLE:
         scenarios.append(_scenario(alert, healthy, {alert: labels}, replace={text: values}))
-    # The rules as written, without their annotations: promtool compares an alert's
-    # annotations too, and those are prose (test_rules_are_well_formed checks them).
+    _promtool_test(promtool, tmp_path, scenarios)
+    assert len(scenarios) == 1 + 2 * len(absent) + 3 + len(_DATABASE_TROUBLE)
+
+
+def _promtool_test(promtool: str, tmp_path: Path, scenarios: list[dict[str, Any]]) -> None:
+    """`promtool test rules` of ``scenarios`` against the rules as written, without their
+    annotations: promtool compares an alert's annotations too, and those are prose
+    (test_rules_are_well_formed checks them)."""
     doc = yaml.safe_load(RULES.read_text())
     for group in doc["groups"]:
         for rule in group["rules"]:
@@ -371,7 +382,61 @@ def test_promtool_rule_tests_fire_only_for_the_missing_or_down_part(tmp_path: Pa
     done = subprocess.run([promtool, "test", "rules", "tests.yml"], cwd=tmp_path,
                           check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(scenarios) == 1 + 2 * len(absent) + 3 + len(_DATABASE_TROUBLE)
+
+
+def _two_environments(name: str, production: dict[str, str],
+                      fires: dict[str, dict[str, str]],
+                      samples: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+    """A promtool test of staging and production in one Prometheus: staging healthy (every
+    part up), production's parts with the `up` values of ``production``, ``samples`` added;
+    every rule checked at 35 minutes, those in ``fires`` with production's labels given."""
+    series = [_scrape(part, "1x40", "default" if part == "worker" else None, "staging")
+              for part in (*PARTS, "batcher")]
+    series += [_scrape(part, values, "default" if part == "worker" else None, "production")
+               for part, values in production.items()]
+    for namespace in ("staging", "production"):  # nothing waits in either, unless given
+        series.append({"series": _sample("calmq_queue_age_seconds", "", pool="default",
+                                         priority="bulk", namespace=namespace, **_API)[0],
+                       "values": "0x40"})
+    series += [{"series": text, "values": values} for text, values in samples]
+    tests = []
+    for rule in _rules():
+        labels = fires.get(rule["alert"])
+        expected = [] if labels is None else [{"exp_labels": {
+            "severity": rule["labels"]["severity"], "namespace": "production", **labels}}]
+        tests.append({"eval_time": "35m", "alertname": rule["alert"], "exp_alerts": expected})
+    return {"name": name, "interval": "1m", "input_series": series,
+            "alert_rule_test": tests}
+
+
+def test_promtool_alerts_fire_for_the_dead_environment_only(tmp_path: Path) -> None:
+    """With staging healthy and production broken in one Prometheus, each alert fires for
+    production (its namespace label) and for nothing else: staging's live parts, queues
+    and samples do not hide production's dead ones."""
+    promtool = _promtool()
+    healthy = dict.fromkeys((*PARTS, "batcher"), "1x40")
+    no_api = {p: v for p, v in healthy.items() if p != "api"}
+    no_workers = {p: v for p, v in healthy.items() if p != "worker"}
+    waiting = _sample("calmq_queue_age_seconds", "", pool="default", priority="interactive",
+                      namespace="production", **_API)[0]
+    scenarios = [
+        _two_environments("production healthy too", healthy, {}),
+        _two_environments("production API down", {**healthy, "api": "1x5 0x35"},
+                          {"CalmqApiDown": {}}),
+        _two_environments("production has no API target", no_api, {"CalmqApiDown": {}}),
+        _two_environments("production relay down", {**healthy, "relay": "1x5 0x35"},
+                          {"CalmqRelayDown": {}}),
+        _two_environments("production worker pool down", {**healthy, "worker": "1x5 0x35"},
+                          {"CalmqWorkerPoolDown": {"pool": "default"}}),
+        # Production's interactive jobs wait and it has no workers; staging's do not take
+        # them. The queue ages 10 s a minute: past 60 s (absent workers) and 30 s (the SLO).
+        _two_environments("production jobs wait without workers", no_workers,
+                          {"CalmqWorkersAbsent": {},
+                           "CalmqInteractiveQueueAgeOverSLO": {"pool": "default",
+                                                               "priority": "interactive"}},
+                          samples=((waiting, "0+10x40"),)),
+    ]
+    _promtool_test(promtool, tmp_path, scenarios)
 
 
 def test_the_documented_table_lists_every_alert() -> None:
@@ -394,7 +459,7 @@ def test_dashboard_has_the_pool_variable_and_the_panels_on_call_needs() -> None:
     letters, tokens and cost."""
     dash = _dashboard()
     [pool] = [v for v in dash["templating"]["list"] if v["name"] == "pool"]
-    metric = _label_values_metric(pool["definition"])
+    metric = _label_values_metric(pool["definition"]).split("{")[0]
     assert "pool" in catalogue().series()[metric]
     assert pool["definition"].rstrip(")").endswith("pool")
     exprs = [expr for _title, expr in _panel_exprs()]
@@ -425,3 +490,19 @@ def test_dashboard_panels_are_unique_and_use_the_datasource_variable() -> None:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}"
+
+
+def test_dashboard_shows_one_environment_at_a_time() -> None:
+    """A `cluster` and a single-valued `namespace` variable scope every panel's every
+    selector, so a healthy staging in the same Prometheus does not hide a dead production."""
+    dash = _dashboard()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert not variables["namespace"]["multi"]
+    assert not variables["namespace"]["includeAll"]
+    assert variables["cluster"]["definition"].rstrip(")").endswith("cluster")
+    scope = 'namespace=~"$namespace", cluster=~"$cluster"'
+    unscoped = []
+    for title, expr in [*_panel_exprs(), ("$pool", variables["pool"]["definition"])]:
+        selectors = re.findall(r"\b(?:calmq_\w+|up)\b(\{[^}]*\})?", expr)
+        unscoped += [title for sel in selectors if scope not in sel]
+    assert unscoped == []
