@@ -329,8 +329,12 @@ class Stack:
         # not start, the caller's settings of it (its *_FILE secrets too).
         settings = Settings.load(environ=self._client_env(
             state.env, external_kafka=not brokers, external_registry=reg is None))
+        # The caller's name prefix, which the services inherit: their topics and subjects.
+        prefix = topics.check_name_prefix(self.environ.get("CALMQ_NAME_PREFIX", ""))
         if registry_url:
-            RegistryCodec(registry_url, config=registry_config(settings)).register_all()
+            RegistryCodec(registry_url, config=registry_config(settings),
+                          subject_prefix=prefix).register_all()
+        topics.configure(prefix)
         create_topics(connection_config(settings),
                       topics.all_topics(["default"], _tiers(self.environ)),
                       partitions=int(self.environ.get("CALMQ_TOPIC_PARTITIONS", "8")),
