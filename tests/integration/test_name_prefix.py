@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,19 @@ from tests.support.workers import TERMINAL, Procs
 pytestmark = pytest.mark.integration
 
 
+@dataclass
+class Staging:
+    prefix: str
+    api: Api
+    tenant: str
+    env: dict[str, str]
+
+
 @pytest.fixture
-def staging(stack: StackState, fresh_db: str, tmp_path: Path) -> Iterator[tuple[str, Api]]:
+def staging(stack: StackState, fresh_db: str, tmp_path: Path) -> Iterator[Staging]:
     """A second environment on the stack's broker and registry: its name prefix (unique to
-    the run, as topics outlive it), and an API key of its own API, its relay (polling, so
-    it needs no replication slot on the shared server) and its worker already running."""
+    the run, as topics outlive it), its settings, and a tenant of its own API, its relay
+    (polling, so it needs no replication slot on the shared server) and its worker running."""
     prefix = f"stg{uuid.uuid4().hex[:6]}."
     settings = {"CALMQ_DATABASE_URL": fresh_db, "CALMQ_NAME_PREFIX": prefix,
                 "CALMQ_RELAY_MODE": "polling"}
@@ -40,7 +49,8 @@ def staging(stack: StackState, fresh_db: str, tmp_path: Path) -> Iterator[tuple[
         url = procs.api()
         procs.start("relay", "relay")
         procs.worker("default")
-        yield prefix, Api(url, create_tenant(fresh_db, f"stg-{uuid.uuid4().hex[:8]}"))
+        tenant = f"stg-{uuid.uuid4().hex[:8]}"
+        yield Staging(prefix, Api(url, create_tenant(fresh_db, tenant)), tenant, env)
     finally:
         procs.stop_all()
 
@@ -51,10 +61,10 @@ def _finished(api: Api, job_id: str) -> dict[str, object]:
 
 
 def test_a_prefixed_and_an_unprefixed_environment_complete_their_jobs_on_one_broker(
-        stack: StackState, staging: tuple[str, Api]) -> None:
+        stack: StackState, staging: Staging) -> None:
     """Jobs of the prefixed environment and of the plain one both complete, each through
     its own topics, consumer groups and schema subjects on the same broker and registry."""
-    prefix, staged = staging
+    prefix, staged = staging.prefix, staging.api
     plain = Api(stack.env["CALMQ_API_URL"],
                 create_tenant(stack.env["CALMQ_DATABASE_URL"], f"prod-{uuid.uuid4().hex[:8]}"))
     staged_ids = [staged.submit({"text": f"staging {n}", "mode": "success"}) for n in range(3)]
@@ -90,3 +100,17 @@ def _records(stack: StackState, topic: str) -> int:
                    for p in partitions)
     finally:
         consumer.close()
+
+
+def test_a_tenants_own_results_topic_in_a_prefixed_environment(
+        stack: StackState, staging: Staging) -> None:
+    """`calmq tenants results-topic` in a prefixed environment makes the prefixed topic, and
+    the tenant's results are published there (the database keeps the name without it)."""
+    done = calmq(stack, "tenants", "results-topic", staging.tenant, env=staging.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    topic = f"{staging.prefix}calmq.results.{staging.tenant}"
+    assert done.stdout.strip() == topic
+    ids = [staging.api.submit({"text": f"own topic {n}", "mode": "success"}) for n in range(2)]
+    assert [_finished(staging.api, i)["status"] for i in ids] == ["completed"] * 2
+    wait_for(lambda: _records(stack, topic) >= 2, timeout=30,
+             what=f"the tenant's results on {topic}")
