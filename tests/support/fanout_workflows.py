@@ -21,6 +21,7 @@ from calmq.workflows.summarize import SUMMARIZE
 
 NAME = "fanout"
 CHILD = "fanout_child"
+RETRIED = "fanout_child_retried"  # the same with summarize's 3 attempts (the chaos test)
 TWICE = "fanout_twice"
 POOL = "wffanout"
 
@@ -34,6 +35,7 @@ class FanoutInput(BaseModel):
     k: int | None = None
     # per child: its answer waits this long (a child still running); default none
     delays: list[int] = Field(default_factory=list)
+    child: Literal["fanout_child", "fanout_child_retried"] = CHILD
 
 
 async def split(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
@@ -41,7 +43,7 @@ async def split(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
     modes = args.modes or ["success"] * len(args.texts)
     delays = args.delays or [0] * len(args.texts)
     # flaky: the child's first call fails (503), every later one succeeds
-    return ctx.spawn(CHILD, [{"text": t, "mode": m, **({"delay_ms": d} if d else {}),
+    return ctx.spawn(args.child, [{"text": t, "mode": m, **({"delay_ms": d} if d else {}),
                               **({"fail_times": 1} if m == "flaky" else {})}
                              for t, m, d in zip(args.texts, modes, delays, strict=True)],
                      join=JoinPolicy(args.join, args.k), output={"asked": len(args.texts)})
@@ -81,4 +83,5 @@ WORKFLOWS = [
     # and a redrive's call is the next one the fake provider counts for it.
     replace(SUMMARIZE, name=CHILD, pool=POOL, review_threshold=None,
             steps=(replace(SUMMARIZE.steps[0], retry=RetryPolicy(max_attempts=1)),)),
+    replace(SUMMARIZE, name=RETRIED, pool=POOL, review_threshold=None),
 ]
