@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
+from calmq.data.children import ChildrenSummary, ChildView
 from calmq.data.console import ConsoleJob, JobPage, QueuedReview, Review
 from calmq.data.deadletters import DeadLetter
 from calmq.data.jobs import HistoryEvent
 from calmq.data.providers import ProviderState
 from calmq.lag import GroupLag
-from calmq.producers.console.reads import JobView
+from calmq.producers.console.reads import Family, JobView
 from calmq.producers.console.session import Page
 from calmq.producers.console.shaping import (
     lag_view,
@@ -65,7 +66,17 @@ def _pages() -> dict[str, dict[str, Any]]:
                      "event_types": "queued", "held_for_review_cap": False,
                      "wait": {"reason": EVIL, "text": EVIL},
                      "attempts": [], "trace_id": "-", "can_cancel": True,
-                     "rerun_steps": [EVIL]},
+                     "rerun_steps": [EVIL],
+                     # A parent of children, itself a child: the tree section with all of
+                     # it, a join and a child whose names are the attacker's.
+                     "family": Family(
+                         ChildrenSummary(counts={"completed": 1, "queued": 1},
+                                         joins=[{"step": EVIL, "policy": "at_least", "k": 1,
+                                                 "n": 2, "succeeded": 1, "failed": 0,
+                                                 "outcome": None}],
+                                         parent_id=uuid.uuid4()),
+                         [ChildView(uuid.uuid4(), 0, EVIL, "queued", 1, EVIL, None, None,
+                                    NOW, NOW)])},
         "overview.html": {**common, "now": NOW, "set_caps": True, "platform_view": True,
                           "slots": [[EVIL, "yes", "1"]],
                           "lag": lag_view([GroupLag("calmq.p", EVIL, 5, 2)]),
