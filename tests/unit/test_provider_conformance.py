@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -71,19 +72,41 @@ async def _record(tmp_path: Path) -> Recorder:
                                  "chunk_chars": 200}}
     workflows = load_workflows(Settings())
     assert set(inputs) <= set(workflows)  # the built-ins, as registered
-    for name, data in inputs.items():
+
+    async def run(name: str, data: dict[str, Any], n: int) -> dict[str, Any] | None:
+        """The workflow's steps in turn, as the worker runs them: a step that spawns
+        children has each child run to its artifact, and the next step gets them in input
+        order (embed_document's batches are embed_batch children)."""
         workflow = workflows[name]
         current: dict[str, Any] = workflow.validate_input(data)
         for step in workflow.steps:
-            ctx = StepContext(f"00000000-0000-0000-0000-00000000000{len(recorder.calls)}",
-                              "11111111-1111-1111-1111-111111111111", step.name, 1, recorder,
-                              objects, workflow=name)
+            ctx = StepContext(str(uuid.UUID(int=n)), "11111111-1111-1111-1111-111111111111",
+                              step.name, 1, recorder, objects, workflow=name)
             try:
                 out = await step.run(ctx, current)
             except StepFailure:
-                break  # the invoice's ledger step (no ledger here): no model call after it
+                return None  # the invoice's ledger step (no ledger here): no call after it
             current = step.check_output(out.artifact)
+            if out.spawn is not None:
+                children = []
+                for i, child in enumerate(out.spawn.inputs):
+                    artifact = await run(out.spawn.workflow, child, n * 1000 + i + 1)
+                    children.append({"index": i, "status": "completed", "error": None,
+                                     "artifact": await _stored(objects, ctx, i, artifact)})
+                current = {**current, "children": children}
+        return current
+
+    for n, (name, data) in enumerate(inputs.items(), 1):
+        await run(name, data, n)
     return recorder
+
+
+async def _stored(objects: Any, ctx: StepContext, i: int,
+                  artifact: dict[str, Any] | None) -> dict[str, Any]:
+    """A child's artifact as the worker leaves it for the joining step: stored, by ref."""
+    ref = await objects.put(ctx.object_key(f"child-{i}.json"),
+                            json.dumps(artifact).encode(), "application/json")
+    return dict(ref.as_dict())
 
 
 @pytest.fixture
