@@ -50,7 +50,10 @@ def served(env: Env) -> tuple[str, int]:
 
 
 def _types(events: list[dict[str, Any]]) -> list[str]:
-    return [e["type"] for e in events]
+    """The lifecycle's events, without a hold in the waiting room and its end: fair share
+    (on by default) holds a job there when it finds no free slot, which a worker that just
+    started or took over partitions may, and that is not what these tests are about."""
+    return [e["type"] for e in events if e["type"] not in ("waiting", "resumed")]
 
 
 @pytest.mark.parametrize(

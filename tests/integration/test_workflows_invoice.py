@@ -128,4 +128,11 @@ def test_embed_document_embeds_chunks_in_batches(wf: WorkflowEnv) -> None:
     assert artifact["dimensions"] == 8
     vectors = json.loads(Path(urlparse(artifact["vectors"]["uri"]).path).read_bytes())
     assert [v["index"] for v in vectors] == list(range(7))
-    assert wf.provider_calls(job_id) == 3
+    # Each batch is an embed_batch child job of its own (embed_document v2): the calls are
+    # the children's, one each, and the parent itself calls nothing.
+    status, _h, page = wf.api.call("GET", f"/v1/jobs/{job_id}/children")
+    assert status == 200
+    children = [c["job_id"] for c in page["children"]]
+    assert len(children) == 3
+    assert [wf.provider_calls(c) for c in children] == [1, 1, 1]
+    assert wf.provider_calls(job_id) == 0
