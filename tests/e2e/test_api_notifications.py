@@ -23,7 +23,7 @@ from calmq.data.migrations import migrate
 from calmq.producers.client import Client, enqueue
 from calmq.producers.webhooks import standard_secret, verify
 from calmq.tooling.devstack import StackState
-from tests.support.api import Api, create_tenant
+from tests.support.api import Api, create_tenant, lifecycle
 from tests.support.cli import calmq, calmq_env
 from tests.support.intake import ApiProcess, db, running_api
 from tests.support.waiting import wait_for
@@ -103,7 +103,7 @@ def test_sse_stream_sees_queued_running_completed_in_order(stack: StackState) ->
             return [e async for e in client.events(accepted["job_id"])]
 
     seen = asyncio.run(asyncio.wait_for(watch(), timeout=60))
-    assert [e["type"] for e in seen] == ["queued", "running", "completed"]
+    assert lifecycle(seen) == ["queued", "running", "completed"]
     assert [int(e["id"]) for e in seen] == sorted(int(e["id"]) for e in seen)
 
 

@@ -11,7 +11,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
 from calmq.tooling.devstack import StackState
-from tests.support.api import Api, create_tenant
+from tests.support.api import Api, create_tenant, lifecycle
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def test_submitted_job_completes_with_artifact_through_kafka(api: Api, stack: St
     job = _terminal(api, job_id)
     assert job["status"] == "completed"
     assert job["attempt"] == 1
-    assert [e["type"] for e in job["events"]] == ["queued", "running", "completed"]
+    assert lifecycle(job["events"]) == ["queued", "running", "completed"]
     artifact = job["artifact"]
     assert artifact["content_type"] == "application/json"
     assert len(artifact["sha256"]) == 64
@@ -99,7 +99,7 @@ def test_malformed_output_dead_letters_as_verifier(api: Api) -> None:
     assert job["attempt"] == 1
     assert job["error"]["class"] == "verifier"
     assert job["error"]["code"] == "malformed_output"
-    assert [e["type"] for e in job["events"]] == ["queued", "running", "dead_lettered"]
+    assert lifecycle(job["events"]) == ["queued", "running", "dead_lettered"]
 
 
 def test_status_shape_is_stable_while_queued(api: Api) -> None:

@@ -22,7 +22,7 @@ from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
 from calmq.tooling.devstack import StackState
 from calmq.workflows import Workflow
 from calmq.workflows.summarize import SUMMARIZE
-from tests.support.api import Api, create_tenant
+from tests.support.api import Api, create_tenant, lifecycle
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ def test_dead_letter_shown_fixed_and_redriven_to_completed(
     assert record["error"]["code"] == "malformed_output"
     assert [(a["attempt"], a["outcome"], a["error_class"]) for a in record["attempts"]] == [
         (1, "failed", "verifier")]
-    assert [e["type"] for e in record["events"]] == ["queued", "running", "dead_lettered"]
+    assert lifecycle(record["events"]) == ["queued", "running", "dead_lettered"]
 
     provider_mode("success")  # the fix: the provider now answers the schema
     redriven = _calmq(stack, "dlq", "redrive", job_id, "--reason", "provider fixed",
@@ -121,7 +121,7 @@ def test_dead_letter_shown_fixed_and_redriven_to_completed(
     job = _terminal(api, job_id)
     assert job["status"] == "completed"
     assert job["attempt"] == 1  # a fresh budget: attempts count from 1 again
-    types = [e["type"] for e in job["events"]]
+    types = lifecycle(job["events"])
     assert types == ["queued", "running", "dead_lettered", "redriven", "running", "completed"]
     redrive = job["events"][3]["detail"]
     assert redrive["by"] == "oncall@test"
@@ -150,7 +150,7 @@ def test_redrive_never_touches_a_job_that_is_not_dead_lettered(
     outcomes = _with_dead_letters(stack, twice)
     assert [(o.outcome, o.code) for o in outcomes] == [
         ("skipped", "not_dead_lettered"), ("redriven", None), ("skipped", "not_dead_lettered")]
-    assert [e["type"] for e in api.job(done)["events"]] == ["queued", "running", "completed"]
+    assert lifecycle(api.job(done)["events"]) == ["queued", "running", "completed"]
     # Still malformed (no fix), so it dies again, with exactly one redrive in between.
     wait_for(lambda: [e["type"] for e in api.job(dead)["events"]].count("dead_lettered") == 2,
              timeout=60, what="the redriven job to die again")
@@ -171,7 +171,7 @@ def test_dry_run_writes_nothing_and_filters_select(stack: StackState, api: Api,
     dry, mine, other = _with_dead_letters(stack, go)
     assert [o.outcome for o in dry] == ["would_redrive"]
     assert api.job(dead)["status"] == "dead_letter"
-    assert [e["type"] for e in api.job(dead)["events"]] == ["queued", "running", "dead_lettered"]
+    assert lifecycle(api.job(dead)["events"]) == ["queued", "running", "dead_lettered"]
     assert dead in [str(r.id) for r in mine]
     assert dead not in [str(r.id) for r in other]
 

@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 from calmq import events
 from calmq.codec import make_codec
 from calmq.tooling.devstack import StackState
+from tests.support.api import lifecycle
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     BASE,
@@ -50,10 +51,7 @@ def served(env: Env) -> tuple[str, int]:
 
 
 def _types(events: list[dict[str, Any]]) -> list[str]:
-    """The lifecycle's events, without a hold in the waiting room and its end: fair share
-    (on by default) holds a job there when it finds no free slot, which a worker that just
-    started or took over partitions may, and that is not what these tests are about."""
-    return [e["type"] for e in events if e["type"] not in ("waiting", "resumed")]
+    return lifecycle(events)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from calmq.codec import make_codec
 from calmq.tooling.devstack import StackState
+from tests.support.api import lifecycle
 from tests.support.waiting import wait_for
 from tests.support.workers import (
     BASE,
@@ -49,10 +50,7 @@ def pool(env: Env) -> str:
 
 
 def _types(job: dict[str, Any]) -> list[str]:
-    """The lifecycle's events, without a hold in the waiting room and its end: fair share
-    (on by default) holds a job there when it finds no free slot, which is not what these
-    tests are about."""
-    return [e["type"] for e in job["events"] if e["type"] not in ("waiting", "resumed")]
+    return lifecycle(job["events"])
 
 
 def test_success_completes_in_one_attempt_with_artifact(env: Env, pool: str) -> None:

@@ -102,3 +102,10 @@ def console_session(base_url: str, key: str) -> str:
     for header in answer.headers.get_all("Set-Cookie") or []:
         cookies.load(header)
     return cookies["calmq_console"].value
+
+
+def lifecycle(events: list[dict[str, Any]]) -> list[str]:
+    """A job's event types without a fair-share hold in the waiting room and its end: fair
+    share is on by default, and a worker that has just started or taken over partitions may
+    hold a job when it finds no free slot; that is not the lifecycle most tests are about."""
+    return [e["type"] for e in events if e["type"] not in ("waiting", "resumed")]
