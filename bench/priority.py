@@ -21,12 +21,14 @@ from collections import Counter
 from typing import Any
 
 from bench import loadgen
+from bench.common import completed, wait
 from bench.loadgen import percentile
 from bench.procs import Phase, Sampler
 from bench.report import result
 from bench.rig import Rig
 
-__all__ = ["DEFAULT_SIZE", "priority", "tail_breakdown", "turnaround_ms"]
+__all__ = ["DEFAULT_SIZE", "body", "interactive_pass", "priority", "tail_breakdown",
+           "turnaround_ms"]
 
 DEFAULT_SIZE = 50_000
 PROVIDER_LATENCY_MS = 500
@@ -42,7 +44,7 @@ SATURATE_SECONDS = 15.0
 Log = Any
 
 
-def _body(priority: str) -> dict[str, Any]:
+def body(priority: str) -> dict[str, Any]:
     return {"workflow": "summarize", "priority": priority,
             "input": {"text": "Kafka and PostgreSQL carry slow AI jobs.", "mode": "success"}}
 
@@ -94,20 +96,6 @@ def tail_breakdown(rig: Rig, tenant_id: str, share: float = 0.05) -> dict[str, A
             for name, g in groups.items()}
 
 
-def _completed(rig: Rig, tenant_id: str) -> int:
-    return int(rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND "
-                         "status = 'completed'", (tenant_id,))[0][0])
-
-
-def _wait(check: Any, target: int, timeout: float, what: str, log: Log) -> int:
-    deadline = time.monotonic() + timeout
-    value = check()
-    while value < target and time.monotonic() < deadline:
-        time.sleep(0.2)  # a polling interval under a deadline
-        value = check()
-    if value < target:
-        log(f"  {what}: only {value} of {target} within {timeout:.0f} s")
-    return int(value)
 
 
 def _attempts_between(rig: Rig, t0: float, t1: float) -> dict[str, int]:
@@ -131,16 +119,18 @@ def _failed_between(rig: Rig, t0: float, t1: float) -> dict[str, int]:
     return {str(k): int(n) for k, n in rows}
 
 
-def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
+def interactive_pass(rig: Rig, url: str, seconds: float, label: str,
                       log: Log) -> tuple[dict[str, Any], float, float, int]:
+    """The interactive load at INTERACTIVE_RATE for ``seconds`` as a tenant of its own: its
+    submit-to-completion figures and tail, and the window (epoch seconds) it ran in."""
     tenant_id, key = rig.tenant(f"bench-{label}-{uuid.uuid4().hex[:6]}")
     log(f"  calmq: interactive jobs at {INTERACTIVE_RATE:.0f}/s for {seconds:.0f} s ({label})")
     t0 = time.time()
-    load = asyncio.run(loadgen.open_loop(url, _body("interactive"),
+    load = asyncio.run(loadgen.open_loop(url, body("interactive"),
                                          {"Authorization": f"Bearer {key}"},
                                          rate=INTERACTIVE_RATE, seconds=seconds))
     t1 = time.time()
-    done = _wait(lambda: _completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
+    done = wait(lambda: completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
     lat = turnaround_ms(rig, tenant_id)
     figures: dict[str, Any] = {"interactive_p50_ms": round(percentile(lat, 50), 1),
                "interactive_p99_ms": round(percentile(lat, 99), 1),
@@ -167,24 +157,24 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
             rig.calmq(name, env=env)
         url = f"{api.url}/v1/jobs"
         warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
-        asyncio.run(loadgen.closed_loop(url, _body("interactive"),
+        asyncio.run(loadgen.closed_loop(url, body("interactive"),
                                         {"Authorization": f"Bearer {key}"}, total=40,
                                         concurrency=8))
-        _wait(lambda: _completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+        wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
 
-        quiet, _q0, _q1, _qn = _interactive_pass(rig, url, seconds, "no-backlog", log)
+        quiet, _q0, _q1, _qn = interactive_pass(rig, url, seconds, "no-backlog", log)
 
         bulk_id, key = rig.tenant(f"bench-bulk-{uuid.uuid4().hex[:6]}")
         log(f"  calmq: {size} bulk jobs queued behind a budget of {BUDGET_RPM} calls/min")
-        bulk = asyncio.run(loadgen.closed_loop(url, _body("bulk"),
+        bulk = asyncio.run(loadgen.closed_loop(url, body("bulk"),
                                                {"Authorization": f"Bearer {key}"}, total=size,
                                                concurrency=64))
         time.sleep(SATURATE_SECONDS)  # let the budget settle at its saturated rate
         phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
-        bulk_before = _completed(rig, bulk_id)
-        busy, b0, b1, _bn = _interactive_pass(rig, url, seconds, "with-backlog", log)
+        bulk_before = completed(rig, bulk_id)
+        busy, b0, b1, _bn = interactive_pass(rig, url, seconds, "with-backlog", log)
         sampler.end(phase)
-        bulk_after = _completed(rig, bulk_id)
+        bulk_after = completed(rig, bulk_id)
         calls = _attempts_between(rig, b0, b1)
         failed = _failed_between(rig, b0, b1)
         window = max(b1 - b0, 1e-3)

@@ -18,14 +18,14 @@ import uuid
 from typing import Any
 
 from bench import loadgen
-from bench.loadgen import percentile
+from bench.common import completed, wait
 from bench.priority import (
     BUDGET_RPM,
     INTERACTIVE_RATE,
     PROVIDER_LATENCY_MS,
     WORKERS,
-    tail_breakdown,
-    turnaround_ms,
+    body,
+    interactive_pass,
 )
 from bench.procs import Phase, Sampler
 from bench.report import result
@@ -38,43 +38,6 @@ INTERACTIVE_SECONDS = 30.0
 
 Log = Any
 
-
-def _body(priority: str) -> dict[str, Any]:
-    return {"workflow": "summarize", "priority": priority,
-            "input": {"text": "Kafka and PostgreSQL carry slow AI jobs.", "mode": "success"}}
-
-
-def _completed(rig: Rig, tenant_id: str) -> int:
-    return int(rig.query("SELECT count(*) FROM jobs WHERE tenant_id = %s AND "
-                         "status = 'completed'", (tenant_id,))[0][0])
-
-
-def _wait(check: Any, target: int, timeout: float, what: str, log: Log) -> int:
-    deadline = time.monotonic() + timeout
-    value = check()
-    while value < target and time.monotonic() < deadline:
-        time.sleep(0.2)  # a polling interval under a deadline
-        value = check()
-    if value < target:
-        log(f"  {what}: only {value} of {target} within {timeout:.0f} s")
-    return int(value)
-
-
-def _interactive_pass(rig: Rig, url: str, seconds: float, label: str,
-                      log: Log) -> dict[str, Any]:
-    """``priority``'s interactive load for ``seconds``: its submit-to-completion tail."""
-    tenant_id, key = rig.tenant(f"bench-{label}-{uuid.uuid4().hex[:6]}")
-    log(f"  calmq: interactive jobs at {INTERACTIVE_RATE:.0f}/s for {seconds:.0f} s ({label})")
-    load = asyncio.run(loadgen.open_loop(url, _body("interactive"),
-                                         {"Authorization": f"Bearer {key}"},
-                                         rate=INTERACTIVE_RATE, seconds=seconds))
-    done = _wait(lambda: _completed(rig, tenant_id), load.ok, 60, f"interactive ({label})", log)
-    lat = turnaround_ms(rig, tenant_id)
-    return {"interactive_p50_ms": round(percentile(lat, 50), 1),
-            "interactive_p99_ms": round(percentile(lat, 99), 1),
-            "interactive_completed": done, "interactive_submitted": load.ok,
-            "interactive_submit_errors": sum(load.errors.values()),
-            "interactive_tail": tail_breakdown(rig, tenant_id)}
 
 
 def _reruns(rig: Rig, tenant_id: str) -> tuple[int, int]:
@@ -99,19 +62,19 @@ def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
             rig.calmq(name, env=env)
         url = f"{api.url}/v1/jobs"
         warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
-        asyncio.run(loadgen.closed_loop(url, _body("interactive"),
+        asyncio.run(loadgen.closed_loop(url, body("interactive"),
                                         {"Authorization": f"Bearer {key}"}, total=40,
                                         concurrency=8))
-        _wait(lambda: _completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+        wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
 
-        quiet = _interactive_pass(rig, url, seconds, "no-rerun", log)
+        quiet, _q0, _q1, _qn = interactive_pass(rig, url, seconds, "no-rerun", log)
 
         name = f"bench-originals-{uuid.uuid4().hex[:6]}"
         originals_id, key = rig.tenant(name)
         log(f"  calmq: {size} bulk jobs to complete, the originals of the rerun")
-        asyncio.run(loadgen.closed_loop(url, _body("bulk"), {"Authorization": f"Bearer {key}"},
+        asyncio.run(loadgen.closed_loop(url, body("bulk"), {"Authorization": f"Bearer {key}"},
                                         total=size, concurrency=64))
-        _wait(lambda: _completed(rig, originals_id), size, 300, "the originals", log)
+        wait(lambda: completed(rig, originals_id), size, 300, "the originals", log)
 
         log("  calmq: calmq jobs rerun of every original, paced by the budget, with the "
             "interactive load")
@@ -124,20 +87,20 @@ def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
             text=True)
         phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
         made_before = _reruns(rig, originals_id)[0]
-        busy = _interactive_pass(rig, url, seconds, "with-rerun", log)
+        busy, _b0, _b1, _bn = interactive_pass(rig, url, seconds, "with-rerun", log)
         made_during = _reruns(rig, originals_id)[0] - made_before
         sampler.end(phase)
         _out, err = cli.communicate(timeout=600)
         cli_seconds = time.monotonic() - started
         pacing = next((line for line in err.splitlines() if "to rerun" in line), "")
-        made, completed = _reruns(rig, originals_id)
+        made, reran = _reruns(rig, originals_id)
         if cli.returncode != 0:
             log(f"  warning: calmq jobs rerun exited {cli.returncode}: {err[-500:]}")
         if made_during == 0:
             log("  warning: no rerun was made while the interactive load ran")
         figures: dict[str, Any] = {
             **busy,
-            "reruns_made": made, "reruns_completed": completed,
+            "reruns_made": made, "reruns_completed": reran,
             "reruns_made_during_interactive": made_during,
             "rerun_cli_seconds": round(cli_seconds, 1), "rerun_cli_exit": cli.returncode,
             "rerun_count_line": pacing,

@@ -17,12 +17,13 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union, get_args, get_origin
 
-from calmq.errors import ConfigError
+from calmq.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
 
-__all__ = ["Command", "Flags", "Handler", "configure_logging", "data_dir", "settings_for"]
+__all__ = ["Command", "Flags", "Handler", "configure_logging", "data_dir", "json_object",
+           "key_values", "settings_for"]
 
 # The locations a running local stack (`calmq dev up`) fills in when they are empty.
 STACK_KEYS = ("database_url", "kafka_bootstrap", "schema_registry_url", "object_store_url",
@@ -108,6 +109,36 @@ class Flags:
         else:
             # argparse converts a string default with the flag's type, as if it were given.
             action.default = os.environ[env]
+
+
+def json_object(text: str, flag: str = "--input") -> dict[str, Any]:
+    """A flag's JSON object, with finite numbers (1e999, which Python reads as infinity, is
+    refused here as the API would refuse it)."""
+    from calmq.storable import NonFiniteNumber, loads
+
+    try:
+        data = loads(text)
+    except NonFiniteNumber as exc:
+        raise UsageError(f"{flag}: {exc}", code="non_finite_number") from None
+    except ValueError as exc:
+        raise UsageError(f"{flag} is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{flag} is a JSON object", code="invalid_json")
+    return data
+
+
+def key_values(pairs: list[str] | str | None, flag: str = "--metadata") -> dict[str, str] | None:
+    """``--metadata KEY=VALUE`` (repeated; one pair from its CALMQ_ variable) as an object;
+    None when there is none."""
+    if isinstance(pairs, str):
+        pairs = [pairs]
+    found: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag} {pair!r} is KEY=VALUE", code="invalid_metadata")
+        found[key] = value
+    return found or None
 
 
 def settings_environ(args: argparse.Namespace) -> dict[str, str]:

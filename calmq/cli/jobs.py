@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calmq.cli import bulk, reruns
-from calmq.cli.flags import Command, Flags, settings_for
+from calmq.cli.flags import Command, Flags, json_object, key_values, settings_for
 from calmq.cli.output import Exit, Format, add_output, emit_one, emit_rows, jsonable, output_format
 from calmq.cli.times import when as _when
 from calmq.errors import ConfigError, NotFound, UsageError
@@ -59,21 +59,6 @@ def _http(method: str, url: str, key: str, body: dict[str, Any] | None = None) -
                           code="api_unreachable") from None
 
 
-def _input(text: str) -> dict[str, Any]:
-    """``--input``: a JSON object with finite numbers (1e999, which Python reads as
-    infinity, is refused here as the API would refuse it)."""
-    from calmq.storable import NonFiniteNumber, loads
-
-    try:
-        data = loads(text)
-    except NonFiniteNumber as exc:
-        raise UsageError(f"--input: {exc}", code="non_finite_number") from None
-    except ValueError as exc:
-        raise UsageError(f"--input is not JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise UsageError("--input is a JSON object", code="invalid_json")
-    return data
-
 
 def cmd_submit(args: argparse.Namespace) -> int:
     settings = settings_for(args)
@@ -87,7 +72,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                         fmt=output_format(args), concurrency=int(args.in_flight),
                         state_dir=settings.cli_state_dir)
-    data = _input(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
+    data = json_object(args.input) if args.input else {"text": args.text or "", "mode": args.mode}
     status, body = _http("POST", f"{settings.api_url}/v1/jobs", args.api_key, {
         "workflow": args.workflow, "input": {k: v for k, v in data.items() if v is not None},
         "priority": args.priority})
@@ -284,18 +269,6 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _metadata(pairs: list[str] | str | None) -> dict[str, str] | None:
-    """``--metadata KEY=VALUE`` (repeated) as the object a job's metadata must contain."""
-    if isinstance(pairs, str):  # from CALMQ_METADATA: one pair
-        pairs = [pairs]
-    found: dict[str, str] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--metadata {pair!r} is KEY=VALUE", code="invalid_metadata")
-        found[key] = value
-    return found or None
-
 
 async def _list(store: Store, args: argparse.Namespace, fmt: Format) -> int:
     size = int(args.limit or 50)
@@ -303,7 +276,7 @@ async def _list(store: Store, args: argparse.Namespace, fmt: Format) -> int:
         raise UsageError("--limit is between 1 and 1000 (the API's bounds)", code="invalid_limit")
     cursor_at, cursor_id = _decode_cursor(args.cursor)
     which = dataclasses.replace(_search(_flag_filters(args), size + 1), cursor_at=cursor_at,
-                                cursor_id=cursor_id, metadata=_metadata(args.metadata))
+                                cursor_id=cursor_id, metadata=key_values(args.metadata))
     rows = await store.jobs.search(which)
     page, more = rows[:size], len(rows) > size
     next_cursor = _encode_cursor(page[-1].created_at, page[-1].id) if more else None

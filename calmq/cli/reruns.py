@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calmq.cli import bulk
+from calmq.cli.flags import json_object, key_values
 from calmq.cli.output import add_output, output_format
 from calmq.cli.times import when as _when
 from calmq.errors import ContractError, NotFound, UsageError
@@ -66,15 +67,7 @@ def _metadata(values: str | list[str] | dict[str, str] | None) -> dict[str, str]
     """``--metadata KEY=VALUE`` (repeated), or the object a checkpoint saved."""
     if isinstance(values, dict):
         return {str(k): str(v) for k, v in values.items()} or None
-    if isinstance(values, str):
-        values = [values]
-    found: dict[str, str] = {}
-    for pair in values or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--metadata is KEY=VALUE, not {pair!r}", code="invalid_metadata")
-        found[key] = value
-    return found or None
+    return key_values(values)
 
 
 def _search(params: dict[str, Any], steps: tuple[str, ...] = ()) -> RerunSearch:
@@ -172,7 +165,7 @@ def cmd_rerun(args: argparse.Namespace, settings: Settings) -> int:
     fmt = output_format(args)
     workflows = load_workflows(settings)
     filters = {k: getattr(args, k) for k in _FILTERS if getattr(args, k, None)}
-    replacement = _replacement(args.input) if args.input else None
+    replacement = json_object(args.input) if args.input else None
     if args.resume and (args.job_ids or filters or args.from_step):
         raise UsageError("--resume takes the filter and the step from its checkpoint: give "
                          "no job ids, filters or --from-step with it", code="resume_with_filter")
@@ -269,20 +262,6 @@ def _job_id(text: str) -> uuid.UUID:
     except ValueError:
         raise UsageError(f"{text!r} is not a job id", code="invalid_job_id") from None
 
-
-def _replacement(text: str) -> dict[str, Any]:
-    """``--input``: a JSON object with finite numbers."""
-    from calmq.storable import NonFiniteNumber, loads
-
-    try:
-        data = loads(text)
-    except NonFiniteNumber as exc:
-        raise UsageError(f"--input: {exc}", code="non_finite_number") from None
-    except ValueError as exc:
-        raise UsageError(f"--input is not JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise UsageError("--input is a JSON object", code="invalid_json")
-    return data
 
 
 def add_parser(sub: Any, flags: Flags) -> None:
