@@ -195,7 +195,8 @@ class Pipeline:
                 if not self._fill_again:
                     return
         except Exception:  # the database calls retry; anything else is a bug, logged here
-            # (the next attempt's end or tick fills again; what was picked is the sweeper's)
+            # (the next attempt's end or tick fills again; what was picked and not claimed
+            # goes back into the room after a lease: the reaper's fair_share_return_picked)
             log.exception("filling free slots from the waiting room failed")
 
     async def _take_from_room(self, fair: FairShareGate, priority: str, n: int) -> None:
@@ -222,8 +223,9 @@ class Pipeline:
             return
         at = time.monotonic()  # the leases the claim grants start after this
         steps = {r.job_id: r.step for r in requests}
-        # A picked job is queued with no message: claimed here, or (claim failed: cancelled
-        # meanwhile, or the database went away after the pick) left to the sweeper.
+        # A picked job is queued with no message (reason fair_share_picked): claimed here,
+        # or (cancelled meanwhile, the database gone after the pick, this worker killed)
+        # back into its room after a lease (the reaper's fair_share_return_picked).
         jobs = await retry_forever("claiming jobs from the waiting room failed",
                                    lambda: self.store.jobs.claim(
                                        list(steps), self.worker_id,

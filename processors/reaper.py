@@ -94,6 +94,14 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
             log.warning("re-published %d jobs that waited in a waiting room with no worker "
                         "taking them", len(released))
 
+    async def return_picked() -> None:
+        # A job picked out of a waiting room whose worker died before claiming it: no
+        # message carries it, so back into the room after a lease, for the lane's workers.
+        returned = await fair.return_picked(lease_seconds)
+        if returned:
+            log.warning("returned %d jobs picked from a waiting room and never claimed to "
+                        "the room", returned)
+
     keys = ConcurrencyKeys(store, batch=concurrency_release_batch)
     limits = concurrency_limits(desk.workflows)
 
@@ -152,6 +160,8 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                release_concurrency_keys, first_after=first_after, critical=True)
     side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
                release_stale_fair_share, first_after=first_after, critical=True)
+    side.every("fair-share-picked", interval, return_picked, first_after=first_after,
+               critical=True)
     providers = ProviderLedger(store)
 
     async def release_waited() -> None:

@@ -74,6 +74,14 @@ class FairQueue:
             await republish(conn, self._q["insert_outbox"], jobs)
         return jobs
 
+    async def return_picked(self, grace_seconds: float, limit: int = 500) -> int:
+        """Put back into their rooms the jobs picked ``grace_seconds`` ago or more and never
+        claimed (their worker died between the pick and the claim); returns how many."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["fair_share_return_picked"],
+                                     {"grace_seconds": grace_seconds, "limit": limit})
+            return len(await cur.fetchall())
+
     async def set_weight(self, name: str, weight: float) -> bool:
         """A tenant's weight in every lane's fair share; False: no tenant of that name."""
         async with self._db.pool.connection() as conn:

@@ -31,7 +31,9 @@ SELECT id FROM held;
 
 -- name: fair_share_pick
 -- Up to %(limit)s jobs of the lane's waiting room, fairest first, taken out of it (the caller
--- claims them next; one it cannot claim is queued with no message: the sweeper's). The order
+-- claims them next). A picked job waits with the reason fair_share_picked until its claim:
+-- one whose worker died before it, or could not claim it, goes back into the room after a
+-- lease (fair_share_return_picked below). The order
 -- is weighted fair queuing on the lane's running jobs: a tenant's k-th waiting job (oldest
 -- first) would bring it to (running + k) / weight, and the smallest goes first, so a tenant
 -- alone takes every slot, an idle tenant's share goes to the busy ones, and two busy tenants
@@ -109,7 +111,7 @@ WITH RECURSIVE waiting_tenants AS (
     ) l
     WHERE l.waiting_reason = 'fair_share' AND l.status IN ('queued', 'retrying')
 ), resumed AS (
-    UPDATE jobs j SET waiting_reason = NULL, updated_at = now()
+    UPDATE jobs j SET waiting_reason = 'fair_share_picked', updated_at = now()
     FROM chosen c WHERE j.id = c.id
     RETURNING j.id, j.step, j.workflow, j.tenant_id, j.attempt
 ), event AS (
@@ -149,6 +151,24 @@ WITH stale AS (
     SELECT id, 'resumed', attempt, '{"reason": "fair_share_stale"}'::jsonb FROM moved
 )
 SELECT * FROM moved;
+
+-- name: fair_share_return_picked
+-- The reaper's pass (every worker's and `calmq reaper`'s): a job picked out of a waiting
+-- room and not claimed within %(grace_seconds)s (its worker was killed between the pick and
+-- the claim, or lost the database meanwhile) goes back into its room, where any worker of
+-- the lane picks it; no message carries it, so nothing else would. No event: it waits
+-- again for the same step and attempt (fair_share_hold writes a waiting event once).
+WITH lost AS (
+    SELECT id FROM jobs
+    WHERE waiting_reason = 'fair_share_picked' AND status IN ('queued', 'retrying')
+      AND updated_at < now() - make_interval(secs => %(grace_seconds)s)
+    ORDER BY updated_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE jobs j SET waiting_reason = 'fair_share', updated_at = now()
+FROM lost l WHERE j.id = l.id
+RETURNING j.id, j.pool, j.priority;
 
 -- name: set_tenant_weight
 UPDATE tenants SET weight = %(weight)s WHERE name = %(name)s RETURNING id;

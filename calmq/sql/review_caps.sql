@@ -46,8 +46,10 @@ WITH caps AS (
                               ORDER BY l.review_cap_held_at NULLS FIRST, l.created_at, l.id) AS n
     FROM locked l JOIN used u ON u.pool = l.pool
 ), held AS (
+    -- a job picked from a fair-share waiting room waits for the cap now, not for its claim
     UPDATE jobs j SET review_cap_held_at = COALESCE(j.review_cap_held_at, now()),
-                      review_cap_released_at = NULL, updated_at = now()
+                      review_cap_released_at = NULL, updated_at = now(),
+                      waiting_reason = NULLIF(j.waiting_reason, 'fair_share_picked')
     FROM ranked r WHERE j.id = r.id AND r.n > r.cap - r.used
     RETURNING j.id, j.pool, j.attempt, r.was_held, r.cap, r.used + r.n - 1 AS used
 ), event AS (

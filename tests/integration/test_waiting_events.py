@@ -62,6 +62,30 @@ async def test_a_fair_share_hold_after_a_pick_writes_no_second_event(db: Databas
     assert _waiting_events(url, job) == ["fair_share", "spend_cap_daily"]
 
 
+async def test_a_job_picked_and_never_claimed_goes_back_into_its_room_after_the_grace(
+        db: Database) -> None:
+    """A worker killed between its pick and its claim: no message carries the job it picked,
+    so the reaper's pass puts it back into the room once the grace (a lease) is over, and
+    the lane's next pick takes it; a pass within the grace leaves it to its claim."""
+    url = db.url
+    pool = f"pick{uuid.uuid4().hex[:8]}"
+    job = _queued_job(url, pool)
+    room = FairQueue(db)
+    assert await room.hold([job]) == {job}
+    assert [p.id for p in (await room.pick(pool, "bulk", limit=10)).jobs] == [job]
+    assert _reason(url, job) == "fair_share_picked"  # out of the room, on its way to a claim
+    assert (await room.pick(pool, "bulk", limit=10)).jobs == []
+    await room.return_picked(grace_seconds=3600)
+    assert _reason(url, job) == "fair_share_picked"
+    with psycopg.connect(url, autocommit=True) as conn:  # the lease is over
+        conn.execute("UPDATE jobs SET updated_at = now() - interval '1 minute' WHERE id = %s",
+                     (job,))
+    await room.return_picked(grace_seconds=30)
+    assert _reason(url, job) == "fair_share"
+    assert [p.id for p in (await room.pick(pool, "bulk", limit=10)).jobs] == [job]
+    assert _waiting_events(url, job) == ["fair_share"]
+
+
 async def test_a_spend_cap_hold_after_a_release_writes_no_second_event(db: Database) -> None:
     """A job held for a spend cap, released by the release pass (the cap no longer holding)
     and held again by the next worker that meets the cap, has one waiting event."""
