@@ -14,13 +14,16 @@ The gates a worker runs, in order:
 - ``QuotaGate``: a tenant's jobs past what its token quota serves soon (the worker's share
   of it: calmq.budget.TenantQuota.allowance); its interactive jobs count against a room of
   their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
+- ``FairShareGate`` (setting ``fair_share``): while a lane (pool and priority) is contended,
+  new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
+  Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
+  It comes before the two gates below, which count the jobs they admit until their claim:
+  a job they let through that then waited in the room counted nowhere meanwhile. A job
+  picked from the room passes them on its way to the claim.
 - ``ReviewCapGate``: jobs that could end in review while their pool's pending reviews are at
   the reviewers' cap (calmq.data.review_caps).
 - ``ConcurrencyKeyGate``: jobs whose concurrency key (a customer inside the tenant) has its
   workflow's ``concurrency_limit`` in flight already, fleet-wide (calmq.data.concurrency).
-- ``FairShareGate`` (setting ``fair_share``): while a lane (pool and priority) is contended,
-  new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
-  Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
 
 A gate may also make the claim wait for its turn (``stack``): the review cap counts room in
 the database, so this worker's hold and the claim of what passed take turns, and two claims

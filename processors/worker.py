@@ -152,16 +152,20 @@ class Worker:
         gates: list[Gate] = [SpendCapGate(spend, ledger)]
         if provider.quota is not None:
             gates.append(QuotaGate(provider.quota.allowance, ledger))
+        # Fair share before the gates that count what they admitted (a review's place under
+        # its pool's cap, a concurrency key's slot): a job they let through and the waiting
+        # room then held counted nowhere, and the jobs behind it passed the cap as well. A
+        # job picked from the room passes them on its way to the claim.
+        fair: FairShareGate | None = None
+        if s.fair_share:
+            fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list,
+                                 headroom=self._headroom)
+            gates.append(fair)
         gates.append(ReviewCapGate(store, review_workflows(self.workflows)))
         limits = concurrency_limits(self.workflows)
         if limits:
             gates.append(ConcurrencyKeyGate(ConcurrencyKeys(store), limits, s.lease_seconds,
                                             waiting_max=s.concurrency_keys_waiting_max))
-        fair: FairShareGate | None = None
-        if s.fair_share:  # last: a job another gate holds does not wait in a fair queue too
-            fair = FairShareGate(FairQueue(store), s.pool, self._room, s.priority_list,
-                                 headroom=self._headroom)
-            gates.append(fair)
         poison = PoisonSink(Producer(producer_config(connection,
                                                      compression=s.kafka_compression)), codec)
         self._outputs = OutputWriter(store.outputs, flush_seconds=s.output_flush_seconds)
