@@ -23,6 +23,7 @@ from calmq.settings import Settings
 from calmq.tooling.devstack import StackState
 from tests.support.cli import insert_jobs, new_tenant
 from tests.support.waiting import wait_for_async
+from tests.support.workers import create_pool_topics
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +143,11 @@ def test_a_tenants_jobs_wait_for_at_most_its_cap_of_keys_and_the_rest_behind_the
     _name, tenant, _key = new_tenant(stack, "keycap")
     workflow = f"capped_{uuid.uuid4().hex[:6]}"
     names = [f"customer-{i}" for i in range(1, 6)]
-    ids = insert_jobs(stack, tenant, 10, status="queued", workflow=workflow)
+    # A pool no worker consumes: the job the pass releases is published to its topic, and a
+    # worker reading it would claim it (or hold it for fair share) before the test reads it.
+    pool = f"keycap{uuid.uuid4().hex[:6]}"
+    create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], pool, [], partitions=1)
+    ids = insert_jobs(stack, tenant, 10, status="queued", workflow=workflow, pool=pool)
     blockers = dict(zip(names, ids[:5], strict=True))
     waiting = dict(zip(names, ids[5:], strict=True))
     try:

@@ -57,7 +57,7 @@ def new_tenant(stack: StackState, prefix: str) -> tuple[str, uuid.UUID, str]:
 def insert_jobs(stack: StackState, tenant_id: uuid.UUID, n: int, *, status: str = "dead_letter",
                 workflow: str = "summarize", code: str = "malformed_output",
                 failure_class: str = "verifier", input_: dict[str, Any] | None = None,
-                ) -> list[uuid.UUID]:
+                pool: str = "default") -> list[uuid.UUID]:
     """``n`` jobs in ``status`` (a dead letter carries ``error``), each dead-lettered (or
     created) a millisecond after the previous one, all in the past."""
     ids = [uuid.uuid4() for _ in range(n)]
@@ -72,7 +72,7 @@ def insert_jobs(stack: StackState, tenant_id: uuid.UUID, n: int, *, status: str 
                 INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,
                                   pool, step, attempt, max_attempts, input, error, created_at,
                                   updated_at)
-                SELECT id, %(tenant)s, %(workflow)s, 1, %(status)s, 'bulk', 'default',
+                SELECT id, %(tenant)s, %(workflow)s, 1, %(status)s, 'bulk', %(pool)s,
                        'summarize', %(attempt)s, 3, %(input)s, %(error)s,
                        now() - interval '10 minutes' + ord * interval '1 millisecond',
                        now() - interval '5 minutes' + ord * interval '1 millisecond'
@@ -85,7 +85,7 @@ def insert_jobs(stack: StackState, tenant_id: uuid.UUID, n: int, *, status: str 
             SELECT id, 'dead_lettered', 1, '{}'::jsonb FROM job WHERE %(dead)s
             """,
             {"ids": ids, "tenant": tenant_id, "workflow": workflow, "status": status,
-             "attempt": 1 if dead else 0, "dead": dead,
+             "attempt": 1 if dead else 0, "dead": dead, "pool": pool,
              "input": Jsonb(input_ or {"text": "made by the test", "mode": "success"}),
              "error": Jsonb(error) if error else None})
     return ids
