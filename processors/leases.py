@@ -55,6 +55,7 @@ class Leases:
         self._held: dict[uuid.UUID, _Held] = {}
         self._tenants: dict[uuid.UUID, int] = {}  # running attempts per tenant
         self._interactive: dict[uuid.UUID, int] = {}  # of them, interactive ones
+        self.interactive = 0  # the interactive attempts of all tenants
         # Attempts this process stopped itself (self-fencing): their messages are claimed
         # again once their lease is handed back.
         self._fenced: set[uuid.UUID] = set()
@@ -66,6 +67,7 @@ class Leases:
         _count(self._tenants, job.tenant_id, 1)
         if job.priority == "interactive":
             _count(self._interactive, job.tenant_id, 1)
+            self.interactive += 1
 
     def end(self, job_id: uuid.UUID) -> None:
         """The attempt ended (whatever its outcome)."""
@@ -75,6 +77,7 @@ class Leases:
         _count(self._tenants, held.job.tenant_id, -1)
         if held.job.priority == "interactive":
             _count(self._interactive, held.job.tenant_id, -1)
+            self.interactive -= 1
 
     def __len__(self) -> int:
         return len(self._held)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["CallSlots"]
+__all__ = ["CallSlots", "lane_room"]
 
 _INTERACTIVE = "interactive"
 
@@ -57,3 +57,14 @@ class CallSlots:
                 if not future.done():
                     self.used += 1
                     future.set_result(None)
+
+
+def lane_room(priority: str, bound: int, reserve: int, *, held: int, interactive: int) -> int:
+    """The jobs of a lane a worker may start now (fair share's room): bulk work the
+    ``bound`` less every job held; interactive work what bulk leaves of the bound, and the
+    ``reserve`` beyond it, less the interactive jobs held. Bulk held past the bound (the
+    bound follows the token budget, and shrinks under jobs claimed before) does not eat
+    into the reserve."""
+    if priority != _INTERACTIVE:
+        return bound - held
+    return max(bound - (held - interactive), 0) + reserve - interactive
