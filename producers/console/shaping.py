@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from calmq import holds
 from calmq.errors import ContractError
 from calmq.lag import GroupLag
 from calmq.producers.console.charts import bars
@@ -150,49 +151,20 @@ def held_for_review_cap(events: Sequence[Any]) -> bool:
 
 def waiting_notice(events: Sequence[Any]) -> dict[str, str] | None:
     """Why a waiting job waits, for its page: its newest ``waiting`` event not followed by
-    ``resumed`` (fair share, a concurrency key or its rate limit, a model's cooldown, a
-    cap), in a sentence; None if it does not
-    wait (the review cap has a notice of its own)."""
+    ``resumed`` (or its ``children_spawned`` not followed by ``children_joined``), in the
+    sentence the holds registry (calmq.holds) gives its reason; None if it does not wait, or
+    if its reason has a notice of its own (the review cap)."""
     for e in reversed(events):
         kind = _get(e, "type")
         if kind in ("resumed", "children_joined"):
             return None
-        if kind == "children_spawned":  # a step started child jobs: docs/how-to/fan-out.md
-            d = _get(e, "detail") or {}
-            join = d.get("policy", "all")
-            if join == "at_least":
-                join = f"at least {d.get('k', '')}"
-            return {"reason": "children", "text": (
-                f"a step started {d.get('count', '')} child jobs of {d.get('workflow', '')}; "
-                f"step {d.get('next_step', '')} runs when their join ({join}) holds")}
-        if kind != "waiting":
+        if kind not in ("waiting", "children_spawned"):
             continue
         d = _get(e, "detail") or {}
-        reason = str(d.get("reason", ""))
-        if reason == "fair_share":
-            text = (f"the {d.get('priority', '')} lane of pool {d.get('pool', '')} is "
-                    "contended; this job starts when a slot frees and its tenant is the "
-                    "furthest below its weighted share")
-        elif reason == "concurrency_key":
-            text = (f"its concurrency key {d.get('key', '')} has {d.get('limit', '')} jobs in "
-                    "flight, its workflow's limit; it starts as they end")
-        elif reason == "model_cooldown":
-            models = ", ".join(str(m) for m in d.get("models") or [])
-            text = (f"every model its step allows ({models}) is cooling down after a 429; it "
-                    f"runs again in about {d.get('seconds', '')} s, no attempt counted")
-        elif reason == "rate_limit_key":
-            limit = d.get("limit") or {}
-            per = limit.get("per_seconds", "") if isinstance(limit, dict) else ""
-            counts = " and ".join(f"{limit[k]} {k}" for k in ("requests", "tokens")
-                                  if isinstance(limit, dict) and k in limit)
-            text = (f"its concurrency key {d.get('key', '')} used its rate limit ({counts} per "
-                    f"{per} s); it runs again in about {d.get('seconds', '')} s, no attempt "
-                    "counted")
-        elif reason == "review_cap":
-            return None
-        else:
-            text = "see its history below"
-        return {"reason": reason, "text": text}
+        # a step started child jobs: docs/how-to/fan-out.md
+        reason = "children" if kind == "children_spawned" else str(d.get("reason", ""))
+        text = holds.notice(reason, d)
+        return None if text is None else {"reason": reason, "text": text}
     return None
 
 
