@@ -301,11 +301,15 @@ class FairShareGate(Gate):
 
     name = "fair_share"
 
-    def __init__(self, queue: FairQueue, pool: str, room: Callable[[str], int],
+    def __init__(self, queue: FairQueue, pool: str,
+                 room: Callable[[str, Mapping[str, int]], int],
                  priorities: Sequence[str] = ("interactive", "bulk"), *,
                  headroom: Callable[[], int] = lambda: 0) -> None:
         self.queue = queue
         self.pool = pool
+        # The jobs of a lane this worker may start now, given those on their way to a slot
+        # per lane (processors/worker.py ``_room``): counted per lane, so that bulk's picks
+        # in progress take no place in the interactive reserve.
         self.room = room
         # Of a lane's room, what a tenant above its weighted share leaves free while another
         # tenant runs or waits in it (processors/worker.py ``_headroom``): that tenant's
@@ -316,34 +320,46 @@ class FairShareGate(Gate):
         self.priorities = list(priorities)
         # Lanes whose waiting room this process last saw holding jobs.
         self.contended: set[str] = set()
-        self._passing = 0  # jobs let through or picked whose attempts have not started yet
+        # Per lane, the jobs let through or picked whose attempts have not started yet.
+        self._passing: dict[str, int] = dict.fromkeys(self.priorities, 0)
 
-    def free(self, priority: str) -> int:
-        """Slots of the lane no attempt and no claim in progress takes."""
-        return self.room(priority) - self._passing
+    def free(self, priority: str, also: Mapping[str, int] | None = None) -> int:
+        """Slots of the lane no attempt and no claim in progress takes (nor ``also``: what
+        the caller is letting through per lane)."""
+        if not also:
+            return self.room(priority, self._passing)
+        passing = dict(self._passing)
+        for lane, n in also.items():
+            passing[lane] = passing.get(lane, 0) + n
+        return self.room(priority, passing)
 
-    def taking(self, n: int, stack: contextlib.AsyncExitStack | None = None) -> None:
-        """Count ``n`` jobs on their way to a slot until ``stack`` closes (or ``done``)."""
-        self._passing += n
+    def taking(self, priority: str, n: int,
+               stack: contextlib.AsyncExitStack | None = None) -> None:
+        """Count ``n`` jobs of the lane on their way to a slot until ``stack`` closes (or
+        ``done``)."""
+        self._passing[priority] = self._passing.get(priority, 0) + n
         if stack is not None:
-            stack.callback(self.done, n)
+            stack.callback(self.done, priority, n)
 
-    def done(self, n: int) -> None:
-        self._passing -= n
+    def done(self, priority: str, n: int) -> None:
+        self._passing[priority] -= n
 
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
         waiting: list[uuid.UUID] = []
-        passed = 0  # the lanes share the slots: what one lets through the other cannot use
+        # Per lane: the lanes share the slots (what one lets through the other cannot use),
+        # but for the interactive reserve, which is interactive work's alone.
+        passed: dict[str, int] = {}
         for r in requests:
             if r.tenant_id is None or r.from_room or occupancy.running(r.job_id):
                 continue  # a job the fill took from the room has had its turn
             lane = r.priority
-            if lane in self.contended or self.free(lane) - passed <= 0:
+            if lane in self.contended or self.free(lane, passed) <= 0:
                 waiting.append(r.job_id)
                 continue
-            passed += 1
-        self.taking(passed, stack)
+            passed[lane] = passed.get(lane, 0) + 1
+        for lane, n in passed.items():
+            self.taking(lane, n, stack)
         if not waiting:
             return set()
         held = await retry_forever("holding jobs in the waiting room failed",

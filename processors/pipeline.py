@@ -187,11 +187,11 @@ class Pipeline:
                     n = min(fair.free(priority), self.CLAIM_BATCH)
                     if n <= 0 or self._draining:
                         continue
-                    fair.taking(n)  # the gate lets no new job into these slots meanwhile
+                    fair.taking(priority, n)  # the gate lets no new job in them meanwhile
                     try:
                         await self._take_from_room(fair, priority, n)
                     finally:
-                        fair.done(n)
+                        fair.done(priority, n)
                 if not self._fill_again:
                     return
         except Exception:  # the database calls retry; anything else is a bug, logged here

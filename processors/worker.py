@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
 
 from confluent_kafka import Producer
 
@@ -230,7 +231,7 @@ class Worker:
         pipeline.fill_soon()
         self._last_tick = loop.time()
 
-    def _room(self, priority: str) -> int:
+    def _room(self, priority: str, passing: Mapping[str, int]) -> int:
         """With fair share: the jobs of a lane this worker may start now. A job claimed
         beyond the free call slots waits for one in claim order (processors/slots.py), so a
         small tenant's job picked behind the claimed window's eighth (32 jobs at 256 slots)
@@ -242,12 +243,16 @@ class Worker:
         than it does now: ``_call_slots`` follows the budget each tick) does not take the
         interactive reserve: counted against it, an interactive job with no other tenant in
         its lane waited in the room for a bulk call to end (bench priority: 131 ms to the
-        first attempt against 8.5 ms, for the slowest twentieth)."""
+        first attempt against 8.5 ms, for the slowest twentieth). Nor do the bulk jobs on
+        their way to a slot (``passing``, per lane: a pick in progress counts all the free
+        slots it may fill)."""
         consumer = self._consumer
         assert consumer is not None
         leases = self.pipeline.leases
+        interactive = passing.get("interactive", 0)
         return lane_room(priority, self._call_slots + self._ahead(), consumer.reserve,
-                         held=len(leases), interactive=leases.interactive)
+                         held=len(leases) + sum(passing.values()),
+                         interactive=leases.interactive + interactive)
 
     def _ahead(self) -> int:
         return max(1, self._call_slots // 64)

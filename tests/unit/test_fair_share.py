@@ -10,6 +10,7 @@ import uuid
 
 from calmq.processors.admission import FairShareGate
 from calmq.processors.request import Request
+from calmq.processors.slots import lane_room
 
 
 class Room:
@@ -41,8 +42,11 @@ def _requests(n: int, priority: str = "bulk", tenant: str | None = None) -> list
 
 
 def _gate(free: dict[str, int]) -> tuple[FairShareGate, Room]:
+    """Free slots per lane that every job on its way to a slot takes from both lanes."""
     room = Room()
-    return FairShareGate(room, "p", lambda priority: free[priority]), room  # type: ignore[arg-type]
+    return FairShareGate(room, "p",  # type: ignore[arg-type]
+                         lambda priority, passing: free[priority] - sum(passing.values())
+                         ), room
 
 
 def _hold(gate: FairShareGate, batch: list[Request], occupancy: Running | None = None
@@ -112,3 +116,21 @@ def test_the_two_lanes_share_the_free_slots() -> None:
     gate, _room = _gate({"bulk": 2, "interactive": 3})
     interactive, bulk = _requests(2, "interactive"), _requests(2)
     assert _hold(gate, interactive + bulk) == {r.job_id for r in bulk}
+
+
+def test_bulk_on_its_way_to_a_slot_leaves_the_interactive_reserve_alone() -> None:
+    """A worker's room (processors/worker.py): bound 32, reserve 8, 30 bulk jobs held. A
+    bulk pick in progress takes the 2 general slots left; an interactive job arriving
+    meanwhile still finds the reserve and goes to the claim, not the waiting room."""
+    held, interactive_held = 30, 0
+    gate = FairShareGate(Room(), "p",  # type: ignore[arg-type]
+                         lambda priority, passing: lane_room(
+                             priority, 32, 8, held=held + sum(passing.values()),
+                             interactive=interactive_held + passing.get("interactive", 0)))
+    gate.taking("bulk", gate.free("bulk"))  # the fill picks for every free bulk slot
+    assert gate.free("bulk") == 0
+    assert gate.free("interactive") == 8
+    batch = _requests(9, "interactive")
+    assert _hold(gate, batch) == {batch[-1].job_id}  # the reserve's 8 pass, the 9th waits
+    gate.done("bulk", 2)
+    assert gate.free("bulk") == 2
