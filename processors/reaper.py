@@ -82,25 +82,9 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
                 metrics.JOBS_SWEPT.labels(pool).inc(n)
             log.warning("re-published %d waiting jobs that no message carried", len(swept))
 
-    fair = FairQueue(store)
-
-    async def release_stale_fair_share() -> None:
-        # A waiting room's job that no worker held again or picked for the sweeper's grace
-        # (fair share turned off, or no worker of its pool left) gets a fresh message.
-        released = await fair.release_stale(sweeper_grace_seconds)
-        if released:
-            for pool, n in Counter(j.pool for j in released).items():
-                metrics.JOBS_SWEPT.labels(pool).inc(n)
-            log.warning("re-published %d jobs that waited in a waiting room with no worker "
-                        "taking them", len(released))
-
-    async def return_picked() -> None:
-        # A job picked out of a waiting room whose worker died before claiming it: no
-        # message carries it, so back into the room after a lease, for the lane's workers.
-        returned = await fair.return_picked(lease_seconds)
-        if returned:
-            log.warning("returned %d jobs picked from a waiting room and never claimed to "
-                        "the room", returned)
+    _schedule_fair_share(side, store, interval, first_after=first_after,
+                         lease_seconds=lease_seconds,
+                         sweeper_grace_seconds=sweeper_grace_seconds)
 
     keys = ConcurrencyKeys(store, batch=concurrency_release_batch)
     limits = concurrency_limits(desk.workflows)
@@ -158,10 +142,13 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
     # limit was removed.
     side.every("concurrency-key-release", min(interval, 0.2) if limits else interval,
                release_concurrency_keys, first_after=first_after, critical=True)
-    side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
-               release_stale_fair_share, first_after=first_after, critical=True)
-    side.every("fair-share-picked", interval, return_picked, first_after=first_after,
-               critical=True)
+    _schedule_timed_waits(side, store, desk, interval, first_after=first_after)
+
+
+def _schedule_timed_waits(side: Supervisor, store: Store, desk: ReviewDesk, interval: float,
+                          *, first_after: float) -> None:
+    """Jobs that wait a set time (model cooldowns, key rate limits) and the key rate
+    buckets' housekeeping (calmq.rate_keys)."""
     providers = ProviderLedger(store)
 
     async def release_waited() -> None:
@@ -189,6 +176,36 @@ def schedule_reaper(side: Supervisor, store: Store, desk: ReviewDesk, interval: 
     # some worker always does.
     side.every("timed-wait-release", min(interval, 0.5) if any_timed_wait(desk.workflows)
                else interval, release_waited, first_after=first_after, critical=True)
+
+
+def _schedule_fair_share(side: Supervisor, store: Store, interval: float, *,
+                         first_after: float, lease_seconds: float,
+                         sweeper_grace_seconds: float) -> None:
+    """The waiting rooms' safety nets (calmq.data.fairness): jobs no message carries."""
+    fair = FairQueue(store)
+
+    async def release_stale_fair_share() -> None:
+        # A waiting room's job that no worker held again or picked for the sweeper's grace
+        # (fair share turned off, or no worker of its pool left) gets a fresh message.
+        released = await fair.release_stale(sweeper_grace_seconds)
+        if released:
+            for pool, n in Counter(j.pool for j in released).items():
+                metrics.JOBS_SWEPT.labels(pool).inc(n)
+            log.warning("re-published %d jobs that waited in a waiting room with no worker "
+                        "taking them", len(released))
+
+    async def return_picked() -> None:
+        # A job picked out of a waiting room whose worker died before claiming it: no
+        # message carries it, so back into the room after a lease, for the lane's workers.
+        returned = await fair.return_picked(lease_seconds)
+        if returned:
+            log.warning("returned %d jobs picked from a waiting room and never claimed to "
+                        "the room", returned)
+
+    side.every("fair-share-stale", max(interval, sweeper_grace_seconds / 10),
+               release_stale_fair_share, first_after=first_after, critical=True)
+    side.every("fair-share-picked", interval, return_picked, first_after=first_after,
+               critical=True)
 
 
 def schedule_history_partitions(side: Supervisor, store: Store, settings: Settings, *,
