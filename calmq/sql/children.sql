@@ -1,5 +1,6 @@
 -- Child jobs and their join (calmq/data/children.py, migration 0053). The join itself is
--- decided by the trigger calmq_settle_child, in the transaction that settles a child.
+-- decided by the trigger calmq_settle_child, in the transaction that settles a child (once
+-- per statement and join row since migration 0058).
 
 -- name: children_ancestors
 -- How many ancestors a job has (its nesting depth: 0 for a job nobody started), counted up

@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, console_session
@@ -334,3 +335,85 @@ def test_a_job_that_spawns_twice_joins_each_steps_own_children(fanout: Fanout) -
     joined = [e for e in _events(fanout, parent) if e["type"] == "children_joined"]
     assert [(e["detail"]["step"], e["detail"]["children"]) for e in joined] == [
         ("split", 2), ("again", 3)]
+
+
+def _join_with_children(conn: psycopg.Connection[Any], n: int, held: int) -> tuple[
+        uuid.UUID, list[uuid.UUID]]:
+    """A parent waiting for an all join of ``n`` running children, the last ``held`` of
+    them held for the in-flight limit (rows only: the caller rolls them back)."""
+    tenant, parent = uuid.uuid4(), uuid.uuid4()
+    kids = [uuid.uuid4() for _ in range(n)]
+    conn.execute("INSERT INTO tenants (id, name) VALUES (%s, %s)",
+                 (tenant, f"join-rows-{tenant.hex[:12]}"))
+    job = ("INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
+           " pool, step, max_attempts, input, waiting_reason, parent_id, child_index,"
+           " parent_step) VALUES (%s, %s, 'summarize', 1, %s, 'bulk', 'default', 's', 3,"
+           " '{}', %s, %s, %s, %s)")
+    conn.execute(job, (parent, tenant, "queued", "children", None, None, None))
+    for index, kid in enumerate(kids):
+        waits = index >= n - held
+        conn.execute(job, (kid, tenant, "queued" if waits else "running",
+                           "parent_in_flight" if waits else None, parent, index, "split"))
+        if waits:
+            conn.execute("INSERT INTO job_held_children (job_id, parent_id, child_index, route,"
+                         " payload) VALUES (%s, %s, %s, 'calmq.default.bulk', '{}')",
+                         (kid, parent, index))
+    conn.execute("INSERT INTO job_joins (parent_id, step, policy, k, n, resume_outbox,"
+                 " fail_outbox) VALUES (%s, 'split', 'all', %s, %s, %s, '[]')",
+                 (parent, n, n, Jsonb([{"route": "calmq.default.bulk", "type": "job.requested",
+                                        "payload": {}}])))
+    return parent, kids
+
+
+def test_a_statement_settling_many_children_updates_each_join_row_once(
+        stack_env: dict[str, str]) -> None:
+    """A statement settling many children of two parents updates each join row once, releases
+    as many held children in input order, and the last one resumes each parent once."""
+    n, held = 40, 10
+    with psycopg.connect(stack_env["CALMQ_DATABASE_URL"], row_factory=dict_row) as conn, \
+            conn.transaction(force_rollback=True):
+        (a, kids_a), (b, kids_b) = (_join_with_children(conn, n, held) for _ in range(2))
+
+        def join_updates() -> int:
+            row = conn.execute("SELECT pg_stat_get_xact_tuples_updated("
+                               "'job_joins'::regclass) AS n").fetchone()
+            assert row is not None
+            return int(row["n"])
+
+        before = join_updates()
+        # As a group commit does: children of both parents end in one statement.
+        conn.execute("UPDATE jobs SET status = 'completed' WHERE id = ANY(%s)",
+                     (kids_a[:4] + kids_b[:25],))
+        assert join_updates() - before == 2  # 29 children, two join rows
+        counts = {r["parent_id"]: r["succeeded"] for r in conn.execute(
+            "SELECT parent_id, succeeded FROM job_joins WHERE parent_id IN (%s, %s)", (a, b))}
+        assert counts == {a: 4, b: 25}
+        # Four ended of a: its first four held children (input order) go, with their events.
+        left = conn.execute("SELECT child_index FROM job_held_children WHERE parent_id = %s"
+                            " ORDER BY child_index", (a,)).fetchall()
+        assert [r["child_index"] for r in left] == list(range(n - held + 4, n))
+        freed = conn.execute("SELECT child_index FROM jobs WHERE parent_id = %s"
+                             " AND status = 'queued' AND waiting_reason IS NULL"
+                             " ORDER BY child_index", (a,)).fetchall()
+        assert [r["child_index"] for r in freed] == list(range(n - held, n - held + 4))
+        released = conn.execute("SELECT count(*) AS n FROM outbox WHERE type = 'job.requested'"
+                                " AND aggregateid = ANY(%s)",
+                                ([str(k) for k in kids_a[n - held:]],)).fetchone()
+        assert released == {"n": 4}
+        assert conn.execute("SELECT count(*) AS n FROM job_held_children WHERE parent_id = %s",
+                            (b,)).fetchone() == {"n": 0}
+
+        before = join_updates()
+        conn.execute("UPDATE jobs SET status = 'completed' WHERE parent_id IN (%s, %s)"
+                     " AND status <> 'completed'", (a, b))
+        assert join_updates() - before == 2  # counted and decided in one UPDATE each
+        for parent in (a, b):
+            joined = conn.execute("SELECT detail FROM job_events WHERE job_id = %s"
+                                  " AND type = 'children_joined'", (parent,)).fetchall()
+            assert [r["detail"]["succeeded"] for r in joined] == [n]
+            row = conn.execute("SELECT waiting_reason FROM jobs WHERE id = %s",
+                               (parent,)).fetchone()
+            assert row == {"waiting_reason": None}
+            resumed = conn.execute("SELECT count(*) AS n FROM outbox WHERE aggregateid = %s",
+                                   (str(parent),)).fetchone()
+            assert resumed == {"n": 1}
