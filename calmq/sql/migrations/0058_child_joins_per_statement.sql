@@ -83,21 +83,23 @@ BEGIN
 
     -- Places in flight are free: as many held siblings go as children ended, the first in
     -- input order (SKIP LOCKED: two statements ending children at once release different
-    -- ones). One cancelled while held is gone with its row.
+    -- ones). One cancelled while held is gone with its row. The rows are found by key
+    -- (= ANY of an array): a join with the release's estimate (a tenth of a parameter's
+    -- LIMIT) planned a sequential scan of jobs, 70 ms a statement at 200,000 jobs.
     WITH freeing AS (
         SELECT u.p, sum(u.ok + u.bad)::integer AS m
         FROM unnest(parents, oks, bads) AS u(p, ok, bad) GROUP BY u.p
     ), next AS (
         DELETE FROM job_held_children h
-        WHERE h.job_id IN (SELECT x.job_id FROM freeing f, LATERAL (
-                               SELECT n.job_id FROM job_held_children n
-                               WHERE n.parent_id = f.p
-                               ORDER BY n.child_index LIMIT f.m
-                               FOR UPDATE SKIP LOCKED) x)
+        WHERE h.job_id = ANY (ARRAY(SELECT x.job_id FROM freeing f, LATERAL (
+                                        SELECT n.job_id FROM job_held_children n
+                                        WHERE n.parent_id = f.p
+                                        ORDER BY n.child_index LIMIT f.m
+                                        FOR UPDATE SKIP LOCKED) x))
         RETURNING h.*
     ), freed AS (
         UPDATE jobs c SET waiting_reason = NULL
-        FROM next WHERE c.id = next.job_id AND c.status = 'queued'
+        WHERE c.id = ANY (ARRAY(SELECT job_id FROM next)) AND c.status = 'queued'
         RETURNING c.id, c.created_at
     )
     INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
