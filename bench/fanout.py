@@ -59,6 +59,12 @@ def _span(rig: Rig, where: str, params: tuple[Any, ...]) -> tuple[float, float, 
     return float(row[0] or 0), float(row[1] or 0), int(row[2] or 0)
 
 
+def _per_job(cpu: dict[str, float], jobs: int) -> dict[str, float]:
+    """CPU milliseconds per job of each process of a phase: on a host where every part
+    shares the cores, what one side spends more bounds its rate."""
+    return {name: round(s * 1000 / max(jobs, 1), 3) for name, s in sorted(cpu.items())}
+
+
 def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: int,
               key: str, api_url: str) -> dict[str, Any]:
     rig.statements_reset()
@@ -100,6 +106,7 @@ def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: i
         "pg_cpu_ms_per_child": round(phase.cpu.get("postgres", 0.0) * 1000 / max(done, 1), 3),
         "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3),
         "peak_rss_mb": round(phase.peak_rss_mb.get("worker", 0.0), 1),
+        "cpu_ms_per_job_by_process": _per_job(phase.cpu, done),
         "pg_statements": statements,
     }
 
@@ -109,7 +116,7 @@ def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size
     # The submission is charged too (see the module's docstring): the children's phase
     # holds their creation.
     rig.statements_reset()
-    submit = sampler.phase(rig.infra_pids())
+    submit = sampler.phase({**rig.pids("api", "relay"), **rig.infra_pids()})
     load = asyncio.run(loadgen.closed_loop(
         f"{api_url}/v1/jobs",
         {"workflow": "summarize", "priority": "bulk",
@@ -133,6 +140,8 @@ def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size
     return {"jobs_per_s": round(done / max(last - first, 1e-3), 1), "completed": done,
             "pg_cpu_ms_per_job": round((submit_ms + run_ms) / max(done, 1), 3),
             "pg_cpu_ms_per_job_run_only": round(run_ms / max(done, 1), 3),
+            "cpu_ms_per_job_by_process": _per_job(phase.cpu, done),
+            "submit_cpu_ms_per_job_by_process": _per_job(submit.cpu, done),
             "pg_statements": rig.statements(done)}
 
 
