@@ -84,9 +84,15 @@ def test_work_past_a_daily_cap_waits_in_queued_with_a_reason_and_resumes_when_ra
         assert _finished(conn, first) == "completed"
         spent = _job(conn, first)["cost_usd"]
         assert spent > 0
+        # The gauges count every capped tenant of the database: other tests' tenants may be
+        # capped already, so the worker has read this one's cap when its count moves on.
+        bulk_gauge = 'calmq_spend_capped_tenants{priority="bulk"}'
+        interactive_gauge = 'calmq_spend_capped_tenants{priority="interactive"}'
+        capped_bulk = metric(port, bulk_gauge) or 0
+        capped_interactive = metric(port, interactive_gauge) or 0
         _set_cap(stack, name, f"{spent / 0.95:.12f}")  # bulk waits from 90 %: it is at 95 %
-        wait_for(lambda: (metric(port, 'calmq_spend_capped_tenants{priority="bulk"}')
-                          or 0) >= 1, timeout=30, what="the worker to read the cap")
+        wait_for(lambda: (metric(port, bulk_gauge) or 0) > capped_bulk, timeout=30,
+                 what="the worker to read the cap")
         (bulk,) = submit(database_url, tenant, pool, [{"text": "a bulk job over the cap"}],
                          priority="bulk")
         (interactive,) = submit(database_url, tenant, pool, [{"text": "an interactive one"}])
@@ -109,8 +115,8 @@ def test_work_past_a_daily_cap_waits_in_queued_with_a_reason_and_resumes_when_ra
         assert "spend_cap_daily" in shown.stdout
 
         # The interactive job's cost took the spend past the cap: interactive waits too.
-        wait_for(lambda: (metric(port, 'calmq_spend_capped_tenants{priority="interactive"}')
-                          or 0) >= 1, timeout=30, what="the worker to see the cap passed")
+        wait_for(lambda: (metric(port, interactive_gauge) or 0) > capped_interactive,
+                 timeout=30, what="the worker to see the cap passed")
         (late,) = submit(database_url, tenant, pool, [{"text": "interactive, past the cap"}])
         wait_for(lambda: _job(conn, late)["waiting_reason"] == "spend_cap_daily",
                  timeout=30, what="the interactive job to wait for the cap")
