@@ -25,18 +25,19 @@ The gates a worker runs, in order:
 - ``ConcurrencyKeyGate``: jobs whose concurrency key (a customer inside the tenant) has its
   workflow's ``concurrency_limit`` in flight already, fleet-wide (calmq.data.concurrency).
 
-A gate may also make the claim wait for its turn (``stack``): the review cap counts room in
-the database, so this worker's hold and the claim of what passed take turns, and two claims
-never both see room for the last review. A new gate (a provider's credentials refused, a
-concurrency key, a model's cooldown, a lane's spend cap) is a ``Gate`` subclass added to
-the list the process composes; nothing else in the worker changes.
+A gate may also keep something until the claim ended (``stack``): fair share counts the
+jobs it let through per lane until their attempts start. (The review cap and the
+concurrency keys record what they let through on the job row instead, so that another
+worker's admission and their release passes count it before its claim.) A new gate (a
+provider's credentials refused, a concurrency key, a model's cooldown, a lane's spend cap)
+is a ``Gate`` subclass added to the list the process composes; nothing else in the worker
+changes.
 
 This module imports no Kafka client: a request's message is opaque here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -207,14 +208,12 @@ class ReviewCapGate(Gate):
         self.workflows = sorted(review_workflows)
         self._capped: dict[str, int] = {}
         self._read = -float("inf")
-        self._turn = asyncio.Lock()
 
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
         gated = [r.job_id for r in requests if r.workflow in self.workflows]
         if not gated or not await self._any_cap():
             return set()
-        await stack.enter_async_context(self._turn)
         held = await retry_forever(
             "holding jobs for their pool's review cap failed",
             lambda: self.caps.hold(gated, self.workflows))

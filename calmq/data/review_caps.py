@@ -32,7 +32,8 @@ class ReviewCaps:
 
     async def hold(self, ids: Sequence[uuid.UUID], workflows: Sequence[str]) -> set[uuid.UUID]:
         """Hold the queued jobs among ``ids`` (of the workflows that can end in review) that
-        would take their pool past its cap; returns the ids held (their messages are done)."""
+        would take their pool past its cap, and mark the rest as let through (they count
+        against the cap from now on); returns the ids held (their messages are done)."""
         if not ids:
             return set()
         async with self._db.pool.connection() as conn:

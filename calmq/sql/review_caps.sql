@@ -8,11 +8,15 @@ SELECT pool, cap FROM review_caps;
 
 -- name: hold_for_review_cap
 -- Of a claim batch's jobs (ids: jobs of workflows that can end in review), hold the queued
--- ones never claimed that would take their pool past its cap. Used: the pool's pending
--- reviews, its admitted jobs of those workflows not in review yet (running, between steps,
--- retrying), and the jobs the release pass let go that are not in review yet (besides this
--- batch). The cap row is locked so that the fleet's holds of one
--- pool take turns. The event's pending: the reviews pending or on their way (running, or
+-- ones never claimed that would take their pool past its cap, and mark the ones let through
+-- (review_cap_released_at, as the release pass marks what it lets go): they count from
+-- this statement on, not from their claim. Used: the pool's pending reviews, its claimed
+-- jobs of those workflows not in review yet (running, between steps, retrying), and the jobs
+-- this statement or the release pass let through that are not in review yet (besides this
+-- batch). Counted only from their claim, a job let through was invisible to the release
+-- pass (another task) and to another worker's hold until then, and each let one more job
+-- go past the cap (CI: three reviews pending under a cap of two, and a job released twice).
+-- The cap row is locked so that the fleet's holds of one pool take turns. The event's pending: the reviews pending or on their way (running, or
 -- ahead of it in this batch) when it was held. Returns every job held (newly or again); only a new hold writes the
 -- event, so a held job the sweeper re-publishes does not grow its history.
 WITH caps AS (
@@ -52,12 +56,21 @@ WITH caps AS (
                       waiting_reason = NULLIF(j.waiting_reason, 'fair_share_picked')
     FROM ranked r WHERE j.id = r.id AND r.n > r.cap - r.used
     RETURNING j.id, j.pool, j.attempt, r.was_held, r.cap, r.used + r.n - 1 AS used
+), admitted AS (
+    -- a job held before and let through here (its message came again, the sweeper's) says
+    -- so in its history, as one the release pass lets go does
+    UPDATE jobs j SET review_cap_held_at = NULL, review_cap_released_at = now()
+    FROM ranked r WHERE j.id = r.id AND r.n <= r.cap - r.used
+    RETURNING j.id, j.attempt, r.was_held
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
     SELECT id, 'waiting', attempt,
            jsonb_build_object('reason', 'review_cap', 'pool', pool, 'cap', cap,
                               'pending', used)
     FROM held WHERE was_held IS NULL
+    UNION ALL
+    SELECT id, 'resumed', attempt, jsonb_build_object('reason', 'review_cap')
+    FROM admitted WHERE was_held IS NOT NULL
 )
 SELECT id FROM held;
 
