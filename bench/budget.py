@@ -88,12 +88,13 @@ def _budget_phase(rig: Rig, fp_url: str, api_url: str, size: int, tpm: int, labe
 
 
 def budget(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
-    if importlib.util.find_spec("calmq.budget") is None:
-        raise NotBuiltError("the shared token budget (calmq.budget, issue 5) is not built yet")
+    if importlib.util.find_spec("calmq.calls.budget") is None:
+        raise NotBuiltError("the shared token budget (calmq.calls.budget, issue 5) is not "
+                            "built yet")
     from calmq.settings import Settings
 
     if "budget_tokens_per_minute" not in Settings.model_fields:
-        raise NotBuiltError("calmq.budget exists but CALMQ_BUDGET_TOKENS_PER_MINUTE does not")
+        raise NotBuiltError("calmq.calls.budget exists but CALMQ_BUDGET_TOKENS_PER_MINUTE does not")
     with Rig(log=log) as rig:
         fp = rig.calmq("fake-provider", "--tokens-per-minute", str(BUDGET_TPM))
         env = {"CALMQ_FAKE_PROVIDER_URL": fp.url}

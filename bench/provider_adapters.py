@@ -33,7 +33,7 @@ async def _drive(variant: str, url: str, calls: int, in_flight: int) -> dict[str
     messages = [{"role": "system", "content": "Summarize the user's text."},
                 {"role": "user", "content": json.dumps({"text": "queues and retries " * 20})}]
     if variant == "calmq":
-        from calmq.gateway import open_provider
+        from calmq.calls.wires import open_provider
 
         provider = open_provider("openai", url, "k", "fake-small")
 
@@ -47,7 +47,7 @@ async def _drive(variant: str, url: str, calls: int, in_flight: int) -> dict[str
         import httpx2
         from openai import AsyncOpenAI, DefaultAioHttpClient
 
-        from calmq.output_schemas import openai_strict_schema
+        from calmq.calls.output_schemas import openai_strict_schema
 
         strict = openai_strict_schema(SCHEMA)
         client = AsyncOpenAI(

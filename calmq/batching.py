@@ -1,7 +1,7 @@
 """Group commit: items that arrive within a few milliseconds share one write.
 
 Used for accepted submits (producers/intake.py), step outcomes (processors/commit.py) and
-model usage (calmq/budget.py): one transaction, one WAL flush, for many items, which is most
+model usage (calmq/calls/budget.py): one transaction, one WAL flush, for many items, which is most
 of what lets calmq keep up with a plain ``SKIP LOCKED`` queue while doing more per job.
 
 The shape: ``add`` (fire and forget) or ``submit`` (wait for the item's own result) queue an

@@ -5,7 +5,7 @@ The gateway's ``classify_status`` builds its failures from here (``failure``), t
 stage and the retry policy read ``retried``, the budget reads ``budget`` (``refund``: the
 provider refused the call or never got it, so its reservation goes back whole; ``keep``: the
 provider may have counted it; ``pause``: the provider and model are the fleet's
-configuration problem once a probe call or a second job confirms it (calmq.providers), so
+configuration problem once a probe call or a second job confirms it (calmq.calls.gate), so
 they pause fleet-wide and the job waits, no attempt counted), and
 the failure table in docs/reference/providers.md is checked against ``docs_table()``.
 ``tests/unit/test_failure_codes.py`` fails when calmq raises a code this registry lacks.
@@ -61,7 +61,7 @@ T, IN, P, PO, V, D, B = (FailureClass.TRANSIENT, FailureClass.INPUT, FailureClas
 R, K, PA = BudgetEffect.REFUND, BudgetEffect.KEEP, BudgetEffect.PAUSE
 
 _ALL: Final = (
-    # -- the provider's answers (calmq.gateway.classify_status) ---------------------------
+    # -- the provider's answers (calmq.calls.wires.classify_status) ---------------------------
     FailureCode("rate_limited", T, R, "rate limited: waits retry-after-ms / retry-after "
                 "(at most provider_retry_after_max_seconds), fleet-wide for that provider "
                 "and model, then retried",
@@ -180,7 +180,7 @@ def failure(code: str, message: str, *, retry_after: float | None = None) -> Ste
 class ProviderBlocked(StepFailure):
     """The provider and model are blocked fleet-wide (a bad key, a missing permission, a
     model the account cannot use, exhausted billing, each confirmed by a probe call or a
-    second job: calmq.providers): not the job's fault. The job is handed back to wait
+    second job: calmq.calls.gate): not the job's fault. The job is handed back to wait
     (``waiting_reason`` ``provider_blocked``) with no attempt counted, and runs again when
     the block lifts (a probe call succeeded, or ``calmq provider unblock``).
 
@@ -215,7 +215,7 @@ class WaitUncounted(StepFailure):
 
 
 class ModelsCooling(WaitUncounted):
-    """Every model the step allows is cooling down after a 429 (calmq.fallback)."""
+    """Every model the step allows is cooling down after a 429 (calmq.calls.fallback)."""
 
     reason = "model_cooldown"
 
@@ -229,7 +229,7 @@ class ModelsCooling(WaitUncounted):
 
 class KeyRateLimited(WaitUncounted):
     """The job's concurrency key used its workflow's rate limit (requests or tokens per
-    window, calmq.rate_keys): the call waits for the key's bucket to refill."""
+    window, calmq.calls.key_rates): the call waits for the key's bucket to refill."""
 
     reason = "rate_limit_key"
 

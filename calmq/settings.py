@@ -17,9 +17,9 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from calmq import __version__
+from calmq.calls.pricing import DEFAULT_PRICES, ModelPrice
 from calmq.errors import ConfigError
 from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
-from calmq.pricing import DEFAULT_PRICES, ModelPrice
 
 __all__ = [
     "ENV_PREFIX",

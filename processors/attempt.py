@@ -30,19 +30,19 @@ from typing import Any
 
 import psycopg
 
+from calmq.calls.key_rates import KeyRateLimiter
+from calmq.calls.publishing import OutputWriter, PublishingProvider
+from calmq.calls.wires import Provider, enter_scope
 from calmq.data import Finish, Job, Store
 from calmq.data.providers import ProviderLedger
 from calmq.data.rate_keys import RateKeys
 from calmq.data.steps import SideEffects
 from calmq.errors import ContractError, FailureClass, InfrastructureError, LeaseLost, StepFailure
 from calmq.failure_codes import ProviderBlocked, WaitUncounted
-from calmq.gateway import Provider, enter_scope
 from calmq.objects import ObjectStore, read_bounded
-from calmq.outputs import OutputWriter, PublishingProvider
 from calmq.processors import metrics
 from calmq.processors.failures import FailureStage
 from calmq.processors.slots import CallSlots
-from calmq.rate_keys import KeyRateLimiter
 from calmq.storable import UNSTORABLE_OUTPUT, clean, unstorable_outcome
 from calmq.workflows import StepContext, StepOutput, Workflow
 from calmq.workflows.progress import ChildLimits, Progress
@@ -63,7 +63,7 @@ class Attempt:
                  child_limits: ChildLimits | None = None) -> None:
         self.store = store
         self.provider = provider
-        # The steps that name their allowed models (calmq.fallback), by (workflow, step);
+        # The steps that name their allowed models (calmq.calls.fallback), by (workflow, step);
         # every other step calls the worker's model.
         self.step_providers = dict(step_providers or {})
         # None: workflows' key rate limits do not apply (the batch lane: its requests go to

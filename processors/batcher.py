@@ -60,7 +60,8 @@ from confluent_kafka import Producer
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
-from calmq.batches import (
+from calmq.batching import Batcher
+from calmq.calls.batch_apis import (
     BatchClient,
     BatchRefused,
     BatchResult,
@@ -69,8 +70,10 @@ from calmq.batches import (
     custom_id,
     open_batch_client,
 )
-from calmq.batching import Batcher
-from calmq.budget import estimate_prompt_tokens
+from calmq.calls.budget import estimate_prompt_tokens
+from calmq.calls.gate import ProviderGate, provider_key
+from calmq.calls.pricing import batch_cost_usd, cost_usd
+from calmq.calls.wires import ModelReply, classify_status, current_clock, model_clock
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
@@ -79,11 +82,9 @@ from calmq.data.providers import ProviderLedger
 from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
-from calmq.gateway import ModelReply, classify_status, current_clock, model_clock
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
-from calmq.pricing import batch_cost_usd, cost_usd
 from calmq.processors import metrics
 from calmq.processors.admission import (
     ConcurrencyKeyGate,
@@ -100,7 +101,6 @@ from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import schedule_spend_release
 from calmq.processors.slots import CallSlots
-from calmq.providers import ProviderGate, provider_key
 from calmq.retrying import RECONNECT, retry_forever
 from calmq.settings import Settings
 from calmq.spending import SpendCaps, spend_caps_from_settings
@@ -450,7 +450,7 @@ class Poller:
         self.book = book
         self.settings = settings
         self.worker_id = worker_id
-        # The fleet's view of this provider and model (calmq.providers): a refused key
+        # The fleet's view of this provider and model (calmq.calls.gate): a refused key
         # blocks it, and a blocked provider gets no batch until a probe call succeeds.
         self.gate = gate
         self._gate = asyncio.Semaphore(4)
@@ -532,7 +532,7 @@ class Poller:
                                                           failure.failure_class).pauses
         if pauses and isinstance(exc, BatchRefused) and self.gate is not None:
             failure = await self.gate.failed(failure)
-            # Unconfirmed by the gate's probe (calmq.providers): the refusal was about this
+            # Unconfirmed by the gate's probe (calmq.calls.gate): the refusal was about this
             # batch's content, not the key, so no job waits for a block that never comes.
             pauses = isinstance(failure, ProviderBlocked)
         if (batch.state == "submitted" and isinstance(exc, BatchRefused) and exc.missing

@@ -50,7 +50,7 @@ def _handbacks() -> Counter:
 
 async def hand_back_blocked(store: Store, job: Job, worker_id: str,
                             blocked: ProviderBlocked) -> bool:
-    """An attempt that met a blocked provider (calmq.providers) is not the job's attempt:
+    """An attempt that met a blocked provider (calmq.calls.gate) is not the job's attempt:
     the job goes back to ``queued`` at its previous attempt, its attempt row removed (none
     is counted), waiting with ``waiting_reason`` ``provider_blocked`` until the block lifts
     and the release re-publishes it. Nothing is dead-lettered. The event says whether the
@@ -71,8 +71,8 @@ async def hand_back_blocked(store: Store, job: Job, worker_id: str,
 async def hand_back_waiting(store: Store, job: Job, worker_id: str,
                             waiting: WaitUncounted) -> bool:
     """An attempt that made no call because what it needs had no room yet (every allowed
-    model cooling down, calmq.fallback; its key's rate limit, calmq.rate_keys) is not the
-    job's attempt: the job goes back to ``queued`` at its previous attempt, its attempt row
+    model cooling down, calmq.calls.fallback; its key's rate limit, calmq.calls.key_rates) is
+    not the job's attempt: the job goes back to ``queued`` at its previous attempt, its attempt row
     removed, waiting (``waiting_reason``: the refusal's) until ``seconds`` have passed and
     the release pass re-publishes it. False when the attempt no longer held the job."""
     moved = await ProviderLedger(store).hand_back(

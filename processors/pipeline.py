@@ -26,10 +26,10 @@ from datetime import UTC, datetime
 from confluent_kafka import Message
 
 from calmq import logs, topics, tracing
+from calmq.calls.wires import ModelClock, model_clock
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
 from calmq.failure_codes import ProviderBlocked, WaitUncounted
-from calmq.gateway import ModelClock, model_clock
 from calmq.jobs import Status
 from calmq.processors import metrics
 from calmq.processors.admission import Admission, FairShareGate, Gate

@@ -15,17 +15,17 @@ from collections.abc import Mapping
 from confluent_kafka import Producer
 
 from calmq import topics
-from calmq.budget import BudgetedProvider, open_metered_provider
+from calmq.calls.budget import BudgetedProvider, open_metered_provider
+from calmq.calls.fallback import open_step_models
+from calmq.calls.publishing import OutputWriter
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.spending import SpendLedger
-from calmq.fallback import open_step_models
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
-from calmq.outputs import OutputWriter
 from calmq.processors import metrics
 from calmq.processors.admission import (
     ConcurrencyKeyGate,
@@ -130,7 +130,7 @@ class Worker:
         await store.open()
         # The gateway under the fleet-wide token budget, metering tokens and cost per job.
         provider = self._provider = await open_metered_provider(s, store)
-        # The steps that name their allowed models fall back across them (calmq.fallback).
+        # The steps that name their allowed models fall back across them (calmq.calls.fallback).
         step_providers, self._models = await open_step_models(s, store, self.workflows,
                                                               provider)
         consumer = self._consumer = ParallelConsumer(

@@ -6,7 +6,7 @@ attempt, ``seq`` 1, 2, ... and the ``offset`` of the text in the attempt's strea
 attempt streams anew: when a later attempt of a step begins after this follower received
 some of an earlier one's text, a ``reset`` event says to drop that step's text, and the new
 attempt's deltas follow from seq 1. Every event's id is the follower's whole position
-(calmq.outputs.Position), so ``Last-Event-ID`` resumes history and output alike, on any
+(calmq.calls.publishing.Position), so ``Last-Event-ID`` resumes history and output alike, on any
 API process. Deltas come from the hub's feed as workers announce them; the table is read
 when the stream starts, after a gap, or when the job is final (a final job's deltas are
 compacted into one text per step, sent whole, or from the follower's offset on).
@@ -21,9 +21,9 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from calmq.calls.publishing import Position
 from calmq.data import HistoryEvent
 from calmq.data.outputs import OutputChunk, OutputRead
-from calmq.outputs import Position
 from calmq.producers.views import event_view
 
 __all__ = ["DELTA", "RESET", "JobStream"]

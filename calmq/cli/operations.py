@@ -273,7 +273,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
         "use_by_tenant": tenants,
         "in_debt": any(v["debt_tokens"] > 0 or v["debt_requests"] > 0
                        for b in buckets for v in _bucket_view(b)["priorities"].values()),
-        # Blocks, rate-limit pauses and the limits the providers state (calmq.providers).
+        # Blocks, rate-limit pauses and the limits the providers state (calmq.calls.gate).
         "providers": [asdict(p) for p in providers],
     }
     fmt = output_format(args)
@@ -425,7 +425,7 @@ def _checks(settings: Settings) -> list[tuple[str, str, str, Callable[[], str] |
 
 def _check_providers(settings: Settings) -> str:
     """The model providers as the fleet sees them: down while one is blocked (a bad key, a
-    permission, a model, billing), with the reason (calmq.providers)."""
+    permission, a model, billing), with the reason (calmq.calls.gate)."""
     from calmq.data.providers import ProviderLedger
 
     async def read() -> list[Any]:

@@ -24,7 +24,7 @@ from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_forma
 from calmq.errors import StepFailure
 
 if TYPE_CHECKING:
-    from calmq.gateway import RateLimits
+    from calmq.calls.wires import RateLimits
     from calmq.settings import Settings
 
 __all__ = ["CheckRow", "check_providers", "register"]
@@ -58,9 +58,9 @@ def _failed(failure: StepFailure) -> str:
 
 async def _check_one(settings: Settings, *, role: str, kind: str, url: str, key: str,
                      model: str, headers: dict[str, str], version: str) -> list[CheckRow]:
-    from calmq.batches import open_batch_client
-    from calmq.gateway import RateLimits, open_provider
-    from calmq.pricing import price_for, price_source
+    from calmq.calls.batch_apis import open_batch_client
+    from calmq.calls.pricing import price_for, price_source
+    from calmq.calls.wires import RateLimits, open_provider
 
     rows: list[CheckRow] = []
 

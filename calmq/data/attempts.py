@@ -48,7 +48,7 @@ class Finish:
     # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
     record: dict[str, Any] | None = None
     # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd, model}
-    # (model: the one that served its last call, calmq.fallback).
+    # (model: the one that served its last call, calmq.calls.fallback).
     usage: dict[str, Any] | None = None
     # Why the job waits in its next status (a spawning step: "children", with ``spawn`` the
     # children and the join written in the same transaction, calmq.data.children).

@@ -2,7 +2,7 @@
 tokens and cost each model call adds to its job and attempt.
 
 The bucket arithmetic runs inside PostgreSQL (migration 0005's functions), so every
-change is one statement; how a process leases and spends slices is calmq.budget's.
+change is one statement; how a process leases and spends slices is calmq.calls.budget's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["BucketLimits", "BucketState", "BudgetLedger", "Grant", "TenantTokenL
 
 
 class BucketLimits(Protocol):
-    """What a bucket row is configured from (calmq.budget.BucketLimits is one): the data
+    """What a bucket row is configured from (calmq.calls.budget.BucketLimits is one): the data
     layer reads these numbers and imports nothing above it."""
 
     @property
@@ -81,7 +81,7 @@ class Usage:
 
 
 class BudgetLedger:
-    """The buckets as rows of ``budget_buckets``; a ``calmq.budget.SharedBuckets``."""
+    """The buckets as rows of ``budget_buckets``; a ``calmq.calls.budget.SharedBuckets``."""
 
     def __init__(self, db: Database) -> None:
         self._db = db

@@ -30,6 +30,7 @@ from psycopg.types.json import Jsonb
 from calmq import events, sql, topics
 from calmq.data.database import Database
 from calmq.data.outbox import OutboxEntry, entry
+from calmq.data.outbox import insert as insert_outbox
 from calmq.errors import ContractError, InfrastructureError
 from calmq.jobs import EventType, Status
 
@@ -81,7 +82,7 @@ class Job:
     # online, or batch (the providers' batch APIs: calmq.processors.batcher)
     lane: str = "online"
     # A key inside the tenant (a customer): its workflow's concurrency and rate limits
-    # count by it (calmq.data.concurrency, calmq.rate_keys).
+    # count by it (calmq.data.concurrency, calmq.calls.key_rates).
     concurrency_key: str | None = None
 
     @classmethod
@@ -621,4 +622,12 @@ class Jobs:
                            events.result(row, Status.CANCELLED), key=job_id,
                            trace_parent=row["trace_parent"])
             await conn.execute(self._q["insert_outbox"], result.params())
+            # Its children (and theirs) the cancel took along: each one's result too.
+            cur = await conn.execute(self._q["children_cancelled_with"], {"id": job_id})
+            children = [entry(topics.RESULTS_ROUTE, "job.result",
+                              events.result(child, Status.CANCELLED), key=child["id"],
+                              trace_parent=child["trace_parent"])
+                        for child in await cur.fetchall()]
+            if children:
+                await insert_outbox(conn, children)
         return True

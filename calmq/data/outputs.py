@@ -2,7 +2,7 @@
 0033): the chunks a worker writes as the model writes, announced on ``NOTIFY
 calmq_job_output`` while an event stream follows the job (``follow``, table job_followers,
 migration 0051); what a reader after a position needs; the compaction of a final job's
-chunks into one text per step. How the chunks are cut and read in order is calmq.outputs'.
+chunks into one text per step. How the chunks are cut and read in order is calmq.calls.publishing'.
 """
 
 from __future__ import annotations

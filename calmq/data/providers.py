@@ -1,6 +1,6 @@
 """The fleet's provider states as rows (table provider_states, migration 0019): blocks,
 rate-limit pauses and the limits providers state; and the hand-back of a job whose attempt
-met a blocked provider. What is blocked when is calmq.providers'.
+met a blocked provider. What is blocked when is calmq.calls.gate'.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rate limits per concurrency key as rows (calmq/sql/rate_keys.sql, migration 0047): one
 token bucket of requests and tokens per tenant, key and workflow, shared by the fleet.
-What a call reserves and when it waits is calmq.rate_keys'."""
+What a call reserves and when it waits is calmq.calls.key_rates'."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ COVERAGE: dict[str, str] = {
                          "into finish_bins (counts and sums), no job data",
     "key_rate_buckets": "kept: a concurrency key's request and token levels (numbers), no "
                         "job data; the key is the tenant's text (a customer id), and the "
-                        "row goes a day after the key's last call (calmq.rate_keys)",
+                        "row goes a day after the key's last call (calmq.calls.key_rates)",
 }
 
 # The statements of calmq/sql/retention.sql that redact or delete a job's rows, in order,

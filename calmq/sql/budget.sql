@@ -1,4 +1,4 @@
--- Named queries of the token budget and the usage ledger (calmq/budget.py).
+-- Named queries of the token budget and the usage ledger (calmq/calls/budget.py).
 
 -- name: budget_configure
 -- Every worker writes the limits it was started with; the fleet shares the last ones written.

@@ -13,6 +13,21 @@ WITH RECURSIVE up AS (
 )
 SELECT count(*) AS n FROM up WHERE parent_id IS NOT NULL;
 
+-- name: children_cancelled_with
+-- The descendants the cancel of %(id)s cancelled in this transaction, at every level (the
+-- trigger calmq_cascade_parent, migration 0053: their rows carry this transaction's id as
+-- xmin): the caller writes each one's job.result, as for the job itself, so that a consumer
+-- of the results topic sees every child end. One that had ended before keeps its own.
+WITH RECURSIVE tree AS (
+    SELECT id FROM jobs WHERE parent_id = %(id)s
+    UNION ALL
+    SELECT j.id FROM jobs j JOIN tree t ON j.parent_id = t.id
+)
+SELECT j.id, j.tenant_id, j.workflow, j.step, j.attempt, j.trace_parent, j.parent_id,
+       j.metadata, j.workflow_version
+FROM tree t JOIN jobs j ON j.id = t.id
+WHERE j.status = 'cancelled' AND j.xmin = pg_current_xact_id()::xid;
+
 -- name: insert_children
 -- A spawning step's children (rows as a JSON array), their first history event and their
 -- job.requested, in the group commit's transaction after finish_attempts: only while that

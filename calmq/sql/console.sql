@@ -158,7 +158,7 @@ HAVING sum(tokens) <> 0 OR sum(cost_usd) <> 0 OR sum(dead_letter_cost_usd) <> 0
 ORDER BY hour;
 
 -- name: console_budget
--- The fleet's token budget per provider and model (calmq.budget), in tokens per minute.
+-- The fleet's token budget per provider and model (calmq.calls.budget), in tokens per minute.
 SELECT provider, model, tokens_per_minute FROM budget_buckets ORDER BY 1, 2;
 
 -- name: console_review_caps

@@ -1,4 +1,4 @@
--- Named queries of the fleet's provider states (calmq/providers.py, calmq/data/providers.py).
+-- Named queries of the fleet's provider states (calmq/calls/gate.py, calmq/data/providers.py).
 
 -- name: provider_block
 -- Block a provider and model fleet-wide; the first reason is kept while it stays blocked.

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 
+from calmq.calls.wires import CallScope, Provider
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.gateway import CallScope, Provider
 from calmq.storable import non_finite
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class StepContext:
     provider: Provider
     objects: ObjectStore | None = None
     effects: EffectLog | None = None
-    # Which share of the token budget the step's model calls draw on (calmq.budget).
+    # Which share of the token budget the step's model calls draw on (calmq.calls.budget).
     priority: str = "bulk"
     workflow: str = ""
     # The attempt's fencing token (its claim's lease_version): objects it writes are keyed
@@ -206,7 +206,7 @@ class Step:
     # "interactive": only a job of that priority streams (nobody watches a bulk job).
     # A step may also stream a call of its own choosing with ``ctx.provider.stream``.
     stream: bool | Literal["interactive"] = False
-    # The models this step may call, in order of preference (calmq.fallback): each call goes
+    # The models this step may call, in order of preference (calmq.calls.fallback): each call goes
     # to the first that is not cooling down after a 429 or blocked; a model outside the list
     # never serves it. Empty: the worker's model (CALMQ_MODEL) alone, which waits out a
     # cooldown as before.
@@ -275,7 +275,7 @@ class KeyRateLimit:
             if value is not None and value < 1:
                 raise ValueError(f"a key rate limit's {name} is at least 1")
         # At most a day: a bucket idle for a day is full again whatever its window, and
-        # the housekeeping drops it then (calmq.rate_keys).
+        # the housekeeping drops it then (calmq.calls.key_rates).
         if not 0 < self.per_seconds <= 86_400:
             raise ValueError("a key rate limit's window (per_seconds) is above 0 and at most "
                              "a day (86400)")
@@ -343,7 +343,7 @@ class Workflow:
     # limit nothing. Jobs past it wait in queued (waiting_reason concurrency_key).
     concurrency_limit: int | None = None
     # At most so many model requests and/or tokens per window for one concurrency key,
-    # fleet-wide (calmq.rate_keys); a call past it waits uncounted (rate_limit_key). None:
+    # fleet-wide (calmq.calls.key_rates); a call past it waits uncounted (rate_limit_key). None:
     # keys limit no rate. A job without a key is not limited by it.
     key_rate_limit: KeyRateLimit | None = None
 
@@ -405,7 +405,8 @@ class Workflow:
 
 def any_timed_wait(workflows: Mapping[str, Workflow]) -> bool:
     """Whether jobs of ``workflows`` may wait a set time, uncounted: a step names its
-    allowed models (calmq.fallback) or the workflow a key rate limit (calmq.rate_keys)."""
+    allowed models (calmq.calls.fallback) or the workflow a key rate limit
+    (calmq.calls.key_rates)."""
     return any(w.key_rate_limit is not None or any(step.models for step in w.steps)
                for w in workflows.values())
 

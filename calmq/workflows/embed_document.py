@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from calmq.calls.wires import Embedder
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.gateway import Embedder
 from calmq.workflows import ByReference, RetryPolicy, Step, StepContext, StepOutput, Workflow
 
 __all__ = ["EMBED_BATCH", "EMBED_BY_REFERENCE", "EMBED_DOCUMENT", "EmbedBatchInput",

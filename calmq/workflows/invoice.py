@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from calmq.calls.output_schemas import read_answer
 from calmq.errors import FailureClass, StepFailure
-from calmq.output_schemas import read_answer
 from calmq.workflows import (
     ByReference,
     RetryPolicy,

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from calmq.calls.pricing import price_for, unpriced_models
 from calmq.data.children import ChildrenSummary, ChildView
 from calmq.data.console import ConsoleJob, ConsoleReads, JobPage, JobQuery, QueuedReview, Review
 from calmq.data.deadletters import DeadLetter, DeadLetterGroup
@@ -29,7 +30,6 @@ from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
 from calmq.errors import ContractError, NotFound
 from calmq.lag import GroupLag
 from calmq.objects import iter_chunks, stat_object
-from calmq.pricing import price_for, unpriced_models
 from calmq.producers.console.lag import FleetLag
 from calmq.producers.console.shaping import (
     PREVIEW_BYTES,
@@ -121,7 +121,7 @@ class ConsoleData:
         """(provider kind, model) of the models with no price: this process's configured
         chat and embeddings models and ``in_use`` (the fleet's budgets and provider states)
         that neither CALMQ_PRICES nor the price table knows, and any this process called
-        without a price (calmq.pricing.unpriced_models)."""
+        without a price (calmq.calls.pricing.unpriced_models)."""
         s = self.settings
         pairs = [(s.provider, s.model), *in_use]
         endpoint = s.embeddings_endpoint

@@ -31,6 +31,7 @@ from aiohttp import web
 from multidict import MultiMapping
 from prometheus_client import Counter, Histogram
 
+from calmq.calls.publishing import Position
 from calmq.data import HistoryEvent, Idempotency, JobFilter, NewJob, Tenant
 from calmq.data.outputs import FOLLOW_REFRESH_SECONDS
 from calmq.errors import ContractError, NotFound
@@ -38,7 +39,6 @@ from calmq.jobs import TERMINAL, Status
 from calmq.lanes import choose_lane
 from calmq.limits import check_metadata, trace_parent
 from calmq.objects import ObjectRef, presigned_url, read_bounded, stat_object
-from calmq.outputs import Position
 from calmq.producers.auth import tenant
 from calmq.producers.context import (
     GATES,

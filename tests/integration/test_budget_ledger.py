@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from calmq.budget import BucketLimits, TokenBudget
+from calmq.calls.budget import BucketLimits, TokenBudget
 from calmq.data import Database
 from calmq.data.budget import BudgetLedger
 

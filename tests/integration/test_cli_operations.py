@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from calmq.budget import BucketLimits
+from calmq.calls.budget import BucketLimits
 from calmq.data import Store
 from calmq.data.budget import BudgetLedger
 from calmq.kafka import consumer_config, create_topics

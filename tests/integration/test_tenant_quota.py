@@ -22,11 +22,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from calmq.budget import BucketLimits, BudgetedProvider, TenantQuota, TokenBudget
+from calmq.calls.budget import BucketLimits, BudgetedProvider, TenantQuota, TokenBudget
+from calmq.calls.wires import CallScope, enter_scope, open_provider
 from calmq.data import Database
 from calmq.data.budget import BudgetLedger, TenantTokenLedger
 from calmq.errors import StepFailure
-from calmq.gateway import CallScope, enter_scope, open_provider
 from calmq.tooling.devstack import StackState, processes
 from tests.support.waiting import wait_for
 from tests.support.workers import Procs, create_pool_topics, create_tenant_id, fake_stats, submit

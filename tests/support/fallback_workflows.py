@@ -1,4 +1,4 @@
-"""Workflows whose step names its allowed models (calmq.fallback), registered in the API and
+"""Workflows whose step names its allowed models (calmq.calls.fallback), registered in the API and
 worker processes of tests/integration/test_fallback.py
 (``CALMQ_WORKFLOW_MODULES=tests.support.fallback_workflows``), on a pool of their own:
 

@@ -1,11 +1,11 @@
-"""A model provider for unit tests that answers from a script (calmq.gateway.Provider)."""
+"""A model provider for unit tests that answers from a script (calmq.calls.wires.Provider)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from calmq.calls.wires import ModelReply
 from calmq.errors import StepFailure
-from calmq.gateway import ModelReply
 
 
 class ScriptedProvider:

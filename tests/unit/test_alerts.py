@@ -96,9 +96,10 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     """Each metric the code scan finds is registered, with the same labels, once the modules
     that define it ran (lazily created ones by their factories) and vice versa: the scan is
     neither vacuous nor inventing metrics."""
-    import calmq.budget
+    import calmq.calls.budget
+    import calmq.calls.fallback
+    import calmq.calls.gate
     import calmq.cli.services
-    import calmq.fallback
     import calmq.processors.batcher
     import calmq.processors.failures
     import calmq.processors.metrics
@@ -107,7 +108,6 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     import calmq.producers.intake
     import calmq.producers.retention
     import calmq.producers.routes.jobs
-    import calmq.providers
     import calmq.relay.cdc
     import calmq.relay.publisher
     import calmq.retrying
@@ -117,11 +117,11 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
 
     # The factories below are the modules' own lazy constructors (cached: calling one
     # again returns the same metrics), which is how the processes create them.
-    calmq.budget._metrics()
-    calmq.fallback._fallbacks()
-    calmq.providers._blocked_gauge()
-    calmq.providers._paused_gauge()
-    calmq.providers._unconfirmed_counter()
+    calmq.calls.budget._metrics()
+    calmq.calls.fallback._fallbacks()
+    calmq.calls.gate._blocked_gauge()
+    calmq.calls.gate._paused_gauge()
+    calmq.calls.gate._unconfirmed_counter()
     calmq.processors.failures._handbacks()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from calmq import topics
-from calmq.batches import (
+from calmq.calls.batch_apis import (
     BatchClient,
     BatchRefused,
     BatchResult,
@@ -23,9 +23,9 @@ from calmq.batches import (
     open_batch_client,
     parse_custom_id,
 )
+from calmq.calls.pricing import DEFAULT_PRICES, ModelPrice, batch_cost_usd, cost_usd
 from calmq.errors import ContractError, FailureClass
 from calmq.lanes import check_lane, choose_lane
-from calmq.pricing import DEFAULT_PRICES, ModelPrice, batch_cost_usd, cost_usd
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
 

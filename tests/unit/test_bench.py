@@ -107,22 +107,22 @@ def test_bench_exits_2_for_a_scenario_not_built_yet(
     from bench import scenarios
 
     def not_built(*_args: object, **_kw: object) -> dict[str, object]:
-        raise scenarios.NotBuiltError("needs calmq.budget")
+        raise scenarios.NotBuiltError("needs calmq.calls.budget")
 
     monkeypatch.setitem(scenarios.SCENARIOS, "budget", not_built)
     assert main(["bench", "budget", "--json"]) == 2
     captured = capsys.readouterr()
-    assert "not built yet: needs calmq.budget" in captured.err
+    assert "not built yet: needs calmq.calls.budget" in captured.err
     assert captured.out == ""
 
 
 def test_budget_scenario_says_what_is_missing() -> None:
-    """Without calmq.budget the budget scenario raises NotBuiltError naming it; with it, the
+    """Without calmq.calls.budget the budget scenario raises NotBuiltError naming it; with it, the
     setting it drives exists."""
     from bench import budget, scenarios
     from calmq.settings import Settings
 
-    if importlib.util.find_spec("calmq.budget") is None:
+    if importlib.util.find_spec("calmq.calls.budget") is None:
         with pytest.raises(scenarios.NotBuiltError, match=r"calmq\.budget"):
             budget.budget(1, log=lambda _m: None, sampler=Sampler())
     else:

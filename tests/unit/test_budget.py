@@ -8,10 +8,16 @@ from typing import Any
 
 import pytest
 
-from calmq.budget import BucketLimits, BudgetedProvider, Grant, TokenBudget, estimate_prompt_tokens
+from calmq.calls.budget import (
+    BucketLimits,
+    BudgetedProvider,
+    Grant,
+    TokenBudget,
+    estimate_prompt_tokens,
+)
+from calmq.calls.pricing import ModelPrice, cost_usd
+from calmq.calls.wires import CallScope, ModelReply, enter_scope
 from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import CallScope, ModelReply, enter_scope
-from calmq.pricing import ModelPrice, cost_usd
 from tests.support.scripted import ScriptedProvider
 
 
@@ -303,7 +309,7 @@ async def test_a_budget_above_the_stated_limit_is_brought_down_to_it() -> None:
     and both figures are shown as metrics."""
     from prometheus_client import REGISTRY
 
-    from calmq.gateway import RateLimits
+    from calmq.calls.wires import RateLimits
 
     ledger = MemoryLedger(tokens=10_000, requests=100)
     budget = TokenBudget(ledger, "openai:x", "m2", BucketLimits(120_000, 1200),
@@ -333,7 +339,7 @@ async def test_a_budget_above_the_stated_limit_is_brought_down_to_it() -> None:
 
 async def test_with_no_budget_set_one_starts_from_the_stated_limits() -> None:
     """No budget configured: the first stated limits make one (learn_limits)."""
-    from calmq.gateway import RateLimits
+    from calmq.calls.wires import RateLimits
 
     ledger = MemoryLedger(tokens=10_000, requests=100)
     made: list[TokenBudget] = []
@@ -367,8 +373,8 @@ async def test_a_bad_key_blocks_the_provider_and_later_calls_do_not_reach_it() -
     """A 401 that the probe call confirms becomes ProviderBlocked (no retry, no dead
     letter), later calls are refused without a call, and a successful probe lifts the
     block."""
+    from calmq.calls.gate import ProviderGate
     from calmq.failure_codes import ProviderBlocked, failure
-    from calmq.providers import ProviderGate
 
     inner = ScriptedProvider(failure("provider_auth", "401 bad key"),
                              failure("provider_auth", "401 bad key (the confirming probe)"),
@@ -400,8 +406,8 @@ async def test_a_bad_key_blocks_the_provider_and_later_calls_do_not_reach_it() -
 
 async def test_a_rate_limit_pauses_calls_for_the_retry_after_without_a_budget() -> None:
     """No budget: a 429 with retry-after-ms pauses the gate exactly that long."""
+    from calmq.calls.gate import ProviderGate
     from calmq.failure_codes import failure
-    from calmq.providers import ProviderGate
 
     clock = Clock()
     gate = ProviderGate("openai:x", "m5", clock=clock)

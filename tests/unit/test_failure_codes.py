@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from calmq.calls.wires import classify_status
 from calmq.errors import FailureClass, StepFailure
 from calmq.failure_codes import CODES, BudgetEffect, docs_table, failure, spec
-from calmq.gateway import classify_status
 from calmq.retrying import Backoff
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Fallback across a step's allowed models (calmq.fallback), on the real BudgetedProvider and
+"""Fallback across a step's allowed models (calmq.calls.fallback), on the real BudgetedProvider and
 ProviderGate (no ledger: one process), with scripted inner providers and a hand-set clock."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from calmq.budget import BudgetedProvider
+from calmq.calls.budget import BudgetedProvider
+from calmq.calls.fallback import Fallback, allowed_models
+from calmq.calls.gate import ProviderGate, provider_key
+from calmq.calls.pricing import ModelPrice
+from calmq.calls.wires import ModelReply, model_clock
 from calmq.errors import ConfigError, FailureClass, StepFailure
 from calmq.failure_codes import ModelsCooling
-from calmq.fallback import Fallback, allowed_models
-from calmq.gateway import ModelReply, model_clock
-from calmq.pricing import ModelPrice
-from calmq.providers import ProviderGate, provider_key
 from calmq.workflows import Step, StepContext, StepOutput
 from tests.support.scripted import ScriptedProvider
 

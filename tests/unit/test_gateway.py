@@ -11,8 +11,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import (
+from calmq.calls.wires import (
     RETRY_AFTER_MAX_SECONDS,
     AnthropicProvider,
     OpenAIProvider,
@@ -20,7 +19,8 @@ from calmq.gateway import (
     classify_status,
     retry_after,
 )
-from calmq.gateway import open_provider as open_gateway_provider
+from calmq.calls.wires import open_provider as open_gateway_provider
+from calmq.errors import FailureClass, StepFailure
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
 OpenProvider = Callable[..., Awaitable[Provider]]
@@ -81,7 +81,7 @@ async def test_error_answers_get_their_failure_class(
 ) -> None:
     """Each real failure gets its registered code and class, for either API shape: 429 and
     5xx transient, a cut-off body transient, 400 input (context length too), 401/403/404 and
-    exhausted billing permission (which pause the provider, calmq.budget)."""
+    exhausted billing permission (which pause the provider, calmq.calls.budget)."""
     provider = await open_provider(kind, retry_after_seconds=3)
     with pytest.raises(StepFailure) as caught:
         await provider.complete(messages=_messages(mode=mode), job_id="j1", max_tokens=64)

@@ -17,9 +17,9 @@ from anthropic.types import RawMessageStreamEvent
 from openai.types.chat import ChatCompletionChunk
 from pydantic import TypeAdapter
 
-from calmq.budget import BudgetedProvider, TokenBudget
+from calmq.calls.budget import BudgetedProvider, TokenBudget
+from calmq.calls.wires import CallScope, ModelReply, ModelStream, enter_scope, open_provider
 from calmq.errors import FailureClass, StepFailure
-from calmq.gateway import CallScope, ModelReply, ModelStream, enter_scope, open_provider
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 from tests.unit.test_budget import LIMITS, MemoryLedger
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from calmq.calls.output_schemas import read_answer
 from calmq.errors import ContractError, FailureClass, StepFailure
-from calmq.output_schemas import read_answer
 from calmq.producers.parsing import parse_json
 from calmq.storable import NonFiniteNumber, loads, non_finite, unstorable
 from calmq.workflows import Step, StepContext, StepOutput

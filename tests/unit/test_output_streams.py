@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from calmq.calls.publishing import Position
 from calmq.data import HistoryEvent
 from calmq.data.outputs import (
     NOTIFY_BYTES,
@@ -22,7 +23,6 @@ from calmq.data.outputs import (
     payloads,
 )
 from calmq.errors import ContractError
-from calmq.outputs import Position
 from calmq.producers.job_stream import JobStream
 from calmq.producers.routes.jobs import _preferred_wait
 

@@ -23,9 +23,9 @@ from anthropic.types.messages import (
 from openai.types import Batch, CreateEmbeddingResponse, FileDeleted, FileObject
 from openai.types.chat import ChatCompletion
 
-from calmq.batches import custom_id, open_batch_client
+from calmq.calls.batch_apis import custom_id, open_batch_client
+from calmq.calls.wires import EmbeddingReply, ModelReply, open_provider
 from calmq.errors import StepFailure
-from calmq.gateway import EmbeddingReply, ModelReply, open_provider
 from calmq.objects import open_object_store
 from calmq.settings import Settings
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app

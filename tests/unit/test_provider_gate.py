@@ -1,4 +1,4 @@
-"""The provider gate's confirmation rule (calmq.providers): a 401, 403, 404 or exhausted
+"""The provider gate's confirmation rule (calmq.calls.gate): a 401, 403, 404 or exhausted
 billing blocks a provider and model for the fleet only when a probe call, or a second job of
 another tenant, confirms it; unconfirmed, it is the failed job's own. And a rate-limit pause
 lifted early (`calmq provider unpause`). One process, no ledger, a hand-set clock."""
@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from calmq.calls.gate import ProviderGate
+from calmq.calls.wires import CallScope, enter_scope
 from calmq.errors import StepFailure
 from calmq.failure_codes import ProviderBlocked, failure
-from calmq.gateway import CallScope, enter_scope
-from calmq.providers import ProviderGate
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""Rate limits per concurrency key (calmq.rate_keys): the limiter over an in-memory bucket
+"""Rate limits per concurrency key (calmq.calls.key_rates): the limiter over an in-memory bucket
 that keeps the SQL's rules (a token bucket refilled evenly over the window), with a
 hand-set clock; the SQL itself runs in tests/integration/test_rate_limit_keys.py."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from calmq.budget import estimate_prompt_tokens
+from calmq.calls.budget import estimate_prompt_tokens
+from calmq.calls.key_rates import KeyRateLimiter
+from calmq.calls.wires import ModelReply, ModelStream
 from calmq.data.rate_keys import Reservation
 from calmq.errors import FailureClass, StepFailure
 from calmq.failure_codes import KeyRateLimited
-from calmq.gateway import ModelReply, ModelStream
-from calmq.rate_keys import KeyRateLimiter
 from calmq.workflows import KeyRateLimit, Workflow
 from calmq.workflows.summarize import SUMMARIZE
 

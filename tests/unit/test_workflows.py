@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from calmq.calls.wires import EmbeddingReply, ModelReply
 from calmq.data import Database, Job
 from calmq.data.steps import StepRecord
 from calmq.errors import ConfigError, FailureClass, StepFailure
-from calmq.gateway import EmbeddingReply, ModelReply
 from calmq.jobs import Status
 from calmq.objects import ObjectRef
 from calmq.settings import Settings

@@ -10,7 +10,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from calmq.gateway import OpenAIProvider
+from calmq.calls.wires import OpenAIProvider
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 from calmq.workflows.invoice import INVOICE_SYSTEM_PROMPT
 

@@ -1,4 +1,4 @@
-"""The providers' batch APIs, in the style of calmq.gateway: OpenAI's Batch API (a JSONL
+"""The providers' batch APIs, in the style of calmq.calls.wires: OpenAI's Batch API (a JSONL
 file of requests, ``POST /v1/batches``, output and error files) and Anthropic's Message
 Batches (``POST /v1/messages/batches``, a JSONL ``results_url``).
 
@@ -29,15 +29,15 @@ from typing import Any
 
 import aiohttp
 
-from calmq.errors import InfrastructureError, StepFailure
-from calmq.failure_codes import failure
-from calmq.gateway import (
+from calmq.calls.wires import (
     AnthropicProvider,
     Endpoint,
     ModelReply,
     OpenAIProvider,
     classify_status,
 )
+from calmq.errors import InfrastructureError, StepFailure
+from calmq.failure_codes import failure
 
 __all__ = ["AnthropicBatches", "BatchClient", "BatchRefused", "BatchResult", "BatchView",
            "LineError", "OpenAIBatches", "custom_id", "open_batch_client", "parse_custom_id"]
@@ -259,7 +259,7 @@ class BatchClient:
 
     async def probe(self) -> object:
         """One tiny online call with this client's key and model (a blocked provider's probe:
-        calmq.providers)."""
+        calmq.calls.gate)."""
         raise NotImplementedError
 
     async def delete(self, view: BatchView) -> None:

@@ -20,7 +20,7 @@ Failures are read the way the providers mean them (calmq.failure_codes):
   attempt.py). A probe call every ``provider_probe_seconds`` lifts the block when it
   succeeds, and releases the waiting jobs; so does ``calmq provider unblock``.
 - A rate limit pauses the provider and model for the ``retry-after-ms`` / ``retry-after``
-  the provider sent (at most ``provider_retry_after_max_seconds``: calmq.gateway),
+  the provider sent (at most ``provider_retry_after_max_seconds``: calmq.calls.wires),
   fleet-wide (the same table and channel): a call waits here until then, with or without a
   token budget. ``calmq provider unpause`` lifts it early.
 
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge
 
+from calmq.calls.wires import current_scope
 from calmq.errors import StepFailure
 from calmq.failure_codes import ModelsCooling, ProviderBlocked, spec
-from calmq.gateway import current_scope
 from calmq.retrying import Backoff, Reconnect
 from calmq.supervision import Supervisor
 
@@ -190,7 +190,7 @@ class ProviderGate:
 
     def cooling_seconds(self) -> float:
         """Seconds left of a rate-limit pause (0: none): a step with other allowed models
-        calls one of them meanwhile (calmq.fallback)."""
+        calls one of them meanwhile (calmq.calls.fallback)."""
         return max(0.0, self.paused_until - self._clock())
 
     def _refusal(self, block: Block, *, met: bool = False) -> ProviderBlocked:

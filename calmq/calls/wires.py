@@ -5,7 +5,7 @@ Providers: Chat Completions (OpenAI, Azure OpenAI, OpenAI-compatible servers suc
 Ollama and LiteLLM, and calmq's fake provider) and Anthropic Messages. One aiohttp session
 per provider, reused. The requests are built by hand and checked in the test suite against
 the official SDKs' request types (docs/explanation/decisions.md says why not the SDKs);
-structured outputs go in each provider's dialect (calmq.output_schemas); failures become
+structured outputs go in each provider's dialect (calmq.calls.output_schemas); failures become
 registered codes (calmq.failure_codes).
 
 A call is answered whole (``complete``) or streamed (``stream``: the provider's
@@ -29,9 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
+from calmq.calls.output_schemas import anthropic_schema, openai_schema_name, openai_strict_schema
 from calmq.errors import StepFailure
 from calmq.failure_codes import failure
-from calmq.output_schemas import anthropic_schema, openai_schema_name, openai_strict_schema
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -103,7 +103,7 @@ class ModelClock:
         self.output_tokens = 0
         self.cost_usd = 0.0
         # The model that served the attempt's last call (a step may fall back to another
-        # of its allowed models: calmq.fallback); None before any answered call.
+        # of its allowed models: calmq.calls.fallback); None before any answered call.
         self.model: str | None = None
 
     def add_usage(self, input_tokens: int, output_tokens: int, cost_usd: float,
@@ -654,7 +654,7 @@ class OpenAIProvider(_HttpProvider):
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The body of the call; a provider batch sends the very same (calmq.batches)."""
+        """The body of the call; a provider batch sends the very same (calmq.calls.batch_apis)."""
         # max_completion_tokens, not the deprecated max_tokens: reasoning models (o1, o3, ...)
         # answer 400 to max_tokens, which calmq would dead-letter as an input error.
         body: dict[str, Any] = {

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from calmq.batching import Batcher
+from calmq.calls.wires import ModelReply, ModelStream, Provider, Streamer
 from calmq.data.outputs import OutputChunk, Outputs
 from calmq.errors import ContractError
-from calmq.gateway import ModelReply, ModelStream, Provider, Streamer
 from calmq.retrying import RECONNECT
 from calmq.storable import clean, storable
 

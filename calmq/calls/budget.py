@@ -43,10 +43,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq.batching import Batcher
-from calmq.data.budget import BudgetLedger, Grant, TenantTokenLedger, Usage, UsageLedger
-from calmq.errors import StepFailure
-from calmq.failure_codes import BudgetEffect, failure, spec
-from calmq.gateway import (
+from calmq.calls.gate import ProviderGate, provider_key, provider_label
+from calmq.calls.pricing import ModelPrice, cost_usd
+from calmq.calls.wires import (
     ModelReply,
     ModelStream,
     Provider,
@@ -56,8 +55,9 @@ from calmq.gateway import (
     current_scope,
     open_provider,
 )
-from calmq.pricing import ModelPrice, cost_usd
-from calmq.providers import ProviderGate, provider_key, provider_label
+from calmq.data.budget import BudgetLedger, Grant, TenantTokenLedger, Usage, UsageLedger
+from calmq.errors import StepFailure
+from calmq.failure_codes import BudgetEffect, failure, spec
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
@@ -752,7 +752,7 @@ class BudgetedProvider:
     ) -> None:
         self.inner = inner
         self.quota = quota
-        # Blocks and rate-limit pauses, fleet-wide (calmq.providers).
+        # Blocks and rate-limit pauses, fleet-wide (calmq.calls.gate).
         self.gate = gate
         if gate is not None:  # a pause lifted early is lifted in the budget too
             gate.on_unpaused = self._unpaused
@@ -805,7 +805,7 @@ class BudgetedProvider:
         estimate = estimate_prompt_tokens(messages) + max_tokens
         if self.gate is not None:
             # blocked: refused here; paused: waits retry-after (or, for a step with another
-            # allowed model, refused: calmq.fallback)
+            # allowed model, refused: calmq.calls.fallback)
             await self.gate.admit(wait=wait_for_cooldown)
         taken = await self._take(scope.tenant_id, estimate, scope.priority)
         calls = _metrics().calls
@@ -1058,7 +1058,7 @@ async def open_metered_provider(
     ``budget_tokens_per_minute`` or ``budget_requests_per_minute`` is set (and
     ``shared_budget``; the benchmark's baseline turns it off), or once the provider's
     rate-limit headers state its limits (``provider_learn_limits``); behind the fleet's
-    provider gate (blocks and rate-limit pauses, calmq.providers). Embeddings go to the
+    provider gate (blocks and rate-limit pauses, calmq.calls.gate). Embeddings go to the
     embeddings provider's own wrapper when it is another provider or model."""
     s = settings
     url = s.effective_provider_url
@@ -1092,7 +1092,7 @@ async def open_model(settings: Settings, db: Database, model: str, *,
                      usage: UsageRecorder | None, shared_budget: bool = True
                      ) -> BudgetedProvider:
     """Another chat model of the configured endpoint and key (a step's allowed model,
-    calmq.fallback), gated and metered like ``CALMQ_MODEL``: its own cooldowns and blocks,
+    calmq.calls.fallback), gated and metered like ``CALMQ_MODEL``: its own cooldowns and blocks,
     its own price, and a budget learned from the provider's headers (the configured budget
     is ``CALMQ_MODEL``'s). ``usage``: the worker's recorder, shared."""
     s = settings
@@ -1123,7 +1123,7 @@ async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, u
     key = f"{kind}:{url.rstrip('/')}"
     budget: TokenBudget | None = None
     # The configured budget applies to the chat model; an embeddings model, or a step's
-    # fallback model (calmq.fallback), learns its own from the provider's headers.
+    # fallback model (calmq.calls.fallback), learns its own from the provider's headers.
     limits = (limits_from_settings(s) if (chat if configured is None else configured)
               else BucketLimits(0, 0))
     if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):

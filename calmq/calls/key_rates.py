@@ -7,7 +7,7 @@ bucket that starts full and refills evenly over the window. Each model call of t
 steps reserves one request and its token estimate (prompt estimate plus ``max_tokens``)
 before it is sent, in one statement that takes turns with every other worker's on the
 bucket's row, and settles the tokens with what the provider counted afterwards: the same
-reserve/settle discipline as the fleet's token budget (calmq.budget), whose estimate it
+reserve/settle discipline as the fleet's token budget (calmq.calls.budget), whose estimate it
 shares. A call the provider refused or never got gives its tokens back; one it may have
 counted (a timeout, a cut-off answer) keeps them, as the budget's do.
 
@@ -24,10 +24,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from calmq.budget import charged_on_failure, estimate_prompt_tokens
+from calmq.calls.budget import charged_on_failure, estimate_prompt_tokens
+from calmq.calls.wires import ModelReply, ModelStream, Provider, Streamer
 from calmq.data.rate_keys import Reservation
 from calmq.failure_codes import KeyRateLimited, failure
-from calmq.gateway import ModelReply, ModelStream, Provider, Streamer
 from calmq.workflows import KeyRateLimit
 
 __all__ = ["Buckets", "KeyRateLimiter"]
@@ -115,7 +115,7 @@ class KeyRateLimiter:
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
         except BaseException as exc:
-            # What the failure cost, as the budget counts it (calmq.budget).
+            # What the failure cost, as the budget counts it (calmq.calls.budget).
             await self._settle(estimate, charged_on_failure(exc, estimate))
             raise
         await self._settle(estimate, reply.input_tokens + reply.output_tokens)

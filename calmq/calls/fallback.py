@@ -2,7 +2,7 @@
 call served by the first one that is not cooling down or blocked.
 
 A 429 cools down exactly what it names, fleet-wide: the endpoint, the model and the API key
-(calmq.providers.provider_key; every worker hears of it on ``LISTEN calmq_providers``). A
+(calmq.calls.gate.provider_key; every worker hears of it on ``LISTEN calmq_providers``). A
 step that allows another model moves to it at once, in the same attempt: the 429 burned
 no attempt, and nothing waits on the cooling model. When every allowed model cools, the
 call is not made and the attempt is not counted (``ModelsCooling``): the pipeline hands the
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
+from calmq.calls.pricing import ModelPrice, price_for
+from calmq.calls.wires import ModelReply, ModelStream
 from calmq.errors import ConfigError, StepFailure
 from calmq.failure_codes import ModelsCooling, ProviderBlocked
-from calmq.gateway import ModelReply, ModelStream
-from calmq.pricing import ModelPrice, price_for
 
 if TYPE_CHECKING:
-    from calmq.budget import BudgetedProvider
+    from calmq.calls.budget import BudgetedProvider
     from calmq.data.database import Database
     from calmq.settings import Settings
     from calmq.workflows import Workflow
@@ -151,7 +151,7 @@ async def open_step_models(settings: Settings, db: Database,
     """The providers of this worker's steps that name their allowed models (or a price
     ceiling), by (workflow, step), and the models opened for them besides ``default`` (the
     worker's ``CALMQ_MODEL``, which they share): the caller closes those."""
-    from calmq.budget import open_model
+    from calmq.calls.budget import open_model
 
     opened: dict[str, BudgetedProvider] = {settings.model: default}
     routes: dict[tuple[str, str], Fallback] = {}

@@ -1,0 +1,76 @@
+"""The model call: every layer between a step and a provider's API, in one package.
+
+The chain, innermost first: a provider's wire (``wires``: Chat Completions, Anthropic
+Messages, embeddings; ``batch_apis``: their batch APIs), the provider gate (``gate``: blocks,
+pauses, stated limits), the budget, quota and meter (``budget``, priced by ``pricing``),
+fallback across a step's models (``fallback``), a concurrency key's rate limits
+(``key_rates``) and the streamed-output publisher (``publishing``). ``output_schemas``
+derives each provider's structured-output dialect from a step's output model.
+
+The names below are the package's public API. They load on first use (PEP 562): the settings
+model reads ``calmq.calls.pricing``, and importing it must not pull in the HTTP client, the
+budget or the data layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from calmq.calls.budget import BudgetedProvider, open_metered_provider, open_model
+    from calmq.calls.fallback import open_step_models
+    from calmq.calls.output_schemas import read_answer
+    from calmq.calls.pricing import ModelPrice
+    from calmq.calls.wires import (
+        CallScope,
+        Embedder,
+        EmbeddingReply,
+        ModelReply,
+        ModelStream,
+        Provider,
+        RateLimits,
+        Streamer,
+    )
+
+# public name -> the module that defines it
+_HOMES = {
+    "BudgetedProvider": "budget",
+    "open_metered_provider": "budget",
+    "open_model": "budget",
+    "open_step_models": "fallback",
+    "read_answer": "output_schemas",
+    "ModelPrice": "pricing",
+    "CallScope": "wires",
+    "Embedder": "wires",
+    "EmbeddingReply": "wires",
+    "ModelReply": "wires",
+    "ModelStream": "wires",
+    "Provider": "wires",
+    "RateLimits": "wires",
+    "Streamer": "wires",
+}
+
+__all__ = [
+    "BudgetedProvider",
+    "CallScope",
+    "Embedder",
+    "EmbeddingReply",
+    "ModelPrice",
+    "ModelReply",
+    "ModelStream",
+    "Provider",
+    "RateLimits",
+    "Streamer",
+    "open_metered_provider",
+    "open_model",
+    "open_step_models",
+    "read_answer",
+]
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
