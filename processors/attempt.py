@@ -30,8 +30,8 @@ from typing import Any
 
 import psycopg
 
-from calmq.calls.key_rates import KeyRateLimiter
-from calmq.calls.publishing import OutputWriter, PublishingProvider
+from calmq.calls.publishing import OutputWriter
+from calmq.calls.stack import attempt_provider
 from calmq.calls.wires import Provider, enter_scope
 from calmq.data import Finish, Job, Store
 from calmq.data.providers import ProviderLedger
@@ -191,15 +191,12 @@ class Attempt:
         # text reaches the job's followers as the model writes it.
         streamed = (self.outputs.open(job.id, job.lease_version, step.name, job.attempt)
                     if self.outputs is not None else None)
-        base = self.step_providers.get((workflow.name, step.name), self.provider)
-        if (self.rate_keys is not None and workflow.key_rate_limit is not None
-                and job.concurrency_key):
-            # The key's rate limit, fleet-wide: a call past it waits uncounted (rate_keys).
-            base = KeyRateLimiter(base, self.rate_keys, tenant_id=job.tenant_id,
-                                  key=job.concurrency_key, scope=workflow.name,
-                                  limit=workflow.key_rate_limit)
-        provider = PublishingProvider(base, streamed,
-                                      stream_calls=step.streams(job.priority))
+        # The key's rate limit, fleet-wide (a call past it waits uncounted), and the stream.
+        provider = attempt_provider(
+            self.step_providers.get((workflow.name, step.name), self.provider), streamed,
+            stream_calls=step.streams(job.priority), buckets=self.rate_keys,
+            tenant_id=job.tenant_id, key=job.concurrency_key, scope=workflow.name,
+            limit=workflow.key_rate_limit)
         ctx = StepContext(str(job.id), str(job.tenant_id), step.name, job.attempt,
                           provider, self.objects, effects, priority=job.priority,
                           workflow=job.workflow, lease_version=job.lease_version,

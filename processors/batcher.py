@@ -71,14 +71,14 @@ from calmq.calls.batch_apis import (
     open_batch_client,
 )
 from calmq.calls.budget import estimate_prompt_tokens
-from calmq.calls.gate import ProviderGate, provider_key
+from calmq.calls.gate import ProviderGate
 from calmq.calls.pricing import batch_cost_usd, cost_usd
+from calmq.calls.stack import open_gate
 from calmq.calls.wires import ModelReply, classify_status, current_clock, model_clock
 from calmq.codec import make_codec, registry_config
 from calmq.data import Finish, Job, Store
 from calmq.data.batches import BatchRequestRow, OpenBatch, batch_owner
 from calmq.data.concurrency import ConcurrencyKeys
-from calmq.data.providers import ProviderLedger
 from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
@@ -833,19 +833,9 @@ class BatchLane:
         way round; a probe call every provider_probe_seconds lifts it and releases the
         jobs that wait for it."""
         s = self.settings
-        ledger = ProviderLedger(store)
-
-        async def release() -> None:
-            while await ledger.release_jobs():
-                pass
-
-        gate = ProviderGate(provider_key(s.provider, s.effective_provider_url,
-                                         s.provider_api_key.get_secret_value()), s.model,
-                            ledger=ledger, db=store, probe=client.probe,
-                            probe_seconds=s.provider_probe_seconds, on_unblocked=release)
-        await gate.refresh()
-        gate.start()
-        return gate
+        return await open_gate(store, s.provider, s.effective_provider_url,
+                               s.provider_api_key.get_secret_value(), s.model,
+                               probe=client.probe, probe_seconds=s.provider_probe_seconds)
 
     async def run(self) -> None:
         await self.life.run()

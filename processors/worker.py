@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from confluent_kafka import Producer
 
 from calmq import topics
-from calmq.calls.budget import BudgetedProvider, open_metered_provider
-from calmq.calls.fallback import open_step_models
+from calmq.calls.budget import BudgetedProvider
 from calmq.calls.publishing import OutputWriter
+from calmq.calls.stack import open_metered_provider, open_step_models
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys

@@ -18,10 +18,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from calmq.calls.budget import BudgetedProvider, open_metered_provider, open_model
-    from calmq.calls.fallback import open_step_models
+    from calmq.calls.budget import BudgetedProvider
     from calmq.calls.output_schemas import read_answer
     from calmq.calls.pricing import ModelPrice
+    from calmq.calls.stack import open_metered_provider, open_model, open_step_models
     from calmq.calls.wires import (
         CallScope,
         Embedder,
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _HOMES = {
     "BudgetedProvider": "budget",
-    "open_metered_provider": "budget",
-    "open_model": "budget",
-    "open_step_models": "fallback",
+    "open_metered_provider": "stack",
+    "open_model": "stack",
+    "open_step_models": "stack",
     "read_answer": "output_schemas",
     "ModelPrice": "pricing",
     "CallScope": "wires",

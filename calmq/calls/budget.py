@@ -21,7 +21,8 @@ faster. The budget holds the whole fleet under the quota (docs/explanation/token
   flood waits at its quota and cannot put the bulk bucket into debt for everyone.
 
 ``BudgetedProvider`` wraps any ``Provider`` with both, so a worker wires it in one line
-(``open_metered_provider``) and steps keep calling ``provider.complete``.
+(calmq.calls.stack's ``open_metered_provider``) and steps keep calling
+``provider.complete``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq.batching import Batcher
-from calmq.calls.gate import ProviderGate, provider_key, provider_label
+from calmq.calls.gate import ProviderGate, provider_label
 from calmq.calls.pricing import ModelPrice, cost_usd
 from calmq.calls.wires import (
     ModelReply,
@@ -53,16 +54,14 @@ from calmq.calls.wires import (
     Streamer,
     current_clock,
     current_scope,
-    open_provider,
 )
-from calmq.data.budget import BudgetLedger, Grant, TenantTokenLedger, Usage, UsageLedger
+from calmq.data.budget import Grant, Usage, UsageLedger
 from calmq.errors import StepFailure
 from calmq.failure_codes import BudgetEffect, failure, spec
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
     from calmq.data import Database
-    from calmq.settings import Settings
 
 __all__ = [
     "BucketLimits",
@@ -75,9 +74,6 @@ __all__ = [
     "UsageRecorder",
     "charged_on_failure",
     "estimate_prompt_tokens",
-    "limits_from_settings",
-    "open_metered_provider",
-    "open_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -1039,144 +1035,3 @@ def charged_on_failure(exc: BaseException, estimate: float) -> float:
             BudgetEffect.REFUND, BudgetEffect.PAUSE):
         return 0.0
     return estimate
-
-
-def limits_from_settings(settings: Settings) -> BucketLimits:
-    return BucketLimits(
-        tokens_per_minute=settings.budget_tokens_per_minute,
-        requests_per_minute=settings.budget_requests_per_minute,
-        interactive_share=settings.budget_interactive_share,
-        burst_seconds=settings.budget_burst_seconds,
-        lease_seconds=settings.budget_lease_seconds,
-    )
-
-
-async def open_metered_provider(
-    settings: Settings, db: Database, *, shared_budget: bool = True
-) -> BudgetedProvider:
-    """The worker's provider: the configured gateway, metered, under the fleet budget when
-    ``budget_tokens_per_minute`` or ``budget_requests_per_minute`` is set (and
-    ``shared_budget``; the benchmark's baseline turns it off), or once the provider's
-    rate-limit headers state its limits (``provider_learn_limits``); behind the fleet's
-    provider gate (blocks and rate-limit pauses, calmq.calls.gate). Embeddings go to the
-    embeddings provider's own wrapper when it is another provider or model."""
-    s = settings
-    url = s.effective_provider_url
-    inner = open_provider(s.provider, url, s.provider_api_key.get_secret_value(), s.model,
-                          extra_headers=s.provider_extra_headers,
-                          api_version=s.provider_api_version,
-                          structured=s.structured_outputs,
-                          retry_after_max=s.provider_retry_after_max_seconds)
-    usage = UsageRecorder(db)
-    usage.start()
-    chat = await _metered(s, db, inner, kind=s.provider, url=url, model=s.model, usage=usage,
-                          shared_budget=shared_budget, chat=True,
-                          api_key=s.provider_api_key.get_secret_value())
-    endpoint = s.embeddings_endpoint
-    if endpoint is not None:
-        kind, e_url, key, model, headers, version = endpoint
-        if (kind, e_url.rstrip("/"), model) != (s.provider, url.rstrip("/"), s.model):
-            e_inner = open_provider(kind, e_url, key, model, extra_headers=headers,
-                                    api_version=version,
-                                    retry_after_max=s.provider_retry_after_max_seconds)
-            chat.embedder = await _metered(s, db, e_inner, kind=kind, url=e_url, model=model,
-                                           usage=usage, shared_budget=shared_budget,
-                                           chat=False, api_key=key)
-            chat.embedder.owns_usage = False
-    elif s.provider == "anthropic":
-        chat.embedder = None  # BudgetedProvider.embed: Anthropic's not_supported, named
-    return chat
-
-
-async def open_model(settings: Settings, db: Database, model: str, *,
-                     usage: UsageRecorder | None, shared_budget: bool = True
-                     ) -> BudgetedProvider:
-    """Another chat model of the configured endpoint and key (a step's allowed model,
-    calmq.calls.fallback), gated and metered like ``CALMQ_MODEL``: its own cooldowns and blocks,
-    its own price, and a budget learned from the provider's headers (the configured budget
-    is ``CALMQ_MODEL``'s). ``usage``: the worker's recorder, shared."""
-    s = settings
-    url = s.effective_provider_url
-    key = s.provider_api_key.get_secret_value()
-    inner = open_provider(s.provider, url, key, model, extra_headers=s.provider_extra_headers,
-                          api_version=s.provider_api_version, structured=s.structured_outputs,
-                          retry_after_max=s.provider_retry_after_max_seconds)
-    recorder = usage or UsageRecorder(db)
-    if usage is None:
-        recorder.start()
-    wrapped = await _metered(s, db, inner, kind=s.provider, url=url, model=model,
-                             usage=recorder, shared_budget=shared_budget, chat=True,
-                             api_key=key, configured=False)
-    wrapped.owns_usage = usage is None
-    return wrapped
-
-
-async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, url: str,
-                   model: str, usage: UsageRecorder, shared_budget: bool,
-                   chat: bool, api_key: str, configured: bool | None = None
-                   ) -> BudgetedProvider:
-    from calmq.data.providers import ProviderLedger
-
-    s = settings
-    # The bucket (and the gate) is per endpoint and model: two OpenAI-compatible servers
-    # do not share a quota even when they serve the same model name.
-    key = f"{kind}:{url.rstrip('/')}"
-    budget: TokenBudget | None = None
-    # The configured budget applies to the chat model; an embeddings model, or a step's
-    # fallback model (calmq.calls.fallback), learns its own from the provider's headers.
-    limits = (limits_from_settings(s) if (chat if configured is None else configured)
-              else BucketLimits(0, 0))
-    if shared_budget and (limits.tokens_per_minute or limits.requests_per_minute):
-        budget = TokenBudget(BudgetLedger(db), key, model, limits,
-                             slice_seconds=s.budget_slice_seconds)
-        await budget.start()
-    quota: TenantQuota | None = None
-    if budget is not None and limits.tokens_per_minute:
-        share = s.budget_tenant_share
-        quota = TenantQuota(TenantTokenLedger(db),
-                            int(limits.tokens_per_minute * share) if share < 1 else 0,
-                            fleet_per_minute=limits.tokens_per_minute,
-                            burst_seconds=s.budget_burst_seconds,
-                            queue_seconds=s.budget_queue_seconds,
-                            interactive_debt_seconds=s.budget_interactive_debt_seconds)
-    ledger = ProviderLedger(db)
-
-    async def probe() -> object:
-        if chat:
-            return await inner.complete(messages=[{"role": "user", "content": "ping"}],
-                                        job_id="calmq-probe", max_tokens=1)
-        return await inner.embed(inputs=["ping"], job_id="calmq-probe")
-
-    async def release() -> None:
-        while await ledger.release_jobs():
-            pass
-
-    # A block or a pause names the key too: the provider's 429 is one key's quota.
-    gate = ProviderGate(provider_key(kind, url, api_key), model, ledger=ledger, db=db,
-                        probe=probe,
-                        probe_seconds=s.provider_probe_seconds, on_unblocked=release)
-    await gate.refresh()
-    gate.start()
-
-    async def learn(stated: RateLimits) -> TokenBudget | None:
-        if not (shared_budget and s.provider_learn_limits):
-            return None
-        learned = BucketLimits(stated.tokens_per_minute or 0, stated.requests_per_minute or 0,
-                               s.budget_interactive_share, s.budget_burst_seconds,
-                               s.budget_lease_seconds)
-        log.info("no budget set for %s: starting one from the provider's stated limits "
-                 "(%d tokens, %d requests per minute)", model, learned.tokens_per_minute,
-                 learned.requests_per_minute)
-        made = TokenBudget(BudgetLedger(db), key, model, learned,
-                           slice_seconds=s.budget_slice_seconds)
-        await made.start()
-        return made
-
-    wrapped = BudgetedProvider(
-        inner, provider=kind, model=model, budget=budget, usage=usage,
-        prices=s.prices, counts_max_tokens=s.budget_counts_max_tokens,
-        default_pause_seconds=s.budget_default_pause_seconds, quota=quota, gate=gate,
-        learn_limits=learn if s.provider_learn_limits else None,
-        prices_table=s.prices_table)
-    wrapped.show_configured()
-    return wrapped

@@ -31,11 +31,8 @@ from calmq.failure_codes import ModelsCooling, ProviderBlocked
 
 if TYPE_CHECKING:
     from calmq.calls.budget import BudgetedProvider
-    from calmq.data.database import Database
-    from calmq.settings import Settings
-    from calmq.workflows import Workflow
 
-__all__ = ["Fallback", "allowed_models", "open_step_models"]
+__all__ = ["Fallback", "allowed_models"]
 
 log = logging.getLogger(__name__)
 
@@ -143,33 +140,3 @@ class Fallback:
 
     async def close(self) -> None:
         return None  # the worker's providers are the worker's to close
-
-
-async def open_step_models(settings: Settings, db: Database,
-                           workflows: Mapping[str, Workflow], default: BudgetedProvider
-                           ) -> tuple[dict[tuple[str, str], Fallback], list[BudgetedProvider]]:
-    """The providers of this worker's steps that name their allowed models (or a price
-    ceiling), by (workflow, step), and the models opened for them besides ``default`` (the
-    worker's ``CALMQ_MODEL``, which they share): the caller closes those."""
-    from calmq.calls.budget import open_model
-
-    opened: dict[str, BudgetedProvider] = {settings.model: default}
-    routes: dict[tuple[str, str], Fallback] = {}
-    for workflow in workflows.values():
-        for step in workflow.steps:
-            if workflow.pool_of(step) != settings.pool or (
-                    not step.models and step.max_price_per_mtok is None):
-                continue
-            try:
-                names = allowed_models(step.models, step.max_price_per_mtok,
-                                       default=settings.model, prices=settings.prices,
-                                       provider=settings.provider,
-                                       table=settings.prices_table)
-            except ConfigError as exc:
-                raise ConfigError(f"workflow {workflow.name} step {step.name}: {exc.message}",
-                                  code="invalid_workflow") from None
-            for name in names:
-                if name not in opened:
-                    opened[name] = await open_model(settings, db, name, usage=default.usage)
-            routes[(workflow.name, step.name)] = Fallback([opened[n] for n in names])
-    return routes, [p for p in opened.values() if p is not default]
