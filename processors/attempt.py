@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from calmq.calls.publishing import OutputWriter
+from calmq.calls import OutputWriter
 from calmq.calls.stack import attempt_provider
 from calmq.calls.wires import Provider, enter_scope
 from calmq.data import Finish, Job, Store

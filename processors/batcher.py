@@ -61,6 +61,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
 from calmq.batching import Batcher
+from calmq.calls import ProviderGate, estimate_prompt_tokens
 from calmq.calls.batch_apis import (
     BatchClient,
     BatchRefused,
@@ -70,8 +71,6 @@ from calmq.calls.batch_apis import (
     custom_id,
     open_batch_client,
 )
-from calmq.calls.budget import estimate_prompt_tokens
-from calmq.calls.gate import ProviderGate
 from calmq.calls.pricing import batch_cost_usd, cost_usd
 from calmq.calls.stack import open_gate
 from calmq.calls.wires import ModelReply, classify_status, current_clock, model_clock

@@ -18,7 +18,7 @@ import logging
 import uuid
 from collections import Counter
 
-from calmq.calls.budget import TenantQuota
+from calmq.calls import TenantQuota
 from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue

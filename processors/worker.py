@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from confluent_kafka import Producer
 
 from calmq import topics
-from calmq.calls.budget import BudgetedProvider
-from calmq.calls.publishing import OutputWriter
+from calmq.calls import BudgetedProvider, OutputWriter
 from calmq.calls.stack import open_metered_provider, open_step_models
 from calmq.codec import make_codec, registry_config
 from calmq.data import Store

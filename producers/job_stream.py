@@ -21,7 +21,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from calmq.calls.publishing import Position
+from calmq.calls import Position
 from calmq.data import HistoryEvent
 from calmq.data.outputs import OutputChunk, OutputRead
 from calmq.producers.views import event_view

@@ -18,9 +18,11 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from calmq.calls.budget import BudgetedProvider
+    from calmq.calls.budget import BudgetedProvider, TenantQuota, estimate_prompt_tokens
+    from calmq.calls.gate import ProviderGate
     from calmq.calls.output_schemas import read_answer
     from calmq.calls.pricing import ModelPrice
+    from calmq.calls.publishing import OutputWriter, Position
     from calmq.calls.stack import open_metered_provider, open_model, open_step_models
     from calmq.calls.wires import (
         CallScope,
@@ -36,6 +38,11 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _HOMES = {
     "BudgetedProvider": "budget",
+    "TenantQuota": "budget",
+    "estimate_prompt_tokens": "budget",
+    "ProviderGate": "gate",
+    "OutputWriter": "publishing",
+    "Position": "publishing",
     "open_metered_provider": "stack",
     "open_model": "stack",
     "open_step_models": "stack",
@@ -59,9 +66,14 @@ __all__ = [
     "ModelPrice",
     "ModelReply",
     "ModelStream",
+    "OutputWriter",
+    "Position",
     "Provider",
+    "ProviderGate",
     "RateLimits",
     "Streamer",
+    "TenantQuota",
+    "estimate_prompt_tokens",
     "open_metered_provider",
     "open_model",
     "open_step_models",

@@ -31,7 +31,7 @@ from aiohttp import web
 from multidict import MultiMapping
 from prometheus_client import Counter, Histogram
 
-from calmq.calls.publishing import Position
+from calmq.calls import Position
 from calmq.data import HistoryEvent, Idempotency, JobFilter, NewJob, Tenant
 from calmq.data.outputs import FOLLOW_REFRESH_SECONDS
 from calmq.errors import ContractError, NotFound
