@@ -18,9 +18,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from calmq import topics
+from calmq.codec import decode_message, make_codec
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, console_session
 from tests.support.fanout_workflows import NAME, POOL, TWICE
@@ -44,6 +47,8 @@ class Fanout:
     api: Api
     db: str
     provider: str
+    bootstrap: str
+    registry: str
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,8 @@ def fanout(stack: StackState) -> Iterator[Fanout]:
                      children_in_flight_max=str(IN_FLIGHT))
         db = stack.env["CALMQ_DATABASE_URL"]
         _tenant, key = create_tenant_id(db, f"fanout-{uuid.uuid4().hex[:8]}")
-        yield Fanout(Api(api, key), db, url)
+        yield Fanout(Api(api, key), db, url, stack.env["CALMQ_KAFKA_BOOTSTRAP"],
+                     stack.env.get("CALMQ_SCHEMA_REGISTRY_URL", ""))
     finally:
         procs.stop_all()
 
@@ -202,17 +208,55 @@ def test_the_waiting_parent_holds_no_lease(fanout: Fanout) -> None:
 
 
 def test_cancelling_the_parent_cancels_its_children(fanout: Fanout) -> None:
-    """Cancelling a parent that waits for its children cancels every child not yet ended."""
+    """Cancelling a parent that waits for its children cancels every child not yet ended,
+    and each child's job.result (status cancelled) reaches the results topic, as the
+    parent's does: a consumer of results sees every child end."""
     parent = _submit(fanout, texts=["a", "b", "c"], delays=[20_000] * 3)
     wait_for(lambda: len(_children(fanout, parent)) == 3, timeout=30,
              what="the children to start")
-    status, _h, body = fanout.api.call("POST", f"/v1/jobs/{parent}/cancel")
-    assert status == 200, body
-    kids = _children(fanout, parent)
-    assert {k["status"] for k in kids} == {"cancelled"}
-    for kid in kids:
-        assert any(e["type"] == "cancelled" and e["detail"].get("by") == "parent"
-                   for e in _events(fanout, kid["id"]))
+    consumer = _results_consumer(fanout)
+    try:
+        status, _h, body = fanout.api.call("POST", f"/v1/jobs/{parent}/cancel")
+        assert status == 200, body
+        kids = _children(fanout, parent)
+        assert {k["status"] for k in kids} == {"cancelled"}
+        for kid in kids:
+            assert any(e["type"] == "cancelled" and e["detail"].get("by") == "parent"
+                       for e in _events(fanout, kid["id"]))
+        wanted = {parent, *(k["id"] for k in kids)}
+        results: dict[str, dict[str, Any]] = {}
+        wait_for(lambda: _read_results(fanout, consumer, wanted, results) >= wanted,
+                 timeout=60, what="a job.result for the parent and each of its children")
+    finally:
+        consumer.close()
+    assert {i: r["status"] for i, r in results.items()} == dict.fromkeys(wanted, "cancelled")
+    assert {str(results[k["id"]]["parent_id"]) for k in kids} == {parent}
+
+
+def _results_consumer(f: Fanout) -> Consumer:
+    """A consumer of the results topic from its current end."""
+    consumer = Consumer({"bootstrap.servers": f.bootstrap, "enable.auto.commit": False,
+                         "group.id": f"children-results-{uuid.uuid4().hex[:8]}"})
+    name = topics.topic_for_route(topics.RESULTS_ROUTE)
+    ends = []
+    for p in consumer.list_topics(name, timeout=10).topics[name].partitions:
+        _low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
+        ends.append(TopicPartition(name, p, high))
+    consumer.assign(ends)
+    return consumer
+
+
+def _read_results(f: Fanout, consumer: Consumer, wanted: set[str],
+                  found: dict[str, dict[str, Any]]) -> set[str]:
+    """Read what is there; keep the job.result events of ``wanted`` jobs by job id."""
+    codec = make_codec(f.registry)
+    for msg in consumer.consume(500, timeout=1):
+        if msg.error() or msg.key() is None or msg.key().decode() not in wanted:
+            continue
+        kind, event = decode_message(codec, msg.value(), None)
+        if kind == "job.result":
+            found[str(event["job_id"])] = event  # a uuid in the schema
+    return set(found)
 
 
 def test_redriving_the_parent_reruns_only_its_failed_children(fanout: Fanout) -> None:
