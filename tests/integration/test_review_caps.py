@@ -19,11 +19,13 @@ from tests.support.api import console_session
 from tests.support.waiting import wait_for
 from tests.support.workers import metric
 from tests.support.workflow_env import WorkflowEnv
-from tests.support.workflows import POOL
+from tests.support.workflows import CAPS_POOL as POOL
+from tests.support.workflows import LEDGER_POOL
 
 pytestmark = pytest.mark.integration
 
 INVOICE = "Vendor: Blurry Scan Ltd\nInvoice: 7?1\nTotal: EUR 88.00\n"
+WORKFLOW = "invoice_t_capped"  # invoice_t on a pool of its own (CAPS_POOL)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,8 @@ def wf(stack: StackState) -> Iterator[WorkflowEnv]:
 
 def _workers(wf: WorkflowEnv) -> None:
     if not hasattr(wf, "worker"):
-        wf.start_workers()
+        wf.worker, wf.worker_port = wf.start_worker(POOL)
+        wf.ledger_worker, wf.ledger_worker_port = wf.start_worker(LEDGER_POOL)
 
 
 def _page(wf: WorkflowEnv, path: str, session: str) -> str:
@@ -72,14 +75,19 @@ def test_jobs_past_the_cap_wait_queued_and_resume_as_reviews_are_decided(
     wf.sql("INSERT INTO review_caps (pool, cap, updated_by) VALUES (%s, %s, 'test') "
            "ON CONFLICT (pool) DO UPDATE SET cap = EXCLUDED.cap RETURNING pool", POOL, cap)
     _workers(wf)
-    ids = [wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
+    ids = [wf.submit(WORKFLOW, {"text": INVOICE, "mode": "low_confidence"})
            for _ in range(4)]
 
     reviewing, held = wait_for(
         lambda: (s := _states(wf, ids)) and len(s[0]) + len(s[1]) == 4 and s,
         timeout=60, what="two reviews pending and two jobs held for the cap")
-    assert len(reviewing) == 2, (reviewing, held)
-    assert len(held) == 2, (reviewing, held)
+    # On a failure, what the pool held and what each job went through.
+    story = (before, reviewing, held, wf.sql(
+        "SELECT status, waiting_reason, review_deadline_at IS NOT NULL AS deadline, "
+        "count(*)::int AS n FROM jobs WHERE pool = %s GROUP BY 1, 2, 3", POOL),
+        {i: [(e["type"], e["detail"], e["at"]) for e in wf.job(i)["events"]] for i in ids})
+    assert len(reviewing) == 2, story
+    assert len(held) == 2, story
     for job_id in held:
         job = wf.job(job_id)
         # (A worker that just started may hold it in its lane's waiting room first: fair
@@ -135,13 +143,13 @@ def test_a_job_admitted_before_the_cap_is_reached_is_not_held_at_its_next_step(
     # step and is queued for the next while newer jobs are claimed. It was admitted: it
     # counts against the cap and goes on to its review; only a job never claimed waits.
     _workers(wf)
-    job_id, pending = (wf.submit("invoice_t", {"text": INVOICE, "mode": "low_confidence"})
+    job_id, pending = (wf.submit(WORKFLOW, {"text": INVOICE, "mode": "low_confidence"})
                        for _ in range(2))
     for i in (job_id, pending):  # pending keeps the pool's count of used reviews above 0
         assert wf.wait_status(i, "awaiting_review", "completed",
                               "dead_letter")["status"] == "awaiting_review"
     hold = queries()["hold_for_review_cap"]
-    workflows = ["invoice_t"]
+    workflows = [WORKFLOW]
     with psycopg.connect(wf.db, row_factory=dict_row) as conn:  # rolled back at the end
         # Between its two steps: queued again at the second, with the claim's lease version.
         conn.execute("UPDATE jobs SET status = 'queued', step = 'extract_fields' "

@@ -15,17 +15,22 @@ from calmq.workflows.summarize import SUMMARIZE
 
 POOL = "wft"  # text extraction and model calls
 LEDGER_POOL = "wft-ledger"  # the side effect, on workers of its own
-POOLS = (POOL, LEDGER_POOL)
+# The review-cap tests' pool: a cap counts every pending review and every job on its way to
+# one in its pool, so the jobs other tests leave in POOL (a review decided, a job finishing)
+# would move the count under the test.
+CAPS_POOL = "wft-caps"
+POOLS = (POOL, LEDGER_POOL, CAPS_POOL)
 EXPIRY_SECONDS = 1.0
 
 
 def workflows(settings: Settings) -> list[Workflow]:
-    def invoice(name: str, **kw: object) -> Workflow:
-        return invoice_workflow(settings.ledger_url, name=name, pool=POOL,
+    def invoice(name: str, pool: str = POOL, **kw: object) -> Workflow:
+        return invoice_workflow(settings.ledger_url, name=name, pool=pool,
                                 ledger_pool=LEDGER_POOL, **kw)  # type: ignore[arg-type]
 
     return [
         invoice("invoice_t"),
+        invoice("invoice_t_capped", pool=CAPS_POOL),
         invoice("invoice_t_expires", review_deadline_seconds=EXPIRY_SECONDS),
         invoice("invoice_t_expires_approved", review_deadline_seconds=EXPIRY_SECONDS,
                 review_expiry="approve"),
