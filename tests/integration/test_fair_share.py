@@ -27,6 +27,7 @@ from tests.support.workers import (
     Procs,
     create_pool_topics,
     create_tenant_id,
+    fake_stats,
     start_fake_provider,
     submit,
 )
@@ -39,8 +40,9 @@ SLOTS = 4  # per worker; 2 workers
 
 @pytest.fixture(scope="module")
 def fleet(stack: StackState, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[str, str]]:
-    """Two workers with fair share on, on a pool of their own; yields (pool, database)."""
+          ) -> Iterator[tuple[str, str, str]]:
+    """Two workers with fair share on, on a pool of their own; yields (pool, database,
+    the fake provider's URL)."""
     log_dir: Path = tmp_path_factory.mktemp("fair-share")
     procs = Procs(stack.env, log_dir)
     pids: list[int] = []
@@ -52,7 +54,7 @@ def fleet(stack: StackState, tmp_path_factory: pytest.TempPathFactory
         for _ in range(2):
             procs.worker(pool, provider_url=url, fair_share="true", concurrency=str(SLOTS),
                          retry_tiers="1s")
-        yield pool, stack.env["CALMQ_DATABASE_URL"]
+        yield pool, stack.env["CALMQ_DATABASE_URL"], url
     finally:
         procs.stop_all()
         for pid in pids:
@@ -93,12 +95,12 @@ def _statuses(conn: psycopg.Connection[Any], ids: list[str]) -> dict[str, int]:
 
 @pytest.mark.timeout(240)
 def test_a_small_tenant_is_not_stuck_behind_another_tenants_backlog(
-        stack: StackState, fleet: tuple[str, str]) -> None:
+        stack: StackState, fleet: tuple[str, str, str]) -> None:
     """A big tenant's 80 jobs (10 s of the fleet's slots) are running and waiting; a small
     tenant's 4 then start within two calls' time, long before the backlog is through,
     while the backlog waits visibly in the waiting room (and completes, none lost). In
     Kafka's order they waited behind ~70 jobs: ~9 s."""
-    pool, db = fleet
+    pool, db, provider = fleet
     big, small = _tenant(stack), _tenant(stack)
     backlog = submit(db, big, pool, _jobs(80, "backlog"), priority="bulk")
     with psycopg.connect(db, autocommit=True) as conn:
@@ -121,8 +123,10 @@ def test_a_small_tenant_is_not_stuck_behind_another_tenants_backlog(
             return s if len(s) == len(few) else None
 
         started = wait_for(all_started, timeout=60, what="the small tenant's jobs to start")
-        # Never more running than the fleet's in-flight window (2 workers x 5), picked or not.
+        # Never more running than the fleet's in-flight window (2 workers x 5), picked or not,
+        # and never more model calls at once than its slots, as the provider saw them.
         assert max(running) <= 2 * (SLOTS + 1), running
+        assert fake_stats(provider)["in_flight_max"] <= 2 * SLOTS
         waits = {i: started[i] - created[i] for i in few}
         # Two calls at most: the slots free one every 1/8 s; the rest is the hold and pick.
         assert max(waits.values()) <= 2 * CALL_MS / 1000, waits
@@ -146,13 +150,13 @@ def test_a_small_tenant_is_not_stuck_behind_another_tenants_backlog(
 
 @pytest.mark.timeout(240)
 def test_busy_tenants_share_the_slots_by_weight(stack: StackState,
-                                                fleet: tuple[str, str]) -> None:
+                                                fleet: tuple[str, str, str]) -> None:
     """Tenant A (weight 1) submits 60 jobs, then tenant B (weight 3) 60. In Kafka's order
     all of A's would start before B's first; with equal weights A would still take half the
     slots, so all its 60 before B's last. At weights 1 and 3 A gets a quarter of the slots
     while both wait: when B's last job starts, A has started its first slots' worth plus
     about a third of B's 60, far fewer than 60."""
-    pool, db = fleet
+    pool, db, _provider = fleet
     a, b = _tenant(stack, 1), _tenant(stack, 3)
     first = submit(db, a, pool, _jobs(60, "weight-1"), priority="bulk")
     second = submit(db, b, pool, _jobs(60, "weight-3"), priority="bulk")

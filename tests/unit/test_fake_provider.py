@@ -363,6 +363,8 @@ async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) 
     assert resp.status == 200
     assert await stats(client) == {
         "calls": 0,
+        "in_flight": 0,
+        "in_flight_max": 0,
         "status_counts": {},
         "by_job": {},
         "mode_override": None,
@@ -370,6 +372,18 @@ async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) 
         "refusals": [],
     }
     assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
+
+
+async def test_stats_count_the_calls_open_at_once(make_client: MakeClient) -> None:
+    """in_flight_max: the most model calls open together (what a fleet's slots let through,
+    from the provider's side); in_flight: those open now."""
+    client = await make_client(latency_ms=300)
+    answers = await asyncio.gather(*(chat(client, {"text": TEXT}) for _ in range(3)))
+    assert [a[0] for a in answers] == [200, 200, 200]
+    got = await stats(client)
+    assert (got["in_flight"], got["in_flight_max"]) == (0, 3)
+    await chat(client, {"text": TEXT})  # one at a time adds nothing to the most
+    assert (await stats(client))["in_flight_max"] == 3
 
 
 async def test_admin_mode_overrides_every_job(make_client: MakeClient) -> None:

@@ -73,6 +73,8 @@ class Online:
         )
         self._ids = itertools.count(1)
         self.calls = 0
+        self.in_flight = 0
+        self.in_flight_max = 0
         self._status_counts: dict[int, int] = {}
         self._by_job: dict[str, list[int]] = {}  # job id -> [calls, completed]
         self._flaky_attempts: dict[str, int] = {}
@@ -239,10 +241,20 @@ class Online:
     # --- model endpoints -------------------------------------------------------------
 
     async def handle_openai(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, anthropic=False)
+        return await self._counted(request, anthropic=False)
 
     async def handle_anthropic(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, anthropic=True)
+        return await self._counted(request, anthropic=True)
+
+    async def _counted(self, request: web.Request, *, anthropic: bool) -> web.StreamResponse:
+        # Calls open at once, and the most there were (/stats): what a fleet's slots let
+        # through, seen from the provider's side.
+        self.in_flight += 1
+        self.in_flight_max = max(self.in_flight_max, self.in_flight)
+        try:
+            return await self._handle(request, anthropic=anthropic)
+        finally:
+            self.in_flight -= 1
 
     async def _handle(self, request: web.Request, *, anthropic: bool) -> web.StreamResponse:
         self.calls += 1
@@ -531,6 +543,8 @@ class Online:
         return web.json_response(
             {
                 "calls": self.calls,
+                "in_flight": self.in_flight,
+                "in_flight_max": self.in_flight_max,
                 "status_counts": {str(k): v for k, v in self._status_counts.items()},
                 "by_job": {
                     job: {"calls": stats[0], "completed": stats[1]}
@@ -557,6 +571,7 @@ class Online:
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         self.calls = 0
+        self.in_flight_max = self.in_flight
         self._status_counts.clear()
         self._by_job.clear()
         self._flaky_attempts.clear()
