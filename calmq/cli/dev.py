@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         "retry_after_seconds": args.retry_after_seconds, "api_key": args.require_key,
         "check_requests": args.check_requests, "stream_ttft_ms": args.stream_ttft_ms,
         "stream_tokens_per_second": args.stream_tokens_per_second,
+        "flex_latency_ms": args.flex_latency_ms, "flex_refusal_rate": args.flex_refusal_rate,
+        "openai_automatic_cache": args.openai_automatic_cache,
     }
     try:
         settings = FakeProviderSettings(**{k: v for k, v in values.items() if v is not None})
@@ -136,6 +139,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tier_options(p: argparse.ArgumentParser, option: Callable[..., None]) -> None:
+    """The fake provider's service tiers and prompt cache (docs/reference/fake-provider.md)."""
+    option(p, "--flex-latency-ms", type=int,
+           help="service_tier flex: its latency (default: four times the standard)")
+    option(p, "--flex-refusal-rate", type=float,
+           help="service_tier flex: the share of calls refused for capacity (default 0)")
+    option(p, "--openai-automatic-cache", action="store_true", default=None,
+           help="cache every OpenAI prompt (default: only those with prompt_cache_key)")
+
+
 def register(command: Command, flags: Flags) -> None:
     option = flags.option
     p = command("dev", cmd_dev, "the local stack: up, down, status, env")
@@ -177,6 +190,7 @@ def register(command: Command, flags: Flags) -> None:
            help="streamed answers: milliseconds before the first token (default 0)")
     option(p, "--stream-tokens-per-second", type=float,
            help="streamed answers: tokens a second after the first (default 0: at once)")
+    _tier_options(p, option)
     option(p, "--check-requests", action=argparse.BooleanOptionalAction, default=None,
            help="check every request against the official SDKs' types and the providers' "
                 "rules (default on)")

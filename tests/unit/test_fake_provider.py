@@ -370,6 +370,10 @@ async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) 
         "mode_override": None,
         "refused": 0,
         "refusals": [],
+        "by_tier": {},
+        "flex_refused": 0,
+        "cached_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
     }
     assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
 
@@ -559,3 +563,110 @@ def test_the_command_refuses_to_start_without_the_sdks_and_names_the_extra() -> 
     assert "[fake_provider_sdks_missing]" in done.stderr
     assert "pip install 'calmq[fake]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- service tiers and prompt caching (tiers.py) ------------------------------------------
+
+PREFIX = "stable prefix " * 572  # 8,008 characters: 2,002 tokens as the fake counts them
+
+
+async def test_the_answer_names_the_tier_that_served_it(make_client: MakeClient) -> None:
+    """service_tier in the answer is the tier that served the call: default without one (as
+    before) and for auto, priority for fast (as OpenAI answers), else the tier asked for;
+    /stats counts the answered calls per served tier."""
+    client = await make_client()
+    served = []
+    for tier in (None, "auto", "default", "flex", "scale", "priority", "fast"):
+        extra = {} if tier is None else {"service_tier": tier}
+        status, body, _ = await chat(client, {"text": TEXT}, **extra)
+        assert status == 200
+        served.append(body["service_tier"])
+    assert served == ["default", "default", "default", "flex", "scale", "priority", "priority"]
+    got = await stats(client)
+    assert got["by_tier"] == {"default": 3, "flex": 1, "scale": 1, "priority": 2}
+    assert (got["flex_refused"], got["cached_input_tokens"]) == (0, 0)
+
+
+async def test_flex_answers_at_its_own_latency(make_client: MakeClient) -> None:
+    """A flex call takes flex_latency_ms; without the setting, four times the standard."""
+    client = await make_client(flex_latency_ms=300)
+    started = time.monotonic()
+    assert (await chat(client, {"text": TEXT}, service_tier="flex"))[0] == 200
+    assert time.monotonic() - started >= 0.3
+    client = await make_client(latency_ms=50)
+    started = time.monotonic()
+    assert (await chat(client, {"text": TEXT}, service_tier="flex"))[0] == 200
+    assert time.monotonic() - started >= 0.2
+
+
+async def test_flex_refuses_its_share_for_capacity(make_client: MakeClient) -> None:
+    """flex_refusal_rate 1.0: every flex call is OpenAI's 429 Resource Unavailable, while the
+    default tier answers; at 0.5 exactly every second flex call is refused."""
+    client = await make_client(flex_refusal_rate=1.0)
+    status, body, _ = await chat(client, {"text": TEXT}, service_tier="flex")
+    assert status == 429
+    assert body == {"error": {
+        "message": "Resource unavailable: flex processing has no capacity for this request "
+                   "now. Retry later, or send it with service_tier 'default'.",
+        "type": "server_error", "param": None, "code": "resource_unavailable"}}
+    assert (await chat(client, {"text": TEXT}, service_tier="default"))[0] == 200
+    got = await stats(client)
+    assert (got["flex_refused"], got["by_tier"], got["status_counts"]) == (
+        1, {"default": 1}, {"429": 1, "200": 1})
+    client = await make_client(flex_refusal_rate=0.5)
+    statuses = [(await chat(client, {"text": TEXT}, service_tier="flex"))[0] for _ in range(4)]
+    assert sorted(statuses) == [200, 200, 429, 429]
+
+
+async def _cached(client: Client, text: str, **extra: Any) -> int:
+    body = openai_body({"text": text}, **extra)
+    body["messages"][0]["content"] = PREFIX
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    return int((await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_openai_reports_a_repeated_prefix_as_cached(make_client: MakeClient) -> None:
+    """A 2,002-token prefix sent again with the same prompt_cache_key is cached up to its
+    last 128-token step from 1,024 (1,920 tokens); another key, or no key, caches nothing
+    (requests without caching fields answer as before); the automatic setting caches all."""
+    client = await make_client()
+    assert await _cached(client, "first", prompt_cache_key="wf-1") == 0
+    assert await _cached(client, "second", prompt_cache_key="wf-1") == 1920
+    assert await _cached(client, "third", prompt_cache_key="wf-2") == 0
+    assert [await _cached(client, "plain") for _ in range(2)] == [0, 0]
+    got = await stats(client)
+    assert (got["cached_input_tokens"], got["cache_creation_input_tokens"]) == (1920, 0)
+    client = await make_client(openai_automatic_cache=True)
+    assert [await _cached(client, "plain") for _ in range(2)] == [0, 1920]
+
+
+async def test_anthropic_caches_only_blocks_marked_cache_control(
+        make_client: MakeClient) -> None:
+    """Anthropic: a system block marked cache_control is written to the cache on the first
+    call (cache_creation_input_tokens) and read on the next (cache_read_input_tokens), and
+    input_tokens counts only the rest; the same prompt unmarked is never cached."""
+    client = await make_client()
+
+    async def usage(marked: bool, text: str) -> list[int]:
+        body = anthropic_body({"text": text})
+        block: dict[str, Any] = {"type": "text", "text": PREFIX}
+        if marked:
+            block["cache_control"] = {"type": "ephemeral"}
+        body["system"] = [block]
+        resp = await client.post("/v1/messages", headers=ANTHROPIC, json=body)
+        assert resp.status == 200
+        got = (await resp.json())["usage"]
+        return [got[k] for k in ("input_tokens", "cache_creation_input_tokens",
+                                 "cache_read_input_tokens")]
+
+    def prompt(text: str) -> int:
+        return (len(PREFIX) + len(json.dumps({"text": text}))) // 4
+
+    assert await usage(False, "a") == [prompt("a"), 0, 0]
+    assert await usage(False, "b") == [prompt("b"), 0, 0]
+    assert await usage(True, "a") == [prompt("a") - 2002, 2002, 0]
+    assert await usage(True, "b") == [prompt("b") - 2002, 0, 2002]
+    got = await stats(client)
+    assert (got["cached_input_tokens"], got["cache_creation_input_tokens"]) == (2002, 2002)
+    assert got["by_tier"] == {"standard": 4}

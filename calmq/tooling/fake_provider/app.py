@@ -113,6 +113,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="streamed answers: tokens a second after the first (0: at once)")
     parser.add_argument("--api-key", default="",
                         help="refuse calls without this key (401, as a real provider)")
+    parser.add_argument("--flex-latency-ms", type=int, default=None,
+                        help="service_tier flex: its latency (default: 4x the standard)")
+    parser.add_argument("--flex-refusal-rate", type=float, default=0.0,
+                        help="service_tier flex: the share of calls refused for capacity")
+    parser.add_argument("--openai-automatic-cache", action="store_true",
+                        help="cache every OpenAI prompt (default: those with prompt_cache_key)")
     parser.add_argument("--no-check-requests", dest="check_requests", action="store_false",
                         help="do not check requests against the SDK types and strict rules")
     args = parser.parse_args(argv)

@@ -61,6 +61,11 @@ class Call:
     # Per-call stream pace (input ``ttft_ms``, ``tokens_per_second``); None: the settings'.
     ttft_seconds: float | None = None
     tokens_per_second: float | None = None
+    # Set by the online endpoints (tiers.py): the tier that serves the call (OpenAI's answer
+    # names it), and the prompt tokens read from / written to the provider's prompt cache.
+    served_tier: str = "default"
+    cached_tokens: int = 0
+    cache_written_tokens: int = 0
 
 
 def _text_of(content: Any) -> str:

@@ -42,6 +42,12 @@ from calmq.tooling.fake_provider.failures import (
 )
 from calmq.tooling.fake_provider.limits import SlidingWindow, limit_headers
 from calmq.tooling.fake_provider.settings import MODES, FakeProviderSettings
+from calmq.tooling.fake_provider.tiers import (
+    FLEX_REFUSAL,
+    Caching,
+    FlexShare,
+    openai_served_tier,
+)
 from calmq.tooling.latency import parse_latency
 
 __all__ = ["BATCH_HEADER", "Online"]
@@ -97,6 +103,14 @@ class Online:
             maxlen=_KEPT_CALLS)
         # Streamed answers: job, arrival, first token and end (wall times), tokens, broken.
         self._streams: deque[dict[str, Any]] = deque(maxlen=_KEPT_STREAMS)
+        # Service tiers and prompt caching (tiers.py): calls answered per served tier, flex
+        # calls refused for capacity, and the prompt tokens read from / written to a cache.
+        self._flex = FlexShare(settings.flex_refusal_rate)
+        self._caching = Caching(openai_automatic=settings.openai_automatic_cache)
+        self._by_tier: dict[str, int] = {}
+        self.flex_refused = 0
+        self.cached_input_tokens = 0
+        self.cache_written_tokens = 0
 
     @property
     def _latency(self) -> float:
@@ -171,9 +185,7 @@ class Online:
                 "id": f"msg_fake_{number}", "type": "message", "role": "assistant",
                 "model": call.model, "content": [{"type": "text", "text": content}],
                 "stop_reason": "refusal" if refusal else "end_turn", "stop_sequence": None,
-                "usage": {"input_tokens": call.prompt_tokens,
-                          "output_tokens": completion_tokens,
-                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                "usage": {**_anthropic_input(call), "output_tokens": completion_tokens,
                           "service_tier": "standard"},
             }
         else:
@@ -184,7 +196,8 @@ class Online:
             )
             payload = {
                 "id": f"chatcmpl-fake-{number}", "object": "chat.completion",
-                "created": int(time.time()), "model": call.model, "service_tier": "default",
+                "created": int(time.time()), "model": call.model,
+                "service_tier": call.served_tier,
                 "choices": [
                     {"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}
                 ],
@@ -192,11 +205,40 @@ class Online:
                     "prompt_tokens": call.prompt_tokens,
                     "completion_tokens": completion_tokens,
                     "total_tokens": call.prompt_tokens + completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": 0},
+                    "prompt_tokens_details": {"cached_tokens": call.cached_tokens},
                     "completion_tokens_details": {"reasoning_tokens": 0},
                 },
             }
+        self._served(call)
         return self._respond(200, payload, headers)
+
+    def _served(self, call: Call) -> None:
+        """Count an answered call under its served tier and its cached input (/stats)."""
+        tier = "standard" if call.anthropic else call.served_tier
+        self._by_tier[tier] = self._by_tier.get(tier, 0) + 1
+        self.cached_input_tokens += call.cached_tokens
+        self.cache_written_tokens += call.cache_written_tokens
+
+    def _tiered(self, call: Call, body: dict[str, Any]) -> web.Response | None:
+        """Set the call's served tier and cached input; the refusal of a flex call that
+        finds no capacity (OpenAI's 429 Resource Unavailable), or None."""
+        cached = self._caching.anthropic(body) if call.anthropic else self._caching.openai(body)
+        call.cached_tokens, call.cache_written_tokens = cached.read, cached.written
+        if call.anthropic:
+            return None
+        call.served_tier = openai_served_tier(body)
+        if call.served_tier == "flex" and self._flex.refuse():
+            self.flex_refused += 1
+            return self._respond(429, {"error": dict(FLEX_REFUSAL)})
+        return None
+
+    def _call_latency(self, call: Call) -> float:
+        """The latency of this call's tier: flex its own (the setting, or four times the
+        standard draw); every other tier the standard one."""
+        if call.served_tier != "flex":
+            return self._latency
+        flex_ms = self._settings.flex_latency_ms
+        return flex_ms / 1000 if flex_ms is not None else 4 * self._latency
 
     def _limit_headers(self, anthropic: bool) -> dict[str, str]:
         assert self._limiter is not None
@@ -289,6 +331,9 @@ class Online:
 
         if self._in_outage(call.model):
             return await self._outage_answer(call)
+        refused = self._tiered(call, body)
+        if refused is not None:
+            return refused
         mode = self.mode_override or call.mode
         if mode not in MODES:
             await self._sleep(self._latency)
@@ -341,7 +386,7 @@ class Online:
         breaking = failing and mode in ("stream_break", "stream_error") and call.stream
         failing = failing and mode == "flaky"
 
-        delay = self._latency + call.delay_seconds
+        delay = self._call_latency(call) + call.delay_seconds
         if mode == "slow":
             delay += settings.slow_seconds
         elif mode == "timeout":
@@ -395,6 +440,7 @@ class Online:
                                   "ended_at": None, "tokens": 0, "broken": breaking}
         self._streams.append(record)
         self._status_counts[200] = self._status_counts.get(200, 0) + 1
+        self._served(call)
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             **(headers or {})})
@@ -553,6 +599,10 @@ class Online:
                 "mode_override": self.mode_override,
                 "refused": self.refused,
                 "refusals": list(self._refusals),
+                "by_tier": dict(self._by_tier),
+                "flex_refused": self.flex_refused,
+                "cached_input_tokens": self.cached_input_tokens,
+                "cache_creation_input_tokens": self.cache_written_tokens,
             }
         )
 
@@ -580,6 +630,9 @@ class Online:
         self._refusals.clear()
         self._arrivals.clear()
         self._streams.clear()
+        self._by_tier.clear()
+        self.flex_refused = self.cached_input_tokens = self.cache_written_tokens = 0
+        self._caching.clear()
         if self._limiter is not None:
             self._limiter.reset()
         return web.json_response({"ok": True})
@@ -665,6 +718,13 @@ def _anthropic_type(status: int) -> str:
             529: "overloaded_error"}.get(status, "api_error")
 
 
+def _anthropic_input(call: Call) -> dict[str, int]:
+    """Anthropic's input usage: ``input_tokens`` counts only what the cache did not hold."""
+    return {"input_tokens": call.prompt_tokens - call.cached_tokens - call.cache_written_tokens,
+            "cache_creation_input_tokens": call.cache_written_tokens,
+            "cache_read_input_tokens": call.cached_tokens}
+
+
 def _sse(payload: dict[str, Any], event: str | None = None) -> bytes:
     data = json.dumps(payload, separators=(",", ":"))
     return (f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n").encode()
@@ -678,8 +738,8 @@ class _OpenAIEvents:
         self.refusal = refusal
         self.base: dict[str, Any] = {
             "id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": call.model, "service_tier": "default",
-            "system_fingerprint": "fp_fake"}
+            "created": int(time.time()), "model": call.model,
+            "service_tier": call.served_tier, "system_fingerprint": "fp_fake"}
         if call.include_usage:
             self.base["usage"] = None  # every chunk but the last, as OpenAI sends them
 
@@ -705,7 +765,8 @@ class _OpenAIEvents:
             out += _sse({**self.base, "choices": [], "usage": {
                 "prompt_tokens": prompt, "completion_tokens": tokens,
                 "total_tokens": prompt + tokens,
-                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "prompt_tokens_details": {"cached_tokens": self.call.cached_tokens,
+                                          "audio_tokens": 0},
                 "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
                                               "accepted_prediction_tokens": 0,
                                               "rejected_prediction_tokens": 0}}})
@@ -724,8 +785,7 @@ class _AnthropicEvents:
             "id": f"msg_fake_{self.number}", "type": "message", "role": "assistant",
             "model": self.call.model, "content": [], "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.call.prompt_tokens, "output_tokens": 1,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+            "usage": {**_anthropic_input(self.call), "output_tokens": 1,
                       "service_tier": "standard"}}
         return (_sse({"type": "message_start", "message": message}, "message_start")
                 + _sse({"type": "content_block_start", "index": 0,

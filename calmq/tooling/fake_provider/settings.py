@@ -83,6 +83,14 @@ class FakeProviderSettings(BaseModel):
     # When set, every call must carry this key (Bearer, api-key or x-api-key), as a real
     # provider's 401 for a wrong key; empty: any key (or none) is taken.
     api_key: str = ""
+    # OpenAI's flex tier (service_tier "flex"): its latency (None: four times the standard
+    # latency of the call), and the share of flex calls refused for capacity (429).
+    flex_latency_ms: int | None = Field(default=None, ge=0)
+    flex_refusal_rate: float = Field(default=0.0, ge=0, le=1)
+    # OpenAI caches every prompt of 1,024 tokens or more by itself; off, only requests that
+    # carry prompt_cache_key (or prompt_cache_retention) are cached, so that runs without
+    # it keep the answers (and bills) they had before caching was modelled.
+    openai_automatic_cache: bool = False
 
     @field_validator("latency_dist")
     @classmethod
