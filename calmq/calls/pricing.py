@@ -17,6 +17,12 @@ unless a batch column is set; the service tier the provider says it served picks
 table's price for that tier. A model neither place prices costs 0, is named by
 ``calmq provider check`` and in ``unpriced_models()`` (the console's overview reads it), and
 logged once.
+
+A tier someone asks for (``requested_tier``: flex, priority, scale, fast) is priced only at
+a price known for that tier: the table's conditional price for it (CALMQ_PRICES has no tier
+columns). Without one, ``tier_price`` and ``cost_usd`` refuse it (``unpriced_tier``) rather
+than bill it at the standard price or at 0. A call that asked for no tier is priced as
+before: at the served tier's price where the table has one, else at the standard price.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from functools import cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["BATCH_DISCOUNT", "DEFAULT_PRICES", "ModelPrice", "batch_cost_usd", "cost_usd",
-           "price_for", "price_source", "unpriced_models"]
+from calmq.errors import ConfigError
+
+__all__ = ["BATCH_DISCOUNT", "DEFAULT_PRICES", "STANDARD_TIERS", "ModelPrice", "batch_cost_usd",
+           "cost_usd", "price_for", "price_source", "tier_price", "unpriced_models"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,12 @@ DEFAULT_PRICES: dict[str, ModelPrice] = {
     "fake-large": ModelPrice(input=2.50, output=10.00),
 }
 
+# The names the providers give the standard tier, asked for or served (OpenAI: auto,
+# default; Anthropic: auto, standard_only, standard): the price without a tier.
+STANDARD_TIERS = frozenset({"", "auto", "default", "standard", "standard_only"})
+# OpenAI answers a ``fast`` request as served ``priority`` (its SDK's service_tier docs).
+_TIER_ALIASES = {"fast": "priority"}
+
 _unpriced: set[tuple[str, str]] = set()
 # The table's provider ids by calmq's provider kinds (Azure OpenAI bills OpenAI's prices).
 _TABLE_PROVIDER = {"openai": "openai", "azure": "openai", "anthropic": "anthropic"}
@@ -90,12 +104,51 @@ def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
         return float(found.total_price) * (_MILLION // _UNIT)
 
     try:
+        if tier and not _table_has_tier(provider_id, model, tier):
+            return None  # the table would price it at the standard price: not known
         full = per_million(input_tokens=_UNIT)
         cached = per_million(input_tokens=_UNIT, cache_read_tokens=_UNIT)
         return ModelPrice(input=full, output=per_million(output_tokens=_UNIT),
                           cached_input=cached)
     except (LookupError, ValueError):
         return None
+
+
+def _table_has_tier(provider_id: str, model: str, tier: str) -> bool:
+    """Whether the table has a conditional price of ``model`` for ``tier`` (a price variant
+    ``when={"service_tier": tier}``); the table prices an unknown tier as the standard."""
+    from genai_prices import Usage, calc_price
+
+    info = calc_price(Usage(input_tokens=_UNIT), model, provider_id=provider_id).model
+    return any(variant.when.get("service_tier") == tier
+               for variant in info.price_variants or ())
+
+
+def _named_tier(tier: str | None) -> str | None:
+    """The tier as the table names it; None for the standard tier."""
+    if tier is None or tier in STANDARD_TIERS:
+        return None
+    return _TIER_ALIASES.get(tier, tier)
+
+
+def tier_price(prices: Mapping[str, ModelPrice], provider: str, model: str,
+               tier: str | None, *, table: bool = True) -> ModelPrice | None:
+    """The price of ``model`` at ``tier`` exactly: for the standard tier ``price_for``'s
+    (None: unpriced); for another tier the table's price for it, or ConfigError
+    ``unpriced_tier`` when none is known (a tier someone asks for is not priced at the
+    standard price, nor at 0)."""
+    named = _named_tier(tier)
+    if named is None:
+        return price_for(prices, provider, model, table=table)
+    found = _table_price(_kind(provider), model, named) if table else None
+    if found is None:
+        raise ConfigError(
+            f"no price for service tier {tier!r} of model {model!r} (provider "
+            f"{_kind(provider)}): genai-prices has none for it"
+            + ("" if table else " and CALMQ_PRICES_TABLE is off")
+            + "; ask for the standard tier, or a model priced at that tier",
+            code="unpriced_tier")
+    return found
 
 
 def price_for(prices: Mapping[str, ModelPrice], provider: str, model: str,
@@ -107,7 +160,7 @@ def price_for(prices: Mapping[str, ModelPrice], provider: str, model: str,
         return found
     if not table:
         return None
-    tier = service_tier if service_tier not in (None, "default", "auto", "standard") else None
+    tier = _named_tier(service_tier)
     return _table_price(kind, model, tier) or (_table_price(kind, model, None) if tier
                                                else None)
 
@@ -142,11 +195,17 @@ def _missing(provider: str, model: str) -> float:
 def cost_usd(
     prices: Mapping[str, ModelPrice], provider: str, model: str, input_tokens: int,
     output_tokens: int, *, cached_input_tokens: int = 0, service_tier: str | None = None,
-    table: bool = True,
+    requested_tier: str | None = None, table: bool = True,
 ) -> float:
-    """The cost of one call in USD; 0 for a model without a price. ``input_tokens``
-    includes the cached ones; ``output_tokens`` includes reasoning tokens."""
-    price = price_for(prices, provider, model, service_tier, table=table)
+    """The cost of one call in USD at the tier that served it (``service_tier``, from the
+    answer); 0 for a model without a price. ``input_tokens`` includes the cached ones;
+    ``output_tokens`` includes reasoning tokens. When the call asked for a tier
+    (``requested_tier``) and was served at one other than the standard, that tier's price
+    must be known: ConfigError ``unpriced_tier`` otherwise."""
+    if _named_tier(requested_tier) is not None and _named_tier(service_tier) is not None:
+        price = tier_price(prices, provider, model, service_tier, table=table)
+    else:
+        price = price_for(prices, provider, model, service_tier, table=table)
     if price is None:
         return _missing(provider, model)
     cached = min(max(0, cached_input_tokens), input_tokens)
