@@ -16,7 +16,7 @@ import { backoffMs, DEFAULT_RETRY, retryAfterMs, sleep, type RetryPolicy } from 
 import { readEvents } from "./sse.js";
 import type {
   Accepted, Answered, BulkJob, BulkResult, Job, JobPage, JobStreamEvent, OutputDeltaEvent,
-  OutputResetEvent, OutputPiece, Priority, Status,
+  OutputResetEvent, OutputPiece, Priority, RerunAccepted, Status,
 } from "./types.js";
 
 export interface ClientOptions {
@@ -53,6 +53,13 @@ export interface SubmitOptions {
    * holds it at most its api_prefer_wait_max_seconds). A job final by then is answered
    * whole, with `result`; otherwise the usual 202. */
   wait?: number;
+  signal?: AbortSignal;
+}
+
+export interface RerunOptions {
+  /** The input the rerun starts from, in place of the original's (its workflow's rules). */
+  input?: Record<string, unknown>;
+  priority?: Priority;
   signal?: AbortSignal;
 }
 
@@ -241,6 +248,22 @@ export class CalmqClient {
     const response = await this.#call("POST", `/v1/jobs/${encodeURIComponent(jobId)}/cancel`,
                                       { retry: "never", signal: options.signal });
     return (await response.json()) as Job;
+  }
+
+  /** `POST /v1/jobs/{id}/rerun`: a new job that runs a job that ended again from
+   * `fromStep` (the recorded outputs of the steps before it are reused, not run again),
+   * linked to the original (`rerun_of`). Each call makes a new job, so it is retried only
+   * when the API refused it (429, 503), never after an answer that may have been lost. */
+  async rerun(jobId: string, fromStep: string, options: RerunOptions = {}
+  ): Promise<RerunAccepted> {
+    const body: Record<string, unknown> = { from_step: fromStep };
+    if (options.input !== undefined) body.input = options.input;
+    if (options.priority !== undefined) body.priority = options.priority;
+    const response = await this.#call("POST", `/v1/jobs/${encodeURIComponent(jobId)}/rerun`, {
+      body: JSON.stringify(body), headers: { "Content-Type": "application/json" },
+      expect: [202], retry: "refused", signal: options.signal,
+    });
+    return (await response.json()) as RerunAccepted;
   }
 
   /** `DELETE /v1/jobs/{id}`: purge the job's objects and redact its record. */

@@ -14,7 +14,7 @@
 
 export { CalmqClient, isAnswered, isOutputDelta, isOutputReset } from "./client.js";
 export type {
-  ClientOptions, ListFilters, StreamOptions, SubmitManyOptions, SubmitOptions,
+  ClientOptions, ListFilters, RerunOptions, StreamOptions, SubmitManyOptions, SubmitOptions,
 } from "./client.js";
 export { ApiError, CalmqError, WebhookVerificationError } from "./errors.js";
 export { DEFAULT_RETRY } from "./retry.js";
@@ -26,7 +26,7 @@ export type {
   Accepted, Answered, Artifact, BulkJob, BulkResult, HistoryEntry, HistoryEvent, Job,
   JobError, JobPage,
   JobStreamEvent, JobSummary, OutputDeltaEvent, OutputResetEvent, OutputPiece, Priority,
-  Status, Usage,
+  RerunAccepted, Status, Usage,
 } from "./types.js";
 export { verifyWebhook } from "./webhooks.js";
 export type { VerifyOptions, WebhookEvent, WebhookEventType } from "./webhooks.js";

@@ -61,7 +61,20 @@ export interface JobSummary {
 export interface Job extends JobSummary {
   usage: Usage;
   waiting_reason?: string | null;
+  /** The job that started this one as its child (fan-out), if any. */
+  parent_id?: string | null;
+  /** The job this one runs again (`rerun`), if any. */
+  rerun_of?: string | null;
   events: HistoryEntry[];
+}
+
+/** The 202 answer of `POST /v1/jobs/{id}/rerun`: a new job, linked to the original. */
+export interface RerunAccepted {
+  job_id: string;
+  status: "queued";
+  status_url: string;
+  rerun_of: string;
+  from_step: string;
 }
 
 /** The 202 answer of a submit. */

@@ -131,6 +131,27 @@ describe("against the stack", { skip: stack ? false : "CALMQ_API_URL and CALMQ_A
                      results.filter((r) => r.status === "accepted").map((r) => r.job_id).sort());
   });
 
+  test("rerun makes a new job linked to the original; an unknown step is a 422",
+       { timeout: TIMEOUT }, async () => {
+    const calmq = client();
+    const final = (id: string) => waitFor(`job ${id} to end`, async () => {
+      const job = await calmq.get(id);
+      return TERMINAL.has(job.status) ? job : undefined;
+    });
+    const { job_id } = await calmq.submit("summarize", { text: "rerun me", mode: "success" });
+    assert.equal((await final(job_id)).status, "completed");
+    const again = await calmq.rerun(job_id, "summarize",
+                                    { input: { text: "rerun me again", mode: "success" } });
+    assert.equal(again.rerun_of, job_id);
+    assert.equal(again.from_step, "summarize");
+    assert.notEqual(again.job_id, job_id);
+    const rerun = await final(again.job_id);
+    assert.equal(rerun.status, "completed");
+    assert.equal(rerun.rerun_of, job_id);
+    await assert.rejects(calmq.rerun(job_id, "nope"), (error: unknown) =>
+      error instanceof ApiError && error.status === 422 && error.code === "unknown_step");
+  });
+
   test("get, list with filters, cancel, and a second cancel's 409", { timeout: TIMEOUT },
        async () => {
     const calmq = client();
