@@ -794,8 +794,10 @@ class AnthropicProvider(_HttpProvider):
             return ModelReply(
                 content=None if refusal else text,
                 refusal=refusal,
-                # Anthropic counts cache reads apart from input_tokens: calmq's input is all.
-                input_tokens=int(usage.get("input_tokens", 0)) + cached,
+                # Anthropic counts cache reads and writes apart from input_tokens: calmq's
+                # input is all of them (a write is billed at least at the input price).
+                input_tokens=int(usage.get("input_tokens", 0)) + cached
+                + int(usage.get("cache_creation_input_tokens") or 0),
                 output_tokens=int(usage.get("output_tokens", 0)),
                 cached_input_tokens=cached,
                 service_tier=usage.get("service_tier"),
@@ -920,8 +922,9 @@ class _AnthropicReading:
         refusal = text if self._stop == "refusal" else None
         usage = self._usage
         cached = int(usage.get("cache_read_input_tokens") or 0)
+        written = int(usage.get("cache_creation_input_tokens") or 0)
         return ModelReply(content=None if refusal else text, refusal=refusal,
-                          input_tokens=int(usage.get("input_tokens") or 0) + cached,
+                          input_tokens=int(usage.get("input_tokens") or 0) + cached + written,
                           output_tokens=int(usage.get("output_tokens") or 0),
                           cached_input_tokens=cached, service_tier=usage.get("service_tier"))
 
