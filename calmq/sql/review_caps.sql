@@ -16,8 +16,9 @@ SELECT pool, cap FROM review_caps;
 -- batch). Counted only from their claim, a job let through was invisible to the release
 -- pass (another task) and to another worker's hold until then, and each let one more job
 -- go past the cap (CI: three reviews pending under a cap of two, and a job released twice).
--- The cap row is locked so that the fleet's holds of one pool take turns. The event's pending: the reviews pending or on their way (running, or
--- ahead of it in this batch) when it was held. Returns every job held (newly or again); only a new hold writes the
+-- The cap row is locked so that the fleet's holds of one pool take turns. The event's
+-- pending: the reviews pending or on their way (running, or ahead of it in this batch)
+-- when it was held. Returns every job held (newly or again); only a new hold writes the
 -- event, so a held job the sweeper re-publishes does not grow its history.
 WITH caps AS (
     SELECT c.pool, c.cap FROM review_caps c
