@@ -36,7 +36,13 @@ class ReviewCaps:
         against the cap from now on); returns the ids held (their messages are done)."""
         if not ids:
             return set()
-        async with self._db.pool.connection() as conn:
+        async with self._db.pool.connection() as conn, conn.transaction():
+            # The caps first, in a statement of their own: the count below then reads what
+            # the holds and releases of these pools committed while this one waited (a lock
+            # taken inside the counting statement leaves its count on the snapshot from
+            # before the wait, and two holds both saw the last room: CI, three reviews
+            # under a cap of two).
+            await conn.execute(self._q["lock_review_caps"], {"ids": list(ids)})
             cur = await conn.execute(self._q["hold_for_review_cap"],
                                      {"ids": list(ids), "workflows": list(workflows)})
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
@@ -45,6 +51,7 @@ class ReviewCaps:
         """Re-publish held jobs as far as their pools' caps have room (or have no cap now);
         ``workflows``: those that can end in review (their admitted jobs use room)."""
         async with self._db.pool.connection() as conn, conn.transaction():
+            await conn.execute(self._q["lock_all_review_caps"])  # as in hold
             cur = await conn.execute(self._q["release_review_cap_holds"],
                                      {"limit": limit, "workflows": list(workflows)})
             jobs = [Job.from_row(r) for r in await cur.fetchall()]

@@ -6,6 +6,21 @@
 -- The pools that have a cap: the worker caches these (a batch of other pools costs nothing).
 SELECT pool, cap FROM review_caps;
 
+-- name: lock_review_caps
+-- The caps of a claim batch's pools, locked in pool order in a statement of their own, in
+-- the transaction of hold_for_review_cap: that statement's count then sees what the other
+-- holds and releases of these pools committed while this lock waited. (A lock taken inside
+-- the counting statement does not: in READ COMMITTED the statement keeps the snapshot it
+-- started with, and two holds that met at the lock both counted the last room as free.)
+SELECT c.pool FROM review_caps c
+WHERE c.pool IN (SELECT pool FROM jobs WHERE id = ANY(%(ids)s))
+ORDER BY c.pool
+FOR UPDATE OF c;
+
+-- name: lock_all_review_caps
+-- Every cap, locked in pool order before release_review_cap_holds counts (as above).
+SELECT pool FROM review_caps ORDER BY pool FOR UPDATE;
+
 -- name: hold_for_review_cap
 -- Of a claim batch's jobs (ids: jobs of workflows that can end in review), hold the queued
 -- ones never claimed that would take their pool past its cap, and mark the ones let through
