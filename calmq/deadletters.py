@@ -31,6 +31,7 @@ from calmq.errors import ContractError, NotFound
 from calmq.jobs import Status
 from calmq.objects import ObjectStore
 from calmq.workflows import Workflow, builtin_workflows
+from calmq.workflows.progress import ChildLimits
 
 __all__ = ["DeadLetterFilter", "DeadLetters", "RedriveOutcome"]
 
@@ -107,8 +108,11 @@ class DeadLetters:
         *,
         workflows: dict[str, Workflow] | None = None,
         objects: ObjectStore | None = None,
+        children_in_flight: int = ChildLimits.in_flight,
     ) -> None:
-        self.records = DeadLetterRecords(db)
+        # children_in_flight: setting children_in_flight_max, which a redriven parent's
+        # failed children wait for as a spawn's do
+        self.records = DeadLetterRecords(db, children_in_flight=children_in_flight)
         self.workflows = workflows if workflows is not None else builtin_workflows()
         self.objects = objects  # None: inputs by reference are not re-read before a redrive
 

@@ -63,7 +63,8 @@ def _dead_letters(store: Store, settings: Settings) -> DeadLetters:
     from calmq.workflows import load_workflows
 
     return DeadLetters(store, workflows=load_workflows(settings),
-                       objects=open_object_store(settings.object_store_url))
+                       objects=open_object_store(settings.object_store_url),
+                       children_in_flight=settings.children_in_flight_max)
 
 
 def _who(args: argparse.Namespace) -> str:

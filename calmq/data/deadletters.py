@@ -24,6 +24,10 @@ from calmq.errors import ContractError
 
 __all__ = ["DeadJob", "DeadLetter", "DeadLetterGroup", "DeadLetterRecords", "Redriven"]
 
+# The waiting reason of a child past its parent's in-flight limit (insert_children,
+# children_requeue_failed).
+PARENT_IN_FLIGHT = "parent_in_flight"
+
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
@@ -85,8 +89,11 @@ class Redriven:
 
 
 class DeadLetterRecords:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, children_in_flight: int) -> None:
         self._db = db
+        # Setting children_in_flight_max: a redriven parent's failed children past it wait
+        # for earlier ones, as a spawn's do.
+        self._children_in_flight = children_in_flight
 
     async def find(self, filters: Mapping[str, Any],
                    after: tuple[datetime, uuid.UUID] | None = None) -> list[DeadLetter]:
@@ -146,6 +153,9 @@ class DeadLetterRecords:
                 return None
             # A parent whose join failed waits for its failed children again, run anew; the
             # children that succeeded keep their outputs (calmq.data.children).
+            # Its children still in flight are locked first: none ends before this commits,
+            # so each one's end sees the re-armed join and what this redrive held back.
+            await conn.execute(self._db.q["children_hold_settling"], {"id": job_id})
             cur = await conn.execute(self._db.q["children_rearm"], {"id": job_id})
             join = await cur.fetchone()
             if join is not None:
@@ -155,13 +165,33 @@ class DeadLetterRecords:
                         f"{join['failed']} of the job's {join['n']} children were cancelled: "
                         f"its join ({join['policy']}) can no longer hold",
                         code="children_cancelled", status=409)
-                cur = await conn.execute(self._db.q["children_requeue_failed"],
-                                         {"id": job_id, "step": join["step"]})
-                await outbox.insert(conn, [requested(c) for c in await cur.fetchall()])
+                cur = await conn.execute(self._db.q["children_requeue_failed"], {
+                    "id": job_id, "step": join["step"],
+                    "in_flight": self._children_in_flight})
+                await self._send_children(conn, job_id, await cur.fetchall())
                 return Redriven(row["id"], row["step"], row["round"])
             # Through the one job.requested builder: a redriven job keeps its lane.
             await outbox.insert(conn, [requested(row)])
         return Redriven(row["id"], row["step"], row["round"])
+
+    async def _send_children(self, conn: Any, parent_id: uuid.UUID,
+                             children: list[DictRow]) -> None:
+        """Each requeued child's job.requested: into the outbox, or, for one past the
+        in-flight limit (children_requeue_failed held it), into job_held_children."""
+        go, held = [], []
+        for child in children:
+            event = requested(child)
+            if child["waiting_reason"] == PARENT_IN_FLIGHT:
+                held.append({"job_id": str(child["id"]), "child_index": child["child_index"],
+                             "route": event.route, "payload": event.payload,
+                             "headers": event.headers})
+            else:
+                go.append(event)
+        if go:
+            await outbox.insert(conn, go)
+        if held:
+            await conn.execute(self._db.q["children_hold_requeued"],
+                               {"parent_id": parent_id, "rows": Jsonb(held)})
 
 
 def _keyset(filters: Mapping[str, Any], after: tuple[datetime, uuid.UUID] | None

@@ -151,16 +151,46 @@ FROM j, parent
 WHERE jj.parent_id = j.parent_id AND jj.step = j.step
 RETURNING jj.step, jj.policy, jj.k, jj.n, jj.succeeded, jj.failed;
 
+-- name: children_hold_settling
+-- A redriven parent's children that have not ended (and are not held), locked in id order
+-- (the order finish_attempts and claim lock jobs in) before the join is re-armed and the
+-- failed ones are queued again: a child ends only after this transaction commits, so its
+-- settle (calmq_settle_child) sees the re-armed join and the children this redrive held,
+-- and releases the next of them. Without it, the last children in flight could end between
+-- children_requeue_failed's count and the commit, releasing nothing (the held rows not
+-- committed yet), and leave the held ones waiting for ever; and a child ending meanwhile
+-- would be missed by children_rearm's count. A job with no children reads one index entry.
+SELECT c.id FROM jobs c
+WHERE c.parent_id = %(id)s AND c.status NOT IN ('completed', 'dead_letter', 'cancelled')
+  AND c.waiting_reason IS DISTINCT FROM 'parent_in_flight'
+ORDER BY c.id
+FOR SHARE;
+
 -- name: children_requeue_failed
--- The re-armed join's dead-lettered children queued again from the step they failed at, each with the history saying why; the caller writes
--- their job.requested in this transaction. The whole rows: job.requested is filled from them.
--- Their attempts are kept aside by round, as dlq_requeue keeps a redriven job's (the new
--- round's attempts start at 1 again).
-WITH again AS (
-    UPDATE jobs c SET status = 'queued', attempt = 0, error = NULL, waiting_reason = NULL,
-                      lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+-- The re-armed join's dead-lettered children queued again from the step they failed at,
+-- each with the history saying why; the caller writes their job.requested in this
+-- transaction. The whole rows: job.requested is filled from them. Their attempts are kept
+-- aside by round, as dlq_requeue keeps a redriven job's (the new round's attempts start at
+-- 1 again). As at a spawn (insert_children), at most in_flight (children_in_flight_max)
+-- of the parent's children are in flight: those still running count, and the failed ones
+-- past the room left wait (parent_in_flight, in input order) for the caller to put their
+-- job.requested in job_held_children (children_hold_requeued), released one by one as
+-- earlier children end.
+WITH running AS (
+    SELECT count(*) AS n FROM jobs c
+    WHERE c.parent_id = %(id)s AND c.status NOT IN ('completed', 'dead_letter', 'cancelled')
+      AND c.waiting_reason IS DISTINCT FROM 'parent_in_flight'
+), failed AS (
+    SELECT c.id, row_number() OVER (ORDER BY c.child_index) AS k FROM jobs c
     WHERE c.parent_id = %(id)s AND c.parent_step = %(step)s AND c.status = 'dead_letter'
       AND c.redacted_at IS NULL
+), again AS (
+    UPDATE jobs c SET status = 'queued', attempt = 0, error = NULL,
+                      waiting_reason = CASE WHEN f.k > GREATEST(%(in_flight)s - r.n, 0)
+                                            THEN 'parent_in_flight' END,
+                      lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+    FROM failed f, running r
+    WHERE c.id = f.id AND c.status = 'dead_letter'
     RETURNING c.*
 ), round AS (
     SELECT a.id, (SELECT count(*) + 1 FROM job_events e
@@ -181,3 +211,12 @@ WITH again AS (
     FROM again a JOIN round r ON r.id = a.id
 )
 SELECT * FROM again ORDER BY child_index;
+
+-- name: children_hold_requeued
+-- The redriven children past the in-flight limit (children_requeue_failed): their
+-- job.requested (rows as a JSON array) waits here as a spawn's held children's do, and
+-- calmq_settle_child releases them in input order as earlier children end.
+INSERT INTO job_held_children (job_id, parent_id, child_index, route, payload, headers)
+SELECT r.job_id, %(parent_id)s, r.child_index, r.route, r.payload, COALESCE(r.headers, '{}')
+FROM jsonb_to_recordset(%(rows)s::jsonb)
+     AS r(job_id uuid, child_index integer, route text, payload jsonb, headers jsonb);

@@ -275,7 +275,8 @@ class ConsoleData:
     # -- dead letters ------------------------------------------------------------------------
 
     def _dead(self) -> DeadLetters:
-        return DeadLetters(self.store, workflows=self.workflows, objects=self.objects)
+        return DeadLetters(self.store, workflows=self.workflows, objects=self.objects,
+                           children_in_flight=self.settings.children_in_flight_max)
 
     async def dead_letter_groups(self, scope: uuid.UUID | None) -> list[DeadLetterGroup]:
         return await self._dead().summary(DeadLetterFilter(tenant_id=scope))

@@ -42,7 +42,8 @@ async def redrive_dead_letter(request: web.Request) -> web.Response:
     check_note("reason", req.reason, most)
     check_note("by", req.by, most)
     dead = DeadLetters(request.app[STORE], workflows=request.app[WORKFLOWS],
-                       objects=request.app[OBJECTS])
+                       objects=request.app[OBJECTS],
+                       children_in_flight=request.app[SETTINGS].children_in_flight_max)
     # Who redrove is the key that called, not what the body claims (an audit field).
     [outcome] = await dead.redrive([ident], by=caller.identity, note=req.by,
                                    reason=req.reason, tenant_id=caller.id, dry_run=req.dry_run)

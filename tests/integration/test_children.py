@@ -62,7 +62,8 @@ def fanout(stack: StackState) -> Iterator[Fanout]:
         create_pool_topics(stack.env["CALMQ_KAFKA_BOOTSTRAP"], POOL, ["1s"], partitions=4)
         settings = {"workflow_modules": "tests.support.fanout_workflows",
                     "provider_url": url, "retry_tiers": "1s"}
-        api = procs.api(**settings)
+        # The API's limit too: a redrive of a parent queues its failed children under it.
+        api = procs.api(**settings, children_in_flight_max=str(IN_FLIGHT))
         procs.worker(POOL, concurrency="32", workflow_modules=settings["workflow_modules"],
                      provider_url=url, retry_tiers="1s",
                      children_in_flight_max=str(IN_FLIGHT))
@@ -279,6 +280,60 @@ def test_redriving_the_parent_reruns_only_its_failed_children(fanout: Fanout) ->
     types = [e["type"] for e in _events(fanout, parent)]
     assert types.count("children_joined") == 1
     assert types.count("children_spawned") == 1
+
+
+def test_a_redriven_parent_keeps_its_failed_children_under_the_in_flight_limit(
+        fanout: Fanout) -> None:
+    """Redriving a parent with more failed children than children_in_flight_max queues at
+    most that many at once (the rest wait, parent_in_flight, and go as earlier ones end),
+    and every child ends completed."""
+    n = 3 * IN_FLIGHT + 1
+    parent = _submit(fanout, texts=[f"again {i}" for i in range(n)], modes=["flaky"] * n,
+                     delays=[400] * n)
+    assert _finished(fanout, parent)["status"] == "dead_letter"
+    wait_for(lambda: [k["status"] for k in _children(fanout, parent)] == ["dead_letter"] * n,
+             timeout=90, what="every child to fail (each after its first call)")
+    redriven_at = _rows(fanout, "SELECT now() AS at")[0]["at"]
+    status, _h, body = fanout.api.call("POST", f"/v1/dead-letters/{parent}/redrive",
+                                       {"reason": "the provider is back"})
+    assert status == 200, body
+    samples: list[dict[str, Any]] = []
+
+    def sample() -> bool:
+        row = _rows(fanout, (
+            "SELECT count(*) FILTER (WHERE status IN ('queued', 'running', 'retrying')"
+            "                        AND waiting_reason IS DISTINCT FROM 'parent_in_flight')"
+            "         AS in_flight,"
+            "       count(*) FILTER (WHERE waiting_reason = 'parent_in_flight') AS held,"
+            "       count(*) FILTER (WHERE status = 'completed') AS completed,"
+            "       (SELECT count(*) FROM job_held_children h WHERE h.parent_id = %s) AS rows"
+            " FROM jobs WHERE parent_id = %s"), parent, parent)[0]
+        samples.append(row)
+        return bool(row["completed"] == n)
+
+    wait_for(sample, timeout=120,
+             what="every redriven child to complete, never more than the limit in flight")
+    assert max(s["in_flight"] for s in samples) <= IN_FLIGHT, samples
+    # The first look, right after the redrive: the children past the limit waited.
+    assert samples[0]["held"] >= n - IN_FLIGHT - 1, samples[0]
+    assert samples[0]["rows"] == samples[0]["held"], samples[0]
+    assert _finished(fanout, parent)["status"] == "completed"
+    assert _rows(fanout, "SELECT count(*) AS n FROM job_held_children WHERE parent_id = %s",
+                 parent)[0]["n"] == 0
+    # The same from the attempts of the redrive's round: never more than the limit at once.
+    spans = _rows(fanout, "SELECT a.started_at, a.finished_at FROM job_attempts a"
+                          " JOIN jobs j ON j.id = a.job_id"
+                          " WHERE j.parent_id = %s AND a.started_at >= %s", parent, redriven_at)
+    assert len(spans) == n
+    edges = sorted([(r["started_at"], 1) for r in spans]
+                   + [(r["finished_at"], -1) for r in spans], key=lambda e: (e[0], e[1]))
+    now = most = 0
+    for _at, step in edges:
+        now += step
+        most = max(most, now)
+    assert most <= IN_FLIGHT
+    by_job = fake_stats(fanout.provider)["by_job"]
+    assert [by_job[k["id"]]["calls"] for k in _children(fanout, parent)] == [2] * n
 
 
 def test_the_api_pages_through_a_jobs_children_and_each_names_its_parent(fanout: Fanout) -> None:
