@@ -195,6 +195,16 @@ class Usage(BaseModel):
     input_tokens: int
     output_tokens: int
     cost_usd: float
+    cached_input_tokens: int = Field(
+        default=0, description="of input_tokens, those the provider read from its prompt "
+                               "cache (billed at the cached price)")
+    cache_write_tokens: int = Field(
+        default=0, description="of input_tokens, those written to the provider's prompt "
+                               "cache (Anthropic's cache writes, billed at its write price)")
+    cache_saved_usd: float = Field(
+        default=0.0, description="what the prompt cache saved against the same calls "
+                                 "uncached (cache writes above the input price count "
+                                 "against it)")
 
 
 class JobSummary(BaseModel):

@@ -73,7 +73,10 @@ def job_view(job: JobDetail) -> dict[str, Any]:
 def _usage(job: JobDetail) -> dict[str, Any]:
     return {"input_tokens": int(job.input_tokens or 0),
             "output_tokens": int(job.output_tokens or 0),
-            "cost_usd": float(job.cost_usd or 0)}
+            "cost_usd": float(job.cost_usd or 0),
+            "cached_input_tokens": int(job.cached_input_tokens or 0),
+            "cache_write_tokens": int(job.cache_write_tokens or 0),
+            "cache_saved_usd": float(job.cache_saved_usd or 0)}
 
 
 def review_item(review: PendingReview) -> dict[str, Any]:

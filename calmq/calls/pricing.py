@@ -11,7 +11,8 @@ Prices come from two places, the first that knows the model wins:
    ``CALMQ_PRICES_TABLE=false``.
 
 Cached input tokens are priced at the cached column (OpenAI's ``cached_tokens``,
-Anthropic's cache reads); reasoning tokens are output tokens (both providers bill them so and
+Anthropic's cache reads), Anthropic's cache writes at the cache-write column (the table's
+``cache_write`` price); reasoning tokens are output tokens (both providers bill them so and
 count them in the output); the batch APIs charge ``BATCH_DISCOUNT`` of the online price
 unless a batch column is set; the service tier the provider says it served picks the
 table's price for that tier. A model neither place prices costs 0, is named by
@@ -53,6 +54,9 @@ class ModelPrice(BaseModel):
     output: float = Field(ge=0)
     # Input tokens served from the provider's prompt cache; None: the input price.
     cached_input: float | None = Field(default=None, ge=0)
+    # Input tokens written to the prompt cache (Anthropic bills a write at 1.25 times the
+    # input price); None: the input price.
+    cache_write_input: float | None = Field(default=None, ge=0)
     # The batch APIs' price (the batch column); None: BATCH_DISCOUNT of the online price.
     batch_input: float | None = Field(default=None, ge=0)
     batch_output: float | None = Field(default=None, ge=0)
@@ -108,8 +112,9 @@ def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
             return None  # the table would price it at the standard price: not known
         full = per_million(input_tokens=_UNIT)
         cached = per_million(input_tokens=_UNIT, cache_read_tokens=_UNIT)
+        written = per_million(input_tokens=_UNIT, cache_write_tokens=_UNIT)
         return ModelPrice(input=full, output=per_million(output_tokens=_UNIT),
-                          cached_input=cached)
+                          cached_input=cached, cache_write_input=written)
     except (LookupError, ValueError):
         return None
 
@@ -195,10 +200,11 @@ def _missing(provider: str, model: str) -> float:
 def cost_usd(
     prices: Mapping[str, ModelPrice], provider: str, model: str, input_tokens: int,
     output_tokens: int, *, cached_input_tokens: int = 0, service_tier: str | None = None,
-    requested_tier: str | None = None, table: bool = True,
+    requested_tier: str | None = None, table: bool = True, cache_write_tokens: int = 0,
 ) -> float:
     """The cost of one call in USD at the tier that served it (``service_tier``, from the
-    answer); 0 for a model without a price. ``input_tokens`` includes the cached ones;
+    answer); 0 for a model without a price. ``input_tokens`` includes the cached ones and
+    those written to the cache (``cache_write_tokens``, at the cache-write price);
     ``output_tokens`` includes reasoning tokens. When the call asked for a tier
     (``requested_tier``) and was served at one other than the standard, that tier's price
     must be known: ConfigError ``unpriced_tier`` otherwise."""
@@ -209,9 +215,12 @@ def cost_usd(
     if price is None:
         return _missing(provider, model)
     cached = min(max(0, cached_input_tokens), input_tokens)
+    written = min(max(0, cache_write_tokens), input_tokens - cached)
     cached_price = price.cached_input if price.cached_input is not None else price.input
-    return ((input_tokens - cached) * price.input + cached * cached_price
-            + output_tokens * price.output) / _MILLION
+    write_price = price.cache_write_input if price.cache_write_input is not None \
+        else price.input
+    return ((input_tokens - cached - written) * price.input + cached * cached_price
+            + written * write_price + output_tokens * price.output) / _MILLION
 
 
 def batch_cost_usd(

@@ -21,7 +21,8 @@ from calmq.data.outbox import OutboxEntry
 __all__ = ["Attempts", "Finish"]
 
 _NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0,
-             "model": None}
+             "model": None, "cached_input_tokens": 0, "cache_write_tokens": 0,
+             "cache_saved_usd": 0.0}
 
 
 @dataclass(slots=True)
@@ -47,8 +48,9 @@ class Finish:
     # A workflow step's output to record with the move (calmq/workflows, wf_record_step_output):
     # {state, output, confidence, review_deadline_at, next_pool, next_max_attempts}.
     record: dict[str, Any] | None = None
-    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd, model}
-    # (model: the one that served its last call, calmq.calls.fallback).
+    # The attempt's model calls: {model_calls, input_tokens, output_tokens, cost_usd, model,
+    # cached_input_tokens, cache_write_tokens, cache_saved_usd} (model: the one that served
+    # its last call, calmq.calls.fallback; the cache's: calmq.calls.caching).
     usage: dict[str, Any] | None = None
     # Why the job waits in its next status (a spawning step: "children", with ``spawn`` the
     # children and the join written in the same transaction, calmq.data.children).

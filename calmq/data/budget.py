@@ -78,6 +78,11 @@ class Usage:
     output_tokens: int
     cost_usd: float
     model_calls: int
+    # Of the input: read from and written to the provider's prompt cache, and what the
+    # cache saved (calmq.calls.caching).
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
+    cache_saved_usd: float = 0.0
 
 
 class BudgetLedger:

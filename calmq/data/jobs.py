@@ -179,6 +179,11 @@ class JobDetail(JobSnapshot):
     parent_id: uuid.UUID | None = None
     # The job this one reruns from a step (calmq.reruns); None: not a rerun.
     rerun_of: uuid.UUID | None = None
+    # Of input_tokens: read from and written to the provider's prompt cache, and what the
+    # cache saved (calmq.calls.caching); a query without the columns keeps 0.
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
+    cache_saved_usd: Decimal = Decimal(0)
 
 
 @dataclass(frozen=True, slots=True)

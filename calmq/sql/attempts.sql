@@ -23,6 +23,7 @@ WITH input AS (
               next_step text, reset_attempt boolean, waiting_reason text, outbox jsonb,
               model_calls integer,
               input_tokens bigint, output_tokens bigint, cost_usd float8, model text,
+              cached_input_tokens bigint, cache_write_tokens bigint, cache_saved_usd float8,
               ord bigint)
          JOIN jobs k ON k.id = r.job_id
 ), target AS (
@@ -47,6 +48,11 @@ WITH input AS (
                       input_tokens = j.input_tokens + i.input_tokens,
                       output_tokens = j.output_tokens + i.output_tokens,
                       cost_usd = j.cost_usd + i.cost_usd,
+                      cached_input_tokens = j.cached_input_tokens
+                                            + COALESCE(i.cached_input_tokens, 0),
+                      cache_write_tokens = j.cache_write_tokens
+                                           + COALESCE(i.cache_write_tokens, 0),
+                      cache_saved_usd = j.cache_saved_usd + COALESCE(i.cache_saved_usd, 0),
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
@@ -60,6 +66,12 @@ WITH input AS (
                               input_tokens = a.input_tokens + i.input_tokens,
                               output_tokens = a.output_tokens + i.output_tokens,
                               cost_usd = a.cost_usd + i.cost_usd,
+                              cached_input_tokens = a.cached_input_tokens
+                                                    + COALESCE(i.cached_input_tokens, 0),
+                              cache_write_tokens = a.cache_write_tokens
+                                                   + COALESCE(i.cache_write_tokens, 0),
+                              cache_saved_usd = a.cache_saved_usd
+                                                + COALESCE(i.cache_saved_usd, 0),
                               model = COALESCE(i.model, a.model)
     FROM input i JOIN moved m ON m.id = i.job_id
     -- the attempt's partitions: from its job's creation on (jobs.sql, job_events)

@@ -43,14 +43,20 @@ WHERE provider = %(provider)s AND model = %(model)s;
 WITH job AS (
     UPDATE jobs SET input_tokens = input_tokens + %(input_tokens)s,
                     output_tokens = output_tokens + %(output_tokens)s,
-                    cost_usd = cost_usd + %(cost_usd)s
+                    cost_usd = cost_usd + %(cost_usd)s,
+                    cached_input_tokens = cached_input_tokens + %(cached_input_tokens)s,
+                    cache_write_tokens = cache_write_tokens + %(cache_write_tokens)s,
+                    cache_saved_usd = cache_saved_usd + %(cache_saved_usd)s
     WHERE id = %(job_id)s
     RETURNING id, step, attempt, created_at
 )
 UPDATE job_attempts a SET model_calls = a.model_calls + %(model_calls)s,
                           input_tokens = a.input_tokens + %(input_tokens)s,
                           output_tokens = a.output_tokens + %(output_tokens)s,
-                          cost_usd = a.cost_usd + %(cost_usd)s
+                          cost_usd = a.cost_usd + %(cost_usd)s,
+                          cached_input_tokens = a.cached_input_tokens + %(cached_input_tokens)s,
+                          cache_write_tokens = a.cache_write_tokens + %(cache_write_tokens)s,
+                          cache_saved_usd = a.cache_saved_usd + %(cache_saved_usd)s
 FROM job WHERE a.job_id = job.id AND a.step = job.step AND a.attempt = job.attempt
   AND a.started_at >= job.created_at;  -- its partitions: from the job's creation on
 

@@ -89,7 +89,8 @@ FROM job j JOIN src s ON s.id = j.id;
 -- name: job_for_tenant
 -- calmq.data.jobs.JobDetail's columns (its events: job_events)
 SELECT id, parent_id, workflow, status, attempt, step, artifact, error, created_at, updated_at,
-       metadata, input_tokens, output_tokens, cost_usd, waiting_reason, rerun_of
+       metadata, input_tokens, output_tokens, cost_usd, waiting_reason, rerun_of,
+       cached_input_tokens, cache_write_tokens, cache_saved_usd
 FROM jobs WHERE id = %(id)s AND tenant_id = %(tenant_id)s;
 
 -- name: job_events

@@ -374,6 +374,7 @@ async def test_admin_reset_clears_counters_and_windows(make_client: MakeClient) 
         "flex_refused": 0,
         "cached_input_tokens": 0,
         "cache_creation_input_tokens": 0,
+        "billed": {},
     }
     assert (await chat(client, {"text": TEXT, "mode": "flaky", "fail_times": 1}))[0] == 503
 

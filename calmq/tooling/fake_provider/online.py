@@ -61,6 +61,8 @@ _VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confide
 _COUNTED_MODES: Final = frozenset({"flaky", "stream_break", "stream_error"})
 _KEPT_STREAMS: Final = 5_000
 _KEPT_CALLS: Final = 20_000  # /admin/calls: the latest calls' arrival times
+_BILLED: Final = ("input_tokens", "cached_input_tokens", "cache_creation_input_tokens",
+                  "output_tokens")
 _KEPT_REFUSALS: Final = 50
 
 
@@ -111,6 +113,9 @@ class Online:
         self.flex_refused = 0
         self.cached_input_tokens = 0
         self.cache_written_tokens = 0
+        # The usage this provider would bill, per job and model: [prompt tokens (all of
+        # them), read from the cache, written to it, completion tokens] (/stats "billed").
+        self._billed: dict[str, dict[str, list[int]]] = {}
 
     @property
     def _latency(self) -> float:
@@ -209,15 +214,20 @@ class Online:
                     "completion_tokens_details": {"reasoning_tokens": 0},
                 },
             }
-        self._served(call)
+        self._served(call, completion_tokens)
         return self._respond(200, payload, headers)
 
-    def _served(self, call: Call) -> None:
-        """Count an answered call under its served tier and its cached input (/stats)."""
+    def _served(self, call: Call, output_tokens: int) -> None:
+        """Count an answered call under its served tier and its cached input, and its usage
+        under its job and model (/stats)."""
         tier = "standard" if call.anthropic else call.served_tier
         self._by_tier[tier] = self._by_tier.get(tier, 0) + 1
         self.cached_input_tokens += call.cached_tokens
         self.cache_written_tokens += call.cache_written_tokens
+        billed = self._billed.setdefault(call.job_id, {}).setdefault(call.model, [0, 0, 0, 0])
+        for n, tokens in enumerate((call.prompt_tokens, call.cached_tokens,
+                                    call.cache_written_tokens, output_tokens)):
+            billed[n] += tokens
 
     def _tiered(self, call: Call, body: dict[str, Any]) -> web.Response | None:
         """Set the call's served tier and cached input; the refusal of a flex call that
@@ -440,7 +450,7 @@ class Online:
                                   "ended_at": None, "tokens": 0, "broken": breaking}
         self._streams.append(record)
         self._status_counts[200] = self._status_counts.get(200, 0) + 1
-        self._served(call)
+        self._served(call, len(tokens))
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             **(headers or {})})
@@ -603,6 +613,12 @@ class Online:
                 "flex_refused": self.flex_refused,
                 "cached_input_tokens": self.cached_input_tokens,
                 "cache_creation_input_tokens": self.cache_written_tokens,
+                # What each job's answered calls would be billed for, per model: input
+                # tokens (the cached and written ones included), of them read from and
+                # written to the cache, and output tokens.
+                "billed": {job: {model: dict(zip(_BILLED, usage, strict=True))
+                                 for model, usage in models.items()}
+                           for job, models in self._billed.items()},
             }
         )
 
@@ -632,6 +648,7 @@ class Online:
         self._streams.clear()
         self._by_tier.clear()
         self.flex_refused = self.cached_input_tokens = self.cache_written_tokens = 0
+        self._billed.clear()
         self._caching.clear()
         if self._limiter is not None:
             self._limiter.reset()

@@ -34,6 +34,12 @@ export interface Usage {
   input_tokens: number;
   output_tokens: number;
   cost_usd: number;
+  /** Of input_tokens: read from the provider's prompt cache (billed at the cached price). */
+  cached_input_tokens?: number;
+  /** Of input_tokens: written to the prompt cache (Anthropic's cache writes). */
+  cache_write_tokens?: number;
+  /** What the prompt cache saved against the same calls uncached. */
+  cache_saved_usd?: number;
 }
 
 /** One entry of a job's history. */
