@@ -8,7 +8,8 @@ and vectors), then redacts its row and every row about it (calmq.data.retention'
 responses, webhook URLs and errors, idempotency keys, unpublished events), keeping ids,
 times, statuses and token/cost numbers for audit and accounting. Objects first: if the
 process dies in between, the row still names them and the next purge finishes the work;
-the reverse order could leave objects nobody points at.
+the reverse order could leave objects nobody points at. A job's descendants (child jobs,
+at every level) go before it, a batch at a time, deepest first (``_purge_children``).
 
 The retention sweep does the same for every terminal job past retention, a batch of a
 thousand at a time (one statement per table for the batch), except for the history rows:
@@ -29,7 +30,7 @@ from functools import cache
 
 from prometheus_client import Counter
 
-from calmq.data import Database, Jobs
+from calmq.data import Database
 from calmq.data.children import Children
 from calmq.data.partitions import HistoryPartitions
 from calmq.data.retention import ExpiredJob, JobData, Retention
@@ -73,16 +74,38 @@ async def purge(db: Database, objects: ObjectStore, settings: Settings,
     await retention.redact(tenant_id, job_id)
 
 
+# A deleted job's descendants are purged this many at a time: a batch's objects deleted
+# (this many deletions at once), then its rows redacted in one transaction of a statement
+# per table; a job with 500 children costs the statements of one batch, not 500 purges.
+_TREE_BATCH = 1000
+_OBJECT_DELETES = 16
+
+
 async def _purge_children(db: Database, objects: ObjectStore, settings: Settings,
                           tenant_id: uuid.UUID, job_id: uuid.UUID) -> None:
-    children, jobs = Children(db), Jobs(db)
-    after = -1
-    while page := await children.page(tenant_id, job_id, after=after, limit=500):
-        for child in page:
-            if child.status not in TERMINAL:
-                await jobs.cancel(tenant_id, child.id, by="its parent was deleted")
-            await purge(db, objects, settings, tenant_id, child.id)
-        after = page[-1].index
+    """Every descendant of the job, at every level, set-based: those not ended cancelled in
+    one transaction (with their job.result, as a cancel of each writes it), then a batch at
+    a time, deepest first, their objects deleted and their rows redacted. A purge that dies
+    half way leaves no redacted job with a descendant that is not, and a repeat (which lists
+    the redacted ones again) finishes it."""
+    retention = Retention(db)
+    await Children(db).cancel_tree(tenant_id, job_id, by="its parent was deleted")
+    tree = await retention.tree(tenant_id, job_id)
+    room = asyncio.Semaphore(_OBJECT_DELETES)
+
+    async def objects_of(job: ExpiredJob) -> None:
+        async with room:
+            await delete_objects(objects, settings, tenant_id, job.job_id, job.data)
+
+    for start in range(0, len(tree), _TREE_BATCH):
+        batch = await retention.jobs_data(tenant_id, tree[start:start + _TREE_BATCH])
+        left = [job for job in batch if job.data.status not in TERMINAL]
+        if left:  # started after the cancel (a spawn that committed in between): not yet
+            raise ContractError(f"a child job of it ({left[0].job_id}) is "
+                                f"{left[0].data.status}; delete the job again",
+                                code="job_not_terminal", status=409)
+        await asyncio.gather(*(objects_of(job) for job in batch))
+        await retention.redact_tree(tenant_id, [job.job_id for job in batch])
 
 
 async def delete_objects(objects: ObjectStore, settings: Settings, tenant_id: uuid.UUID,

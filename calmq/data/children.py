@@ -17,7 +17,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from calmq import events, topics
 from calmq.data.database import Database
+from calmq.data.outbox import entry
+from calmq.jobs import Status
 
 __all__ = ["ChildOutcome", "ChildRows", "ChildView", "Children", "ChildrenSummary"]
 
@@ -132,6 +135,24 @@ class Children:
         return [ChildView(r["id"], r["child_index"], r["workflow"], r["status"], r["attempt"],
                           r["step"], r["artifact"], r["error"], r["created_at"],
                           r["updated_at"]) for r in rows]
+
+    async def cancel_tree(self, tenant_id: uuid.UUID, job_id: uuid.UUID, by: str
+                          ) -> list[uuid.UUID]:
+        """Cancel every descendant of the tenant's job that has not ended, at every level,
+        in one transaction of two statements: the cancels with their history
+        (children_cancel_tree) and each one's job.result (children_results), as a cancel of
+        each would write them. Returns the ids cancelled."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["children_cancel_tree"],
+                                     {"id": job_id, "tenant_id": tenant_id, "by": by})
+            rows = await cur.fetchall()
+            if rows:
+                results = [entry(topics.RESULTS_ROUTE, "job.result",
+                                 events.result(r, Status.CANCELLED), key=r["id"],
+                                 trace_parent=r["trace_parent"]).as_json(n)
+                           for n, r in enumerate(rows)]
+                await conn.execute(self._db.q["children_results"], {"rows": Jsonb(results)})
+        return [r["id"] for r in rows]
 
     async def summary(self, tenant_id: uuid.UUID, parent_id: uuid.UUID) -> ChildrenSummary:
         async with self._db.pool.connection() as conn:

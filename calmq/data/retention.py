@@ -200,16 +200,56 @@ class Retention:
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._db.q["retention_expired_jobs"],
                                      {"retention_seconds": retention_seconds, "limit": limit})
+            return await self._with_data(conn, await cur.fetchall())
+
+    async def tree(self, tenant_id: uuid.UUID, job_id: uuid.UUID) -> list[uuid.UUID]:
+        """Every descendant of the tenant's job (children, theirs, ...), deepest first."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["retention_tree"],
+                                     {"id": job_id, "tenant_id": tenant_id})
+            return [r["id"] for r in await cur.fetchall()]
+
+    async def jobs_data(self, tenant_id: uuid.UUID, job_ids: list[uuid.UUID]
+                        ) -> list[ExpiredJob]:
+        """What a purge reads of each of a batch of the tenant's jobs (three statements)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["retention_jobs_by_id"],
+                                     {"ids": job_ids, "tenant_id": tenant_id})
+            return await self._with_data(conn, await cur.fetchall())
+
+    async def redact_tree(self, tenant_id: uuid.UUID, job_ids: list[uuid.UUID]
+                          ) -> list[uuid.UUID]:
+        """``redact`` for a batch of the tenant's jobs (a deleted job's descendants), in one
+        transaction, a statement per table for the whole batch; returns the ids redacted
+        (a job not terminal is not)."""
+        async with self._db.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(self._db.q["retention_redact_tree_jobs"],
+                                     {"ids": job_ids, "tenant_id": tenant_id})
             rows = await cur.fetchall()
             if not rows:
                 return []
-            ids = [r["id"] for r in rows]
-            cur = await conn.execute(self._db.q["retention_jobs_documents"], {"ids": ids})
-            outputs = await cur.fetchall()
-            cur = await conn.execute(self._db.q["retention_jobs_attempt_versions"], {
-                "ids": ids, "since": min(r["created_at"] for r in rows),
-                "until": max(r["updated_at"] for r in rows)})
-            versions = await cur.fetchall()
+            redacted = [r["id"] for r in rows]
+            since = min(r["created_at"] for r in rows)
+            for name in ("retention_redact_many_events", "retention_redact_many_attempts"):
+                await conn.execute(self._db.q[name], {"ids": redacted, "since": since})
+            for name in _BATCH_REDACTIONS:
+                await conn.execute(self._db.q[name], {
+                    "ids": [str(i) for i in redacted] if name.endswith("outbox")
+                    else redacted})
+        return redacted
+
+    async def _with_data(self, conn: Any, rows: list[Any]) -> list[ExpiredJob]:
+        """``rows`` (retention_expired_jobs' columns), each with its step outputs and its
+        attempts' fencing tokens, read for the whole batch in two statements."""
+        if not rows:
+            return []
+        ids = [r["id"] for r in rows]
+        cur = await conn.execute(self._db.q["retention_jobs_documents"], {"ids": ids})
+        outputs = await cur.fetchall()
+        cur = await conn.execute(self._db.q["retention_jobs_attempt_versions"], {
+            "ids": ids, "since": min(r["created_at"] for r in rows),
+            "until": max(r["updated_at"] for r in rows)})
+        versions = await cur.fetchall()
         steps: dict[uuid.UUID, list[str]] = {i: [] for i in ids}
         documents: dict[uuid.UUID, list[Any]] = {i: [] for i in ids}
         for o in outputs:

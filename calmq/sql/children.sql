@@ -220,3 +220,45 @@ INSERT INTO job_held_children (job_id, parent_id, child_index, route, payload, h
 SELECT r.job_id, %(parent_id)s, r.child_index, r.route, r.payload, COALESCE(r.headers, '{}')
 FROM jsonb_to_recordset(%(rows)s::jsonb)
      AS r(job_id uuid, child_index integer, route text, payload jsonb, headers jsonb);
+
+-- name: children_cancel_tree
+-- Every descendant of %(id)s (the tenant's, at every level) that has not ended, cancelled
+-- in one statement when the job is deleted (producers.retention.purge), each with its
+-- history saying why; the caller writes their job.result (children_results) in this
+-- transaction. The rows are locked in id order first, as finish_attempts and claim lock
+-- jobs, so a group commit finishing some of them waits rather than deadlocks. The cascade
+-- (calmq_cascade_parent) then finds their children cancelled already and closes their
+-- joins; calmq_settle_child counts them once per join and drops the held ones' rows.
+WITH RECURSIVE tree AS (
+    SELECT id FROM jobs WHERE parent_id = %(id)s AND tenant_id = %(tenant_id)s
+    UNION ALL
+    SELECT j.id FROM jobs j JOIN tree t ON j.parent_id = t.id
+    WHERE j.tenant_id = %(tenant_id)s
+), locked AS (
+    SELECT j.id FROM jobs j JOIN tree t ON t.id = j.id
+    WHERE j.status NOT IN ('completed', 'dead_letter', 'cancelled')
+    ORDER BY j.id
+    FOR UPDATE OF j
+), cancelled AS (
+    UPDATE jobs j SET status = 'cancelled', lease_owner = NULL, lease_expires_at = NULL,
+                      waiting_until = NULL, updated_at = now()
+    FROM locked l
+    WHERE j.id = l.id AND j.status NOT IN ('completed', 'dead_letter', 'cancelled')
+    RETURNING j.id, j.tenant_id, j.workflow, j.step, j.attempt, j.trace_parent, j.parent_id,
+              j.metadata, j.workflow_version
+), event AS (
+    INSERT INTO job_events (job_id, type, attempt, detail)
+    SELECT id, 'cancelled', attempt,
+           jsonb_build_object('by', %(by)s::text, 'parent_id', parent_id::text)
+    FROM cancelled
+)
+SELECT * FROM cancelled ORDER BY id;
+
+-- name: children_results
+-- Outbox rows (a JSON array of OutboxEntry.as_json) in one statement, in their order: the
+-- job.result of each child children_cancel_tree cancelled.
+INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers)
+SELECT r.id, r.route, r.key, r.type, r.payload, r.headers
+FROM jsonb_to_recordset(%(rows)s::jsonb)
+     AS r(id uuid, route text, key text, type text, payload jsonb, headers jsonb, n integer)
+ORDER BY r.n;

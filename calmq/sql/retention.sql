@@ -207,3 +207,58 @@ UPDATE batch_jobs SET request = '{}'::jsonb WHERE job_id = %(id)s AND request <>
 UPDATE provider_batches SET next_poll_at = now()
 WHERE key IN (SELECT batch_key FROM batch_jobs WHERE job_id = %(id)s)
   AND (state IN ('creating', 'submitted') OR files_deleted_at IS NULL);
+
+-- A purge of a job with children (DELETE /v1/jobs/{id}, producers.retention): its
+-- descendants, at every level, are purged a batch at a time with the statements of a
+-- retention batch, plus the history rows a purge on request redacts at once; a parent is
+-- never redacted before its descendants (deepest first, the job itself last).
+
+-- name: retention_tree
+-- Every descendant of the tenant's job (its children, theirs, ...), deepest first: a purge
+-- that dies half way leaves no redacted job whose descendants are not, and a repeat finds
+-- them all again (redacted ones too: the work is idempotent).
+WITH RECURSIVE tree AS (
+    SELECT id, 1 AS depth FROM jobs WHERE parent_id = %(id)s AND tenant_id = %(tenant_id)s
+    UNION ALL
+    SELECT j.id, t.depth + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id
+    WHERE j.tenant_id = %(tenant_id)s
+)
+SELECT id FROM tree ORDER BY depth DESC, id;
+
+-- name: retention_jobs_by_id
+-- A batch of the tenant's jobs as retention_expired_jobs reads them (a purge's batch of
+-- descendants).
+SELECT id, tenant_id, status, input_ref, artifact, redacted_at, created_at, updated_at
+FROM jobs
+WHERE id = ANY(%(ids)s::uuid[]) AND tenant_id = %(tenant_id)s;
+
+-- name: retention_redact_tree_jobs
+-- retention_redact_job for a batch of the tenant's terminal jobs, locked in id order (as
+-- claim and finish_attempts lock jobs): a repeat redoes the work without moving the times.
+-- Returns the ids redacted and the earliest creation among them (the history's bound).
+WITH locked AS (
+    SELECT id FROM jobs WHERE id = ANY(%(ids)s::uuid[]) AND tenant_id = %(tenant_id)s
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE jobs SET input = NULL, input_ref = NULL, metadata = '{}', callback_url = NULL,
+                artifact = NULL,
+                error = CASE WHEN error IS NULL THEN NULL
+                             ELSE jsonb_build_object('code', error->'code', 'class',
+                                                     error->'class', 'message', 'redacted') END,
+                errors = '[]',
+                updated_at = CASE WHEN redacted_at IS NULL THEN now() ELSE updated_at END,
+                redacted_at = COALESCE(redacted_at, now())
+WHERE id IN (SELECT id FROM locked)
+  AND status IN ('completed', 'dead_letter', 'cancelled')
+RETURNING id, created_at;
+
+-- name: retention_redact_many_events
+-- retention_redact_events for a batch: their history since the earliest of them was made.
+UPDATE job_events SET detail = '{}'
+WHERE job_id = ANY(%(ids)s::uuid[]) AND at >= %(since)s AND detail <> '{}'::jsonb;
+
+-- name: retention_redact_many_attempts
+UPDATE job_attempts SET error_message = NULL
+WHERE job_id = ANY(%(ids)s::uuid[]) AND started_at >= %(since)s
+  AND error_message IS NOT NULL;

@@ -19,11 +19,12 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
 from calmq import topics
 from calmq.codec import decode_message, make_codec
+from calmq.errors import NotFound
 from calmq.tooling.devstack import StackState
 from tests.support.api import Api, console_session
 from tests.support.fanout_workflows import NAME, POOL, TWICE
@@ -516,3 +517,155 @@ def test_a_statement_settling_many_children_updates_each_join_row_once(
             resumed = conn.execute("SELECT count(*) AS n FROM outbox WHERE aggregateid = %s",
                                    (str(parent),)).fetchone()
             assert resumed == {"n": 1}
+
+
+class _CountedCursor(psycopg.AsyncCursor[DictRow]):
+    """A cursor that counts the statements sent through it (the driver's, instrumented)."""
+
+    sent = 0
+
+    async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        _CountedCursor.sent += 1
+        return await super().execute(query, params, **kwargs)
+
+    async def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> None:
+        rows = list(params_seq)
+        _CountedCursor.sent += len(rows)
+        await super().executemany(query, rows, **kwargs)
+
+
+class _CountedConnection(psycopg.AsyncConnection[DictRow]):
+    """A connection that counts the transactions opened on it."""
+
+    opened = 0
+
+    def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        _CountedConnection.opened += 1
+        return super().transaction(*args, **kwargs)
+
+
+def _family(conn: psycopg.Connection[Any], tenant: uuid.UUID, n: int, running: int,
+            held: int) -> tuple[uuid.UUID, list[uuid.UUID]]:
+    """A dead-lettered parent with ``n`` children: the last ``running`` + ``held`` of them
+    not ended (the held ones waiting for the in-flight limit), the others completed; each
+    with an input, metadata, a step output and a history event."""
+    parent = uuid.uuid4()
+    kids = [uuid.uuid4() for _ in range(n)]
+    job = ("INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority,"
+           " pool, step, max_attempts, input, metadata, waiting_reason, parent_id,"
+           " child_index, parent_step) VALUES (%s, %s, 'summarize', 1, %s, 'bulk',"
+           " 'default', 's', 1, %s, '{\"tag\": \"purge\"}', %s, %s, %s, %s)")
+    conn.execute(job, (parent, tenant, "dead_letter", Jsonb({"texts": ["x"]}), None, None,
+                       None, None))
+    with conn.cursor() as cur:
+        cur.executemany(job, [
+            (kid, tenant, "completed" if i < n - running - held
+             else "running" if i < n - held else "queued", Jsonb({"text": f"secret {i}"}),
+             "parent_in_flight" if i >= n - held else None, parent, i, "split")
+            for i, kid in enumerate(kids)])
+        cur.executemany("INSERT INTO step_outputs (job_id, step, state, output)"
+                        " VALUES (%s, 's', 'done', %s)",
+                        [(kid, Jsonb({"summary": "secret"})) for kid in kids])
+        cur.executemany("INSERT INTO job_events (job_id, type, attempt, detail)"
+                        " VALUES (%s, 'queued', 0, %s)",
+                        [(kid, Jsonb({"said": "secret"})) for kid in kids])
+        cur.executemany("INSERT INTO job_held_children (job_id, parent_id, child_index, route,"
+                        " payload) VALUES (%s, %s, %s, 'calmq.default.bulk', '{}')",
+                        [(kids[i], parent, i) for i in range(n - held, n)])
+    return parent, kids
+
+
+async def _counted_purge(url: str, objects_url: str, tenant: uuid.UUID, parent: uuid.UUID
+                         ) -> tuple[int, int]:
+    """Purge ``parent`` as DELETE /v1/jobs/{id} does; the statements and transactions sent."""
+    from psycopg_pool import AsyncConnectionPool
+
+    from calmq.data import Database
+    from calmq.objects import open_object_store
+    from calmq.producers.retention import purge
+    from calmq.settings import Settings
+
+    db = Database(url)
+    db.pool = AsyncConnectionPool(url, connection_class=_CountedConnection, min_size=1,
+                                  max_size=2, open=False,
+                                  kwargs={"autocommit": True, "row_factory": dict_row,
+                                          "cursor_factory": _CountedCursor})
+    await db.open()
+    try:
+        sent, opened = _CountedCursor.sent, _CountedConnection.opened
+        await purge(db, open_object_store(objects_url),
+                    Settings(database_url=url, object_store_url=objects_url), tenant, parent)
+        return _CountedCursor.sent - sent, _CountedConnection.opened - opened
+    finally:
+        await db.close()
+
+
+def test_deleting_a_parent_purges_its_children_set_based(fanout: Fanout,
+                                                         stack: StackState) -> None:
+    """Purging a parent of 500 children takes as many statements and transactions as one of
+    20 (a statement per table for the batch, not a purge per child): every child redacted,
+    its objects deleted, those not ended cancelled with their job.result sent, no held or
+    unpublished row left."""
+    import asyncio
+
+    from calmq.objects import open_object_store
+    from calmq.workflows.progress import artifact_key
+
+    objects_url = stack.env["CALMQ_OBJECT_STORE_URL"]
+    store = open_object_store(objects_url)
+    costs = []
+    for n in (20, 500):
+        tenant = create_tenant_id(fanout.db, f"purge-{uuid.uuid4().hex[:8]}")[0]
+        with psycopg.connect(fanout.db, row_factory=dict_row, autocommit=True) as conn:
+            parent, kids = _family(conn, tenant, n, running=5, held=3)
+        refs = asyncio.run(_put_all(store, [artifact_key(tenant, k, "s") for k in kids]))
+        consumer = _results_consumer(fanout)
+        try:
+            costs.append(asyncio.run(_counted_purge(fanout.db, objects_url, tenant, parent)))
+            ended = {str(k) for k in kids[n - 8:]}
+            found: dict[str, dict[str, Any]] = {}
+            wait_for(lambda c=consumer, e=ended, f=found: _read_results(fanout, c, e, f) >= e,
+                     timeout=60, what="a job.result for each child the delete cancelled")
+        finally:
+            consumer.close()
+        assert {r["status"] for r in found.values()} == {"cancelled"}
+        rows = _rows(fanout, "SELECT id, status, input, metadata, redacted_at FROM jobs"
+                             " WHERE parent_id = %s OR id = %s", parent, parent)
+        assert len(rows) == n + 1
+        assert all(r["redacted_at"] is not None and r["input"] is None
+                   and r["metadata"] == {} for r in rows)
+        statuses = {r["id"]: r["status"] for r in rows}
+        assert [statuses[k] for k in kids[n - 8:]] == ["cancelled"] * 8
+        assert [statuses[k] for k in kids[:n - 8]] == ["completed"] * (n - 8)
+        left = _rows(fanout, (
+            "SELECT (SELECT count(*) FROM job_held_children WHERE parent_id = %s) AS held,"
+            " (SELECT count(*) FROM outbox WHERE aggregateid = ANY(%s::text[])) AS outbox,"
+            " (SELECT count(*) FROM step_outputs WHERE job_id = ANY(%s::uuid[])"
+            "   AND output <> '{}') AS outputs,"
+            " (SELECT count(*) FROM job_events WHERE job_id = ANY(%s::uuid[])"
+            "   AND detail <> '{}') AS events,"
+            " (SELECT count(*) FROM job_events WHERE job_id = ANY(%s::uuid[])"
+            "   AND type = 'cancelled') AS cancelled"),
+            parent, [str(k) for k in kids], kids, kids, kids)[0]
+        assert left == {"held": 0, "outbox": 0, "outputs": 0, "events": 0, "cancelled": 8}
+        assert not any(asyncio.run(_exist(store, refs)))
+    # Bounded: the same work for 500 children as for 20.
+    assert costs[0] == costs[1], costs
+    statements, transactions = costs[1]
+    assert statements <= 45, costs
+    assert transactions <= 3, costs
+
+
+async def _put_all(store: Any, keys: list[str]) -> list[str]:
+    return [(await store.put(key, b"{}", "application/json")).uri for key in keys]
+
+
+async def _exist(store: Any, uris: list[str]) -> list[bool]:
+    found = []
+    for uri in uris:
+        try:
+            await store.get(uri)
+            found.append(True)
+        except NotFound:
+            found.append(False)
+    return found
