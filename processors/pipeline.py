@@ -187,6 +187,19 @@ class Pipeline:
                     n = min(fair.free(priority), self.CLAIM_BATCH)
                     if n <= 0 or self._draining:
                         continue
+                    if priority == "interactive" and priority not in fair.contended:
+                        # Look before reserving: a pick reserves the lane's free slots
+                        # while it runs, and a pick of an empty interactive room on every
+                        # tick held the interactive jobs arriving then (bench priority).
+                        # Bulk picks without the look: its arrivals held during a pick
+                        # are picked next, and under the look a loaded two-worker fleet
+                        # held 12 bulk attempts where the window is 10 (cause not found).
+                        if not await self._room_waits(fair, priority):
+                            continue  # nothing to pick: the slots stay open to arrivals
+                        # what arrived during the look may have taken some of the slots
+                        n = min(fair.free(priority), self.CLAIM_BATCH)
+                        if n <= 0:
+                            continue
                     fair.taking(priority, n)  # the gate lets no new job in them meanwhile
                     try:
                         await self._take_from_room(fair, priority, n)
@@ -198,6 +211,16 @@ class Pipeline:
             # (the next attempt's end or tick fills again; what was picked and not claimed
             # goes back into the room after a lease: the reaper's fair_share_return_picked)
             log.exception("filling free slots from the waiting room failed")
+
+    @staticmethod
+    async def _room_waits(fair: FairShareGate, priority: str) -> bool:
+        """A lane this worker holds no job of: whether another worker's holds wait in its
+        room (then the lane is contended here too, until a pick empties it)."""
+        waits = await retry_forever("looking into the waiting room failed",
+                                    lambda: fair.queue.waiting(fair.pool, priority))
+        if waits:
+            fair.contended.add(priority)
+        return waits
 
     async def _take_from_room(self, fair: FairShareGate, priority: str, n: int) -> None:
         pick = await retry_forever(

@@ -51,6 +51,14 @@ class FairQueue:
             cur = await conn.execute(self._q["fair_share_hold"], {"ids": list(ids)})
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
 
+    async def waiting(self, pool: str, priority: str) -> bool:
+        """Whether the lane's waiting room holds any job."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._q["fair_share_waiting"],
+                                     {"pool": pool, "priority": priority})
+            row = await cur.fetchone()
+        return bool(row and row["waiting"])
+
     async def pick(self, pool: str, priority: str, limit: int, headroom: int = 0) -> Pick:
         """Take up to ``limit`` jobs out of the lane's waiting room, fairest first, for the
         caller to claim in that order. The last ``headroom`` of the ``limit`` go only to a

@@ -29,6 +29,18 @@ WITH target AS (
 )
 SELECT id FROM held;
 
+-- name: fair_share_waiting
+-- Whether the lane's waiting room holds a job (a probe of jobs_fair_waiting): a worker that
+-- holds none of an interactive room's jobs itself looks before it picks from it, for
+-- another worker's holds. A pick keeps the lane's free slots for what it may take while it
+-- runs, so a pick of an empty room on every tick sent the lane's arrivals to the room
+-- meanwhile (bench priority).
+SELECT EXISTS (
+    SELECT 1 FROM jobs
+    WHERE waiting_reason = 'fair_share' AND status IN ('queued', 'retrying')
+      AND pool = %(pool)s AND priority = %(priority)s
+) AS waiting;
+
 -- name: fair_share_pick
 -- Up to %(limit)s jobs of the lane's waiting room, fairest first, taken out of it (the caller
 -- claims them next). A picked job waits with the reason fair_share_picked until its claim:

@@ -71,9 +71,13 @@ async def test_a_job_picked_and_never_claimed_goes_back_into_its_room_after_the_
     pool = f"pick{uuid.uuid4().hex[:8]}"
     job = _queued_job(url, pool)
     room = FairQueue(db)
+    assert not await room.waiting(pool, "bulk")
     assert await room.hold([job]) == {job}
+    assert await room.waiting(pool, "bulk")  # what a worker holding none of them looks for
+    assert not await room.waiting(pool, "interactive")
     assert [p.id for p in (await room.pick(pool, "bulk", limit=10)).jobs] == [job]
     assert _reason(url, job) == "fair_share_picked"  # out of the room, on its way to a claim
+    assert not await room.waiting(pool, "bulk")
     assert (await room.pick(pool, "bulk", limit=10)).jobs == []
     await room.return_picked(grace_seconds=3600)
     assert _reason(url, job) == "fair_share_picked"
@@ -82,6 +86,7 @@ async def test_a_job_picked_and_never_claimed_goes_back_into_its_room_after_the_
                      (job,))
     await room.return_picked(grace_seconds=30)
     assert _reason(url, job) == "fair_share"
+    assert await room.waiting(pool, "bulk")
     assert [p.id for p in (await room.pick(pool, "bulk", limit=10)).jobs] == [job]
     assert _waiting_events(url, job) == ["fair_share"]
 
