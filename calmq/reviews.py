@@ -27,6 +27,7 @@ from calmq.data.jobs import requested
 from calmq.data.outbox import entry
 from calmq.data.reviews import PendingReview, ReviewDecision, ReviewJob, Reviews
 from calmq.errors import ContractError, NotFound, StepFailure
+from calmq.job_costs import Accepted, count_accepted
 from calmq.jobs import EventType, Status
 from calmq.objects import ObjectStore
 from calmq.storable import non_finite
@@ -90,7 +91,9 @@ class ReviewDesk:
             if job.status != Status.AWAITING_REVIEW:
                 raise ContractError(f"the job is {job.status}, not awaiting_review",
                                     code="not_awaiting_review", status=409)
-            return await self._apply(tx, job, decision, expired=False)
+            status = await self._apply(tx, job, decision, expired=False)
+        _accepted(job, status)  # once the decision committed
+        return status
 
     async def expire(self, *, limit: int = 100) -> int:
         """Apply the expiry outcome to reviews past their deadline; returns how many."""
@@ -106,8 +109,9 @@ class ReviewDesk:
                     "approve" if outcome == "approve" else "reject", TIMER_REVIEWER,
                     reason="the review deadline passed",
                 )
-                await self._apply(tx, job, decision, expired=True)
-                done += 1
+                status = await self._apply(tx, job, decision, expired=True)
+            _accepted(job, status)
+            done += 1
         return done
 
     # -- one decision, inside its transaction --------------------------------------------
@@ -188,6 +192,12 @@ class ReviewDesk:
                   trace_parent=job.trace_parent),
         ])
         return Status.DEAD_LETTER
+
+
+def _accepted(job: ReviewJob, status: str) -> None:
+    """An approval that completed the job: counted in the cost per accepted job."""
+    if status == Status.COMPLETED:
+        count_accepted([Accepted(job.id, job.workflow, job.tenant_id, job.cost_usd)])
 
 
 def _json(value: dict[str, Any]) -> bytes:

@@ -21,6 +21,7 @@ import time
 
 from calmq.batching import Batcher
 from calmq.data import Finish, Store
+from calmq.job_costs import count_accepted
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker
 from calmq.processors.request import Position
@@ -59,6 +60,7 @@ class Committer:
     async def _write(self, group: list[tuple[Finish, Position]]) -> None:
         started = time.monotonic()
         moved = await self.store.attempts.finish([f for f, _ in group])
+        count_accepted(moved.accepted)  # the cost per accepted job
         for finish, (tp, offset) in group:
             self.tracker.done(tp, offset)
             if finish.job_id in moved:

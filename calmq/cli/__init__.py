@@ -17,6 +17,7 @@ from calmq.cli import (
     completion,
     contexts,
     contract,
+    costs,
     database,
     deadletters,
     deploy,
@@ -34,12 +35,12 @@ from calmq.errors import CalmqError, UsageError
 __all__ = ["main", "parser"]
 
 _GROUPS = (dev, services, database, tenants, jobs, deadletters, operations, deploy, completion,
-           batches, providers, contract, contexts)
+           batches, providers, contract, contexts, costs)
 # calmq --help: what a person reaches for first comes first. A group module's commands go to
 # its section; a module missing here fails the parser's test (tests/unit/test_cli.py).
 _SECTIONS: dict[str, tuple[object, ...]] = {
     "work with jobs": (jobs, deadletters, batches),
-    "operate a deployment": (contexts, tenants, providers, operations),
+    "operate a deployment": (contexts, tenants, providers, operations, costs),
     "run the parts (one process each)": (services, database),
     "deploy": (deploy, contract),
     "try it on this machine": (dev,),

@@ -17,8 +17,9 @@ from psycopg.types.json import Jsonb
 from calmq.data.children import ChildRows
 from calmq.data.database import Database
 from calmq.data.outbox import OutboxEntry
+from calmq.job_costs import Accepted
 
-__all__ = ["Attempts", "Finish"]
+__all__ = ["Attempts", "Finish", "Moved"]
 
 _NO_USAGE = {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0,
              "model": None, "cached_input_tokens": 0, "cache_write_tokens": 0,
@@ -91,6 +92,16 @@ class Finish:
         }
 
 
+class Moved(set[uuid.UUID]):
+    """The jobs a group commit moved; ``accepted``: those it completed, with their whole
+    cost (calmq.job_costs)."""
+
+    def __init__(self, rows: Sequence[Any] = ()) -> None:
+        super().__init__(r["id"] for r in rows)
+        self.accepted = [Accepted(r["id"], r["workflow"], r["tenant_id"], r["cost_usd"])
+                         for r in rows if r["status"] == "completed"]
+
+
 class Attempts:
     """Group commit of finished attempts."""
 
@@ -98,11 +109,11 @@ class Attempts:
         self._db = db
         self._q = db.q
 
-    async def finish(self, finishes: Sequence[Finish]) -> set[uuid.UUID]:
+    async def finish(self, finishes: Sequence[Finish]) -> Moved:
         """Record a group of finished attempts in ONE transaction (group commit); returns the
         jobs it moved. A job missing there was fenced: its attempt no longer held it."""
         if not finishes:
-            return set()
+            return Moved()
         # Job rows are locked in id order, like claim and heartbeat, so that concurrent
         # group commits and heartbeats cannot deadlock.
         finishes = sorted(finishes, key=lambda f: f.job_id)
@@ -116,13 +127,13 @@ class Attempts:
                 # waited for a busy event loop (pg_stat_activity: "idle in transaction").
                 cur = await conn.execute(self._q["finish_attempts"],
                                          {"rows": rows, "keep_errors": keep})
-                return {r["id"] for r in await cur.fetchall()}
+                return Moved(await cur.fetchall())
             async with conn.transaction(), conn.cursor() as cur:
                 # Before finish_attempts: its lease guard is still true then.
                 await cur.executemany(self._q["wf_record_step_output"], records)
                 await cur.execute(self._q["finish_attempts"],
                                   {"rows": rows, "keep_errors": keep})
-                moved = {r["id"] for r in await cur.fetchall()}
+                moved = Moved(await cur.fetchall())
                 # A spawning step's children and join: only with the parent's move (its
                 # statements check the parent waits for them, so a fenced finish starts none).
                 for f in finishes:

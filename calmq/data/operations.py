@@ -1,11 +1,13 @@
 """What the on-call commands read from PostgreSQL: jobs in flight per work topic, the budget's
-buckets as of now, and the tokens each tenant and priority used within a window.
+buckets as of now, the tokens each tenant and priority used within a window, and the cost
+per job and per accepted job of each workflow and tenant.
 
 Read-only: nothing here writes, so a person may run them against a live fleet at any time.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -15,7 +17,7 @@ from psycopg.rows import dict_row
 from calmq import sql
 from calmq.data.database import Database
 
-__all__ = ["BucketNow", "InFlight", "Operations", "TenantUse", "probe"]
+__all__ = ["BucketNow", "InFlight", "JobCosts", "Operations", "TenantUse", "probe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,54 @@ class TenantUse:
     output_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class JobCosts:
+    """What the jobs of one workflow and tenant that ended within a window cost (ops_job_costs):
+    every job (completed or dead-lettered) and the accepted ones (completed), each job's every
+    attempt included; and of their input, what the prompt cache served and saved."""
+
+    workflow: str
+    tenant: str
+    jobs: int
+    cost_usd: float
+    accepted: int
+    accepted_cost_usd: float
+    input_tokens: int
+    cached_input_tokens: int
+    cache_write_tokens: int
+    cache_saved_usd: float
+
+    @property
+    def cost_per_job(self) -> float | None:
+        return self.cost_usd / self.jobs if self.jobs else None
+
+    @property
+    def cost_per_accepted_job(self) -> float | None:
+        """What one accepted job cost (None: none was accepted)."""
+        return self.accepted_cost_usd / self.accepted if self.accepted else None
+
+    @property
+    def cached_share(self) -> float | None:
+        """Of the input tokens, the share read from the prompt cache (None: no input)."""
+        return self.cached_input_tokens / self.input_tokens if self.input_tokens else None
+
+    def as_dict(self) -> dict[str, object]:
+        def rounded(value: float | None) -> float | None:
+            return None if value is None else round(value, 9)
+
+        return {"workflow": self.workflow, "tenant": self.tenant, "jobs": self.jobs,
+                "cost_usd": rounded(self.cost_usd), "cost_per_job_usd":
+                rounded(self.cost_per_job), "accepted": self.accepted,
+                "accepted_cost_usd": rounded(self.accepted_cost_usd),
+                "cost_per_accepted_job_usd": rounded(self.cost_per_accepted_job),
+                "input_tokens": self.input_tokens,
+                "cached_input_tokens": self.cached_input_tokens,
+                "cache_write_tokens": self.cache_write_tokens,
+                "cached_share": None if self.cached_share is None
+                else round(self.cached_share, 4),
+                "cache_saved_usd": rounded(self.cache_saved_usd)}
+
+
 class Operations:
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -89,6 +139,17 @@ class Operations:
                                      {"window_seconds": window_seconds})
             rows = await cur.fetchall()
         return [TenantUse(**r) for r in rows]
+
+    async def costs(self, window_seconds: float, *, tenant_id: uuid.UUID | None = None,
+                    tenant: str | None = None, workflow: str | None = None) -> list[JobCosts]:
+        """Cost per job and per accepted job of each workflow and tenant whose jobs ended
+        within the window (``tenant_id``/``tenant``/``workflow``: only those; None: all)."""
+        async with self._db.pool.connection() as conn:
+            cur = await conn.execute(self._db.q["ops_job_costs"], {
+                "window_seconds": window_seconds, "tenant_id": tenant_id, "tenant": tenant,
+                "workflow": workflow})
+            rows = await cur.fetchall()
+        return [JobCosts(**r) for r in rows]
 
 
 def probe(database_url: str, timeout_seconds: float) -> tuple[str, int | None]:

@@ -56,7 +56,8 @@ WITH input AS (
                       updated_at = now()
     FROM target t, input i
     WHERE j.id = t.id AND i.job_id = t.id
-    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd, j.parent_id
+    RETURNING j.id, j.errors, j.input_tokens, j.output_tokens, j.cost_usd, j.parent_id,
+              j.status, j.workflow, j.tenant_id
 ), attempt_rows AS (
     UPDATE job_attempts a SET finished_at = now(), outcome = i.outcome,
                               error_code = i.error ->> 'code',
@@ -111,4 +112,6 @@ WITH input AS (
              AS e(id uuid, route text, type text, payload jsonb, headers jsonb, n integer)
     ORDER BY i.ord, e.n
 )
-SELECT id FROM moved;
+-- The jobs moved; those completed with their whole cost (calmq.job_costs: cost per accepted
+-- job).
+SELECT id, status, workflow, tenant_id, cost_usd FROM moved;

@@ -53,3 +53,32 @@ ORDER BY t.name, j.priority;
 -- `calmq health`: the server answers, and which calmq schema it holds.
 SELECT current_setting('server_version') AS server_version,
        (SELECT max(version) FROM calmq_migrations) AS schema_version;
+
+-- name: ops_job_costs
+-- Cost per job and per accepted job, and the prompt cache's share, per workflow and tenant,
+-- of the jobs that ended within the window (`calmq costs`, the console's overview). A job's
+-- cost is every attempt of every step: retries, the calls before a review, the models a
+-- fallback moved to. Ended: completed (accepted) or dead-lettered (cancelled jobs are
+-- left out, as in calmq_job_cost_jobs_total). The partial index of the retention sweep
+-- (jobs_retention: terminal jobs not redacted yet) serves the window; a job redacted within
+-- it is no longer counted.
+SELECT j.workflow, t.name AS tenant,
+       count(*)::bigint AS jobs,
+       coalesce(sum(j.cost_usd), 0)::float8 AS cost_usd,
+       count(*) FILTER (WHERE j.status = 'completed')::bigint AS accepted,
+       coalesce(sum(j.cost_usd) FILTER (WHERE j.status = 'completed'), 0)::float8
+           AS accepted_cost_usd,
+       coalesce(sum(j.input_tokens), 0)::bigint AS input_tokens,
+       coalesce(sum(j.cached_input_tokens), 0)::bigint AS cached_input_tokens,
+       coalesce(sum(j.cache_write_tokens), 0)::bigint AS cache_write_tokens,
+       coalesce(sum(j.cache_saved_usd), 0)::float8 AS cache_saved_usd
+FROM jobs j
+JOIN tenants t ON t.id = j.tenant_id
+WHERE j.redacted_at IS NULL AND j.status IN ('completed', 'dead_letter', 'cancelled')
+  AND j.status <> 'cancelled'
+  AND j.updated_at >= clock_timestamp() - make_interval(secs => %(window_seconds)s)
+  AND (%(tenant_id)s::uuid IS NULL OR j.tenant_id = %(tenant_id)s::uuid)
+  AND (%(tenant)s::text IS NULL OR t.name = %(tenant)s::text)
+  AND (%(workflow)s::text IS NULL OR j.workflow = %(workflow)s::text)
+GROUP BY j.workflow, t.name
+ORDER BY j.workflow, t.name;

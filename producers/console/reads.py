@@ -25,6 +25,7 @@ from calmq.data.console import ConsoleJob, ConsoleReads, JobPage, JobQuery, Queu
 from calmq.data.deadletters import DeadLetter, DeadLetterGroup
 from calmq.data.jobs import HistoryEvent
 from calmq.data.observability import SlotState, replication_slots
+from calmq.data.operations import Operations
 from calmq.data.providers import ProviderLedger
 from calmq.deadletters import DeadLetterFilter, DeadLetters, RedriveOutcome
 from calmq.errors import ContractError, NotFound
@@ -32,8 +33,10 @@ from calmq.lag import GroupLag
 from calmq.objects import iter_chunks, stat_object
 from calmq.producers.console.lag import FleetLag
 from calmq.producers.console.shaping import (
+    JOB_COSTS_WINDOW_SECONDS,
     PREVIEW_BYTES,
     Preview,
+    job_costs_view,
     overview_view,
     preview,
     providers_view,
@@ -112,6 +115,8 @@ class ConsoleData:
         view = overview_view(backlog=data.backlog, outcomes=data.outcomes, spend=data.spend,
                              budget=data.budget, review_caps=data.review_caps,
                              review_cap_held=data.review_cap_held or {}, now=now)
+        view["job_costs"] = job_costs_view(
+            await Operations(self.store).costs(JOB_COSTS_WINDOW_SECONDS, tenant_id=scope))
         in_use = [(str(b["provider"]), str(b["model"])) for b in data.budget]
         view.update(providers_view(states, self.unpriced([*in_use, *(
             (s.provider, s.model) for s in states)]), platform=scope is None, now=now))

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from calmq import holds
+from calmq.data.operations import JobCosts
 from calmq.errors import ContractError
 from calmq.lag import GroupLag
 from calmq.producers.console.charts import bars
@@ -321,3 +322,19 @@ def corrections(fields: Sequence[Field], form: Mapping[str, Any]) -> dict[str, A
             changed[name] = value
     return changed
 
+
+
+# The window of the overview's cost per workflow and tenant: the jobs that ended in a day.
+JOB_COSTS_WINDOW_SECONDS = 86_400.0
+
+
+def job_costs_view(costs: Sequence[JobCosts]) -> list[list[str]]:
+    """The overview's cost per job and per accepted job, and the prompt cache's share of the
+    input and what it saved, a row per workflow and tenant."""
+    def usd(value: float | None) -> str:
+        return "-" if value is None else f"{value:.6f}"
+
+    return [[c.workflow, c.tenant, str(c.jobs), usd(c.cost_per_job), str(c.accepted),
+             usd(c.cost_per_accepted_job),
+             "-" if c.cached_share is None else f"{c.cached_share:.1%}",
+             usd(c.cache_saved_usd)] for c in costs]

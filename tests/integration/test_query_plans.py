@@ -23,7 +23,8 @@ READS = ("console_jobs", "console_reviews", "console_review", "console_job",
          "console_outcomes", "console_spend", "console_last_event", "dlq_list", "dlq_count",
          "dlq_summary", "dlq_job", "dlq_attempts", "dlq_events", "job_for_tenant",
          "job_events", "list_jobs", "ops_list_jobs", "ops_count_jobs", "job_tenant",
-         "job_events_after", "job_status", "ops_jobs_in_flight", "ops_budget_usage")
+         "job_events_after", "job_status", "ops_jobs_in_flight", "ops_budget_usage",
+         "ops_job_costs")
 GROWING = ("jobs", "job_events", "job_attempts")
 
 
