@@ -8,8 +8,10 @@ its message was acknowledged: only its release writes it a fresh ``job.requested
 reason without a release that knows it strands its jobs until the sweeper's grace, and a
 release that takes reasons it does not own lets them past their hold (the spend-cap pass
 once released any reason after ten minutes, issue 45). The statements are the names of
-calmq/sql/*.sql queries (or a migration's trigger function); the passes are the
-housekeeping tasks' names (processors/reaper.py).
+calmq/sql/*.sql queries (or a migration's trigger function); the passes (``Pass``: a
+housekeeping task's name, the statement it runs and how often) are what the housekeeping
+schedules, iterating ``passes()`` (processors/releases.py): a pass without code of its own
+there runs its statement alone, re-publishing the jobs it returns.
 
 ``tests/unit/test_holds.py`` fails when the SQL or the Python names a ``waiting_reason``
 this registry lacks, when a statement or pass it names does not exist, and when
@@ -21,11 +23,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-__all__ = ["HOLDS", "Hold", "notice"]
+__all__ = ["HOLDS", "Hold", "Pace", "Pass", "notice", "passes"]
 
 Says = Callable[[Mapping[str, Any]], str]
+
+# How often a release pass runs: ``reaper``, the housekeeping's interval (a third of the
+# lease); ``sweeper``, a tenth of sweeper_grace_seconds but never more often than the reaper;
+# ``spend_refresh``, spend_cap_refresh_seconds; ``second``, every second from the start.
+Pace = Literal["reaper", "sweeper", "spend_refresh", "second"]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A housekeeping task that ends holds: its name, the release statement it runs (a
+    calmq/sql query returning the jobs it re-publishes) and how often it runs."""
+
+    task: str
+    statement: str
+    pace: Pace = "reaper"
+    # At most this many seconds apart where a workflow uses the hold (a concurrency limit,
+    # fallback models, a key rate limit): its next job waits for the pass.
+    busy: float | None = None
+
+
+SPEND_RELEASE: Final = Pass("spend-release", "release_jobs", "spend_refresh")
 
 
 @dataclass(frozen=True)
@@ -40,7 +63,8 @@ class Hold:
     # The console's sentence, from the detail of the job's newest ``waiting`` event (for
     # ``children``: of its ``children_spawned`` event). None: the page has a notice of its own.
     says: Says | None
-    task: str = ""  # the housekeeping task that runs the release ("": none, see released_by)
+    passes: tuple[Pass, ...] = ()  # the housekeeping's passes that release it
+    task: str = ""  # a task outside the housekeeping that releases it (the provider gate's)
     resumed: str = ""  # the detail.reason of the ``resumed`` event its release writes, if any
     column: str = "waiting_reason"  # where the hold is kept on the job row
 
@@ -66,7 +90,7 @@ def _spend_cap(window: str, fleet: bool) -> Hold:
         says=_text(f"{whose} past its {window} spend cap; it runs when the UTC "
                    f"{'day' if window == 'daily' else 'month'} rolls over or the cap is "
                    "raised (bulk work waits first, at spend_cap_bulk_fraction of the cap)"),
-        task="spend-release", resumed="under_cap")
+        passes=(SPEND_RELEASE,), resumed="under_cap")
 
 
 def _children(d: Mapping[str, Any]) -> str:
@@ -98,6 +122,9 @@ _TIMED_RELEASE = ("timed-wait release, every 0.5 s where a step has fallback mod
                "workflow a key_rate_limit (else at the reaper's pace), in every process: "
                "once waiting_until passed")
 
+_TIMED_PASS = Pass("timed-wait-release", "timed_wait_release_jobs", busy=0.5)
+_CONCURRENCY_RELEASE = Pass("concurrency-key-release", "concurrency_release", busy=0.2)
+
 _ALL: Final = (
     _spend_cap("daily", fleet=False),
     _spend_cap("monthly", fleet=False),
@@ -116,7 +143,8 @@ _ALL: Final = (
              "serves soon",
          says=_text("more of its tenant's calls wait for the tenant's token quota than the "
                     "quota serves soon; it runs as the quota refills"),
-         task="quota-release", resumed="quota_refilled"),
+         passes=(Pass("quota-release", "release_quota_jobs", "second"), SPEND_RELEASE),
+         resumed="quota_refilled"),
     Hold("provider_blocked",
          set_by="an attempt that met a blocked provider (processors.failures."
                 "hand_back_blocked), and the batch lane's hand-back (processors.batcher)",
@@ -147,7 +175,8 @@ _ALL: Final = (
          says=lambda d: (f"the {d.get('priority', '')} lane of pool {d.get('pool', '')} is "
                          "contended; this job starts when a slot frees and its tenant is "
                          "the furthest below its weighted share"),
-         task="fair-share-stale", resumed="fair_share_stale"),
+         passes=(Pass("fair-share-stale", "fair_share_release_stale", "sweeper"),),
+         resumed="fair_share_stale"),
     Hold("fair_share_picked",
          set_by="a worker's pick out of a waiting room (fair_share_pick), on its way to "
                 "the claim",
@@ -159,7 +188,7 @@ _ALL: Final = (
          api="a worker took it out of the waiting room for a free slot and is claiming it",
          says=_text("a worker took it out of its lane's waiting room for a free slot and is "
                     "claiming it"),
-         task="fair-share-picked"),
+         passes=(Pass("fair-share-picked", "fair_share_return_picked"),)),
     Hold("concurrency_key",
          set_by="the concurrency-key gate (processors.admission.ConcurrencyKeyGate): its "
                 "key has its workflow's concurrency_limit in flight",
@@ -171,7 +200,7 @@ _ALL: Final = (
          api="its concurrency_key has its workflow's concurrency_limit in flight",
          says=lambda d: (f"its concurrency key {d.get('key', '')} has {d.get('limit', '')} "
                          "jobs in flight, its workflow's limit; it starts as they end"),
-         task="concurrency-key-release", resumed="concurrency_key"),
+         passes=(_CONCURRENCY_RELEASE,), resumed="concurrency_key"),
     Hold("concurrency_keys_waiting",
          set_by="the concurrency-key gate, past concurrency_keys_waiting_max keys waiting "
                 "for the job's tenant",
@@ -185,7 +214,7 @@ _ALL: Final = (
          says=lambda d: (f"its tenant's jobs wait for {d.get('max_waiting_keys', '')} "
                          "concurrency keys already; it waits for its own key "
                          f"{d.get('key', '')} once one of them stops waiting"),
-         task="concurrency-key-release"),
+         passes=(_CONCURRENCY_RELEASE,)),
     Hold("model_cooldown",
          set_by=f"calmq.calls.fallback (ModelsCooling): {_TIMED}",
          holds=("provider_hand_back",),
@@ -193,7 +222,7 @@ _ALL: Final = (
          released_by=_TIMED_RELEASE,
          metric="calmq_waited_uncounted_total{reason}, calmq_wait_resumed_total{reason}",
          api="every model its step allows is cooling down after a 429",
-         says=_model_cooldown, task="timed-wait-release", resumed="model_cooldown"),
+         says=_model_cooldown, passes=(_TIMED_PASS,), resumed="model_cooldown"),
     Hold("rate_limit_key",
          set_by=f"calmq.calls.key_rates (KeyRateLimited): {_TIMED}",
          holds=("provider_hand_back",),
@@ -201,7 +230,7 @@ _ALL: Final = (
          released_by=_TIMED_RELEASE,
          metric="calmq_waited_uncounted_total{reason}, calmq_wait_resumed_total{reason}",
          api="its concurrency_key used its workflow's key_rate_limit",
-         says=_rate_limit_key, task="timed-wait-release", resumed="rate_limit_key"),
+         says=_rate_limit_key, passes=(_TIMED_PASS,), resumed="rate_limit_key"),
     Hold("children",
          set_by="a step that started child jobs (calmq.workflows.progress, written by "
                 "finish_attempts), or a redrive re-arming its failed join",
@@ -235,11 +264,24 @@ _ALL: Final = (
          api="its pool's pending reviews are at the pool's review cap (the job's "
              "waiting_reason stays null: the history's waiting event names it)",
          says=None,  # the job page's own notice (job.html), which names the pool
-         task="review-cap-release", resumed="review_cap", column="review_cap_held_at"),
+         passes=(Pass("review-cap-release", "release_review_cap_holds"),),
+         resumed="review_cap", column="review_cap_held_at"),
 )
 
 HOLDS: Final[dict[str, Hold]] = {h.reason: h for h in _ALL}
 assert len(HOLDS) == len(_ALL), "a waiting reason is declared twice"
+
+
+def passes() -> dict[str, tuple[Pass, tuple[str, ...]]]:
+    """The housekeeping's release passes by task name, each with the reasons it releases, in
+    the registry's order."""
+    found: dict[str, tuple[Pass, tuple[str, ...]]] = {}
+    for hold in _ALL:
+        for p in hold.passes:
+            known, reasons = found.get(p.task, (p, ()))
+            assert known == p, f"the pass {p.task} is declared two ways"
+            found[p.task] = (p, (*reasons, hold.reason))
+    return found
 
 
 def notice(reason: str, detail: Mapping[str, Any]) -> str | None:

@@ -41,12 +41,7 @@ from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
-from calmq.processors.reaper import (
-    schedule_history_partitions,
-    schedule_quota_release,
-    schedule_reaper,
-    schedule_spend_release,
-)
+from calmq.processors.reaper import housekeeping, schedule_history_partitions, schedule_reaper
 from calmq.processors.slots import CallSlots, lane_room
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings, claimed_window
@@ -197,16 +192,12 @@ class Worker:
         self.pipeline.leases.schedule(life.side)
         # The fleet's housekeeping: requeue expired leases of dead workers, the sweeper, the
         # review timer and the holds' release passes. A failed pass is retried next interval.
-        schedule_reaper(life.side, store, ReviewDesk(store, self.workflows, objects),
-                        interval, first_after=interval, lease_seconds=s.lease_seconds,
-                        concurrency_release_batch=s.concurrency_release_batch,
-                        concurrency_keys_waiting_max=s.concurrency_keys_waiting_max,
-                        sweeper_grace_seconds=s.sweeper_grace_seconds,
-                        longest_tier_seconds=s.retry_tier_list[-1][1])
-        schedule_spend_release(life.side, spend, first_after=interval)
+        # Without a token quota the spend pass releases the quota's stale waits.
+        hk = housekeeping(s, store, self.workflows, interval, caps=spend,
+                          quota=provider.quota)
+        schedule_reaper(life.side, hk, ReviewDesk(store, self.workflows, objects),
+                        first_after=interval, longest_tier_seconds=s.retry_tier_list[-1][1])
         schedule_history_partitions(life.side, store, s)
-        if provider.quota is not None:  # else: the spend pass releases stale waits
-            schedule_quota_release(life.side, ledger, provider.quota)
         if s.consumer_lag_interval_seconds > 0:
             schedule_lag_gauge(life.side, consumer, s.consumer_lag_interval_seconds)
 

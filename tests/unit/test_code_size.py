@@ -43,8 +43,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "calmq/processors/batcher.py::BatchLane.start": "the batcher's composition and lease loops "
                                                   "(issue 45 item 3)",
     "calmq/processors/pipeline.py::Pipeline._run": "the claim-to-commit path of one batch",
-    "calmq/processors/reaper.py::schedule_reaper": "every release pass by hand: the holds "
-                                                   "registry (calmq.holds) is to build them",
     "calmq/processors/worker.py::Worker.start": "the worker's composition of its stages",
     "calmq/producers/api.py::build_app": "the app's route table and middleware in one function",
     "calmq/producers/console/shaping.py::overview_view": "the console overview's every panel",

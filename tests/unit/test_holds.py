@@ -13,7 +13,8 @@ import pytest
 
 from calmq import sql
 from calmq.data.spending import Spend, SpendCap
-from calmq.holds import HOLDS, notice
+from calmq.holds import HOLDS, notice, passes
+from calmq.processors.releases import CODE
 from calmq.producers.console.shaping import waiting_notice
 from calmq.spending import _over
 
@@ -208,8 +209,25 @@ def test_each_hold_names_statements_passes_and_metrics_that_exist() -> None:
         assert all((hold.set_by, hold.released_by, hold.api)), hold.reason
         if hold.task:
             assert f'"{hold.task}' in text, (hold.reason, hold.task)
+        for release in hold.passes:
+            assert release.statement in queries, (hold.reason, release.task)
+    for task, (release, reasons) in passes().items():
+        assert any(release.statement in HOLDS[r].releases for r in reasons), task
         for metric in re.findall(r"calmq_\w+", hold.metric):
             assert f'"{metric}"' in text, (hold.reason, metric)
+
+
+def test_the_housekeeping_runs_the_passes_the_registry_declares() -> None:
+    """Every pass with code of its own (processors/releases.py) is a registered hold's, and
+    each registered pass is declared one way (its statement and pace) by all its holds."""
+    registered = passes()
+    assert set(CODE) <= set(registered)
+    assert {"spend-release", "quota-release", "fair-share-stale", "fair-share-picked",
+            "concurrency-key-release", "timed-wait-release",
+            "review-cap-release"} == set(registered)
+    assert registered["spend-release"][1] == (
+        "spend_cap_daily", "spend_cap_monthly", "fleet_spend_cap_daily",
+        "fleet_spend_cap_monthly", "token_quota")
 
 
 def test_the_spend_release_pass_releases_only_the_reasons_it_owns() -> None:
