@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from calmq.data import Database, NewJob
+from calmq.data import Database, Idempotency, NewJob
 from calmq.data.children import Children
 from calmq.data.reruns import Original, RerunRecords
 from calmq.errors import ContractError, NotFound, StepFailure
@@ -60,6 +60,8 @@ class Rerun:
     job_id: uuid.UUID
     rerun_of: uuid.UUID
     from_step: str
+    # False: an Idempotency-Key answered before with the same request; its rerun, not a new
+    created: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {"job_id": str(self.job_id), "status": "queued",
@@ -134,10 +136,21 @@ class Reruns:
                          replacement=replacement if replaced_step else None,
                          rerun_steps=tuple(s.name for s in workflow.steps[index:]))
 
-    async def write(self, original: Original, plan: RerunPlan, *, by: str | None = None
-                    ) -> Rerun:
-        """Write the planned rerun (one transaction); NotFound when the original was
-        deleted meanwhile."""
+    async def replay(self, job_id: uuid.UUID, from_step: str, *, tenant_id: uuid.UUID,
+                     idempotency: Idempotency) -> Rerun | None:
+        """The rerun an ``Idempotency-Key`` made before with the same request (None: a new
+        key), answered without planning again, as a keyed submit's repeat is; ContractError
+        409 ``idempotency_key_reused`` when the key came with another request."""
+        earlier = await self.records.earlier(tenant_id, idempotency)
+        if earlier is None:
+            return None
+        return Rerun(earlier, job_id, from_step, created=False)
+
+    async def write(self, original: Original, plan: RerunPlan, *, by: str | None = None,
+                    idempotency: Idempotency | None = None) -> Rerun:
+        """Write the planned rerun (one transaction), with its ``Idempotency-Key`` when
+        given (a concurrent twin answers the rerun that won); NotFound when the original
+        was deleted meanwhile."""
         detail: dict[str, Any] = {"rerun_of": str(original.id), "from_step": plan.from_step}
         if plan.replaced_step is not None or plan.job.input != original.input:
             detail["input_replaced"] = True
@@ -146,10 +159,12 @@ class Reruns:
         plan = await self._with_children(original, plan)
         written = await self.records.create(
             plan.job, rerun_of=original.id, detail=detail, copy_steps=plan.copy_steps,
-            replaced_step=plan.replaced_step, replacement=plan.replacement)
-        if not written:
+            replaced_step=plan.replaced_step, replacement=plan.replacement,
+            idempotency=idempotency)
+        if written is None:
             raise NotFound("no such job")
-        return Rerun(plan.job.id, original.id, plan.from_step)
+        job_id, created = written
+        return Rerun(job_id, original.id, plan.from_step, created=created)
 
     async def _with_children(self, original: Original, plan: RerunPlan) -> RerunPlan:
         """A rerun from the step after one that started children has no children of its

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
-from calmq.data.jobs import NewJob, _insert_params
+from calmq.data.jobs import Idempotency, NewJob, _insert_params
+from calmq.errors import ContractError, InfrastructureError
 
 __all__ = ["Original", "RerunMatch", "RerunRecords", "RerunSearch"]
 
@@ -110,21 +112,63 @@ class RerunRecords:
 
     async def create(self, job: NewJob, *, rerun_of: uuid.UUID, detail: dict[str, Any],
                      copy_steps: Sequence[str], replaced_step: str | None,
-                     replacement: dict[str, Any] | None) -> bool:
-        """Write the rerun in one transaction; False when the original is gone (purged or
-        deleted since it was read): nothing is written then."""
+                     replacement: dict[str, Any] | None,
+                     idempotency: Idempotency | None = None) -> tuple[uuid.UUID, bool] | None:
+        """Write the rerun in one transaction, with its ``Idempotency-Key`` if given (the
+        key row commits with the job, as a keyed submit's: calmq.data.jobs.Jobs.submit).
+        Returns ``(job id, created)``: the new job's, or with a key seen before and the same
+        request, the earlier rerun's and ``False`` (a different request under the key:
+        ContractError 409 ``idempotency_key_reused``). None when the original is gone
+        (purged or deleted since it was read): nothing is written then."""
         params = _insert_params(job)
         params.update(rerun_of=rerun_of, detail=Jsonb(detail), copy_steps=list(copy_steps),
                       replaced_step=replaced_step,
                       replacement=None if replacement is None else Jsonb(replacement))
-        async with self._db.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(self._db.q["rerun_original"],
-                                     {"id": rerun_of, "tenant_id": job.tenant_id})
-            row = await cur.fetchone()
-            if row is None or row["redacted_at"] is not None:
-                return False
-            await conn.execute(self._db.q["rerun_insert_job"], params)
-        return True
+        async with self._db.pool.connection() as conn:
+            for _ in range(3):
+                if idempotency is not None:
+                    earlier = await self._earlier(conn, job.tenant_id, idempotency)
+                    if earlier is not None:
+                        return earlier, False
+                try:
+                    async with conn.transaction():
+                        cur = await conn.execute(self._db.q["rerun_original"],
+                                                 {"id": rerun_of, "tenant_id": job.tenant_id})
+                        row = await cur.fetchone()
+                        if row is None or row["redacted_at"] is not None:
+                            return None
+                        await conn.execute(self._db.q["rerun_insert_job"], params)
+                        if idempotency is not None:
+                            await conn.execute(self._db.q["insert_idempotency_key"], {
+                                "tenant_id": job.tenant_id, "key": idempotency.key,
+                                "request_hash": idempotency.request_hash, "job_id": job.id})
+                    return job.id, True
+                except psycopg.errors.UniqueViolation:
+                    # A concurrent request with the same key won the race: answer its job.
+                    continue
+        raise InfrastructureError("idempotency key kept conflicting; retry the request")
+
+    async def earlier(self, tenant_id: uuid.UUID, idempotency: Idempotency
+                      ) -> uuid.UUID | None:
+        """The job an ``Idempotency-Key`` answered before (a submit's or a rerun's: one
+        key space per tenant), None for a new key; ContractError 409
+        ``idempotency_key_reused`` when it came with another request."""
+        async with self._db.pool.connection() as conn:
+            return await self._earlier(conn, tenant_id, idempotency)
+
+    async def _earlier(self, conn: Any, tenant_id: uuid.UUID, idempotency: Idempotency
+                       ) -> uuid.UUID | None:
+        cur = await conn.execute(self._db.q["find_idempotency_key"],
+                                 {"tenant_id": tenant_id, "key": idempotency.key})
+        row = await cur.fetchone()
+        if row is None:
+            return None
+        if bytes(row["request_hash"]) != idempotency.request_hash:
+            raise ContractError(
+                "this Idempotency-Key was used before with a different request body",
+                code="idempotency_key_reused", status=409)
+        job_id: uuid.UUID = row["job_id"]
+        return job_id
 
     async def cost(self, job_id: uuid.UUID, steps: Sequence[str]) -> tuple[float, int]:
         """What the job's attempts of ``steps`` cost: (USD, tokens)."""

@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,54 @@ def test_rerun_refusals_have_stable_codes(env: RerunEnv) -> None:
     with psycopg.connect(env.db) as conn:
         after = conn.execute("SELECT count(*) FROM jobs WHERE rerun_of IS NOT NULL").fetchone()
     assert after == before
+
+
+def test_a_keyed_rerun_answers_the_same_new_job_and_refuses_another_body(
+        env: RerunEnv) -> None:
+    """With an Idempotency-Key, the same body answers the same new job (one job made, also
+    by two requests at once); another body, another job or a submit under the key is 409
+    idempotency_key_reused, as for POST /v1/jobs; a malformed key is 400 invalid_header."""
+    original = env.submit("keyed rerun words")
+    env.finished(original)
+    key = {"Idempotency-Key": f"rerun-{uuid.uuid4()}"}
+
+    def rerun(job_id: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
+        status, _h, answer = env.api.call("POST", f"/v1/jobs/{job_id}/rerun", body,
+                                          headers=headers)
+        return status, answer
+
+    status, first = rerun(original, {"from_step": "draft"}, key)
+    assert status == 202, first
+    status, again = rerun(original, {"from_step": "draft"}, key)
+    assert (status, again) == (202, first)
+    with ThreadPoolExecutor(4) as pool:  # a race of twins under a fresh key: one job
+        twin = {"Idempotency-Key": f"rerun-{uuid.uuid4()}"}
+        answers = list(pool.map(lambda _i: rerun(original, {"from_step": "polish"}, twin),
+                                range(4)))
+    assert {a[0] for a in answers} == {202}, answers
+    assert len({a[1]["job_id"] for a in answers}) == 1, answers
+    with psycopg.connect(env.db) as conn:
+        made = conn.execute("SELECT count(*) FROM jobs WHERE rerun_of = %s",
+                            (original,)).fetchone()
+    assert made == (2,)
+    assert env.finished(first["job_id"])["rerun_of"] == original
+
+    other = env.submit("another original")
+    env.finished(other)
+    for job_id, body in ((original, {"from_step": "polish"}),
+                         (original, {"from_step": "draft", "priority": "bulk"}),
+                         (other, {"from_step": "draft"})):
+        status, answer = rerun(job_id, body, key)
+        assert (status, answer["code"]) == (409, "idempotency_key_reused"), answer
+    status, _h, answer = env.api.call("POST", "/v1/jobs", {
+        "workflow": NAME, "input": {"text": "a submit"}}, headers=key)
+    assert (status, answer["code"]) == (409, "idempotency_key_reused"), answer
+    status, answer = rerun(original, {"from_step": "draft"}, {"Idempotency-Key": ""})
+    assert (status, answer["code"]) == (400, "invalid_header"), answer
+    with psycopg.connect(env.db) as conn:
+        made = conn.execute("SELECT count(*) FROM jobs WHERE rerun_of = ANY(%s::uuid[])",
+                            ([original, other],)).fetchone()
+    assert made == (2,)
 
 
 def test_bulk_rerun_counts_estimates_confirms_then_reruns_each(env: RerunEnv,

@@ -76,6 +76,14 @@ def test_rerun_makes_a_new_job_linked_to_the_original(api: Any) -> None:
     with pytest.raises(ApiError) as refused:
         api.rerun(job_id, "nope")
     assert (refused.value.status, refused.value.code) == (422, "unknown_step")
+    # Keyed: the same key and arguments answer the same new job; other arguments a 409.
+    key = f"rerun-{uuid.uuid4()}"
+    keyed = api.rerun(job_id, "summarize", idempotency_key=key)
+    assert keyed["job_id"] != answer["job_id"]
+    assert api.rerun(job_id, "summarize", idempotency_key=key)["job_id"] == keyed["job_id"]
+    with pytest.raises(ApiError) as reused:
+        api.rerun(job_id, "summarize", priority="bulk", idempotency_key=key)
+    assert (reused.value.status, reused.value.code) == (409, "idempotency_key_reused")
 
 
 def test_cancel_ends_a_running_job(api: Any) -> None:

@@ -60,6 +60,10 @@ export interface RerunOptions {
   /** The input the rerun starts from, in place of the original's (its workflow's rules). */
   input?: Record<string, unknown>;
   priority?: Priority;
+  /** The `Idempotency-Key`, as a submit's: the same key with the same arguments answers
+   * the same new job (another call under it: 409 `idempotency_key_reused`). `true` makes
+   * one for this call, so that it may also be retried after a dropped connection. */
+  idempotencyKey?: string | true;
   signal?: AbortSignal;
 }
 
@@ -253,15 +257,19 @@ export class CalmqClient {
   /** `POST /v1/jobs/{id}/rerun`: a new job that runs a job that ended again from
    * `fromStep` (the recorded outputs of the steps before it are reused, not run again),
    * linked to the original (`rerun_of`). Each call makes a new job, so it is retried only
-   * when the API refused it (429, 503), never after an answer that may have been lost. */
+   * when the API refused it (429, 503), never after an answer that may have been lost;
+   * with `idempotencyKey`, like a keyed submit, after any failure a retry may cure. */
   async rerun(jobId: string, fromStep: string, options: RerunOptions = {}
   ): Promise<RerunAccepted> {
     const body: Record<string, unknown> = { from_step: fromStep };
     if (options.input !== undefined) body.input = options.input;
     if (options.priority !== undefined) body.priority = options.priority;
+    const headers: Record<string, string> = { "Content-Type": "application/json" };
+    const key = options.idempotencyKey === true ? crypto.randomUUID() : options.idempotencyKey;
+    if (key !== undefined) headers["Idempotency-Key"] = key;
     const response = await this.#call("POST", `/v1/jobs/${encodeURIComponent(jobId)}/rerun`, {
-      body: JSON.stringify(body), headers: { "Content-Type": "application/json" },
-      expect: [202], retry: "refused", signal: options.signal,
+      body: JSON.stringify(body), headers, expect: [202],
+      retry: key !== undefined ? "safe" : "refused", signal: options.signal,
     });
     return (await response.json()) as RerunAccepted;
   }

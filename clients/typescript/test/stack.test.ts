@@ -150,6 +150,15 @@ describe("against the stack", { skip: stack ? false : "CALMQ_API_URL and CALMQ_A
     assert.equal(rerun.rerun_of, job_id);
     await assert.rejects(calmq.rerun(job_id, "nope"), (error: unknown) =>
       error instanceof ApiError && error.status === 422 && error.code === "unknown_step");
+    // Keyed: the same key and arguments answer the same new job; other arguments a 409.
+    const idempotencyKey = `ts-rerun-${crypto.randomUUID()}`;
+    const keyed = await calmq.rerun(job_id, "summarize", { idempotencyKey });
+    assert.notEqual(keyed.job_id, again.job_id);
+    assert.equal((await calmq.rerun(job_id, "summarize", { idempotencyKey })).job_id,
+                 keyed.job_id);
+    await assert.rejects(calmq.rerun(job_id, "summarize", { idempotencyKey, priority: "bulk" }),
+      (error: unknown) => error instanceof ApiError && error.status === 409
+        && error.code === "idempotency_key_reused");
   });
 
   test("get, list with filters, cancel, and a second cancel's 409", { timeout: TIMEOUT },

@@ -134,13 +134,17 @@ class AsyncClient:
 
     async def rerun(self, job_id: str, from_step: str,
               input: Mapping[str, Any] | None = None, *,
-              priority: str | None = None) -> dict[str, Any]:
+              priority: str | None = None,
+              idempotency_key: str | None = None) -> dict[str, Any]:
         """POST /v1/jobs/{id}/rerun: a new job that runs a job that ended again from
         ``from_step``, reusing the recorded outputs of the steps before it (no paid call of
         theirs again); ``input`` replaces what the step gets. Returns the 202 answer
         (``job_id``, ``rerun_of``, ...). Each call makes a new job: retried only when the
-        API certainly did not act on it."""
-        answer: dict[str, Any] = await self._json(calls.rerun(job_id, from_step, input, priority))
+        API certainly did not act on it, unless ``idempotency_key`` is given: the same key
+        with the same arguments answers the same new job, so a keyed rerun is retried like
+        a keyed submit (another call under the key: 409 ``idempotency_key_reused``)."""
+        answer: dict[str, Any] = await self._json(
+            calls.rerun(job_id, from_step, input, priority, idempotency_key))
         return answer
 
     async def delete(self, job_id: str) -> None:

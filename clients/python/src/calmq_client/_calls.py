@@ -88,14 +88,17 @@ def submit(workflow: str, input: Mapping[str, Any] | None, *,
 
 
 def rerun(job_id: str, from_step: str, input: Mapping[str, Any] | None,
-          priority: str | None) -> Call:
-    """POST /v1/jobs/{id}/rerun: a new job each time it is sent, so not safe to repeat."""
+          priority: str | None, idempotency_key: str | None = None) -> Call:
+    """POST /v1/jobs/{id}/rerun: a new job each time it is sent, so not safe to repeat,
+    unless it carries an idempotency key (the same key answers the same new job)."""
     body: dict[str, Any] = {"from_step": from_step}
     if input is not None:
         body["input"] = dict(input)
     if priority is not None:
         body["priority"] = priority
-    return Call("POST", job_path(job_id, "/rerun"), expect=(202,), safe=False, body=body)
+    headers = {} if idempotency_key is None else {"Idempotency-Key": idempotency_key}
+    return Call("POST", job_path(job_id, "/rerun"), expect=(202,),
+                safe=idempotency_key is not None, body=body, headers=headers)
 
 
 def submit_file(workflow: str, path: Path, *, content_type: str, idempotency_key: str | None,
