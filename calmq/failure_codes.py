@@ -66,6 +66,10 @@ _ALL: Final = (
                 "(at most provider_retry_after_max_seconds), fleet-wide for that provider "
                 "and model, then retried",
                 provider_status="429"),
+    FailureCode("flex_unavailable", T, R, "OpenAI's flex tier has no capacity for the call "
+                "(429 resource_unavailable): sent again at once at the standard tier in the "
+                "same attempt (calmq.calls.tiers); nothing paused",
+                provider_status="429 resource_unavailable"),
     FailureCode("upstream_unavailable", T, R, "the provider failed; retried with backoff, "
                 "never sooner than Retry-After", provider_status="500, 502, 503, 504"),
     FailureCode("provider_overloaded", T, R, "Anthropic's overloaded_error; retried with "

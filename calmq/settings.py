@@ -13,11 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from calmq import __version__
-from calmq.calls.pricing import DEFAULT_PRICES, ModelPrice
+from calmq.calls.pricing import DEFAULT_PRICES, ModelPrice, tier_price
 from calmq.errors import ConfigError
 from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 
@@ -693,6 +693,30 @@ class Settings(BaseSettings):
         description="price models CALMQ_PRICES lacks from the genai-prices table (cached "
                     "input, service tiers); false: such models cost 0")
 
+    # Service tiers (docs/how-to/deadlines-and-tiers.md, calmq.calls.tiers): the tiers calmq
+    # may ask of OpenAI per call, from the time the job has left.
+    service_tiers: str = Field(
+        default="",
+        description="comma list of the OpenAI service tiers calmq may choose per call: flex "
+                    "(bulk jobs whose deadline holds a flex call), priority (only where the "
+                    "standard tier would miss it); each must be priced for CALMQ_MODEL. "
+                    "Empty: no tier is sent")
+    service_tier_priority_tenants: str = Field(
+        default="",
+        description="comma list of tenant ids whose calls may be sent at priority (empty: "
+                    "every tenant, when service_tiers names priority)")
+    service_tier_flex_seconds: float = Field(
+        default=900.0, gt=0,
+        description="a flex call's latency assumed until flex calls have answered (then "
+                    "the 90th percentile of the last 64 is used)")
+    service_tier_standard_seconds: float = Field(
+        default=60.0, gt=0,
+        description="a standard call's latency assumed until standard calls have answered")
+    service_tier_margin: float = Field(
+        default=1.5, ge=1,
+        description="the factor on a tier's latency when calmq checks it meets the time a "
+                    "job has left")
+
     # The batch lane (docs/how-to/batch-backfills.md): jobs submitted with "lane": "batch"
     # go through the provider's batch API at its batch price, collected by `calmq batcher`.
     batch_completion_window_seconds: float = Field(
@@ -831,6 +855,44 @@ class Settings(BaseSettings):
         if delays != sorted(delays):
             raise ValueError("retry_tiers must be in increasing order")
         return ",".join(tiers)
+
+    @field_validator("service_tiers")
+    @classmethod
+    def _choosable_tiers(cls, value: str) -> str:
+        tiers = [t.strip() for t in value.split(",") if t.strip()]
+        unknown = [t for t in tiers if t not in ("flex", "priority")]
+        if unknown:
+            raise ValueError(f"service_tiers is a comma list of flex and priority, not "
+                             f"{', '.join(unknown)}")
+        return ",".join(tiers)
+
+    @model_validator(mode="after")
+    def _tiers_are_priced(self) -> Settings:
+        """A tier calmq may choose must have a price for the configured model: refused here,
+        never billed at the standard price or at 0 (calmq.calls.pricing.tier_price)."""
+        if not self.service_tiers:
+            return self
+        if self.provider != "openai":
+            raise ValueError(f"service_tiers: service tiers are chosen for OpenAI's API; "
+                             f"CALMQ_PROVIDER is {self.provider}")
+        refused = []
+        for tier in self.service_tier_list:
+            try:
+                tier_price(self.prices, self.provider, self.model, tier,
+                           table=self.prices_table)
+            except ConfigError as exc:
+                refused.append(exc.message)
+        if refused:
+            raise ValueError("service_tiers: " + "; ".join(refused))
+        return self
+
+    @property
+    def service_tier_list(self) -> list[str]:
+        return [t for t in self.service_tiers.split(",") if t]
+
+    @property
+    def service_tier_priority_tenant_list(self) -> list[str]:
+        return [t.strip() for t in self.service_tier_priority_tenants.split(",") if t.strip()]
 
     @property
     def priority_list(self) -> list[str]:

@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -201,11 +202,15 @@ class Attempt:
                           provider, self.objects, effects, priority=job.priority,
                           workflow=job.workflow, lease_version=job.lease_version,
                           pool=job.pool)
-        enter_scope(ctx.call_scope())  # the budget's priority, the meter's labels
         timeout = self.step_timeout_seconds or step.timeout_seconds
         # Claimed ahead, a job may wait here for a slot; its timeout starts after.
         if self.slots is not None:
             await self.slots.acquire(job.priority)
+        # The budget's priority, the meter's labels, and the time the step's calls have
+        # (its timeout, or the job's deadline if sooner): their service tier's measure.
+        ends = time.time() + timeout
+        enter_scope(replace(ctx.call_scope(), deadline=ends if deadline is None
+                            else min(ends, deadline.timestamp())))
         try:
             async with asyncio.timeout(timeout):
                 output = await step.run(ctx, data)

@@ -14,6 +14,7 @@ __all__ = [
     "CONCURRENCY_KEY_HELD",
     "CONCURRENCY_KEY_RESUMED",
     "CONSUMER_LAG",
+    "DEADLINES_MISSED",
     "DEAD_LETTERS",
     "FAIR_SHARE_HELD",
     "FAIR_SHARE_PICKED",
@@ -129,6 +130,11 @@ OTHER_SECONDS = Histogram("calmq_attempt_other_seconds",
                           ["workflow"], buckets=_ATTEMPT)
 RETRY_DELAY = Histogram("calmq_retry_delay_seconds", "Delay chosen for each scheduled retry",
                         ["failure_class"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600))
+# A job that ended (completed or dead-lettered) after its deadline, or was dead-lettered
+# because it passed (deadline_exceeded): named in its history too (processors/deadlines.py).
+DEADLINES_MISSED = Counter("calmq_deadlines_missed_total",
+                           "Jobs that ended past their deadline_seconds, by how they ended",
+                           ["workflow", "priority", "status"])
 DEAD_LETTERS = Counter("calmq_dead_letters_total", "Jobs dead-lettered by a worker",
                        ["failure_class"])
 # How late the worker's event loop runs a 0.1 s timer: every callback (a model answer, a

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from confluent_kafka import Message
 
 from calmq import logs, topics, tracing
+from calmq.calls.caching import CacheUse
 from calmq.calls.wires import ModelClock, model_clock
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
@@ -36,6 +37,7 @@ from calmq.processors.admission import Admission, FairShareGate, Gate
 from calmq.processors.attempt import Attempt
 from calmq.processors.claim import Claim
 from calmq.processors.commit import Committer
+from calmq.processors.deadlines import note_deadline_and_tiers
 from calmq.processors.failures import FailureStage, hand_back_blocked, hand_back_waiting
 from calmq.processors.intake import Intake
 from calmq.processors.leases import Leases
@@ -49,8 +51,9 @@ __all__ = ["Pipeline", "UsageSink", "failure_stage"]
 
 log = logging.getLogger(__name__)
 
-# Writes an attempt's model usage on its own: (job_id, input, output tokens, cost, calls).
-UsageSink = Callable[[str, int, int, float, int], Awaitable[None]]
+# Writes an attempt's model usage on its own: (job_id, input, output tokens, cost, calls,
+# cache=CacheUse): UsageRecorder.record.
+UsageSink = Callable[..., Awaitable[None]]
 
 
 def failure_stage(settings: Settings, worker_id: str,
@@ -345,7 +348,11 @@ class Pipeline:
                 self.fill_soon()  # a slot freed: the fairest waiting job takes it
         finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                         "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd,
-                        "model": clock.model}
+                        "model": clock.model,
+                        "cached_input_tokens": clock.cached_input_tokens,
+                        "cache_write_tokens": clock.cache_write_tokens,
+                        "cache_saved_usd": clock.cache_saved_usd}
+        note_deadline_and_tiers(job, finish, clock)  # the history's tiers and lateness
         _observe(job, finish, time.monotonic() - started, clock.seconds)
         _cost(job, finish, clock.cost_usd)
         self.committer.add(finish, position)
@@ -364,7 +371,9 @@ class Pipeline:
             return
         try:
             await self.usage(str(job.id), clock.input_tokens, clock.output_tokens,
-                             clock.cost_usd, clock.calls)
+                             clock.cost_usd, clock.calls, cache=CacheUse(
+                                 clock.cached_input_tokens, clock.cache_write_tokens,
+                                 read_saved_usd=clock.cache_saved_usd))
         except Exception:  # metering must not keep a stopped attempt from ending
             log.exception("recording the usage of an abandoned attempt of %s failed", job.id)
 

@@ -75,7 +75,8 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
                                 code="non_finite_number")
     wf = find_workflow(workflow, dict(workflows) if workflows is not None
                        else registered_workflows())
-    chosen = choose_lane(lane, priority, deadline_seconds, bulk_lane=wf.bulk_lane)
+    chosen = choose_lane(lane, priority, deadline_seconds or wf.deadline_seconds,
+                         bulk_lane=wf.bulk_lane)
     data = wf.validate_input(input) if input is not None else None
     if input_ref is not None:
         # The object's type and size are checked by the API only (this client writes the

@@ -59,6 +59,7 @@ def prepare(
     and to the request model reaches the row without an edit here.
     """
     first = workflow.steps[0]
+    deadline_seconds = deadline_seconds or workflow.deadline_seconds  # the default
     return NewJob(
         id=job_id or new_id(),
         tenant_id=tenant_id,

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq.batching import Batcher
+from calmq.calls.caching import CacheUse, cache_use, meter_cache
 from calmq.calls.gate import ProviderGate, provider_label
 from calmq.calls.pricing import ModelPrice, cost_usd
 from calmq.calls.wires import (
@@ -61,6 +62,7 @@ from calmq.failure_codes import BudgetEffect, failure, spec
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
+    from calmq.calls.tiers import TierChooser
     from calmq.data import Database
 
 __all__ = [
@@ -690,14 +692,16 @@ class UsageRecorder:
         await self._batcher.close(grace=5.0)
 
     async def record(self, job_id: str, input_tokens: int, output_tokens: int,
-                     cost: float, calls: int = 1) -> None:
+                     cost: float, calls: int = 1, *, cache: CacheUse | None = None) -> None:
         try:
             job = uuid.UUID(job_id)
         except ValueError:
             return  # not a calmq job (a hand-made call): nothing to add it to
         # A step cancelled meanwhile (timeout) still has its usage written: the batcher
         # shields the write from its caller.
-        await self._batcher.submit(Usage(job, input_tokens, output_tokens, cost, calls))
+        cache = cache or CacheUse()
+        await self._batcher.submit(Usage(job, input_tokens, output_tokens, cost, calls,
+                                         cache.read, cache.written, cache.saved_usd))
 
 
 # -- the provider wrapper -----------------------------------------------------------------
@@ -745,8 +749,11 @@ class BudgetedProvider:
         learn_limits: Callable[[RateLimits], Awaitable[TokenBudget | None]] | None = None,
         embedder: BudgetedProvider | None = None,
         prices_table: bool = True,
+        tiers: TierChooser | None = None,
     ) -> None:
         self.inner = inner
+        # The service tier of each call, from the time its job has left (calmq.calls.tiers).
+        self.tiers = tiers
         self.quota = quota
         # Blocks and rate-limit pauses, fleet-wide (calmq.calls.gate).
         self.gate = gate
@@ -807,9 +814,14 @@ class BudgetedProvider:
         calls = _metrics().calls
         self._in_call += 1
         try:
-            reply = await self.inner.complete(messages=messages, job_id=job_id,
-                                              max_tokens=max_tokens,
-                                              response_schema=response_schema)
+            def send() -> Awaitable[ModelReply]:
+                return self.inner.complete(messages=messages, job_id=job_id,
+                                           max_tokens=max_tokens,
+                                           response_schema=response_schema)
+
+            # At the chosen tier; a flex call refused or late is sent again at the standard
+            # tier inside this call, under the same reservation (calmq.calls.tiers).
+            reply = await (send() if self.tiers is None else self.tiers.call(send, scope))
         except StepFailure as exc:
             replacement = await self._failed_call(exc, taken, estimate)
             if replacement is exc:
@@ -833,7 +845,7 @@ class BudgetedProvider:
         await taken.settle((reply.input_tokens or estimate - max_tokens) + output)
         await self._meter(job_id, scope.workflow, scope.tenant_id, reply.input_tokens,
                           reply.output_tokens, cached=reply.cached_input_tokens,
-                          tier=reply.service_tier)
+                          tier=reply.service_tier, written=reply.cache_write_tokens)
 
     def stream(
         self,
@@ -997,10 +1009,16 @@ class BudgetedProvider:
             self.budget.limits.requests_per_minute)
 
     async def _meter(self, job_id: str, workflow: str, tenant: str, input_tokens: int,
-                     output_tokens: int, *, cached: int = 0, tier: str | None = None) -> None:
-        cost = cost_usd(self.prices, self.provider, self.model, input_tokens, output_tokens,
-                        cached_input_tokens=cached, service_tier=tier,
-                        table=self.prices_table)
+                     output_tokens: int, *, cached: int = 0, tier: str | None = None,
+                     written: int = 0) -> None:
+        def price(read: int, wrote: int) -> float:
+            return cost_usd(self.prices, self.provider, self.model, input_tokens,
+                            output_tokens, cached_input_tokens=read, cache_write_tokens=wrote,
+                            service_tier=tier, table=self.prices_table)
+
+        cost = price(cached, written)
+        cache = cache_use(price, cached, written)  # read and written, and what it saved
+        meter_cache((workflow, tenant, self.provider, self.model), cache)
         m = _metrics()
         m.tokens.labels(workflow, tenant, self.provider, self.model, "input").inc(input_tokens)
         m.tokens.labels(workflow, tenant, self.provider, self.model, "output").inc(output_tokens)
@@ -1008,9 +1026,9 @@ class BudgetedProvider:
         clock = current_clock()
         if clock is not None:
             # Inside a step runner's attempt: written with its outcome, in one transaction.
-            clock.add_usage(input_tokens, output_tokens, cost, self.model)
+            clock.add_usage(input_tokens, output_tokens, cost, self.model, cache)
         elif self.usage is not None:
-            await self.usage.record(job_id, input_tokens, output_tokens, cost)
+            await self.usage.record(job_id, input_tokens, output_tokens, cost, cache=cache)
 
     async def close(self) -> None:
         if self._learning is not None:

@@ -27,6 +27,7 @@ from calmq.calls.fallback import Fallback, allowed_models
 from calmq.calls.gate import ProviderGate, provider_key
 from calmq.calls.key_rates import Buckets, KeyRateLimiter
 from calmq.calls.publishing import OutputStream, PublishingProvider
+from calmq.calls.tiers import chooser_for
 from calmq.calls.wires import Provider, RateLimits, open_provider
 from calmq.data.budget import BudgetLedger, TenantTokenLedger
 from calmq.data.providers import ProviderLedger
@@ -174,7 +175,8 @@ async def _metered(settings: Settings, db: Database, inner: Any, *, kind: str, u
         prices=s.prices, counts_max_tokens=s.budget_counts_max_tokens,
         default_pause_seconds=s.budget_default_pause_seconds, quota=quota, gate=gate,
         learn_limits=learn if s.provider_learn_limits else None,
-        prices_table=s.prices_table)
+        prices_table=s.prices_table,
+        tiers=chooser_for(s, kind, model) if chat else None)
     wrapped.show_configured()
     return wrapped
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
+from calmq.calls import caching
 from calmq.calls.output_schemas import anthropic_schema, openai_schema_name, openai_strict_schema
 from calmq.errors import StepFailure
 from calmq.failure_codes import failure
@@ -36,6 +37,7 @@ from calmq.failure_codes import failure
 __all__ = [
     "ANTHROPIC_VERSION",
     "RETRY_AFTER_MAX_SECONDS",
+    "SERVICE_TIER",
     "AnthropicProvider",
     "CallScope",
     "Embedder",
@@ -72,6 +74,9 @@ class CallScope:
     tenant_id: str = ""
     workflow: str = ""
     priority: str = "bulk"
+    # Wall time (epoch seconds) by which the call must have answered: the earlier of the
+    # job's deadline and the end of the step's timeout; None: no bound (calmq.calls.tiers).
+    deadline: float | None = None
 
 
 _SCOPE: ContextVar[CallScope | None] = ContextVar("calmq_call_scope", default=None)
@@ -102,19 +107,35 @@ class ModelClock:
         self.input_tokens = 0
         self.output_tokens = 0
         self.cost_usd = 0.0
+        # Of the input: read from and written to the provider's prompt cache, and what the
+        # cache saved (calmq.calls.caching).
+        self.cached_input_tokens = 0
+        self.cache_write_tokens = 0
+        self.cache_saved_usd = 0.0
         # The model that served the attempt's last call (a step may fall back to another
         # of its allowed models: calmq.calls.fallback); None before any answered call.
         self.model: str | None = None
+        # Per call asked at a service tier: {model, chosen, served[, moved, moved_ms]}
+        # (calmq.calls.tiers), for the attempt's event in the job's history.
+        self.tiers: list[dict[str, Any]] = []
 
     def add_usage(self, input_tokens: int, output_tokens: int, cost_usd: float,
-                  model: str | None = None) -> None:
+                  model: str | None = None, cache: caching.CacheUse | None = None) -> None:
         self.calls += 1
+        if cache is not None:
+            self.cached_input_tokens += cache.read
+            self.cache_write_tokens += cache.written
+            self.cache_saved_usd += cache.saved_usd
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
         self.cost_usd += cost_usd
         if model is not None:
             self.model = model
 
+
+# The service tier the call being sent in this task asks for (calmq.calls.tiers sets it
+# around one call); None: the request names none (the provider's default tier).
+SERVICE_TIER: ContextVar[str | None] = ContextVar("calmq_service_tier", default=None)
 
 _CLOCK: ContextVar[ModelClock | None] = ContextVar("calmq_model_clock", default=None)
 
@@ -143,6 +164,8 @@ class ModelReply:
     cached_input_tokens: int = 0
     reasoning_tokens: int = 0
     service_tier: str | None = None
+    # Of the input tokens, those written to the prompt cache (Anthropic's cache writes).
+    cache_write_tokens: int = 0
 
 
 class Provider(Protocol):
@@ -354,6 +377,10 @@ def classify_status(status: int, body: str, headers: Any = None, *,
     if status == 402 or any(mark in code for code in codes for mark in _QUOTA_MARKS):
         return failure("insufficient_quota", f"the provider account's quota or credit is "
                        f"used up ({status}): {detail}")
+    if status == 429 and "resource_unavailable" in codes:
+        # OpenAI's flex tier without capacity: not a rate limit (nothing to pause), and
+        # calmq.calls.tiers sends the call again at the standard tier.
+        return failure("flex_unavailable", f"the flex tier has no capacity now: {detail}")
     if status == 429:
         return failure("rate_limited", f"rate limited by the provider: {detail}",
                        retry_after=wait)
@@ -657,10 +684,15 @@ class OpenAIProvider(_HttpProvider):
         """The body of the call; a provider batch sends the very same (calmq.calls.batch_apis)."""
         # max_completion_tokens, not the deprecated max_tokens: reasoning models (o1, o3, ...)
         # answer 400 to max_tokens, which calmq would dead-letter as an input error.
+        scope = current_scope()
+        messages, cached = caching.openai_prompt(messages, scope.workflow, scope.tenant_id)
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "user": job_id,
-            "max_completion_tokens": max_tokens,
+            "max_completion_tokens": max_tokens, **cached,
         }
+        tier = SERVICE_TIER.get()
+        if tier is not None:
+            body["service_tier"] = tier
         if response_schema is not None and self.schema_on:
             body["response_format"] = {
                 "type": "json_schema",
@@ -768,11 +800,12 @@ class AnthropicProvider(_HttpProvider):
     ) -> dict[str, Any]:
         """The body of the call (a batch request's ``params``); the output's schema goes in
         ``output_config.format`` for models that take it, else only the prompt asks."""
-        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+        # A marked prefix: cache_control on its last block (calmq.calls.caching).
+        system, rest = caching.anthropic_prompt(messages)
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
-            "messages": [m for m in messages if m["role"] != "system"],
+            "messages": rest,
             "metadata": {"user_id": job_id},
         }
         if system:
@@ -801,6 +834,7 @@ class AnthropicProvider(_HttpProvider):
                 output_tokens=int(usage.get("output_tokens", 0)),
                 cached_input_tokens=cached,
                 service_tier=usage.get("service_tier"),
+                cache_write_tokens=int(usage.get("cache_creation_input_tokens") or 0),
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise failure("upstream_garbled", "provider answer lacks content") from exc
@@ -926,7 +960,8 @@ class _AnthropicReading:
         return ModelReply(content=None if refusal else text, refusal=refusal,
                           input_tokens=int(usage.get("input_tokens") or 0) + cached + written,
                           output_tokens=int(usage.get("output_tokens") or 0),
-                          cached_input_tokens=cached, service_tier=usage.get("service_tier"))
+                          cached_input_tokens=cached, service_tier=usage.get("service_tier"),
+                          cache_write_tokens=written)
 
 
 def open_provider(kind: str, base_url: str, api_key: str, model: str, *,

@@ -346,10 +346,15 @@ class Workflow:
     # fleet-wide (calmq.calls.key_rates); a call past it waits uncounted (rate_limit_key). None:
     # keys limit no rate. A job without a key is not limited by it.
     key_rate_limit: KeyRateLimit | None = None
+    # The deadline_seconds of a job submitted without one (None: no deadline): what its calls'
+    # service tier is chosen from (calmq.calls.tiers), and its lane (calmq.lanes).
+    deadline_seconds: int | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError(f"workflow {self.name} has no steps")
+        if self.deadline_seconds is not None and self.deadline_seconds < 1:
+            raise ValueError(f"workflow {self.name}: deadline_seconds is at least 1")
         if self.concurrency_limit is not None and self.concurrency_limit < 1:
             raise ValueError(f"workflow {self.name}: concurrency_limit is at least 1")
         names = [s.name for s in self.steps]

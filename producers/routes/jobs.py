@@ -174,8 +174,8 @@ async def checked_job(request: web.Request, caller: Tenant, req: SubmitRequest,
                             code="input_ref_forbidden", status=403)
     if req.input_ref is not None:
         await _check_reference(request, workflow, req.input_ref, stored)
-    lane = choose_lane(req.lane, req.priority, req.deadline_seconds,
-                       bulk_lane=workflow.bulk_lane,
+    deadline = req.deadline_seconds or workflow.deadline_seconds  # the workflow's default
+    lane = choose_lane(req.lane, req.priority, deadline, bulk_lane=workflow.bulk_lane,
                        window_seconds=settings.batch_completion_window_seconds,
                        margin_seconds=settings.batch_deadline_margin_seconds)
     if req.callback_url is not None:

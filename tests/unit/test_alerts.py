@@ -97,9 +97,12 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     that define it ran (lazily created ones by their factories) and vice versa: the scan is
     neither vacuous nor inventing metrics."""
     import calmq.calls.budget
+    import calmq.calls.caching
     import calmq.calls.fallback
     import calmq.calls.gate
+    import calmq.calls.tiers
     import calmq.cli.services
+    import calmq.job_costs
     import calmq.processors.batcher
     import calmq.processors.failures
     import calmq.processors.metrics
@@ -118,10 +121,13 @@ def test_the_catalogue_agrees_with_prometheus_clients_registry() -> None:
     # The factories below are the modules' own lazy constructors (cached: calling one
     # again returns the same metrics), which is how the processes create them.
     calmq.calls.budget._metrics()
+    calmq.calls.caching._counters()
+    calmq.job_costs._counters()
     calmq.calls.fallback._fallbacks()
     calmq.calls.gate._blocked_gauge()
     calmq.calls.gate._paused_gauge()
     calmq.calls.gate._unconfirmed_counter()
+    calmq.calls.tiers._calls()
     calmq.processors.failures._handbacks()
     calmq.cli.services.gc_pause_histogram()
     calmq.relay.cdc._metrics()

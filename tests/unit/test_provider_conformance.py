@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,25 @@ async def test_every_chat_request_fits_the_openai_sdk_and_strict_mode(
         spec = body["response_format"]["json_schema"]
         assert spec["strict"] is True
         assert rules.openai_strict_problems(spec["schema"]) == []
+
+
+@pytest.mark.parametrize("tier", ["flex", "priority"])
+async def test_every_chat_request_with_a_service_tier_fits_the_openai_sdk(
+        recorded: Recorder, tier: str) -> None:
+    """Each workflow's model call sent at a service tier calmq may choose
+    (calmq.calls.tiers) is still a CompletionCreateParams the SDK allows, and the strict fake
+    answers it at that tier."""
+    from calmq.calls.wires import SERVICE_TIER
+
+    provider = open_provider("openai", "http://unused", "k", "gpt-5-mini")
+    token = SERVICE_TIER.set(tier)
+    try:
+        for call in recorded.calls:
+            body = provider.request_body(**call)
+            assert body["service_tier"] == tier
+            assert rules.openai_chat(body) is None, rules.openai_chat(body)
+    finally:
+        SERVICE_TIER.reset(token)
 
 
 async def test_every_message_request_fits_the_anthropic_sdk(recorded: Recorder) -> None:
@@ -432,3 +451,119 @@ async def test_a_key_the_fake_requires_is_checked_in_each_shape() -> None:
                 await right.close()
     finally:
         await runner.cleanup()
+
+
+# A stable prefix of about 4,000 tokens (the fake counts four characters a token), marked at
+# its last message: on the system prompt, or on a document the user turn carries.
+_PREFIX = "You answer questions about the attached handbook. " + "Handbook text. " * 1066
+
+
+def _cached_calls() -> list[dict[str, Any]]:
+    """Calls whose prompt marks a stable prefix (calmq.calls.caching), as steps make them."""
+    from calmq.calls.caching import stable
+    from calmq.workflows.summarize import _output_schema
+
+    question = {"role": "user", "content": json.dumps({"text": "What is a lease?"})}
+    return [
+        {"messages": [stable({"role": "system", "content": _PREFIX}), question],
+         "job_id": "job-a", "max_tokens": 64, "response_schema": _output_schema()},
+        {"messages": [{"role": "system", "content": "Answer with JSON."},
+                      stable({"role": "user", "content": _PREFIX}), question],
+         "job_id": "job-b", "max_tokens": 64, "response_schema": _output_schema()},
+        {"messages": [stable({"role": "system", "content": _PREFIX}),
+                      {"role": "system", "content": "Be brief."}, question],
+         "job_id": "job-c", "max_tokens": 64},
+    ]
+
+
+@pytest.fixture
+def cache_scope() -> Iterator[None]:
+    from calmq.calls.wires import CallScope, enter_scope
+
+    enter_scope(CallScope("job-a", "tenant-acme-0001", "handbook", "bulk"))
+    yield
+    enter_scope(CallScope())  # the scope of no job, as before
+
+
+@pytest.mark.parametrize("kind", ["openai", "azure", "anthropic"])
+def test_requests_with_a_cached_prefix_fit_the_sdks(kind: str, cache_scope: None) -> None:
+    """A marked prefix goes out as each provider caches it, and every such request (whole,
+    streamed, in a batch) is one the official SDK's request types allow: OpenAI and Azure a
+    prompt_cache_key of the workflow and tenant (a hash: neither name in it), Anthropic
+    cache_control on the prefix's last block; the mark itself never reaches the wire."""
+    from anthropic.types.message_create_params import MessageCreateParamsStreaming
+    from openai.types.chat.completion_create_params import CompletionCreateParamsStreaming
+
+    from calmq.calls.caching import cache_key
+    from calmq.tooling.fake_provider.sdk_types import check
+
+    model = "claude-sonnet-4-5" if kind == "anthropic" else "gpt-4o-mini"
+    provider = open_provider(kind, "http://unused", "k", model)
+    batch = open_batch_client(kind, "http://unused", "k", model)
+    for n, call in enumerate(_cached_calls()):
+        body = provider.request_body(**call)
+        stream = provider.stream_body(**call)
+        line = json.loads(batch.line(custom_id(f"job-{n}", 1), batch.request_body(**call)))
+        assert "cache" not in json.dumps(body["messages"]).replace("cache_control", "")
+        if kind == "anthropic":
+            assert rules.anthropic_messages(body) is None, rules.anthropic_messages(body)
+            assert check(stream, MessageCreateParamsStreaming) == []
+            assert rules.anthropic_batch({"requests": [line]}) is None
+            marked = [b for b in (body["system"] if isinstance(body["system"], list) else [])
+                      + [b for m in body["messages"] if isinstance(m["content"], list)
+                         for b in m["content"]] if "cache_control" in b]
+            assert [b["cache_control"] for b in marked] == [{"type": "ephemeral"}]
+            assert marked[0]["text"] == _PREFIX
+        else:
+            assert rules.openai_chat(body) is None, rules.openai_chat(body)
+            assert check(stream, CompletionCreateParamsStreaming) == []
+            assert rules.openai_batch_line(line, "/v1/chat/completions") is None
+            assert body["prompt_cache_key"] == cache_key("handbook", "tenant-acme-0001")
+            assert "acme" not in body["prompt_cache_key"]
+            assert "handbook" not in body["prompt_cache_key"]
+    # Without a mark, the request is the one calmq always sent.
+    plain = provider.request_body(messages=[{"role": "user", "content": "x"}], job_id="j",
+                                  max_tokens=8)
+    assert "prompt_cache_key" not in plain
+    assert "cache_control" not in json.dumps(plain)
+
+
+def test_a_mark_left_on_a_message_is_refused_by_the_sdk_rules() -> None:
+    """Why the mark is taken off: a message with a key the SDK's types lack is refused."""
+    body = {"model": "gpt-4o-mini", "messages": [
+        {"role": "system", "content": "x", "cache": "prefix"}]}
+    assert rules.openai_chat(body) is not None
+
+
+def test_a_cache_mark_of_another_value_is_refused() -> None:
+    """A typo in the mark raises instead of silently caching nothing."""
+    from calmq.calls.caching import prefix_length
+
+    with pytest.raises(ValueError, match="prefix"):
+        prefix_length([{"role": "system", "content": "x", "cache": "yes"}])
+    assert prefix_length([{"role": "system", "content": "x"}]) == 0
+
+
+@pytest.mark.parametrize("kind", ["openai", "azure", "anthropic"])
+async def test_cached_prefixes_against_the_strict_fake(fake: str, kind: str,
+                                                       cache_scope: None) -> None:
+    """The fake (which checks like the real API) refuses none of the cached requests; the
+    second call of a prefix reads it from the cache (Anthropic's first writes it), and the
+    usage reaches the reply."""
+    model = "claude-sonnet-4-5" if kind == "anthropic" else "fake-small"
+    base = fake + "/openai/v1" if kind == "azure" else fake
+    provider = open_provider(kind, base, "k", model)
+    try:
+        for call in _cached_calls():
+            first = await provider.complete(**call)
+            again = await provider.complete(**call)
+            assert first.content
+            assert again.cached_input_tokens >= 3_900
+            assert again.cached_input_tokens <= again.input_tokens
+            if kind == "anthropic":
+                assert first.cache_write_tokens >= 3_900 or first.cached_input_tokens
+    finally:
+        await provider.close()
+    stats = await _get(fake, "/stats")
+    assert (stats["refused"], stats["refusals"]) == (0, [])
+    assert stats["cached_input_tokens"] >= 3 * 3_900
