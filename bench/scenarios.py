@@ -2,7 +2,7 @@
 
 A scenario lives in a module of its own (bench/accept.py, relay.py, e2e.py, slow.py,
 drain.py, budget.py, priority.py, longcalls.py, batch_lane.py, logical_messages.py,
-happy_path.py, streaming.py, scale.py, fairness.py, bulk.py); each
+happy_path.py, streaming.py, scale.py, fairness.py, bulk.py, tiers.py); each
 starts its own stack, runs calmq, then its baselines on the same broker and database, and
 returns one result of the one shape docs/how-to/benchmarks.md describes. What they share is
 bench/common.py. Modules are imported when their scenario runs, so `calmq bench e2e` loads
@@ -30,7 +30,7 @@ DEFAULT_SIZES = {"accept": 4000, "relay": 20000, "e2e": 5000, "slow": 10000, "dr
                  "budget": 1500, "priority": 50_000, "longcalls": 60_000, "batch": 20_000,
                  "logical_messages": 50_000, "happy_path": 20_000, "streaming": 200,
                  "scale": 20_000_000, "fairness": 12_000, "rerun": 1000, "bulk": 40_000,
-                 "fanout": 100_000}
+                 "fanout": 100_000, "tiers": 2000}
 
 
 def _lazy(module: str, function: str) -> Callable[..., dict[str, Any]]:
@@ -65,6 +65,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "bulk": _lazy("bulk", "bulk"),
     # issue 43: one parent's children against as many independent jobs, and the join
     "fanout": _lazy("fanout", "fanout"),
+    # issue 46: the deadline picks the service tier, against the same work all at standard
+    "tiers": _lazy("tiers", "tiers"),
 }
 
 

@@ -199,7 +199,8 @@ def register(command: Command, flags: Flags) -> None:
     p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
                                         "priority", "longcalls", "batch",
                                         "logical_messages", "happy_path", "streaming",
-                                        "scale", "fairness", "rerun", "bulk", "fanout"],
+                                        "scale", "fairness", "rerun", "bulk", "fanout",
+                                        "tiers"],
                    help="the scenario (docs/how-to/benchmarks.md)")
     option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
     option(p, "--json", action="store_true", help="the result as one JSON object")
