@@ -9,6 +9,7 @@ library refuse the same submissions with the same codes (docs/how-to/batch-backf
 from __future__ import annotations
 
 from calmq.errors import ContractError
+from calmq.jobs import Priority
 
 __all__ = ["BATCH", "DEFAULT_MARGIN_SECONDS", "DEFAULT_WINDOW_SECONDS", "LANES", "ONLINE",
            "check_lane", "choose_lane"]
@@ -35,7 +36,7 @@ def check_lane(lane: str, priority: str, deadline_seconds: int | None, *,
                             status=422)
     if lane != BATCH:
         return
-    if priority != "bulk":
+    if priority != Priority.BULK:
         raise ContractError(
             "the batch lane is for bulk work: send priority bulk (or leave it out) with "
             "lane batch", code="batch_lane_needs_bulk", status=422)
@@ -58,7 +59,7 @@ def choose_lane(lane: str | None, priority: str, deadline_seconds: int | None, *
         check_lane(lane, priority, deadline_seconds, window_seconds=window_seconds,
                    margin_seconds=margin_seconds)
         return lane
-    if bulk_lane != BATCH or priority != "bulk":
+    if bulk_lane != BATCH or priority != Priority.BULK:
         return ONLINE
     if deadline_seconds is not None and deadline_seconds < window_seconds + margin_seconds:
         return ONLINE

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Gauge
 
 from calmq.data.spending import Charge, Spend, SpendCap, SpendLedger, Standing
+from calmq.jobs import Priority
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
@@ -73,7 +74,7 @@ class Holds:
             return self.fleet_every
         if tenant_id in self.every:
             return self.every[tenant_id]
-        if priority != "interactive":
+        if priority != Priority.INTERACTIVE:
             return self.fleet_bulk or self.bulk.get(tenant_id)
         return None
 
@@ -146,8 +147,8 @@ class SpendCaps:
         fleet_capped = self.fleet.daily is not None or self.fleet.monthly is not None
         if not caps and not fleet_capped:
             gauge = _held_gauge()
-            gauge.labels("bulk").set(0)
-            gauge.labels("interactive").set(0)
+            gauge.labels(Priority.BULK).set(0)
+            gauge.labels(Priority.INTERACTIVE).set(0)
             return Holds()  # nothing capped: no need to sum anything
         spend = await self.ledger.spend()
         bulk: dict[uuid.UUID, str] = {}
@@ -167,8 +168,8 @@ class SpendCaps:
             fleet_every = f"fleet_{fleet_every}" if fleet_every else None
             fleet_bulk = f"fleet_{fleet_bulk}" if fleet_bulk else None
         gauge = _held_gauge()
-        gauge.labels("bulk").set(len(bulk) + (fleet_bulk is not None))
-        gauge.labels("interactive").set(len(every) + (fleet_every is not None))
+        gauge.labels(Priority.BULK).set(len(bulk) + (fleet_bulk is not None))
+        gauge.labels(Priority.INTERACTIVE).set(len(every) + (fleet_every is not None))
         return Holds(bulk, every, fleet_bulk, fleet_every)
 
     @property
@@ -188,12 +189,12 @@ class SpendCaps:
             reason = None
             if fleet is not None:
                 every, bulk = _over(fleet, self.fleet, self.bulk_fraction)
-                reason = every if charge.priority == "interactive" else bulk
+                reason = every if charge.priority == Priority.INTERACTIVE else bulk
                 reason = f"fleet_{reason}" if reason else None
             cap = standing.caps.get(charge.tenant_id)
             if reason is None and cap is not None:
                 every, bulk = _over(own, cap, self.bulk_fraction)
-                reason = every if charge.priority == "interactive" else bulk
+                reason = every if charge.priority == Priority.INTERACTIVE else bulk
             if reason is not None:
                 refused[charge.job_id] = reason
                 continue

@@ -49,6 +49,7 @@ from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
+from calmq.jobs import Priority
 from calmq.processors import metrics
 from calmq.processors.request import Request
 from calmq.retrying import retry_forever
@@ -156,14 +157,14 @@ class QuotaGate(Gate):
             tenant = r.tenant_id
             if tenant is None or occupancy.running(r.job_id):
                 continue
-            interactive = r.priority == "interactive"
-            allowed = self.allowance(tenant, "interactive" if interactive else "bulk")
+            interactive = r.priority == Priority.INTERACTIVE
+            allowed = self.allowance(tenant, Priority.INTERACTIVE if interactive else Priority.BULK)
             if allowed is None:
                 continue
             held = taking.setdefault(tenant, occupancy.held_by(tenant))
             if interactive:
                 mine = taking_interactive.setdefault(
-                    tenant, occupancy.held_by(tenant, "interactive"))
+                    tenant, occupancy.held_by(tenant, Priority.INTERACTIVE))
                 if mine >= allowed:
                     waiting.append(r)
                     continue
@@ -187,7 +188,7 @@ async def _hold(ledger: SpendLedger, by_reason: dict[str, list[Request]]) -> set
         held.update(await retry_forever("holding waiting jobs failed", hold))
         for r in requests:
             if r.job_id in held:
-                metrics.HELD.labels(r.priority or "bulk").inc()
+                metrics.HELD.labels(r.priority or Priority.BULK).inc()
     return held
 
 
@@ -302,7 +303,7 @@ class FairShareGate(Gate):
 
     def __init__(self, queue: FairQueue, pool: str,
                  room: Callable[[str, Mapping[str, int]], int],
-                 priorities: Sequence[str] = ("interactive", "bulk"), *,
+                 priorities: Sequence[str] = tuple(Priority), *,
                  headroom: Callable[[], int] = lambda: 0) -> None:
         self.queue = queue
         self.pool = pool

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
+from calmq.jobs import Priority
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker, commit_prefix, position_of
 
@@ -55,7 +56,7 @@ class ParallelConsumer:
         self._assigned: set[tuple[str, int]] = set()
         # What the lag sampler reads from another thread: replaced whole, never in place.
         self._owned: tuple[tuple[str, int], ...] = ()
-        self._paused_kinds: set[str] = set()  # "bulk" / "interactive" while paused
+        self._paused_kinds: set[str] = set()  # the priorities paused
         # Interactive work may exceed the bound by this much, so it is fetched ahead of bulk
         # when the process is full of bulk work.
         self.reserve = max(1, max_in_flight // 8) if interactive_reserve is None \
@@ -138,7 +139,7 @@ class ParallelConsumer:
         """
         bulk_room, interactive_room = self._room()
         slack = max(1, min(self.batch_size, self.max_in_flight // 20))
-        for kind, room in (("bulk", bulk_room), ("interactive", interactive_room)):
+        for kind, room in ((Priority.BULK, bulk_room), (Priority.INTERACTIVE, interactive_room)):
             parts = [tp for tp in self._assigned if self._kind(tp[0]) == kind]
             if not parts:
                 continue
@@ -148,12 +149,12 @@ class ParallelConsumer:
             elif kind in self._paused_kinds and room >= slack:
                 consumer.resume([TopicPartition(t, p) for t, p in parts])
                 self._paused_kinds.discard(kind)
-        room = interactive_room if "bulk" in self._paused_kinds else bulk_room
+        room = interactive_room if Priority.BULK in self._paused_kinds else bulk_room
         return max(0, min(self.batch_size, room))
 
     @staticmethod
     def _kind(topic: str) -> str:
-        return "bulk" if topic.endswith(".bulk") else "interactive"
+        return Priority.BULK if topic.endswith(f".{Priority.BULK}") else Priority.INTERACTIVE
 
     def run(self, stop: threading.Event, drained: Callable[[], bool]) -> None:
         """Poll until ``stop``; then wait for ``drained()``, commit, and leave the group."""
@@ -196,7 +197,7 @@ class ParallelConsumer:
                     last_commit = now
             # Graceful stop: fetch nothing new, keep the membership alive while work drains.
             consumer.pause([TopicPartition(t, p) for t, p in self._assigned])
-            self._paused_kinds = {"bulk", "interactive"}
+            self._paused_kinds = {p.value for p in Priority}
             while not drained():
                 consumer.poll(0.05)
                 self._commit(consumer)

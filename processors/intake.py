@@ -18,6 +18,7 @@ from confluent_kafka import Message
 
 from calmq.codec import EventCodec, decode_message
 from calmq.errors import ContractError, InfrastructureError
+from calmq.jobs import Priority
 from calmq.kafka import header
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker, headers_of, position_of
@@ -57,7 +58,7 @@ class Intake:
                 wanted.append(Request(
                     position, uuid.UUID(str(event["job_id"])), str(event["step"]),
                     str(event.get("workflow") or ""), str(event.get("tenant_id") or ""),
-                    str(event.get("priority") or "bulk"), msg))
+                    str(event.get("priority") or Priority.BULK), msg))
             except Exception as exc:  # noqa: BLE001 - any unreadable message is poison, not a crash loop
                 # (_decode waits out the registry being away: what reaches here is the
                 # message's own fault.)

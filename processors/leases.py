@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from calmq.data import Job, Store
+from calmq.jobs import Priority
 from calmq.processors import metrics
 from calmq.retrying import retry_forever
 from calmq.supervision import Supervisor
@@ -65,7 +66,7 @@ class Leases:
     def hold(self, job: Job, task: asyncio.Task[None], extended: float) -> None:
         self._held[job.id] = _Held(job, task, extended)
         _count(self._tenants, job.tenant_id, 1)
-        if job.priority == "interactive":
+        if job.priority == Priority.INTERACTIVE:
             _count(self._interactive, job.tenant_id, 1)
             self.interactive += 1
 
@@ -75,7 +76,7 @@ class Leases:
         if held is None:
             return
         _count(self._tenants, held.job.tenant_id, -1)
-        if held.job.priority == "interactive":
+        if held.job.priority == Priority.INTERACTIVE:
             _count(self._interactive, held.job.tenant_id, -1)
             self.interactive -= 1
 
@@ -93,7 +94,7 @@ class Leases:
     def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int:
         """How many of the tenant's jobs this process runs now (of ``priority``:
         ``interactive``; None: all)."""
-        counts = self._interactive if priority == "interactive" else self._tenants
+        counts = self._interactive if priority == Priority.INTERACTIVE else self._tenants
         return counts.get(tenant_id, 0)
 
     def fenced(self, job_id: uuid.UUID) -> bool:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["CallSlots", "lane_room"]
+from calmq.jobs import Priority
 
-_INTERACTIVE = "interactive"
+__all__ = ["CallSlots", "lane_room"]
 
 
 class CallSlots:
@@ -31,7 +31,7 @@ class CallSlots:
         return self.size + self.reserve if interactive else self.size
 
     async def acquire(self, priority: str) -> None:
-        interactive = priority == _INTERACTIVE
+        interactive = priority == Priority.INTERACTIVE
         # Nobody jumps the queue of its own priority, and bulk never passes interactive.
         ahead = self._waiting[True] or (not interactive and self._waiting[False])
         if self.used < self._limit(interactive) and not ahead:
@@ -65,6 +65,6 @@ def lane_room(priority: str, bound: int, reserve: int, *, held: int, interactive
     ``reserve`` beyond it, less the interactive jobs held. Bulk held past the bound (the
     bound follows the token budget, and shrinks under jobs claimed before) does not eat
     into the reserve."""
-    if priority != _INTERACTIVE:
+    if priority != Priority.INTERACTIVE:
         return bound - held
     return max(bound - (held - interactive), 0) + reserve - interactive

@@ -22,6 +22,7 @@ from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
 from calmq.data.spending import SpendLedger
+from calmq.jobs import Priority
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lag import LagReader
 from calmq.objects import open_object_store
@@ -239,7 +240,7 @@ class Worker:
         consumer = self._consumer
         assert consumer is not None
         leases = self.pipeline.leases
-        interactive = passing.get("interactive", 0)
+        interactive = passing.get(Priority.INTERACTIVE, 0)
         return lane_room(priority, self._call_slots + self._ahead(), consumer.reserve,
                          held=len(leases) + sum(passing.values()),
                          interactive=leases.interactive + interactive)

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, create_model
 
 from calmq import __version__
+from calmq.jobs import Priority
 from calmq.producers import models
 from calmq.producers.models import SubmitRequest
 from calmq.producers.routing import COMPONENTS, Route
@@ -101,7 +102,7 @@ def _submit_form(workflows: Mapping[str, Workflow]) -> dict[str, Any]:
     workflow: dict[str, Any] = {"type": "string", "enum": names} if names else {"type": "string"}
     return {"type": "object", "required": ["workflow", "file"], "properties": {
         "workflow": workflow, "file": {"type": "string", "format": "binary"},
-        "priority": {"type": "string", "enum": ["interactive", "bulk"]},
+        "priority": {"type": "string", "enum": [p.value for p in Priority]},
         "deadline_seconds": {"type": "string", "description": "an integer"},
         "callback_url": {"type": "string"},
         "metadata": {"type": "string", "description": "a JSON object"}}}

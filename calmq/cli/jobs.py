@@ -26,6 +26,7 @@ from calmq.cli.flags import Command, Flags, json_object, key_values, settings_fo
 from calmq.cli.output import Exit, Format, add_output, emit_one, emit_rows, jsonable, output_format
 from calmq.cli.times import when as _when
 from calmq.errors import ConfigError, NotFound, UsageError
+from calmq.jobs import Priority
 
 if TYPE_CHECKING:
     from calmq.data import JobDetail, JobSearch, Store, TenantJob
@@ -445,7 +446,7 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--api-key", help="the tenant's API key")
     option(p, "--workflow", default="summarize", help="the workflow to run (default summarize)")
     # The API's default (producers.models.SubmitRequest): a script gets the same job either way.
-    option(p, "--priority", default="bulk", choices=["interactive", "bulk"],
+    option(p, "--priority", default=Priority.BULK.value, choices=[p.value for p in Priority],
            help="the job's priority (default bulk, as the API's)")
     option(p, "--text", help="the input text")
     option(p, "--mode", help="the fake provider's mode for this job (success, flaky, ...)")

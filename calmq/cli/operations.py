@@ -19,6 +19,7 @@ from calmq.cli.flags import Command, Flags, settings_for
 from calmq.cli.output import Exit, add_output, emit_one, emit_rows, output_format
 from calmq.cli.probes import kafka_config, kafka_unreachable, open_admin
 from calmq.errors import CalmqError
+from calmq.jobs import Priority
 
 if TYPE_CHECKING:
     from calmq.data.operations import InFlight
@@ -31,7 +32,7 @@ __all__ = ["PartitionLag", "read_lag", "register"]
 KAFKA_TIMEOUT_SECONDS = 3.0
 # How long `lag` reads for the first uncommitted message of the lagging partitions.
 PEEK_SECONDS = 3.0
-_PRIORITIES = ("interactive", "bulk")
+_PRIORITIES = tuple(p.value for p in Priority)
 
 
 # -- Kafka -------------------------------------------------------------------------------

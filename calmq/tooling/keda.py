@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from calmq.errors import ConfigError
+from calmq.jobs import Priority
 from calmq.settings import Settings, claimed_window
 from calmq.tooling.manifests import (
     And,
@@ -119,7 +120,7 @@ def min_replicas(settings: Settings) -> int:
     for it: never a cold start from zero) and 0 for a bulk-only pool."""
     if settings.keda_min_replicas is not None:
         return settings.keda_min_replicas
-    return 1 if "interactive" in settings.priority_list else 0
+    return 1 if Priority.INTERACTIVE in settings.priority_list else 0
 
 
 def pool_scaling(settings: Settings) -> dict[str, Any]:

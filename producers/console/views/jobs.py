@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from calmq.errors import ContractError
-from calmq.jobs import TERMINAL, EventType, Status
+from calmq.jobs import TERMINAL, EventType, Priority, Status
 from calmq.producers.console.forms import storable_problem
 from calmq.producers.console.reads import ConsoleData, ConsoleJob, Download, JobQuery
 from calmq.producers.console.session import Page, guard, redirect
@@ -26,7 +26,7 @@ from calmq.producers.timestamps import format_time, parse_time
 __all__ = ["ROUTES"]
 
 _STATUSES = [s.value for s in Status]
-_PRIORITIES = ("interactive", "bulk")
+_PRIORITIES = tuple(p.value for p in Priority)
 _LANES = ("online", "batch")
 LIST_LIMIT = 100
 
