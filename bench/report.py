@@ -109,7 +109,8 @@ _HEADLINES: dict[str, list[str]] = {
                   "worker_extra_cpu_ms_per_streamed_job", "api_extra_cpu_ms_per_streamed_job"],
     "happy_path": ["pg_cpu_ms_per_job", "wal_bytes_per_job", "jobs_per_s"],
     "tiers": ["cost_usd", "deadlines_met", "flex_refusals_moved",
-              "flex_refusal_move_max_ms", "attempts_beyond_one_a_job", "premium_calls"],
+              "flex_refusal_move_max_ms", "attempts_beyond_one_a_job",
+              "premium_calls_where_standard_would_do"],
     "scale": ["jobs_per_s", "dispatch_p50_ms", "dispatch_p99_ms", "pg_cpu_ms_per_job",
               "preload_jobs_per_s"],
 }

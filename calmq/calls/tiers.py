@@ -20,8 +20,9 @@ has answered, the settings' estimate stands for it.
 A flex call the provider refuses for capacity, or one still unanswered when only the
 standard tier's time is left (the cut-off), is sent again at once at the standard tier,
 inside the same call of the same attempt: no attempt is counted and no retry topic is
-involved. Each call's chosen and served tier, and a move, are appended to the attempt's
-model clock (the job's history) and counted in ``calmq_model_tier_calls_total``.
+involved. Each call's chosen and served tier, the time it had left and a move are appended
+to the attempt's model clock (the job's history) and counted in
+``calmq_model_tier_calls_total``.
 
 Only the tiers the settings enable (``service_tiers``) are asked, and only for a model with
 a price for the tier (calmq.calls.pricing.tier_price): the settings refuse a tier the
@@ -165,9 +166,10 @@ class TierChooser:
         """``send`` at the chosen tier; a flex call refused for capacity or past its cut-off
         sent again at once at the standard tier (the same attempt, the same reservation)."""
         choice = self.choose(scope)
+        left = None if scope.deadline is None else scope.deadline - self._clock()
         if choice.tier != "flex":
             reply = await self._timed(send, choice.tier)
-            self._record(choice.tier, reply, None, None)
+            self._record(choice.tier, reply, None, None, left)
             return reply
         try:
             async with asyncio.timeout(None if choice.cutoff is None
@@ -180,11 +182,11 @@ class TierChooser:
         except TimeoutError:
             moved = "flex_late"
         else:
-            self._record("flex", reply, None, None)
+            self._record("flex", reply, None, None, left)
             return reply
         moved_at = time.monotonic()
         reply = await self._timed(send, None)
-        self._record("flex", reply, moved, time.monotonic() - moved_at)
+        self._record("flex", reply, moved, time.monotonic() - moved_at, left)
         return reply
 
     async def _timed(self, send: Callable[[], Awaitable[ModelReply]],
@@ -202,7 +204,7 @@ class TierChooser:
         return reply
 
     def _record(self, chosen: str | None, reply: ModelReply, moved: str | None,
-                moved_seconds: float | None) -> None:
+                moved_seconds: float | None, left: float | None) -> None:
         served = served_tier(reply, None if moved else chosen)
         _calls().labels(self.provider, self.model, chosen or STANDARD, served,
                         moved or "none").inc()
@@ -211,6 +213,8 @@ class TierChooser:
             return
         entry: dict[str, Any] = {"model": self.model, "chosen": chosen or STANDARD,
                                  "served": served}
+        if left is not None:  # the time the call had when its tier was chosen
+            entry["left_s"] = round(left, 3)
         if moved is not None:
             entry["moved"] = moved
             entry["moved_ms"] = round((moved_seconds or 0.0) * 1000, 1)

@@ -114,9 +114,11 @@ async def test_a_refused_flex_call_is_served_at_standard_in_the_same_call(
         clock = model_clock()
         reply = await provider.complete(messages=MESSAGES, job_id="j", max_tokens=64)
         assert reply.service_tier == "default"
-        assert clock.tiers == [{"model": MODEL, "chosen": "flex", "served": "standard",
-                                "moved": "flex_refused",
-                                "moved_ms": clock.tiers[0]["moved_ms"]}]
+        entry = clock.tiers[0]
+        assert len(clock.tiers) == 1
+        assert {k: entry[k] for k in ("model", "chosen", "served", "moved")} == {
+            "model": MODEL, "chosen": "flex", "served": "standard", "moved": "flex_refused"}
+        assert 59 < entry["left_s"] <= 60
         assert clock.tiers[0]["moved_ms"] < 1000
     finally:
         await provider.close()
@@ -157,7 +159,8 @@ async def test_a_flex_call_that_answers_is_priced_at_flex() -> None:
         enter_scope(_scope(60.0))
         clock = model_clock()
         await flex.complete(messages=MESSAGES, job_id="j", max_tokens=64)
-        assert clock.tiers == [{"model": MODEL, "chosen": "flex", "served": "flex"}]
+        assert [{k: v for k, v in t.items() if k != "left_s"} for t in clock.tiers] == [
+            {"model": MODEL, "chosen": "flex", "served": "flex"}]
         flex_cost = clock.cost_usd
         clock = model_clock()
         await standard.complete(messages=MESSAGES, job_id="j", max_tokens=64)
@@ -167,3 +170,24 @@ async def test_a_flex_call_that_answers_is_priced_at_flex() -> None:
         await flex.close()
         await standard.close()
         await runner.cleanup()
+
+
+def test_a_workflow_default_deadline_applies_to_a_submit_without_one() -> None:
+    """A workflow's deadline_seconds is the deadline of a job submitted without one; a
+    submit's own wins."""
+    import uuid
+    from dataclasses import replace
+    from datetime import UTC, datetime
+
+    from calmq.workflows.summarize import SUMMARIZE
+    from calmq.producers.intake import prepare
+
+    workflow = replace(SUMMARIZE, deadline_seconds=3600)
+    tenant = uuid.uuid4()
+    job = prepare(workflow, tenant, input={"text": "x"})
+    assert job.deadline_at is not None
+    assert 3590 < (job.deadline_at - datetime.now(UTC)).total_seconds() <= 3600
+    own = prepare(workflow, tenant, deadline_seconds=60, input={"text": "x"})
+    assert own.deadline_at is not None
+    assert (own.deadline_at - datetime.now(UTC)).total_seconds() <= 60
+    assert prepare(SUMMARIZE, tenant, input={"text": "x"}).deadline_at is None
