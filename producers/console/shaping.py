@@ -192,6 +192,14 @@ def event_summary(detail: Any) -> str:
         if key in d and d[key] is not None:
             value = d[key]
             bits.append(f"{label} {json.dumps(value) if isinstance(value, dict) else value}")
+    missed = d.get("deadline_missed")
+    if isinstance(missed, dict):
+        bits.append(f"deadline missed by {missed.get('late_seconds')} s")
+    tiers = [t for t in d.get("tiers") or () if isinstance(t, dict)]
+    if tiers:  # each call's service tier (calmq.calls.tiers): chosen, served, and a move
+        bits.append("tiers " + ", ".join(
+            f"{t.get('chosen')}->{t.get('served')}"
+            + (f" ({t['moved']})" if t.get("moved") else "") for t in tiers))
     return "; ".join(bits)
 
 

@@ -179,8 +179,8 @@ def test_a_workflow_default_deadline_applies_to_a_submit_without_one() -> None:
     from dataclasses import replace
     from datetime import UTC, datetime
 
-    from calmq.workflows.summarize import SUMMARIZE
     from calmq.producers.intake import prepare
+    from calmq.workflows.summarize import SUMMARIZE
 
     workflow = replace(SUMMARIZE, deadline_seconds=3600)
     tenant = uuid.uuid4()
@@ -191,3 +191,17 @@ def test_a_workflow_default_deadline_applies_to_a_submit_without_one() -> None:
     assert own.deadline_at is not None
     assert (own.deadline_at - datetime.now(UTC)).total_seconds() <= 60
     assert prepare(SUMMARIZE, tenant, input={"text": "x"}).deadline_at is None
+
+
+def test_the_console_names_a_missed_deadline_and_each_calls_tier() -> None:
+    """The console's line of an attempt's event names each call's tier (chosen, served, a
+    move) and a missed deadline."""
+    from calmq.producers.console.shaping import event_summary
+
+    line = event_summary({"tiers": [{"model": MODEL, "chosen": "flex", "served": "standard",
+                                     "moved": "flex_refused", "moved_ms": 40.0},
+                                    {"model": MODEL, "chosen": "flex", "served": "flex"}],
+                          "deadline_missed": {"deadline_at": "2026-01-01T00:00:00+00:00",
+                                              "late_seconds": 1.5}})
+    assert "deadline missed by 1.5 s" in line
+    assert "tiers flex->standard (flex_refused), flex->flex" in line
