@@ -162,17 +162,17 @@ _ALL: Final = (
          task="provider-probe-", resumed="provider_unblocked"),
     Hold("fair_share",
          set_by="the fair-share gate (processors.admission.FairShareGate, setting "
-                "fair_share): its lane was contended",
+                "fair_share): its queue was contended",
          holds=("fair_share_hold", "fair_share_return_picked"),
          releases=("fair_share_pick", "fair_share_release_stale"),
-         released_by="a worker's pick as a slot of the lane frees (fairest tenant first); "
+         released_by="a worker's pick as a slot of the queue frees (fairest tenant first); "
                       "the stale pass every tenth of sweeper_grace_seconds for a room no "
                       "worker takes from",
          metric="calmq_fair_share_held_total{priority}, calmq_fair_share_picked_total"
                 "{priority}",
-         api="its lane is contended and the free slots go to tenants further below their "
+         api="its queue is contended and the free slots go to tenants further below their "
              "weighted share",
-         says=lambda d: (f"the {d.get('priority', '')} lane of pool {d.get('pool', '')} is "
+         says=lambda d: (f"the {d.get('priority', '')} queue of pool {d.get('pool', '')} is "
                          "contended; this job starts when a slot frees and its tenant is "
                          "the furthest below its weighted share"),
          passes=(Pass("fair-share-stale", "fair_share_release_stale", "sweeper"),),
@@ -186,7 +186,7 @@ _ALL: Final = (
                       "claimed within a lease back into the room",
          metric="calmq_fair_share_picked_total{priority}",
          api="a worker took it out of the waiting room for a free slot and is claiming it",
-         says=_text("a worker took it out of its lane's waiting room for a free slot and is "
+         says=_text("a worker took it out of its queue's waiting room for a free slot and is "
                     "claiming it"),
          passes=(Pass("fair-share-picked", "fair_share_return_picked"),)),
     Hold("concurrency_key",

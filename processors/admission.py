@@ -14,7 +14,7 @@ The gates a worker runs, in order:
 - ``QuotaGate``: a tenant's jobs past what its token quota serves soon (the worker's share
   of it: calmq.budget.TenantQuota.allowance); its interactive jobs count against a room of
   their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
-- ``FairShareGate`` (setting ``fair_share``): while a lane (pool and priority) is contended,
+- ``FairShareGate`` (setting ``fair_share``): while a queue (pool and priority) is contended,
   new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
   Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
   It comes before the two gates below, which count the jobs they admit until their claim:
@@ -26,10 +26,10 @@ The gates a worker runs, in order:
   workflow's ``concurrency_limit`` in flight already, fleet-wide (calmq.data.concurrency).
 
 A gate may also keep something until the claim ended (``stack``): fair share counts the
-jobs it let through per lane until their attempts start. (The review cap and the
+jobs it let through per queue until their attempts start. (The review cap and the
 concurrency keys record what they let through on the job row instead, so that another
 worker's admission and their release passes count it before its claim.) A new gate (a
-provider's credentials refused, a concurrency key, a model's cooldown, a lane's spend cap)
+provider's credentials refused, a concurrency key, a model's cooldown, a queue's spend cap)
 is a ``Gate`` subclass added to the list the process composes; nothing else in the worker
 changes.
 
@@ -285,15 +285,15 @@ class ConcurrencyKeyGate(Gate):
 
 
 class FairShareGate(Gate):
-    """Fair share inside each lane of the pool (docs/explanation/fairness.md).
+    """Fair share inside each queue of the pool (docs/explanation/fairness.md).
 
-    A lane is contended while its waiting room holds jobs, or while this worker has no free
+    A queue is contended while its waiting room holds jobs, or while this worker has no free
     slot for it (``room``: the slots of the priority less those in use). Then a new job is
     held in the room (``waiting``, reason ``fair_share``; its message acknowledged, no
     attempt counted) instead of taking the next slot in the order Kafka delivered it, behind
     another tenant's backlog; the pipeline fills each free slot from the room, the tenant
-    furthest below its weighted share of the lane's running jobs first (``pick``). An
-    uncontended lane costs nothing: its jobs pass straight to the claim.
+    furthest below its weighted share of the queue's running jobs first (``pick``). An
+    uncontended queue costs nothing: its jobs pass straight to the claim.
 
     Holding what cannot start now also keeps the consumer reading while the slots are full
     (the worker reads ahead past them, processors/consumer.py ``read_ahead``), so a small
@@ -307,35 +307,35 @@ class FairShareGate(Gate):
                  headroom: Callable[[], int] = lambda: 0) -> None:
         self.queue = queue
         self.pool = pool
-        # The jobs of a lane this worker may start now, given those on their way to a slot
-        # per lane (processors/worker.py ``_room``): counted per lane, so that bulk's picks
+        # The jobs of a queue this worker may start now, given those on their way to a slot
+        # per queue (processors/worker.py ``_room``): counted per queue, so that bulk's picks
         # in progress take no place in the interactive reserve.
         self.room = room
-        # Of a lane's room, what a tenant above its weighted share leaves free while another
+        # Of a queue's room, what a tenant above its weighted share leaves free while another
         # tenant runs or waits in it (processors/worker.py ``_headroom``): that tenant's
         # next job then starts its call at once instead of when a call ends. A backlog's
         # calls, started together, end together, and a job that came just after a wave of
         # ends waited up to ~0.7 s for the next (calmq bench fairness).
         self.headroom = headroom
         self.priorities = list(priorities)
-        # Lanes whose waiting room this process last saw holding jobs.
+        # Queues whose waiting room this process last saw holding jobs.
         self.contended: set[str] = set()
-        # Per lane, the jobs let through or picked whose attempts have not started yet.
+        # Per queue, the jobs let through or picked whose attempts have not started yet.
         self._passing: dict[str, int] = dict.fromkeys(self.priorities, 0)
 
     def free(self, priority: str, also: Mapping[str, int] | None = None) -> int:
-        """Slots of the lane no attempt and no claim in progress takes (nor ``also``: what
-        the caller is letting through per lane)."""
+        """Slots of the queue no attempt and no claim in progress takes (nor ``also``: what
+        the caller is letting through per queue)."""
         if not also:
             return self.room(priority, self._passing)
         passing = dict(self._passing)
-        for lane, n in also.items():
-            passing[lane] = passing.get(lane, 0) + n
+        for other, n in also.items():
+            passing[other] = passing.get(other, 0) + n
         return self.room(priority, passing)
 
     def taking(self, priority: str, n: int,
                stack: contextlib.AsyncExitStack | None = None) -> None:
-        """Count ``n`` jobs of the lane on their way to a slot until ``stack`` closes (or
+        """Count ``n`` jobs of the queue on their way to a slot until ``stack`` closes (or
         ``done``)."""
         self._passing[priority] = self._passing.get(priority, 0) + n
         if stack is not None:
@@ -347,19 +347,19 @@ class FairShareGate(Gate):
     async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
                    stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
         waiting: list[uuid.UUID] = []
-        # Per lane: the lanes share the slots (what one lets through the other cannot use),
+        # Per queue: the queues share the slots (what one lets through the other cannot use),
         # but for the interactive reserve, which is interactive work's alone.
         passed: dict[str, int] = {}
         for r in requests:
             if r.tenant_id is None or r.from_room or occupancy.running(r.job_id):
                 continue  # a job the fill took from the room has had its turn
-            lane = r.priority
-            if lane in self.contended or self.free(lane, passed) <= 0:
+            priority = r.priority
+            if priority in self.contended or self.free(priority, passed) <= 0:
                 waiting.append(r.job_id)
                 continue
-            passed[lane] = passed.get(lane, 0) + 1
-        for lane, n in passed.items():
-            self.taking(lane, n, stack)
+            passed[priority] = passed.get(priority, 0) + 1
+        for priority, n in passed.items():
+            self.taking(priority, n, stack)
         if not waiting:
             return set()
         held = await retry_forever("holding jobs in the waiting room failed",

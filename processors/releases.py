@@ -124,7 +124,7 @@ def _fair_share_picked(hk: Housekeeping, _p: Pass, _r: tuple[str, ...]) -> Relea
 
     async def release() -> None:
         # A job picked out of a waiting room whose worker died before claiming it: no
-        # message carries it, so back into the room after a lease, for the lane's workers.
+        # message carries it, so back into the room after a lease, for the queue's workers.
         returned = await fair.return_picked(hk.lease_seconds)
         if returned:
             log.warning("returned %d jobs picked from a waiting room and never claimed to "

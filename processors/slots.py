@@ -15,7 +15,7 @@ from collections import deque
 
 from calmq.jobs import Priority
 
-__all__ = ["CallSlots", "lane_room"]
+__all__ = ["CallSlots", "queue_room"]
 
 
 class CallSlots:
@@ -59,8 +59,8 @@ class CallSlots:
                     future.set_result(None)
 
 
-def lane_room(priority: str, bound: int, reserve: int, *, held: int, interactive: int) -> int:
-    """The jobs of a lane a worker may start now (fair share's room): bulk work the
+def queue_room(priority: str, bound: int, reserve: int, *, held: int, interactive: int) -> int:
+    """The jobs of a queue a worker may start now (fair share's room): bulk work the
     ``bound`` less every job held; interactive work what bulk leaves of the bound, and the
     ``reserve`` beyond it, less the interactive jobs held. Bulk held past the bound (the
     bound follows the token budget, and shrinks under jobs claimed before) does not eat

@@ -43,7 +43,7 @@ from calmq.processors.intake import Intake
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import housekeeping, schedule_history_partitions, schedule_reaper
-from calmq.processors.slots import CallSlots, lane_room
+from calmq.processors.slots import CallSlots, queue_room
 from calmq.reviews import ReviewDesk
 from calmq.settings import Settings, claimed_window
 from calmq.spending import spend_caps_from_settings
@@ -218,12 +218,12 @@ class Worker:
         limit = provider.in_flight_limit(s.budget_queue_seconds)
         self._call_slots = s.concurrency if limit is None else max(1, min(s.concurrency, limit))
         consumer.max_in_flight = _claimed_bound(self._call_slots)
-        # Free slots and another worker's holds: take from the lanes' waiting rooms.
+        # Free slots and another worker's holds: take from the queues' waiting rooms.
         pipeline.fill_soon()
         self._last_tick = loop.time()
 
     def _room(self, priority: str, passing: Mapping[str, int]) -> int:
-        """With fair share: the jobs of a lane this worker may start now. A job claimed
+        """With fair share: the jobs of a queue this worker may start now. A job claimed
         beyond the free call slots waits for one in claim order (processors/slots.py), so a
         small tenant's job picked behind the claimed window's eighth (32 jobs at 256 slots)
         waited for all of them: ~250 ms with 2 s calls. Here a job is taken for a call
@@ -233,15 +233,15 @@ class Worker:
         Bulk work past that bound (claimed while the token budget let this worker hold more
         than it does now: ``_call_slots`` follows the budget each tick) does not take the
         interactive reserve: counted against it, an interactive job with no other tenant in
-        its lane waited in the room for a bulk call to end (bench priority: 131 ms to the
+        its queue waited in the room for a bulk call to end (bench priority: 131 ms to the
         first attempt against 8.5 ms, for the slowest twentieth). Nor do the bulk jobs on
-        their way to a slot (``passing``, per lane: a pick in progress counts all the free
+        their way to a slot (``passing``, per queue: a pick in progress counts all the free
         slots it may fill)."""
         consumer = self._consumer
         assert consumer is not None
         leases = self.pipeline.leases
         interactive = passing.get(Priority.INTERACTIVE, 0)
-        return lane_room(priority, self._call_slots + self._ahead(), consumer.reserve,
+        return queue_room(priority, self._call_slots + self._ahead(), consumer.reserve,
                          held=len(leases) + sum(passing.values()),
                          interactive=leases.interactive + interactive)
 

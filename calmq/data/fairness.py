@@ -1,8 +1,8 @@
-"""The waiting room of a contended lane, as rows (calmq/sql/fairness.sql, migration 0044).
+"""The waiting room of a contended queue, as rows (calmq/sql/fairness.sql, migration 0044).
 
 A job in it is ``queued`` (or ``retrying``) with ``waiting_reason`` ``fair_share``: no
 attempt counted, its message acknowledged. Workers take jobs out of it into their free
-slots, the tenant furthest below its weighted share of the lane's running jobs first
+slots, the tenant furthest below its weighted share of the queue's running jobs first
 (``pick``); when a job waits is calmq.processors.admission's (``FairShareGate``).
 """
 
@@ -31,7 +31,7 @@ class Picked:
 @dataclass(frozen=True, slots=True)
 class Pick:
     """What one pick took, fairest first, and whether the room still holds jobs of the
-    lane that it left (the headroom kept them, or another worker's pick had them)."""
+    queue that it left (the headroom kept them, or another worker's pick had them)."""
 
     jobs: list[Picked]
     more: bool
@@ -43,7 +43,7 @@ class FairQueue:
         self._q = db.q
 
     async def hold(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-        """Put the waiting ones of ``ids`` in their lane's waiting room; returns those held
+        """Put the waiting ones of ``ids`` in their queue's waiting room; returns those held
         (the others are running, finished or gone: their messages go on to the claim)."""
         if not ids:
             return set()
@@ -52,7 +52,7 @@ class FairQueue:
             return {uuid.UUID(str(r["id"])) for r in await cur.fetchall()}
 
     async def waiting(self, pool: str, priority: str) -> bool:
-        """Whether the lane's waiting room holds any job."""
+        """Whether the queue's waiting room holds any job."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["fair_share_waiting"],
                                      {"pool": pool, "priority": priority})
@@ -60,9 +60,9 @@ class FairQueue:
         return bool(row and row["waiting"])
 
     async def pick(self, pool: str, priority: str, limit: int, headroom: int = 0) -> Pick:
-        """Take up to ``limit`` jobs out of the lane's waiting room, fairest first, for the
+        """Take up to ``limit`` jobs out of the queue's waiting room, fairest first, for the
         caller to claim in that order. The last ``headroom`` of the ``limit`` go only to a
-        tenant within its weighted share of the lane (calmq/sql/fairness.sql)."""
+        tenant within its weighted share of the queue (calmq/sql/fairness.sql)."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["fair_share_pick"],
                                      {"pool": pool, "priority": priority, "limit": limit,
@@ -91,7 +91,7 @@ class FairQueue:
             return len(await cur.fetchall())
 
     async def set_weight(self, name: str, weight: float) -> bool:
-        """A tenant's weight in every lane's fair share; False: no tenant of that name."""
+        """A tenant's weight in every queue's fair share; False: no tenant of that name."""
         async with self._db.pool.connection() as conn:
             cur = await conn.execute(self._q["set_tenant_weight"],
                                      {"name": name, "weight": weight})

@@ -1,7 +1,7 @@
--- Fair share inside a lane (calmq/data/fairness.py, migration 0044): while a lane (pool and
+-- Fair share inside a queue (calmq/data/fairness.py, migration 0044): while a queue (pool and
 -- priority) is contended, a worker holds the new jobs it cannot start now in queued with
 -- waiting_reason 'fair_share' (the waiting room), and fills each slot that frees from it:
--- the tenant furthest below its weighted share of the lane's running jobs first.
+-- the tenant furthest below its weighted share of the queue's running jobs first.
 
 -- name: fair_share_hold
 -- Jobs of ids that are waiting (queued, or retrying and due) join the waiting room. The
@@ -30,10 +30,10 @@ WITH target AS (
 SELECT id FROM held;
 
 -- name: fair_share_waiting
--- Whether the lane's waiting room holds a job (a probe of jobs_fair_waiting): a worker that
+-- Whether the queue's waiting room holds a job (a probe of jobs_fair_waiting): a worker that
 -- holds none of an interactive room's jobs itself looks before it picks from it, for
--- another worker's holds. A pick keeps the lane's free slots for what it may take while it
--- runs, so a pick of an empty room on every tick sent the lane's arrivals to the room
+-- another worker's holds. A pick keeps the queue's free slots for what it may take while it
+-- runs, so a pick of an empty room on every tick sent the queue's arrivals to the room
 -- meanwhile (bench priority).
 SELECT EXISTS (
     SELECT 1 FROM jobs
@@ -42,14 +42,14 @@ SELECT EXISTS (
 ) AS waiting;
 
 -- name: fair_share_pick
--- Up to %(limit)s jobs of the lane's waiting room, fairest first, taken out of it (the caller
+-- Up to %(limit)s jobs of the queue's waiting room, fairest first, taken out of it (the caller
 -- claims them next). A picked job waits with the reason fair_share_picked until its claim:
 -- one whose worker died before it, or could not claim it, goes back into the room after a
 -- lease (fair_share_return_picked below). The order
--- is weighted fair queuing on the lane's running jobs: a tenant's k-th waiting job (oldest
+-- is weighted fair queuing on the queue's running jobs: a tenant's k-th waiting job (oldest
 -- first) would bring it to (running + k) / weight, and the smallest goes first, so a tenant
 -- alone takes every slot, an idle tenant's share goes to the busy ones, and two busy tenants
--- of weights 1 and 3 settle at a quarter and three quarters of the lane's slots. The waiting
+-- of weights 1 and 3 settle at a quarter and three quarters of the queue's slots. The waiting
 -- tenants are found by a skip scan of jobs_fair_waiting (one probe each), then at most
 -- %(limit)s jobs each: a pass reads a few rows per tenant, not the whole room. Two workers
 -- picking at once take different jobs (SKIP LOCKED).
@@ -84,7 +84,7 @@ WITH RECURSIVE waiting_tenants AS (
     ) c
     WHERE w.tenant_id IS NOT NULL
 ), level AS (
-    -- The lane's fair level: its running jobs and the slots this pick fills, per unit of
+    -- The queue's fair level: its running jobs and the slots this pick fills, per unit of
     -- weight of the tenants running or waiting in it. A candidate at or under it takes no
     -- more than its weighted share.
     SELECT (coalesce((SELECT sum(n) FROM running), 0) + %(limit)s)
@@ -134,7 +134,7 @@ WITH RECURSIVE waiting_tenants AS (
 -- few hundred takes ~200 ms to start on one event loop, so the small tenant's job a slot
 -- freed for goes out first, not after the backlog's jobs (whose ids sort before it).
 -- A last row with no id says the room holds more than this pick took (the headroom, or
--- another worker's lock, left some): the lane stays contended.
+-- another worker's lock, left some): the queue stays contended.
 SELECT r.id, r.step, r.workflow, r.tenant_id, c.turn
 FROM resumed r JOIN chosen c ON c.id = r.id
 UNION ALL
@@ -168,7 +168,7 @@ SELECT * FROM moved;
 -- The reaper's pass (every worker's and `calmq reaper`'s): a job picked out of a waiting
 -- room and not claimed within %(grace_seconds)s (its worker was killed between the pick and
 -- the claim, or lost the database meanwhile) goes back into its room, where any worker of
--- the lane picks it; no message carries it, so nothing else would. No event: it waits
+-- the queue picks it; no message carries it, so nothing else would. No event: it waits
 -- again for the same step and attempt (fair_share_hold writes a waiting event once).
 WITH lost AS (
     SELECT id FROM jobs

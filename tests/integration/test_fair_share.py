@@ -1,7 +1,7 @@
-"""Fair share inside a lane (setting fair_share, issue 31), on the real stack with two
+"""Fair share inside a queue (setting fair_share, issue 31), on the real stack with two
 workers: a tenant's backlog waits in PostgreSQL (``queued``, ``waiting_reason``
 ``fair_share``) instead of in Kafka ahead of another tenant's jobs, and the slots that free
-go to the tenant furthest below its weighted share of the lane's running jobs.
+go to the tenant furthest below its weighted share of the queue's running jobs.
 
 The fleet: two workers of a pool of their own, 4 call slots each (5 jobs claimed each: the
 in-flight window), against a fake provider that answers after 1 s: about 8 jobs a second.
@@ -172,7 +172,7 @@ def test_busy_tenants_share_the_slots_by_weight(stack: StackState,
 def _pick(stack: StackState, running: dict[uuid.UUID, int], waiting: dict[uuid.UUID, int],
           limit: int, headroom: int
           ) -> tuple[list[uuid.UUID], bool, dict[uuid.UUID, list[uuid.UUID]]]:
-    """One fair_share_pick on a lane no worker serves, with ``running`` and ``waiting`` jobs
+    """One fair_share_pick on a queue no worker serves, with ``running`` and ``waiting`` jobs
     per tenant (waiting ones created in the dict's order, each tenant's oldest first):
     (the ids it took in its order, whether it said more wait, the waiting ids per tenant)."""
     pool = f"pick{uuid.uuid4().hex[:6]}"  # no worker serves it: nothing else picks here
@@ -215,7 +215,7 @@ def test_the_headroom_is_left_to_a_tenant_within_its_share(stack: StackState) ->
     # 5: only the first fits, and the headroom keeps the last two slots from B's others.
     taken, more, waits = _pick(stack, {a: 1, b: 2}, {b: 3}, limit=3, headroom=2)
     assert taken == waits[b][:1]
-    assert more  # the lane stays contended: B's others still wait
+    assert more  # the queue stays contended: B's others still wait
     # B alone: level (2 + 3) / 1 = 5, so all three fit.
     taken, more, waits = _pick(stack, {b: 2}, {b: 3}, limit=3, headroom=2)
     assert taken == waits[b]

@@ -73,7 +73,7 @@ def test_a_waiting_jobs_page_says_which_turn_it_waits_for() -> None:
     notice = waiting_notice([queued, fair])
     assert notice is not None
     assert notice["reason"] == "fair_share"
-    assert "bulk lane of pool p is contended" in notice["text"]
+    assert "bulk queue of pool p is contended" in notice["text"]
     keyed = waiting_notice([queued, fair, resumed, key])
     assert keyed is not None
     assert "customer-9 has 2 jobs in flight" in keyed["text"]

@@ -1,5 +1,5 @@
 """The fair share gate (processors/admission.py, ``FairShareGate``): which polled jobs go to
-the claim and which join their lane's waiting room. The room itself (the hold and the
+the claim and which join their queue's waiting room. The room itself (the hold and the
 weighted pick) is PostgreSQL's: tests/integration/test_fair_share.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import uuid
 
 from calmq.processors.admission import FairShareGate
 from calmq.processors.request import Request
-from calmq.processors.slots import lane_room
+from calmq.processors.slots import queue_room
 
 
 class Room:
@@ -42,7 +42,7 @@ def _requests(n: int, priority: str = "bulk", tenant: str | None = None) -> list
 
 
 def _gate(free: dict[str, int]) -> tuple[FairShareGate, Room]:
-    """Free slots per lane that every job on its way to a slot takes from both lanes."""
+    """Free slots per queue that every job on its way to a slot takes from both queues."""
     room = Room()
     return FairShareGate(room, "p",  # type: ignore[arg-type]
                          lambda priority, passing: free[priority] - sum(passing.values())
@@ -60,7 +60,7 @@ def _hold(gate: FairShareGate, batch: list[Request], occupancy: Running | None =
 
 def test_an_uncontended_lane_claims_what_fits_and_holds_the_rest() -> None:
     """With 3 free slots, 3 of 5 jobs go to the claim; the other 2 wait in the room, and
-    the lane is contended from then on."""
+    the queue is contended from then on."""
     gate, room = _gate({"bulk": 3, "interactive": 4})
     batch = _requests(5)
     assert _hold(gate, batch) == {r.job_id for r in batch[3:]}
@@ -70,7 +70,7 @@ def test_an_uncontended_lane_claims_what_fits_and_holds_the_rest() -> None:
 
 def test_a_contended_lane_holds_every_new_job_even_with_free_slots() -> None:
     """While the room holds jobs, a new one joins it (the fill gives free slots to the
-    fairest tenant), so arrivals do not jump the queue; the other lane is not touched."""
+    fairest tenant), so arrivals do not jump the queue; the other queue is not touched."""
     gate, _room = _gate({"bulk": 10, "interactive": 10})
     gate.contended.add("bulk")
     bulk, interactive = _requests(2), _requests(2, "interactive")
@@ -124,7 +124,7 @@ def test_bulk_on_its_way_to_a_slot_leaves_the_interactive_reserve_alone() -> Non
     meanwhile still finds the reserve and goes to the claim, not the waiting room."""
     held, interactive_held = 30, 0
     gate = FairShareGate(Room(), "p",  # type: ignore[arg-type]
-                         lambda priority, passing: lane_room(
+                         lambda priority, passing: queue_room(
                              priority, 32, 8, held=held + sum(passing.values()),
                              interactive=interactive_held + passing.get("interactive", 0)))
     gate.taking("bulk", gate.free("bulk"))  # the fill picks for every free bulk slot

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from calmq.processors.slots import CallSlots, lane_room
+from calmq.processors.slots import CallSlots, queue_room
 
 
 async def _started(slots: CallSlots, priority: str, log: list[str], name: str) -> None:
@@ -89,12 +89,12 @@ def test_a_waiter_cancelled_after_its_grant_hands_the_slot_back() -> None:
 def test_bulk_held_past_the_bound_leaves_the_interactive_reserve_whole() -> None:
     # The bound shrank under 40 bulk jobs claimed before (the token budget): bulk has no
     # room, interactive still has its reserve of 8.
-    assert lane_room("bulk", 32, 8, held=40, interactive=0) == -8
-    assert lane_room("interactive", 32, 8, held=40, interactive=0) == 8
-    assert lane_room("interactive", 32, 8, held=45, interactive=5) == 3
+    assert queue_room("bulk", 32, 8, held=40, interactive=0) == -8
+    assert queue_room("interactive", 32, 8, held=40, interactive=0) == 8
+    assert queue_room("interactive", 32, 8, held=45, interactive=5) == 3
 
 
 def test_interactive_takes_what_bulk_leaves_of_the_bound_then_the_reserve() -> None:
-    assert lane_room("interactive", 32, 8, held=20, interactive=0) == 20
-    assert lane_room("interactive", 32, 8, held=40, interactive=30) == 0
-    assert lane_room("bulk", 32, 8, held=20, interactive=10) == 12
+    assert queue_room("interactive", 32, 8, held=20, interactive=0) == 20
+    assert queue_room("interactive", 32, 8, held=40, interactive=30) == 0
+    assert queue_room("bulk", 32, 8, held=20, interactive=10) == 12
