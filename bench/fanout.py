@@ -15,26 +15,39 @@ submission too (``pg_cpu_ms_per_job``; ``pg_cpu_ms_per_job_run_only`` is the run
 which is what this scenario compared before 2026-12-07). ``pg_statements`` (top level of the
 result) attributes each side's PostgreSQL time to its statements (pg_stat_statements,
 trigger bodies included), per job.
+
+``--kill worker`` or ``--kill relay`` (or ``BENCH_KILL``): once about half the children
+have completed, that process gets SIGKILL (it and its process group, no shutdown of its
+own) and is started again, as the chaos tests do (tests/chaos/test_fanout_kill.py); the
+figures then say what the kill cost: children lost, completed twice (two ``completed``
+events), joins fired (one), the children running at the kill and requeued after it, how
+long after the kill the next child completed, and the children the fake provider was
+called for (and answered) more than once: a call in flight at a worker's kill is made
+again by the next attempt, paid twice but completed once. The restarted
+process's CPU is added to its predecessor's, so the per-child figures hold the whole phase.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 import uuid
 from typing import Any
 
 from bench import fanout_workflows, loadgen
-from bench.procs import Sampler
+from bench.procs import Phase, Sampler, cpu_seconds
 from bench.report import result
 from bench.rig import Rig
 
-__all__ = ["DEFAULT_SIZE", "fanout"]
+__all__ = ["DEFAULT_SIZE", "KILLABLE", "fanout"]
 
 DEFAULT_SIZE = 100_000
 CONCURRENCY = "256"
+KILLABLE = ("worker", "relay")
 Log = Any
 
 
@@ -50,11 +63,11 @@ def _wait(check: Any, timeout: float, what: str, log: Log) -> bool:
 
 def _span(rig: Rig, where: str, params: tuple[Any, ...]) -> tuple[float, float, int]:
     """First claim and last completion (epoch seconds) of the jobs ``where`` selects, and
-    how many completed."""
+    how many completed (each job once, however many ``completed`` events it has)."""
     row = rig.query(
         f"""SELECT extract(epoch FROM min(e.at) FILTER (WHERE e.type = 'running')),
                    extract(epoch FROM max(e.at) FILTER (WHERE e.type = 'completed')),
-                   count(*) FILTER (WHERE e.type = 'completed')
+                   count(DISTINCT e.job_id) FILTER (WHERE e.type = 'completed')
             FROM job_events e JOIN jobs j ON j.id = e.job_id WHERE {where}""", params)[0]
     return float(row[0] or 0), float(row[1] or 0), int(row[2] or 0)
 
@@ -65,12 +78,69 @@ def _per_job(cpu: dict[str, float], jobs: int) -> dict[str, float]:
     return {name: round(s * 1000 / max(jobs, 1), 3) for name, s in sorted(cpu.items())}
 
 
+def _settled(rig: Rig, parent_id: str) -> int:
+    """Children the parent's join has counted (one row: cheap to poll at any size)."""
+    rows = rig.query("SELECT coalesce(sum(succeeded + failed), 0) FROM job_joins"
+                     " WHERE parent_id = %s", (parent_id,))
+    return int(rows[0][0]) if rows else 0
+
+
+def _start(rig: Rig, name: str, env: dict[str, str]) -> int:
+    args = ("--concurrency", CONCURRENCY) if name == "worker" else ()
+    return rig.calmq(name, *args, env=env).pid
+
+
+def _kill_midway(rig: Rig, log: Log, phase: Phase, env: dict[str, str], parent_id: str,
+                 size: int, name: str) -> dict[str, Any]:
+    """SIGKILL ``name`` once half the children are settled, start it again; what it hit."""
+    if not _wait(lambda: _settled(rig, parent_id) >= size // 2, 600 + size / 20,
+                 f"{size // 2} children settled before the kill", log):
+        return {"killed": name, "kill_skipped": True}
+    running = int(rig.query("SELECT count(*) FROM jobs WHERE parent_id = %s"
+                            " AND status = 'running'", (parent_id,))[0][0])
+    at_kill = _settled(rig, parent_id)
+    # The victim's CPU so far in this phase, carried over to the process that replaces it.
+    used = cpu_seconds(phase.pids[name]) - phase.cpu_start.get(name, 0.0)
+    killed_at = time.time()
+    rig.stop(name, sig=signal.SIGKILL)
+    log(f"  kill -9 {name} with {at_kill} of {size} children settled, {running} running")
+    pid = _start(rig, name, env)
+    restarted = time.time()
+    phase.pids[name] = pid
+    phase.cpu_start[name] = cpu_seconds(pid) - used
+    return {"killed": name, "settled_at_kill": at_kill, "running_at_kill": running,
+            "restart_s": round(restarted - killed_at, 2), "killed_at": killed_at,
+            "restarted_at": restarted}
+
+
+def _kill_figures(rig: Rig, parent_id: str, kill: dict[str, Any],
+                  provider_url: str) -> dict[str, Any]:
+    """After the run: children requeued after the kill, the first completion after the
+    restart, and the children the fake provider answered more than once."""
+    if not kill or kill.get("kill_skipped"):
+        return kill
+    requeued, first = rig.query(
+        "SELECT count(DISTINCT e.job_id) FILTER (WHERE e.type = 'requeued_after_restart'),"
+        " extract(epoch FROM min(e.at) FILTER (WHERE e.type = 'completed'"
+        "   AND e.at > to_timestamp(%s)))"
+        " FROM job_events e JOIN jobs j ON j.id = e.job_id WHERE j.parent_id = %s",
+        (kill["restarted_at"], parent_id))[0]
+    with urllib.request.urlopen(f"{provider_url}/stats", timeout=120) as resp:
+        by_job = json.loads(resp.read()).get("by_job", {})
+    killed_at = kill.pop("killed_at")
+    kill.pop("restarted_at")
+    return {**kill, "children_requeued_after_restart": int(requeued or 0),
+            "next_completion_after_kill_s": round(float(first) - killed_at, 2)
+            if first else None,
+            "provider_calls_repeated": sum(1 for v in by_job.values() if v["calls"] > 1),
+            "provider_answered_twice": sum(1 for v in by_job.values() if v["completed"] > 1)}
+
+
 def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: int,
-              key: str, api_url: str) -> dict[str, Any]:
+              key: str, api_url: str, kill: str | None = None) -> dict[str, Any]:
     rig.statements_reset()
     phase = sampler.phase({**rig.pids("relay", "fake-provider"), **rig.infra_pids()})
-    worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
-    phase.pids["worker"] = worker.pid
+    phase.pids["worker"] = _start(rig, "worker", env)
     req = urllib.request.Request(
         f"{api_url}/v1/jobs", method="POST",
         data=json.dumps({"workflow": fanout_workflows.WORKFLOW, "priority": "bulk",
@@ -79,6 +149,7 @@ def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: i
     with urllib.request.urlopen(req, timeout=60) as resp:
         parent_id = json.loads(resp.read())["job_id"]
     log(f"  calmq: parent {parent_id} with {size} children")
+    killed = _kill_midway(rig, log, phase, env, parent_id, size, kill) if kill else {}
     _wait(lambda: rig.query("SELECT status FROM jobs WHERE id = %s",
                             (parent_id,))[0][0] in ("completed", "dead_letter", "cancelled"),
           600 + size / 20, "the parent", log)
@@ -107,6 +178,7 @@ def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: i
         "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3),
         "peak_rss_mb": round(phase.peak_rss_mb.get("worker", 0.0), 1),
         "cpu_ms_per_job_by_process": _per_job(phase.cpu, done),
+        **_kill_figures(rig, parent_id, killed, env["CALMQ_FAKE_PROVIDER_URL"]),
         "pg_statements": statements,
     }
 
@@ -149,7 +221,11 @@ def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size
             "pg_statements": rig.statements(done)}
 
 
-def fanout(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
+def fanout(size: int, log: Log, sampler: Sampler, kill: str | None = None,
+           **_: Any) -> dict[str, Any]:
+    kill = kill or os.environ.get("BENCH_KILL") or None
+    if kill is not None and kill not in KILLABLE:
+        raise ValueError(f"--kill: one of {', '.join(KILLABLE)}, not {kill!r}")
     with Rig(log=log) as rig:
         fp = rig.calmq("fake-provider")
         env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
@@ -158,7 +234,7 @@ def fanout(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         api = rig.calmq("api", env=env)
         rig.calmq("relay", env=env)
         _tenant, key = rig.tenant(f"bench-fanout-{uuid.uuid4().hex[:6]}")
-        figures = _children(rig, log, sampler, env, size, key, api.url)
+        figures = _children(rig, log, sampler, env, size, key, api.url, kill)
         tenant_b, key_b = rig.tenant(f"bench-independent-{uuid.uuid4().hex[:6]}")
         base = _independent(rig, log, sampler, env, size, key_b, tenant_b, api.url)
         versions = rig.versions

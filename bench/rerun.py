@@ -11,11 +11,17 @@ interactive load runs again. The ratio is the second p99 over the first.
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 import uuid
 from typing import Any
+
+import psutil  # type: ignore[import-untyped]
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen
 from bench.common import completed, wait
@@ -40,6 +46,52 @@ Log = Any
 
 
 
+# The workers' histograms that split an attempt: budget wait by priority, the provider's
+# answers, the rest of the attempt, and the event loop's lag.
+_HISTOGRAMS = ("calmq_budget_wait_seconds", "calmq_attempt_model_seconds",
+               "calmq_attempt_other_seconds", "calmq_event_loop_lag_seconds")
+Buckets = dict[str, dict[float, float]]
+
+
+def _histograms(rig: Rig, names: list[str]) -> Buckets:
+    """The workers' _HISTOGRAMS summed over workers, by priority where labelled."""
+    out: Buckets = {}
+    for name in names:
+        url = rig.procs[name].url
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name not in _HISTOGRAMS:
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_bucket"):
+                    continue
+                key = family.name + (f":{sample.labels['priority']}"
+                                     if "priority" in sample.labels else "")
+                le = float(sample.labels["le"])
+                rows = out.setdefault(key, {})
+                rows[le] = rows.get(le, 0.0) + sample.value
+    return out
+
+
+def _quantiles(before: Buckets, after: Buckets) -> dict[str, dict[str, float]]:
+    """p50 and p99 (upper bucket bound, ms) and count of each histogram between scrapes."""
+    out: dict[str, dict[str, float]] = {}
+    for key, rows in after.items():
+        diff = sorted((le, n - before.get(key, {}).get(le, 0.0)) for le, n in rows.items())
+        total = diff[-1][1] if diff else 0.0
+        if total <= 0:
+            continue
+
+        def bound(q: float, rows: list[tuple[float, float]] = diff, n: float = total) -> float:
+            le = next(le for le, c in rows if c >= q * n)
+            return round(le * 1000, 1) if not math.isinf(le) else math.inf
+
+        out[key.removeprefix("calmq_")] = {"p50_ms_le": bound(0.5), "p99_ms_le": bound(0.99),
+                                           "count": round(total)}
+    return out
+
+
 def _reruns(rig: Rig, tenant_id: str) -> tuple[int, int]:
     """(reruns made, reruns completed) of the tenant's jobs."""
     row = rig.query("SELECT count(*), count(*) FILTER (WHERE status = 'completed') FROM jobs "
@@ -47,27 +99,68 @@ def _reruns(rig: Rig, tenant_id: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def _cpu_by_process(phase: Phase, jobs: int) -> dict[str, float]:
+    """CPU milliseconds a job of each process of a phase (every process shares the cores)."""
+    return {n: round(c * 1000 / max(jobs, 1), 2) for n, c in sorted(phase.cpu.items())}
+
+
+class _CliCpu(threading.Thread):
+    """The rerun CLI's CPU seconds, read until it exits (a reaped process has none)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="rerun-cli-cpu", daemon=True)
+        self.pid, self.seconds = pid, 0.0
+
+    def run(self) -> None:
+        while True:
+            try:
+                t = psutil.Process(self.pid).cpu_times()
+                self.seconds = float(t.user + t.system)
+            except psutil.Error:
+                return
+            time.sleep(0.1)  # a poll until the process is gone
+
+
+def _stack(rig: Rig, log: Log) -> tuple[str, dict[str, str], list[str]]:
+    """priority's rig: the fake provider's limit as the fleet budget, two workers, warm."""
+    fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
+                   "--requests-per-minute", str(BUDGET_RPM))
+    env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
+           "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
+    api = rig.calmq("api", env=env)
+    rig.calmq("relay", env=env)
+    rig.calmq("forwarder", env=env)
+    names = [f"worker:p{i}" for i in range(WORKERS)]
+    for name in names:
+        rig.calmq(name, env=env)
+    url = f"{api.url}/v1/jobs"
+    warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
+    asyncio.run(loadgen.closed_loop(url, body("interactive"),
+                                    {"Authorization": f"Bearer {key}"}, total=40,
+                                    concurrency=8))
+    wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+    return url, env, names
+
+
+def _measured(rig: Rig, sampler: Sampler, url: str, names: list[str], seconds: float,
+              label: str, log: Log) -> tuple[dict[str, Any], Phase]:
+    """One interactive pass with the workers' histograms and every process's CPU."""
+    phase = sampler.phase({**rig.pids(*names, "api", "relay", "fake-provider"),
+                           **rig.infra_pids()})
+    scraped = _histograms(rig, names)
+    figures, _t0, _t1, _n = interactive_pass(rig, url, seconds, label, log)
+    figures["worker_histograms"] = _quantiles(scraped, _histograms(rig, names))
+    sampler.end(phase)
+    return figures, phase
+
+
 def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     seconds = max(10.0, min(INTERACTIVE_SECONDS, INTERACTIVE_SECONDS * size / DEFAULT_SIZE))
     with Rig(log=log) as rig:
-        fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
-                       "--requests-per-minute", str(BUDGET_RPM))
-        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
-               "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
-        api = rig.calmq("api", env=env)
-        rig.calmq("relay", env=env)
-        rig.calmq("forwarder", env=env)
-        names = [f"worker:p{i}" for i in range(WORKERS)]
-        for name in names:
-            rig.calmq(name, env=env)
-        url = f"{api.url}/v1/jobs"
-        warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
-        asyncio.run(loadgen.closed_loop(url, body("interactive"),
-                                        {"Authorization": f"Bearer {key}"}, total=40,
-                                        concurrency=8))
-        wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
-
-        quiet, _q0, _q1, _qn = interactive_pass(rig, url, seconds, "no-rerun", log)
+        url, env, names = _stack(rig, log)
+        quiet, quiet_phase = _measured(rig, sampler, url, names, seconds, "no-rerun", log)
+        quiet["cpu_ms_per_job_by_process"] = _cpu_by_process(
+            quiet_phase, quiet["interactive_completed"])
 
         name = f"bench-originals-{uuid.uuid4().hex[:6]}"
         originals_id, key = rig.tenant(name)
@@ -85,31 +178,32 @@ def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
              "-o", "json"],
             env=rig.child_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True)
-        phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
+        cli_cpu = _CliCpu(cli.pid)
+        cli_cpu.start()
         made_before = _reruns(rig, originals_id)[0]
-        busy, _b0, _b1, _bn = interactive_pass(rig, url, seconds, "with-rerun", log)
+        busy, phase = _measured(rig, sampler, url, names, seconds, "with-rerun", log)
         made_during = _reruns(rig, originals_id)[0] - made_before
-        sampler.end(phase)
         _out, err = cli.communicate(timeout=600)
         cli_seconds = time.monotonic() - started
-        pacing = next((line for line in err.splitlines() if "to rerun" in line), "")
+        cli_cpu.join(timeout=5)
         made, reran = _reruns(rig, originals_id)
         if cli.returncode != 0:
             log(f"  warning: calmq jobs rerun exited {cli.returncode}: {err[-500:]}")
         if made_during == 0:
             log("  warning: no rerun was made while the interactive load ran")
+        jobs = busy["interactive_completed"] + made_during
         figures: dict[str, Any] = {
             **busy,
             "reruns_made": made, "reruns_completed": reran,
             "reruns_made_during_interactive": made_during,
             "rerun_cli_seconds": round(cli_seconds, 1), "rerun_cli_exit": cli.returncode,
-            "rerun_count_line": pacing,
+            "rerun_cli_cpu_ms_per_rerun": round(cli_cpu.seconds * 1000 / max(made, 1), 2),
+            "rerun_count_line": next((ln for ln in err.splitlines() if "to rerun" in ln), ""),
             "budget_requests_per_minute": BUDGET_RPM, "provider_latency_ms": PROVIDER_LATENCY_MS,
             "interactive_rate": INTERACTIVE_RATE, "interactive_seconds": seconds,
             "workers": WORKERS,
-            "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000
-                                         / max(busy["interactive_completed"] + made_during, 1),
-                                         3),
+            "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(jobs, 1), 3),
+            "cpu_ms_per_job_by_process": _cpu_by_process(phase, jobs),
         }
         versions = rig.versions
     return result("rerun", size, figures, {"no_rerun": quiet},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -222,10 +223,12 @@ class Rig:
             return self.start(name, [*argv, "--port", "{port}"], env=env, health="http")
         return self.start(name, [*argv, "--metrics-port", "{port}"], env=env)
 
-    def stop(self, name: str) -> None:
+    def stop(self, name: str, *, sig: int = signal.SIGTERM) -> None:
+        """Stop a process (``sig=signal.SIGKILL``: kill -9 of it and its group, no shutdown
+        of its own; bench/fanout.py's ``--kill``)."""
         proc = self.procs.pop(name, None)
         if proc is not None:
-            procs.stop(proc.pid)
+            procs.stop(proc.pid, sig=sig)
 
     def pids(self, *names: str) -> dict[str, int]:
         return {n: self.procs[n].pid for n in names}

@@ -72,11 +72,13 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
 
 def run_scenario(name: str, size: int | None = None, *, log: Log = stderr,
                  profile_dir: Path | None = None, runs: int | None = None,
-                 steady_seconds: float | None = None) -> dict[str, Any]:
+                 steady_seconds: float | None = None,
+                 kill: str | None = None) -> dict[str, Any]:
     """Run one scenario and return its result; raises NotBuiltError for one not built yet.
     ``runs``: how many dispatch runs (e2e: 5 by default, the target is the median run;
     scale: 24 a database by default, in pairs);
-    ``steady_seconds``: scale's steady run (default: 30 minutes, a minute for a smoke size)."""
+    ``steady_seconds``: scale's steady run (default: 30 minutes, a minute for a smoke size);
+    ``kill``: fanout's process to kill -9 when half the children are done (worker, relay)."""
     if name not in SCENARIOS:
         raise NotBuiltError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     size = size or DEFAULT_SIZES[name]
@@ -88,6 +90,8 @@ def run_scenario(name: str, size: int | None = None, *, log: Log = stderr,
             "steady_seconds": steady_seconds}
         if runs is not None:
             extra["runs"] = runs
+        if kill is not None:
+            extra["kill"] = kill
         res = SCENARIOS[name](size, log=log, sampler=sampler, profile_dir=profile_dir, **extra)
     finally:
         sampler.close()

@@ -131,6 +131,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kw: dict[str, Any] = {} if steady is None else {"steady_seconds": steady * 60}
         if args.runs:
             kw["runs"] = int(args.runs)
+        if getattr(args, "kill", None):
+            if args.scenario != "fanout":
+                raise UsageError("--kill is fanout's: kill -9 of the worker or the relay "
+                                 "when half the children are done")
+            kw["kill"] = args.kill
         result = run_scenario(args.scenario, size, **kw)
     except NotBuiltError as exc:
         print(f"benchmark scenario {args.scenario!r} is not built yet: {exc}", file=sys.stderr)
@@ -207,5 +212,8 @@ def register(command: Command, flags: Flags) -> None:
     option(p, "--runs", type=int,
            help="dispatch runs: e2e, this many (default 5; the median counts); scale, this "
                 "many a database, in pairs (default 24)")
+    option(p, "--kill", choices=["worker", "relay"],
+           help="fanout: kill -9 this process when half the children are done, start it "
+                "again, and report children lost, completed twice and joins fired")
     option(p, "--steady-minutes", type=float,
            help="scale: the steady run's length (default 30; 1 below a million jobs)")
