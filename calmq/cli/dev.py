@@ -144,6 +144,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_options(command: Command, option: Callable[..., None]) -> None:
+    """``calmq bench``: the scenarios (bench/scenarios.py) and their options."""
+    p = command("bench", cmd_bench, "run a benchmark scenario")
+    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
+                                        "priority", "longcalls", "batch", "tiers",
+                                        "logical_messages", "happy_path", "streaming",
+                                        "scale", "fairness", "rerun", "bulk", "fanout"],
+                   help="the scenario (docs/how-to/benchmarks.md)")
+    option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
+    option(p, "--json", action="store_true", help="the result as one JSON object")
+    option(p, "--runs", type=int,
+           help="dispatch runs: e2e, this many (default 5; the median counts); scale, this "
+                "many a database, in pairs (default 24)")
+    option(p, "--kill", choices=["worker", "relay"],
+           help="fanout: kill -9 this process when half the children are done, start it "
+                "again, and report children lost, completed twice and joins fired")
+    option(p, "--steady-minutes", type=float,
+           help="scale: the steady run's length (default 30; 1 below a million jobs)")
+
+
 def _tier_options(p: argparse.ArgumentParser, option: Callable[..., None]) -> None:
     """The fake provider's service tiers and prompt cache (docs/reference/fake-provider.md)."""
     option(p, "--flex-latency-ms", type=int,
@@ -200,20 +220,4 @@ def register(command: Command, flags: Flags) -> None:
            help="check every request against the official SDKs' types and the providers' "
                 "rules (default on)")
 
-    p = command("bench", cmd_bench, "run a benchmark scenario")
-    p.add_argument("scenario", choices=["accept", "relay", "e2e", "slow", "drain", "budget",
-                                        "priority", "longcalls", "batch",
-                                        "logical_messages", "happy_path", "streaming",
-                                        "scale", "fairness", "rerun", "bulk", "fanout",
-                                        "tiers"],
-                   help="the scenario (docs/how-to/benchmarks.md)")
-    option(p, "--size", type=int, help="jobs in the scenario (default: its own)")
-    option(p, "--json", action="store_true", help="the result as one JSON object")
-    option(p, "--runs", type=int,
-           help="dispatch runs: e2e, this many (default 5; the median counts); scale, this "
-                "many a database, in pairs (default 24)")
-    option(p, "--kill", choices=["worker", "relay"],
-           help="fanout: kill -9 this process when half the children are done, start it "
-                "again, and report children lost, completed twice and joins fired")
-    option(p, "--steady-minutes", type=float,
-           help="scale: the steady run's length (default 30; 1 below a million jobs)")
+    _bench_options(command, option)
