@@ -34,7 +34,7 @@ __all__ = [
     "median_run", "oneshot", "outbox_rows", "pg_ratio", "process_costs", "ratio", "relay_mode",
     "rounded",
     "skip_locked_drain", "skip_locked_last_id", "skip_locked_schema", "skip_locked_span",
-    "stderr", "wait", "write_statements",
+    "statement_totals", "stderr", "wait", "write_statements",
 ]
 
 PY = sys.executable
@@ -251,6 +251,26 @@ def pg_ratio(figures: dict[str, Any], skip: dict[str, Any]) -> dict[str, float]:
     return {}
 
 
+def statement_totals(rig: Rig, jobs: int) -> dict[str, float]:
+    """PostgreSQL's statements per job since the last reset, all of them (not the heaviest
+    only): top-level calls and their execution and planning ms, and how many of the calls
+    were planned (a prepared statement planned again is work a longer run would not repeat:
+    psycopg prepares a statement on its fifth use on a connection, PostgreSQL keeps a
+    generic plan from the sixth run of it). Nested calls (triggers, functions) apart."""
+    row = rig.query(
+        """SELECT coalesce(sum(calls) FILTER (WHERE toplevel), 0),
+                  coalesce(sum(plans) FILTER (WHERE toplevel), 0),
+                  coalesce(sum(total_exec_time) FILTER (WHERE toplevel), 0),
+                  coalesce(sum(total_plan_time) FILTER (WHERE toplevel), 0),
+                  coalesce(sum(calls) FILTER (WHERE NOT toplevel), 0)
+           FROM pg_stat_statements WHERE query NOT ILIKE '%%pg_stat_statements%%'""")[0]
+    calls, plans, exec_ms, plan_ms, nested = (float(v) for v in row)
+    per = 1 / max(jobs, 1)
+    return {"statements_per_job": round(calls * per, 3), "plans_per_job": round(plans * per, 3),
+            "exec_ms_per_job": round(exec_ms * per, 4), "plan_ms_per_job": round(plan_ms * per, 4),
+            "nested_statements_per_job": round(nested * per, 3)}
+
+
 def write_statements(path: Path, scenario: str, res: dict[str, Any]) -> None:
     """The statement-level attribution (pg_stat_statements) of a scenario, as markdown."""
     lines = [f"# {scenario}: PostgreSQL statements per job (pg_stat_statements, track=all)", "",
@@ -265,6 +285,8 @@ def write_statements(path: Path, scenario: str, res: dict[str, Any]) -> None:
                  f"skip_locked {skip.get('pg_cpu_ms_per_job')} ms.")
     if "jobs_table" in res:
         lines.append(f"jobs table over the run: {res['jobs_table']}.")
+    for side, totals in res.get("pg_totals", {}).items():
+        lines.append(f"{side}, all statements per job: {totals}.")
     for side, rows in res.get("pg_statements", {}).items():
         lines += ["", f"## {side}", "", "| ms/job | share | calls/job | rows/call | WAL B/job "
                   "| statement |", "|---:|---:|---:|---:|---:|---|"]

@@ -35,6 +35,7 @@ from bench.common import (
     skip_locked_last_id,
     skip_locked_schema,
     skip_locked_span,
+    statement_totals,
     wait,
     write_statements,
 )
@@ -115,6 +116,7 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
         done, _first, last = calmq_span(rig, tenant_id)
         jobs_per_s = done / max(last - load.started_at, 1e-3)
         statements = rig.statements(done)
+        totals = statement_totals(rig, done)
 
         # Dispatch at half the rate this run drained: a slow host drains less and is
         # offered less, so the figure reads the stack's latency, not how far a fixed rate is
@@ -170,6 +172,7 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
                 "completed": bdone,
                 "workers": 64, **process_costs(phase, ["sl_insert", "sl_workers"], bdone)}
         skip_statements = rig.statements(bdone)
+        skip_totals = statement_totals(rig, bdone)
         rig.stop("sl_workers")
         rig.stop("sl_insert")
 
@@ -191,6 +194,7 @@ def e2e(size: int, log: Log, sampler: Sampler, profile_dir: Path | None = None,
                  versions, extra_versions={"load_generator": loadgen.NAME,
                                            "relay_mode": relay_mode()})
     res["pg_statements"] = {"calmq": statements, "skip_locked": skip_statements}
+    res["pg_totals"] = {"calmq": totals, "skip_locked": skip_totals}
     res["jobs_table"] = jobs_table
     if profile_dir:
         write_statements(profile_dir / "e2e-pg-statements.md", "e2e", res)
