@@ -10,8 +10,8 @@ calls for capacity (OpenAI's 429 ``resource_unavailable``).
 Time is scaled down ``TIME_SCALE`` times: a 15-minute deadline is 9 s, 2 hours 72 s,
 24 hours 864 s, and the fake's standard latency of 50 ms and flex latency of 1 s stand for
 5 s and 100 s. (Scaled 300 times, a 15-minute deadline was 3 s, and a machine under load
-missed deadlines by its event loop's lag alone.) Interactive jobs carry a deadline of ``INTERACTIVE_DEADLINE_S``, not
-scaled. The 24-hour jobs stay online (the summarize workflow's bulk lane), so they show the
+missed deadlines by its event loop's lag alone.) Interactive jobs carry a deadline of 5 s,
+not scaled. The 24-hour jobs stay online (the summarize workflow's bulk lane), so they show the
 tier choice rather than the batch lane, which costs about what flex costs.
 
 Figures: the cost of each run (the jobs' recorded cost) and its ratio, deadlines met,
