@@ -1,10 +1,11 @@
 """Prompt caching and the cost per job on the real stack (issue 46 items 3 and 4): a workflow
 whose two steps share a 4,000-token prompt prefix, marked for the cache, run by two workers
-against the fake provider with retries (a flaky first call) and a fallback (429s move the
-calls to the step's second model). At the fake, at least 90 % of the eligible input tokens
-(the marked prefix of every answered call) are billed as cached; each job's recorded cost
-equals the fake's bill of its calls within 1 %, at the same prices; the cache's tokens and
-savings and the cost per accepted job show in the workers' metrics and in `calmq costs`.
+against the fake provider with retries (a flaky first call), a fallback (429s move the
+calls to the step's second model) and reviews (approved in the API). At the fake, at least
+90 % of the eligible input tokens (the marked prefix of every answered call) are billed as
+cached; each job's recorded cost equals the fake's bill of its calls within 1 %, at the same
+prices; the cache's tokens and savings and the cost per accepted job show in the workers'
+and the API's metrics and in `calmq costs`.
 
 Run for OpenAI's Chat Completions (prompt_cache_key) and Anthropic's Messages
 (cache_control, cache writes priced at the write price)."""
@@ -166,9 +167,19 @@ def test_a_shared_prefix_is_billed_cached_and_each_job_costs_what_the_fake_bills
     _shown(rig, jobs, before["metrics"])
 
 
+def _accepted_metric(rig: Rig, name: str) -> float:
+    """``name`` summed over the workers and the API (a review's approval counts there)."""
+    with urllib.request.urlopen(rig.api.base_url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    api = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{"))
+    return api + sum(metric(p, name) or 0.0 for p in rig.ports)
+
+
 def _run_phases(rig: Rig) -> dict[str, Any]:
-    """Twelve jobs on FIRST; then FIRST answers 429 and twelve more move to SECOND."""
-    metrics = {name: sum(metric(p, name) or 0.0 for p in rig.ports)
+    """Twelve jobs on FIRST; then FIRST answers 429 and twelve more move to SECOND; then two
+    that wait for a review after their last step, approved in the API."""
+    metrics = {name: _accepted_metric(rig, name)
                for name in ("calmq_job_accepted_jobs_total",
                             "calmq_job_accepted_cost_usd_total")}
     first = _submit(rig, 12, "first")
@@ -177,7 +188,26 @@ def _run_phases(rig: Rig) -> dict[str, Any]:
                                            "model": FIRST, "retry_after_seconds": 600})
     second = _submit(rig, 12, "second")
     _run(rig, second)
-    return {"ids": first + second, "metrics": metrics}
+    reviewed = []
+    for i in range(2):
+        status, _h, body = rig.api.call("POST", "/v1/jobs", {
+            "workflow": "handbook_cached",
+            "input": {"text": f"reviewed question {i}", "mode": "low_confidence"}})
+        assert status == 202, body
+        reviewed.append(str(body["job_id"]))
+    with psycopg.connect(rig.db, autocommit=True) as conn:
+        def waiting() -> bool:
+            row = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s::uuid[])"
+                               " AND status = 'awaiting_review'", (reviewed,)).fetchone()
+            return bool(row and row[0] == len(reviewed))
+
+        wait_for(waiting, timeout=60, what="the jobs to wait for review")
+    for job_id in reviewed:
+        status, _h, body = rig.api.call("POST", f"/v1/jobs/{job_id}/review",
+                                        {"decision": "approve", "reviewer": "ana"})
+        assert status == 200, body
+    _run(rig, reviewed)
+    return {"ids": first + second + reviewed, "metrics": metrics}
 
 
 def _shown(rig: Rig, jobs: dict[str, dict[str, Any]], before: dict[str, float]) -> None:
@@ -185,12 +215,12 @@ def _shown(rig: Rig, jobs: dict[str, dict[str, Any]], before: dict[str, float]) 
     total = sum(float(j["cost_usd"]) for j in jobs.values())
 
     def counted() -> bool:
-        return sum(metric(p, "calmq_job_accepted_jobs_total") or 0.0 for p in rig.ports) \
+        return _accepted_metric(rig, "calmq_job_accepted_jobs_total") \
             - before["calmq_job_accepted_jobs_total"] >= len(jobs)
 
-    wait_for(counted, timeout=30, what="the accepted jobs in the workers' metrics")
-    accepted_cost = sum(metric(p, "calmq_job_accepted_cost_usd_total") or 0.0
-                        for p in rig.ports) - before["calmq_job_accepted_cost_usd_total"]
+    wait_for(counted, timeout=30, what="the accepted jobs in the workers' and API's metrics")
+    accepted_cost = _accepted_metric(rig, "calmq_job_accepted_cost_usd_total") \
+        - before["calmq_job_accepted_cost_usd_total"]
     assert accepted_cost == pytest.approx(total, rel=0.01)
     read = sum(metric(p, "calmq_model_cache_tokens_total") or 0.0 for p in rig.ports)
     assert read >= sum(int(j["cached_input_tokens"]) for j in jobs.values())

@@ -3,7 +3,8 @@ counts four characters a token), marked for the provider's prompt cache
 (calmq.calls.caching), for tests/integration/test_prompt_caching.py
 (``CALMQ_WORKFLOW_MODULES=tests.support.cache_workflows``), on a pool of their own. Each step
 may call ``FIRST`` then ``SECOND`` (calmq.calls.fallback): the test's fake answers 429 for
-``FIRST`` for a while, and the calls move on."""
+``FIRST`` for a while, and the calls move on. A job submitted with ``mode: low_confidence``
+waits for a review after its last step (its approval completes it, in the API)."""
 
 from __future__ import annotations
 
@@ -34,22 +35,26 @@ class HandbookInput(BaseModel):
     fail_times: int | None = Field(default=None, ge=0, le=10)
 
 
-def _step(name: str) -> Step:
+def _step(name: str, *, last: bool = False) -> Step:
     async def run(ctx: StepContext, data: dict[str, Any]) -> StepOutput:
         reply = await ctx.provider.complete(
             messages=[stable({"role": "system", "content": PREFIX}),
                       {"role": "user", "content": json.dumps(data)}],
             job_id=ctx.job_id, max_tokens=128, response_schema=_output_schema())
         answer = read_answer(SummaryOutput, reply.content or "")
-        # The next step's input: the answer alone (a fresh call, the same prefix).
-        return StepOutput(artifact={"text": answer.summary}, input_tokens=reply.input_tokens,
-                          output_tokens=reply.output_tokens)
+        # The next step's input: the answer (a fresh call, the same prefix), and a review
+        # asked for on to the last step, whose confidence alone decides it.
+        review = {"mode": "low_confidence"} if data.get("mode") == "low_confidence" else {}
+        return StepOutput(artifact={"text": answer.summary, **review},
+                          confidence=answer.confidence if last else None,
+                          input_tokens=reply.input_tokens, output_tokens=reply.output_tokens)
 
     return Step(name, run, timeout_seconds=30.0, max_attempts=4, models=(FIRST, SECOND))
 
 
 HANDBOOK = Workflow(name="handbook_cached", version=1, input_model=HandbookInput,
-                    steps=(_step("read"), _step("answer")), pool=CACHE_POOL)
+                    steps=(_step("read"), _step("answer", last=True)),
+                    pool=CACHE_POOL)
 
 
 def workflows() -> list[Workflow]:
