@@ -6,8 +6,8 @@ capacity (a 429 ``resource_unavailable``), and ``priority`` at a premium. calmq 
 job may wait, so it asks per call for the cheapest tier that still meets it:
 
 - an interactive job: the standard tier; ``priority`` only where the settings allow it
-  (``service_tier_priority_tenants``) and the standard tier's measured latency would miss
-  the time left;
+  (``service_tier_priority_tenants``), the standard tier's measured latency would miss the
+  time left and priority's would not (unmeasured, priority is tried);
 - a bulk job whose time left holds a flex call and, after it, a standard one: ``flex``;
   otherwise the standard tier (or ``priority``, as above);
 - a day or more: the batch lane, chosen at submit (calmq.lanes), untouched here.
@@ -143,8 +143,9 @@ class TierChooser:
         self._clock = clock
 
     def _need(self, tier: str) -> float:
-        default = (self.policy.flex_seconds if tier == "flex"
-                   else self.policy.standard_seconds)
+        # Priority before it has answered: assumed to meet any time (tried, then measured).
+        default = {"flex": self.policy.flex_seconds, "priority": 0.0}.get(
+            tier, self.policy.standard_seconds)
         return self.policy.margin * self.latencies.estimate(self.provider, self.model, tier,
                                                             default)
 
@@ -157,7 +158,10 @@ class TierChooser:
                 and left >= self._need("flex") + standard):
             return Choice("flex", cutoff=(None if scope.deadline is None
                                           else scope.deadline - standard))
-        if left < standard and self.policy.allows_priority(scope.tenant_id):
+        # The premium only where the standard tier would miss and priority, as measured,
+        # would not: a priority no faster than the standard is never paid for.
+        if (left < standard and self.policy.allows_priority(scope.tenant_id)
+                and left >= self._need("priority")):
             return Choice("priority")
         return Choice(None)
 

@@ -62,13 +62,18 @@ def test_the_cheapest_tier_that_meets_the_time_left() -> None:
 
 def test_priority_only_where_allowed_and_the_standard_would_miss() -> None:
     """Priority is asked only for a tenant allowed it, when the standard tier's measured
-    latency would miss the time left: never where the standard would do."""
+    latency would miss the time left and priority's would not: never where the standard
+    would do, nor where priority is no faster."""
     policy = TierPolicy(frozenset({"priority"}), frozenset({"t1"}), standard_seconds=0.5,
                         margin=1.0)
     chooser = TierChooser(policy, "openai", MODEL)
     assert chooser.choose(_scope(5.0, "interactive")).tier is None
     assert chooser.choose(_scope(0.3, "interactive")).tier == "priority"
     assert chooser.choose(_scope(0.3, "interactive", tenant="t2")).tier is None
+    # Measured no faster than the standard tier: priority would miss too, and is not paid.
+    for _ in range(5):
+        chooser.latencies.observe("openai", MODEL, "priority", 0.5)
+    assert chooser.choose(_scope(0.3, "interactive")).tier is None
 
 
 def test_measured_latency_replaces_the_estimate() -> None:
