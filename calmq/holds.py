@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-__all__ = ["HOLDS", "Hold", "Pace", "Pass", "notice", "passes"]
+__all__ = ["HOLDS", "Hold", "Pace", "Pass", "gate_statements", "notice", "passes"]
 
 Says = Callable[[Mapping[str, Any]], str]
 
@@ -64,6 +64,11 @@ class Hold:
     # ``children``: of its ``children_spawned`` event). None: the page has a notice of its own.
     says: Says | None
     passes: tuple[Pass, ...] = ()  # the housekeeping's passes that release it
+    # A hold statement that decides as well as holds (it takes the ids of the jobs a worker
+    # is about to claim, holds those that must wait and returns their ids): every worker
+    # runs it as an admission gate of its own (processors.admission.StatementGate), so a
+    # reason whose rule is SQL alone needs no gate written by hand.
+    gate: str = ""
     task: str = ""  # a task outside the housekeeping that releases it (the provider gate's)
     resumed: str = ""  # the detail.reason of the ``resumed`` event its release writes, if any
     column: str = "waiting_reason"  # where the hold is kept on the job row
@@ -282,6 +287,11 @@ def passes() -> dict[str, tuple[Pass, tuple[str, ...]]]:
             assert known == p, f"the pass {p.task} is declared two ways"
             found[p.task] = (p, (*reasons, hold.reason))
     return found
+
+
+def gate_statements() -> dict[str, str]:
+    """The holds whose statement is their own admission gate: reason -> statement."""
+    return {h.reason: h.gate for h in _ALL if h.gate}
 
 
 def notice(reason: str, detail: Mapping[str, Any]) -> str | None:

@@ -47,8 +47,10 @@ from typing import Protocol, TypeVar
 from calmq.data import Store
 from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.fairness import FairQueue
+from calmq.data.holds import HeldJobs
 from calmq.data.review_caps import ReviewCaps
 from calmq.data.spending import SpendLedger
+from calmq.holds import gate_statements
 from calmq.jobs import Priority
 from calmq.processors import metrics
 from calmq.processors.request import Request
@@ -57,8 +59,8 @@ from calmq.spending import SpendCaps
 from calmq.workflows import Workflow
 
 __all__ = ["Admission", "ConcurrencyKeyGate", "FairShareGate", "Gate", "Occupancy",
-           "QuotaGate", "ReviewCapGate", "SpendCapGate", "concurrency_limits",
-           "review_workflows"]
+           "QuotaGate", "ReviewCapGate", "SpendCapGate", "StatementGate", "concurrency_limits",
+           "review_workflows", "statement_gates"]
 
 T = TypeVar("T")
 
@@ -131,6 +133,32 @@ class SpendCapGate(Gate):
             if reason is not None:
                 by_reason.setdefault(reason, []).append(r)
         return await _hold(self.ledger, by_reason)
+
+
+class StatementGate(Gate):
+    """A hold whose rule is its statement alone (``calmq.holds.Hold.gate``): the statement
+    takes the jobs about to be claimed and holds those that must wait."""
+
+    def __init__(self, reason: str, statement: str, held: HeldJobs) -> None:
+        self.name = reason
+        self.statement = statement
+        self.held = held
+
+    async def hold(self, requests: Sequence[Request], occupancy: Occupancy,
+                   stack: contextlib.AsyncExitStack) -> set[uuid.UUID]:
+        ids = [r.job_id for r in requests if not occupancy.running(r.job_id)]
+        if not ids:
+            return set()
+        return await retry_forever(f"holding jobs for {self.name} failed",
+                                   lambda: self.held.hold(self.statement, ids))
+
+
+def statement_gates(store: Store) -> list[Gate]:
+    """A gate for each hold whose statement is its own gate (calmq.holds), in the
+    registry's order."""
+    held = HeldJobs(store)
+    return [StatementGate(reason, statement, held)
+            for reason, statement in gate_statements().items()]
 
 
 class QuotaGate(Gate):

@@ -36,6 +36,7 @@ from calmq.processors.admission import (
     SpendCapGate,
     concurrency_limits,
     review_workflows,
+    statement_gates,
 )
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
@@ -148,6 +149,7 @@ class Worker:
         gates: list[Gate] = [SpendCapGate(spend, ledger)]
         if provider.quota is not None:
             gates.append(QuotaGate(provider.quota.allowance, ledger))
+        gates += statement_gates(store)  # the holds whose rule is SQL alone (calmq.holds)
         # Fair share before the gates that count what they admitted (a review's place under
         # its pool's cap, a concurrency key's slot): a job they let through and the waiting
         # room then held counted nowhere, and the jobs behind it passed the cap as well. A

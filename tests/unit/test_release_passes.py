@@ -1,13 +1,20 @@
 """The housekeeping schedules the holds' release passes from the registry (calmq.holds) at
-the paces it declares, as the hand-written passes ran before (issue 45)."""
+the paces it declares, as the hand-written passes ran before, and a hold whose rule is its
+statement alone is an admission gate of its own (issue 45)."""
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from calmq.data import Store
+from calmq.data.holds import HeldJobs
+from calmq.holds import gate_statements
+from calmq.processors.admission import StatementGate
 from calmq.processors.releases import Housekeeping, schedule_releases, schedule_spend_release
+from calmq.processors.request import Request
 from calmq.spending import SpendCaps
 from calmq.supervision import Supervisor
 from calmq.workflows import Workflow
@@ -67,3 +74,37 @@ def test_the_reaper_process_runs_no_quota_pass_and_the_batch_lane_the_spend_alon
     side = _Side()
     schedule_spend_release(cast(Supervisor, side), cast(SpendCaps, _Caps()), first_after=30.0)
     assert side.tasks == {"spend-release": (30.0, 30.0, True)}
+
+
+class _Held:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[uuid.UUID]]] = []
+
+    async def hold(self, statement: str, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        self.calls.append((statement, list(ids)))
+        return set(ids[:1])
+
+
+class _Occupancy:
+    def __init__(self, running: set[uuid.UUID]) -> None:
+        self._running = running
+
+    def running(self, job_id: uuid.UUID) -> bool:
+        return job_id in self._running
+
+    def held_by(self, tenant_id: uuid.UUID, priority: str | None = None) -> int:
+        return 0
+
+
+async def test_a_hold_whose_rule_is_sql_alone_is_a_gate_of_its_own() -> None:
+    """A StatementGate runs its hold's statement on the jobs not running here and returns
+    what the statement held; no registered hold is such a gate today."""
+    assert gate_statements() == {}
+    held = _Held()
+    gate = StatementGate("paused", "hold_paused", cast(HeldJobs, held))
+    a, b, running = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    requests = [cast(Request, type("R", (), {"job_id": j})()) for j in (a, running, b)]
+    async with contextlib.AsyncExitStack() as stack:
+        assert await gate.hold(requests, _Occupancy({running}), stack) == {a}
+    assert held.calls == [("hold_paused", [a, b])]
+    assert gate.name == "paused"
