@@ -32,7 +32,8 @@ from calmq.data import Database, Idempotency, NewJob
 from calmq.data.children import Children
 from calmq.data.reruns import Original, RerunRecords
 from calmq.errors import ContractError, NotFound, StepFailure
-from calmq.jobs import TERMINAL, new_id
+from calmq.jobs import TERMINAL, Priority, new_id
+from calmq.lanes import ONLINE
 from calmq.workflows import Workflow, find_workflow
 from calmq.workflows.progress import CHILDREN
 
@@ -129,7 +130,7 @@ class Reruns:
             callback_url=original.callback_url, deadline_at=deadline,
             trace_parent=original.trace_parent,
             # An interactive job never waits in the batch lane.
-            lane=original.lane if priority == "bulk" else "online",
+            lane=original.lane if priority == Priority.BULK else ONLINE,
             concurrency_key=original.concurrency_key)
         return RerunPlan(job=job, from_step=step.name, copy_steps=earlier,
                          replaced_step=replaced_step,

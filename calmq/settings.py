@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from calmq import __version__
 from calmq.calls.pricing import DEFAULT_PRICES, ModelPrice, tier_price
 from calmq.errors import ConfigError
+from calmq.jobs import Priority
 from calmq.limits import KEEP_ERRORS, MAX_METADATA_BYTES, MAX_NOTE_BYTES
 
 __all__ = [
@@ -840,7 +841,7 @@ class Settings(BaseSettings):
     @classmethod
     def _known_priorities(cls, value: str) -> str:
         names = [p.strip() for p in value.split(",") if p.strip()]
-        unknown = [p for p in names if p not in ("interactive", "bulk")]
+        unknown = [p for p in names if p not in tuple(Priority)]
         if not names or unknown:
             raise ValueError("priorities is a comma list of interactive and bulk")
         return ",".join(names)

@@ -76,10 +76,10 @@ WAIT_RESUMED = Counter("calmq_wait_resumed_total",
                        "Jobs re-published once their wait (model_cooldown, rate_limit_key) "
                        "was over", ["reason"])
 FAIR_SHARE_HELD = Counter("calmq_fair_share_held_total",
-                          "Jobs held in their lane's waiting room (setting fair_share): the lane"
+                          "Jobs held in their queue's waiting room (setting fair_share): the queue"
                           " was contended", ["priority"])
 FAIR_SHARE_PICKED = Counter("calmq_fair_share_picked_total",
-                            "Jobs this worker took from its lanes' waiting rooms into free slots",
+                            "Jobs this worker took from its queues' waiting rooms into free slots",
                             ["priority"])
 POISON = Counter("calmq_poison_messages_total", "Unreadable messages sent to calmq.dlq")
 UNSTORABLE = Counter("calmq_unstorable_outputs_total",

@@ -31,7 +31,7 @@ from calmq.calls.wires import ModelClock, model_clock
 from calmq.data import Finish, Job, Store
 from calmq.errors import FailureClass, LeaseLost, StepFailure
 from calmq.failure_codes import ProviderBlocked, WaitUncounted
-from calmq.jobs import Status
+from calmq.jobs import Priority, Status
 from calmq.processors import metrics
 from calmq.processors.admission import Admission, FairShareGate, Gate
 from calmq.processors.attempt import Attempt
@@ -190,8 +190,8 @@ class Pipeline:
                     n = min(fair.free(priority), self.CLAIM_BATCH)
                     if n <= 0 or self._draining:
                         continue
-                    if priority == "interactive" and priority not in fair.contended:
-                        # Look before reserving: a pick reserves the lane's free slots
+                    if priority == Priority.INTERACTIVE and priority not in fair.contended:
+                        # Look before reserving: a pick reserves the queue's free slots
                         # while it runs, and a pick of an empty interactive room on every
                         # tick held the interactive jobs arriving then (bench priority).
                         # Bulk picks without the look: its arrivals held during a pick
@@ -217,8 +217,8 @@ class Pipeline:
 
     @staticmethod
     async def _room_waits(fair: FairShareGate, priority: str) -> bool:
-        """A lane this worker holds no job of: whether another worker's holds wait in its
-        room (then the lane is contended here too, until a pick empties it)."""
+        """A queue this worker holds no job of: whether another worker's holds wait in its
+        room (then the queue is contended here too, until a pick empties it)."""
         waits = await retry_forever("looking into the waiting room failed",
                                     lambda: fair.queue.waiting(fair.pool, priority))
         if waits:

@@ -25,6 +25,7 @@ from calmq_client import ApiError, AsyncClient, RetryPolicy
 
 from calmq.data.jobs import NewJob, insert_job, insert_job_sync
 from calmq.errors import ContractError
+from calmq.jobs import Priority
 from calmq.lanes import choose_lane
 from calmq.limits import MAX_METADATA_BYTES, check_concurrency_key, check_metadata
 from calmq.producers.intake import prepare
@@ -61,7 +62,7 @@ def _prepared(  # noqa: PLR0917 - private, called with every field of the public
     if (input is None) == (input_ref is None):
         raise ContractError("pass exactly one of input and input_ref", code="invalid_body",
                             status=422)
-    if priority not in ("interactive", "bulk"):
+    if priority not in tuple(Priority):
         raise ContractError("priority is interactive or bulk", code="invalid_body", status=422)
     # The API's limit on metadata holds for a job written directly too: its events carry it.
     check_metadata(metadata, max_metadata_bytes)

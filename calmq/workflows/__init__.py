@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from calmq.calls.wires import CallScope, Provider
 from calmq.errors import ContractError, FailureClass, StepFailure
+from calmq.jobs import Priority
 from calmq.storable import non_finite
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class Step:
     def streams(self, priority: str) -> bool:
         """Whether this step's model calls stream for a job of ``priority``."""
         return self.stream is True or (self.stream == "interactive"
-                                       and priority == "interactive")
+                                       and priority == Priority.INTERACTIVE)
 
     @property
     def attempts(self) -> int:
