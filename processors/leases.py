@@ -13,15 +13,20 @@ leases and ends the attempts that must not go on:
   no outcome and its message is claimed again once the database answers;
 - **hand-back**: a stopped attempt's lease is expired at once when the database answers
   again (``hand_back``), and at shutdown every lease still held is (``release_all``), so
-  the next claim takes the job without waiting for the lease to run out.
+  the next claim takes the job without waiting for the lease to run out;
+- **batches** (the batch lane): a batch this process creates or collects keeps its own lease
+  (``batch_lease_seconds``) while the block of ``keeping_batch`` runs, extended by the same
+  schedule every third of that lease, so no other poller takes it meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from calmq.data import Job, Store
@@ -60,6 +65,9 @@ class Leases:
         # Attempts this process stopped itself (self-fencing): their messages are claimed
         # again once their lease is handed back.
         self._fenced: set[uuid.UUID] = set()
+        # The batch lane's batches whose leases this process keeps (by how many holders).
+        self._batches: dict[uuid.UUID, int] = {}
+        self.batch_lease_seconds = 0.0
 
     # -- the attempts ----------------------------------------------------------------------
 
@@ -111,17 +119,46 @@ class Leases:
 
     # -- the leases ------------------------------------------------------------------------
 
-    def schedule(self, side: Supervisor) -> None:
+    def schedule(self, side: Supervisor, *, batch_lease_seconds: float | None = None) -> None:
         """Heartbeat every third of a lease, and stop the attempts whose leases could not be
         extended for most of one (self-fencing: its own task, so that a heartbeat hanging on
         an unreachable database cannot keep attempts running past their leases). Both are
-        critical: without them leases would lapse under running attempts."""
+        critical: without them leases would lapse under running attempts. With
+        ``batch_lease_seconds`` (the batch lane), the batches' heartbeat too."""
         interval = max(0.2, self.lease_seconds / 3)
         side.every("lease-heartbeat", interval, self.heartbeat, first_after=interval,
                    critical=True)
         fence = max(0.1, self.lease_seconds / 12)
         side.every("lease-fence", fence, self.fence_expiring, first_after=fence,
                    critical=True)
+        if batch_lease_seconds is not None:
+            self.batch_lease_seconds = batch_lease_seconds
+            beat = batch_lease_seconds / 3
+            side.every("batch-lease-heartbeat", beat, self.keep_batches, first_after=beat,
+                       critical=True)
+
+    @contextlib.contextmanager
+    def keeping_batch(self, key: uuid.UUID) -> Iterator[None]:
+        """Keep the lease of batch ``key`` while the block runs (a create's upload, a
+        collect's results: minutes for 200 MB)."""
+        _count(self._batches, key, 1)
+        try:
+            yield
+        finally:
+            _count(self._batches, key, -1)
+
+    async def keep_batches(self) -> None:
+        """Extend the lease of every batch kept (``keeping_batch``); a failed extension is
+        tried again on the next beat."""
+        await asyncio.gather(*(self._keep_batch(key) for key in list(self._batches)))
+
+    async def _keep_batch(self, key: uuid.UUID) -> None:
+        try:
+            if not await self.store.batches.heartbeat(key, self.worker_id,
+                                                      self.batch_lease_seconds):
+                log.warning("lost the lease of batch %s while keeping it", key)
+        except Exception as exc:  # noqa: BLE001 - the next beat tries again
+            log.warning("keeping the lease of batch %s failed: %s", key, exc)
 
     async def heartbeat(self) -> None:
         """Extend the leases of running attempts; stop the ones this process no longer holds."""
