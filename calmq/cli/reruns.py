@@ -15,7 +15,11 @@ progress, checkpoint and ``--resume``), with what a rerun adds:
   (``budget_tenant_share``) of the bulk part of the budget (what
   ``budget_interactive_share`` leaves), so interactive work keeps its share while it runs;
 - a resumed run skips a job that has a rerun made since the run started (``rerun_since``):
-  one rerun after a kill -9 between two checkpoints is not made twice.
+  one rerun after a kill -9 between two checkpoints is not made twice. A first run does
+  not ask (its frozen filter yields each job once, and its reruns are newer than the
+  filter's pinned end); named jobs do (a job named twice is rerun once);
+- each rerun is two round trips to the database (the original read with its recorded
+  steps, and the one statement that writes the rerun): calmq.data.reruns.
 """
 
 from __future__ import annotations
@@ -92,8 +96,11 @@ def _who() -> str:
 class _Rerun:
     """The bulk rerun of calmq.cli.bulk: the frozen filter's jobs, newest first."""
 
-    def __init__(self, reruns: Reruns, params: dict[str, Any], *, dry_run: bool) -> None:
+    def __init__(self, reruns: Reruns, params: dict[str, Any], *, dry_run: bool,
+                 check_since: bool = True) -> None:
         self.reruns, self.params, self.dry_run = reruns, params, dry_run
+        # Whether a job may have a rerun of this run already: a resumed run, named jobs.
+        self.check_since = check_since
         # Named jobs (no filter) are never counted or paged.
         self.which = _search(params) if params.get("workflow") else None
         self.since = datetime.fromisoformat(str(params["since"]))
@@ -113,7 +120,7 @@ class _Rerun:
 
     async def act(self, job_id: uuid.UUID) -> bulk.Outcome:
         step = str(self.params["from_step"])
-        if await self.reruns.records.rerun_since(job_id, self.since):
+        if self.check_since and await self.reruns.records.rerun_since(job_id, self.since):
             return bulk.Outcome(job_id, "skipped", "skipped", "rerun_already",
                                 "this run made its rerun already (before an interruption)")
         try:
@@ -174,7 +181,8 @@ def cmd_rerun(args: argparse.Namespace, settings: Settings) -> int:
                          code="from_step_required")
 
     def make(store: Store, params: dict[str, Any]) -> bulk.Action:
-        return _Rerun(Reruns(store, workflows), params, dry_run=bool(args.dry_run))
+        return _Rerun(Reruns(store, workflows), params, dry_run=bool(args.dry_run),
+                      check_since=bool(args.resume))
 
     if args.job_ids:
         if filters:

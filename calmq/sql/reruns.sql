@@ -3,35 +3,38 @@
 -- Names start with rerun_.
 
 -- name: rerun_original
--- The job a rerun starts from; tenant-scoped when a tenant asks (another tenant's id reads
--- as no job). FOR SHARE: a concurrent purge (which redacts the row) waits for the rerun's
--- commit, so the outputs copied are the ones the job had.
+-- The job a rerun starts from, and the steps it has a final recorded output of (the ones a
+-- resumed job skips: calmq.workflows.progress), in one round trip; tenant-scoped when a
+-- tenant asks (another tenant's id reads as no job).
 SELECT id, tenant_id, workflow, workflow_version, status, priority, lane, input, input_ref,
        metadata, callback_url, deadline_at, created_at, trace_parent, concurrency_key,
-       redacted_at
+       redacted_at,
+       ARRAY(SELECT s.step FROM step_outputs s
+             WHERE s.job_id = jobs.id AND s.state IN ('done', 'approved')) AS recorded
 FROM jobs
-WHERE id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid)
-FOR SHARE;
-
--- name: rerun_recorded
--- The steps of the original with a final recorded output (the ones a resumed job skips:
--- calmq.workflows.progress).
-SELECT step FROM step_outputs WHERE job_id = %(id)s AND state IN ('done', 'approved');
+WHERE id = %(id)s AND (%(tenant_id)s::uuid IS NULL OR tenant_id = %(tenant_id)s::uuid);
 
 -- name: rerun_insert_job
 -- insert_job's row, history event and outbox row (calmq/sql/jobs.sql), plus the link to
 -- the original and its recorded outputs of the steps before the one the rerun starts at,
 -- all in one statement: the job.requested commits with the outputs it will read. The
 -- output of ``replaced_step`` (the step before ``step``) is the caller's replacement input
--- when one is given.
-WITH job AS (
+-- when one is given. The original is read FOR SHARE first (the tenant's, not redacted): a
+-- concurrent purge (which redacts the row) waits for the rerun's commit, so the outputs
+-- copied are the ones the job had; with no such row nothing is written (no row returned).
+WITH original AS (
+    SELECT id FROM jobs
+    WHERE id = %(rerun_of)s AND tenant_id = %(tenant_id)s AND redacted_at IS NULL
+    FOR SHARE
+), job AS (
     INSERT INTO jobs (id, tenant_id, workflow, workflow_version, status, priority, pool, step,
                       max_attempts, input, input_ref, metadata, callback_url, deadline_at,
                       trace_parent, lane, concurrency_key, rerun_of)
-    VALUES (%(id)s, %(tenant_id)s, %(workflow)s, %(workflow_version)s, 'queued', %(priority)s,
-            %(pool)s, %(step)s, %(max_attempts)s, %(input)s, %(input_ref)s, %(metadata)s,
-            %(callback_url)s, %(deadline_at)s, %(trace_parent)s, %(lane)s,
-            %(concurrency_key)s, %(rerun_of)s)
+    SELECT %(id)s, %(tenant_id)s, %(workflow)s, %(workflow_version)s, 'queued', %(priority)s,
+           %(pool)s, %(step)s, %(max_attempts)s, %(input)s, %(input_ref)s, %(metadata)s,
+           %(callback_url)s, %(deadline_at)s, %(trace_parent)s, %(lane)s,
+           %(concurrency_key)s, original.id
+    FROM original
     RETURNING id, created_at
 ), event AS (
     INSERT INTO job_events (job_id, type, attempt, detail)
