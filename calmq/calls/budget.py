@@ -446,8 +446,10 @@ class TokenBudget:
                 reconnect.succeeded()
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, but wake early when a new call arrives (it may be interactive)."""
-        self._wake.clear()
+        """Sleep, but wake early when a new call arrived since this round of the dispatcher
+        began (it may be interactive). The wake-up is cleared where the round starts looking
+        at the queue, not here: a call that arrived while the round awaited the ledger (a
+        bulk lease that came back empty) would otherwise sleep out the bulk's pause."""
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
         # arrives as the event is set, and close() would then wait for ever.
         with contextlib.suppress(TimeoutError):
@@ -455,6 +457,7 @@ class TokenBudget:
                 await self._wake.wait()
 
     async def _dispatch_once(self) -> None:
+        self._wake.clear()  # a call that arrives from here on ends this round's sleep
         now = self._clock()
         expiry = self._next_expiry()
         if expiry is not None and expiry <= now:

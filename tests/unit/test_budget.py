@@ -155,6 +155,46 @@ async def test_interactive_is_served_before_bulk_queued_earlier() -> None:
         await budget.close()
 
 
+class SlowBulkLedger(MemoryLedger):
+    """Its bulk leases wait for ``gate`` (a ledger round trip under load), then come back
+    empty with the longest pause the dispatcher takes (0.25 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.bulk_asked = asyncio.Event()
+
+    async def take(self, provider: str, model: str, priority: str, *, need_tokens: float,
+                   want_tokens: float, want_requests: float) -> Grant:
+        if priority == "bulk":
+            self.bulk_asked.set()
+            await self.gate.wait()
+            return Grant(0, 0, 0.25)
+        return await super().take(provider, model, priority, need_tokens=need_tokens,
+                                  want_tokens=want_tokens, want_requests=want_requests)
+
+
+async def test_an_interactive_call_arriving_during_a_bulk_lease_is_not_slept_past() -> None:
+    """An interactive call that arrives while the dispatcher asks the ledger for bulk budget
+    is served as soon as that lease comes back empty, not after the bulk's pause."""
+    ledger = SlowBulkLedger()
+    ledger.add("interactive", 1000, 10)
+    budget = await _budget(ledger)
+    try:
+        bulk = asyncio.create_task(budget.acquire(100, "bulk"))
+        await asyncio.wait_for(ledger.bulk_asked.wait(), 2)
+        interactive = asyncio.create_task(budget.acquire(100, "interactive"))
+        await _until(lambda: budget.waiting == 2)
+        released = asyncio.get_running_loop().time()
+        ledger.gate.set()  # the bulk lease comes back empty: a 0.25 s pause for bulk
+        await asyncio.wait_for(interactive, 2)
+        assert asyncio.get_running_loop().time() - released < 0.2
+        assert not bulk.done()
+        bulk.cancel()
+    finally:
+        await budget.close()
+
+
 async def test_bulk_cannot_take_the_interactive_share() -> None:
     """Budget held for interactive stays unused by bulk calls."""
     ledger = MemoryLedger()
