@@ -64,21 +64,28 @@ def _histograms(rig: Rig, names: list[str]) -> Buckets:
             if family.name not in _HISTOGRAMS:
                 continue
             for sample in family.samples:
-                if not sample.name.endswith("_bucket"):
-                    continue
                 key = family.name + (f":{sample.labels['priority']}"
                                      if "priority" in sample.labels else "")
-                le = float(sample.labels["le"])
+                # le: the bucket's bound; -1: the sum of the observations
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                elif sample.name.endswith("_sum"):
+                    le = -1.0
+                else:
+                    continue
                 rows = out.setdefault(key, {})
                 rows[le] = rows.get(le, 0.0) + sample.value
     return out
 
 
 def _quantiles(before: Buckets, after: Buckets) -> dict[str, dict[str, float]]:
-    """p50 and p99 (upper bucket bound, ms) and count of each histogram between scrapes."""
+    """p50 and p99 (upper bucket bound, ms), mean (ms) and count of each histogram
+    between scrapes."""
     out: dict[str, dict[str, float]] = {}
     for key, rows in after.items():
         diff = sorted((le, n - before.get(key, {}).get(le, 0.0)) for le, n in rows.items())
+        summed = next((n for le, n in diff if le < 0), 0.0)
+        diff = [(le, n) for le, n in diff if le >= 0]
         total = diff[-1][1] if diff else 0.0
         if total <= 0:
             continue
@@ -88,6 +95,7 @@ def _quantiles(before: Buckets, after: Buckets) -> dict[str, dict[str, float]]:
             return round(le * 1000, 1) if not math.isinf(le) else math.inf
 
         out[key.removeprefix("calmq_")] = {"p50_ms_le": bound(0.5), "p99_ms_le": bound(0.99),
+                                           "mean_ms": round(summed * 1000 / total, 1),
                                            "count": round(total)}
     return out
 
