@@ -81,6 +81,7 @@ from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
+from calmq.job_costs import count_accepted
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
 from calmq.objects import open_object_store
@@ -92,10 +93,12 @@ from calmq.processors.admission import (
     SpendCapGate,
     concurrency_limits,
     review_workflows,
+    statement_gates,
 )
 from calmq.processors.attempt import Attempt
 from calmq.processors.consumer import ParallelConsumer
 from calmq.processors.intake import Intake
+from calmq.processors.leases import Leases
 from calmq.processors.pipeline import Pipeline, failure_stage
 from calmq.processors.poison import PoisonSink
 from calmq.processors.reaper import schedule_spend_release
@@ -337,9 +340,9 @@ class BatchPacker:
         lines = [i.line for i in items if i.job.id in moved]
         # The batch's lease is kept while the create runs (a 200 MB upload takes a while):
         # a poller takes a ``creating`` batch only once its batcher stopped keeping it.
-        keeper = asyncio.create_task(self._keep(key))
         try:
-            view = await self.client.create(lines, str(key))
+            with self._keeping(key):
+                view = await self.client.create(lines, str(key))
         except InfrastructureError as exc:
             # Left ``creating``: the poller looks for it by its key once this lease lapses,
             # and creates it then if the provider does not have it (or, refused, hands its
@@ -350,22 +353,17 @@ class BatchPacker:
                     exc.failure.code, exc.failure.failure_class).pauses:
                 await self.gate.failed(exc.failure)
             return
-        finally:
-            keeper.cancel()
         CREATED.labels(self.client.kind).inc()
         await retry_forever("recording a created batch failed", lambda: (
             self.store.batches.submitted(key, view.provider_id, view.status,
                                          s.batch_poll_interval_seconds)))
         log.info("batch %s (%s) created with %d requests", view.provider_id, key, len(moved))
 
-    async def _keep(self, key: uuid.UUID) -> None:
-        lease = self.settings.batch_lease_seconds
-        while True:
-            await asyncio.sleep(lease / 3)
-            try:
-                await self.store.batches.heartbeat(key, self.worker_id, lease)
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.warning("keeping the lease of batch %s failed: %s", key, exc)
+    def _keeping(self, key: uuid.UUID) -> contextlib.AbstractContextManager[None]:
+        """The batch's lease kept by the attempts' leases (processors/leases.py)."""
+        if self.pipeline is None:
+            return contextlib.nullcontext()
+        return self.pipeline.leases.keeping_batch(key)
 
     def _put_back(self, pack: _Pack) -> None:
         target = self.packs.setdefault((pack.model, pack.endpoint), _Pack(pack.model,
@@ -440,8 +438,10 @@ class Poller:
 
     def __init__(self, *, store: Store, client: BatchClient,
                  settler: Callable[[str], Attempt], book: ReplyBook, settings: Settings,
-                 worker_id: str, gate: ProviderGate | None = None) -> None:
+                 worker_id: str, leases: Leases, gate: ProviderGate | None = None) -> None:
         self.store = store
+        # Keeps the lease of a batch being collected (processors/leases.py).
+        self.leases = leases
         self.client = client
         # An attempt stage whose worker id is the batch's lease owner: every write of a
         # settled attempt (side-effect log, step output, outcome) is fenced as the batch's.
@@ -457,7 +457,7 @@ class Poller:
                                                   retry=RECONNECT, refused=refused)
 
     async def _finish(self, finishes: list[Finish]) -> None:
-        await self.store.attempts.finish(finishes)
+        count_accepted((await self.store.attempts.finish(finishes)).accepted)
 
     async def pass_once(self) -> int:
         """Look at the batches due; returns how many were taken."""
@@ -599,15 +599,12 @@ class Poller:
         counts: dict[str, int] = {}
         # The lease is kept while the results stream in (a 200 MB file, a 50 MB line): no
         # other poller takes the batch meanwhile.
-        keeper = asyncio.create_task(self._keep(batch))
-        try:
+        with self.leases.keeping_batch(batch.key):
             if view.outcome == "failed":
                 await self._failed(batch, view, runner, counts)
             else:
                 await self._results(batch, view, runner, counts)
             await self._unanswered(batch, view, runner, counts)
-        finally:
-            keeper.cancel()
         await self.store.batches.collected(batch.key, view.status, {**view.counts, **counts})
         TURNAROUND.observe(max(0.0, (datetime.now(UTC) - batch.created_at).total_seconds()))
         log.info("batch %s collected in %.1f s: %s", view.provider_id,
@@ -678,16 +675,6 @@ class Poller:
         counts["handed_back"] = counts.get("handed_back", 0) + len(back)
         log.warning("batch %s failed as a whole (%s): %d request(s) named, %d job(s) sent to "
                     "another batch uncounted", batch.key, why[:200], len(pending), len(back))
-
-    async def _keep(self, batch: OpenBatch) -> None:
-        lease = self.settings.batch_lease_seconds
-        while True:
-            await asyncio.sleep(lease / 3)  # a lease's own rhythm, not a sync
-            try:
-                if not await self.store.batches.heartbeat(batch.key, self.worker_id, lease):
-                    log.warning("lost the lease of batch %s while collecting it", batch.key)
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.warning("keeping the lease of batch %s failed: %s", batch.key, exc)
 
     async def _settle(self, runner: Attempt, batch: OpenBatch, results: list[BatchResult],
                       counts: dict[str, int], jobs: dict[str, Job] | None = None) -> None:
@@ -774,7 +761,10 @@ class Poller:
                 return blocked
             finish.usage = {"model_calls": clock.calls, "input_tokens": clock.input_tokens,
                             "output_tokens": clock.output_tokens, "cost_usd": clock.cost_usd,
-                            "model": clock.model}
+                            "model": clock.model,
+                            "cached_input_tokens": clock.cached_input_tokens,
+                            "cache_write_tokens": clock.cache_write_tokens,
+                            "cache_saved_usd": clock.cache_saved_usd}
             for entry in finish.outbox:
                 if entry.type in ("job.result", "job.dead_lettered"):
                     # the lane the usage was spent in (finish_attempts fills the totals)
@@ -865,7 +855,8 @@ class BatchLane:
         ledger = SpendLedger(store)
         spend = spend_caps_from_settings(s, ledger)
         packer.spend = spend
-        gates: list[Gate] = [SpendCapGate(spend, ledger),
+        # The holds whose rule is SQL alone (calmq.holds) hold here as online.
+        gates: list[Gate] = [SpendCapGate(spend, ledger), *statement_gates(store),
                              ReviewCapGate(store, review_workflows(self.workflows))]
         # A workflow's concurrency_limit holds on this lane as online: a key's jobs beyond
         # it wait (concurrency_key) before they are packed, and a packed job counts as
@@ -904,7 +895,8 @@ class BatchLane:
                            key_rate_limits=False)
 
         poller = Poller(store=store, client=book.client, settler=settler, book=book,
-                        settings=s, worker_id=self.worker_id, gate=gate)
+                        settings=s, worker_id=self.worker_id, leases=pipeline.leases,
+                        gate=gate)
         pipeline.start()
         if self.pack:
             self._consuming = life.side.spawn(
@@ -913,7 +905,7 @@ class BatchLane:
                 critical=True)
             self._packing = life.side.spawn("batch-packer", lambda: packer.run(self._stopping),
                                             critical=True)
-        pipeline.leases.schedule(life.side)
+        pipeline.leases.schedule(life.side, batch_lease_seconds=s.batch_lease_seconds)
         if self.pack:
             schedule_spend_release(life.side, spend, first_after=spend.refresh_seconds)
         if self.poll:

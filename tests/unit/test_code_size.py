@@ -21,8 +21,8 @@ LONG_MODULES: dict[str, str] = {
                              "(issue 45 item 1) splits it",
     "calmq/calls/wires.py": "every provider wire in one module: the calls package splits it "
                             "per provider",
-    "calmq/processors/batcher.py": "two hand-written lease loops beside Leases.schedule "
-                                   "(issue 45 item 3 moves them)",
+    "calmq/processors/batcher.py": "the batch lane's packer, poller and composition in one "
+                                   "module",
     "calmq/tooling/fake_provider/online.py": "the fake's chat handler and its modes in one "
                                             "module",
     "calmq/tooling/kubernetes.py": "the chart's values and every manifest in one module",
@@ -40,8 +40,7 @@ LONG_FUNCTIONS: dict[str, str] = {
     "calmq/cli/tenants.py::cmd_tenants": "every tenants subcommand's dispatch",
     "calmq/processors/batcher.py::BatchPacker._flush": "packing and submitting a batch in one body",
     "calmq/processors/batcher.py::Poller._settle": "every batch outcome settled inline",
-    "calmq/processors/batcher.py::BatchLane.start": "the batcher's composition and lease loops "
-                                                  "(issue 45 item 3)",
+    "calmq/processors/batcher.py::BatchLane.start": "the batcher's composition of its stages",
     "calmq/processors/pipeline.py::Pipeline._run": "the claim-to-commit path of one batch",
     "calmq/processors/worker.py::Worker.start": "the worker's composition of its stages",
     "calmq/producers/api.py::build_app": "the app's route table and middleware in one function",
