@@ -249,8 +249,10 @@ _ALL: Final = (
          says=_children),
     Hold("parent_in_flight",
          set_by="a spawning step's children past CALMQ_CHILDREN_IN_FLIGHT_MAX "
-                "(insert_children: their job.requested waits in job_held_children)",
-         holds=("insert_children",),
+                "(insert_children), and a redrive's failed children past the room left "
+                "(children_requeue_failed): their job.requested waits in "
+                "job_held_children",
+         holds=("insert_children", "children_requeue_failed"),
          releases=("calmq_settle_child",),
          released_by="the trigger calmq_settle_child: each child that ends releases the "
                       "next, in input order",
