@@ -11,7 +11,7 @@ the committer wrote it again forever, with up to 250 outcomes of any tenants in 
 batch poller check every outcome with ``unstorable_outcome`` before it is committed and fail
 the step instead (class ``input``, code ``unstorable_output``, a message that names the
 place and holds none of the text). ``refused`` tells a database error that is the data's
-fault from one of the database itself, for the committer's split (calmq.batching).
+fault from one of the database itself, for the committer's split (calmq.group_commit).
 
 jsonb cannot hold a number that is not finite either, and Python's JSON parser makes one
 of ``1e999`` (infinity) without complaint: ``loads`` is the parser for JSON from outside

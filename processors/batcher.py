@@ -1,7 +1,7 @@
 """The batch lane's processor (`calmq batcher`): the batcher packs batch-lane jobs into
 provider batches, the poller collects each batch's results when it ends.
 
-Batcher. It consumes ``calmq.<pool>.batch`` with the worker's own consumer and stages
+The batcher consumes ``calmq.<pool>.batch`` with the worker's own consumer and stages
 (processors/pipeline.py: claims with leases, poison, deferral, heartbeats, the step's input
 and recorded outputs): only its attempt's provider and its admission gates differ.
 ``BatchPacker.complete`` does not call the model: it builds the request body the online call
@@ -60,7 +60,6 @@ from confluent_kafka import Producer
 from prometheus_client import Counter, Gauge, Histogram
 
 from calmq import topics
-from calmq.batching import Batcher
 from calmq.calls import ProviderGate, estimate_prompt_tokens
 from calmq.calls.batch_apis import (
     BatchClient,
@@ -81,6 +80,7 @@ from calmq.data.concurrency import ConcurrencyKeys
 from calmq.data.spending import Charge, SpendLedger
 from calmq.errors import FailureClass, InfrastructureError, StepFailure
 from calmq.failure_codes import ProviderBlocked, failure, spec
+from calmq.group_commit import GroupCommitter
 from calmq.job_costs import count_accepted
 from calmq.kafka import consumer_config, producer_config, service_connection
 from calmq.lanes import ONLINE
@@ -453,7 +453,7 @@ class Poller:
         # blocks it, and a blocked provider gets no batch until a probe call succeeds.
         self.gate = gate
         self._gate = asyncio.Semaphore(4)
-        self._outcomes: Batcher[Finish] = Batcher("batch-settle", self._finish,
+        self._outcomes: GroupCommitter[Finish] = GroupCommitter("batch-settle", self._finish,
                                                   retry=RECONNECT, refused=refused)
 
     async def _finish(self, finishes: list[Finish]) -> None:

@@ -1,6 +1,6 @@
 """Commit: attempt outcomes -> PostgreSQL, then their offsets -> done.
 
-The group commit of outcomes (calmq.batching.Batcher): those that finish within a few ms
+The group commit of outcomes (calmq.group_commit.GroupCommitter): those that finish within a few ms
 share one transaction (status, history, attempt rows, outbox), and only once it committed
 are their offsets marked done, so the consumer thread commits a message's offset only after
 its outcome is durable.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import time
 
-from calmq.batching import Batcher
 from calmq.data import Finish, Store
+from calmq.group_commit import GroupCommitter
 from calmq.job_costs import count_accepted
 from calmq.processors import metrics
 from calmq.processors.offsets import OffsetTracker
@@ -41,8 +41,8 @@ class Committer:
         self.store = store
         self.tracker = tracker
         # A group the database refuses because of one outcome's data is split until that
-        # outcome is alone (calmq.batching); it is then dropped, its offset marked done.
-        self._batcher: Batcher[tuple[Finish, Position]] = Batcher(
+        # outcome is alone (calmq.group_commit); it is then dropped, its offset marked done.
+        self._batcher: GroupCommitter[tuple[Finish, Position]] = GroupCommitter(
             "committer", self._write, window=window, max_batch=max_batch, writers=writers,
             retry=RECONNECT, refused=refused, rejected=self._refused)
 

@@ -69,7 +69,7 @@ def failure_stage(settings: Settings, worker_id: str,
 class Pipeline:
     # Claims in flight at once. Messages that arrive while they run join the next claim: one
     # statement per message when the worker is quiet (no waiting to fill a batch), hundreds
-    # per statement when it is busy (the batching group commit does for outcomes).
+    # per statement when it is busy (the group commit does for outcomes).
     CLAIMERS = 2
     CLAIM_BATCH = 500
     # A claim batch's attempts are started this many at a time, with a turn of the event

@@ -25,10 +25,10 @@ import psycopg
 from prometheus_client import Histogram
 from psycopg_pool import AsyncConnectionPool
 
-from calmq.batching import Batcher
 from calmq.data import Idempotency, Store
 from calmq.data.jobs import NewJob, insert_jobs
 from calmq.errors import ContractError, InfrastructureError
+from calmq.group_commit import GroupCommitter
 from calmq.jobs import new_id
 from calmq.workflows import Workflow
 
@@ -84,7 +84,7 @@ class GroupCommit:
         self._pool = pool
         # No window: a submit is written at once when a writer is free; those that arrive
         # while both are busy share the next transaction.
-        self._batcher: Batcher[NewJob] = Batcher(
+        self._batcher: GroupCommitter[NewJob] = GroupCommitter(
             "accept-group-commit", self._write, max_batch=max_batch, writers=writers)
         self.batches = 0
         self.jobs = 0

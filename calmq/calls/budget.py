@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from calmq.batching import Batcher
 from calmq.calls.caching import CacheUse, cache_use, meter_cache
 from calmq.calls.gate import ProviderGate, provider_label
 from calmq.calls.pricing import ModelPrice, cost_usd
@@ -59,6 +58,7 @@ from calmq.calls.wires import (
 from calmq.data.budget import Grant, Usage, UsageLedger
 from calmq.errors import StepFailure
 from calmq.failure_codes import BudgetEffect, failure, spec
+from calmq.group_commit import GroupCommitter
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
@@ -685,7 +685,7 @@ class UsageRecorder:
         self._usage = UsageLedger(db)
         # One writer: usage rows of one job would contend; retried while the database is
         # away, since an attempt's tokens are spent whether or not they are written.
-        self._batcher: Batcher[Usage] = Batcher(
+        self._batcher: GroupCommitter[Usage] = GroupCommitter(
             "usage-recorder", self._usage.add, window=window, max_batch=500, retry=RECONNECT)
 
     def start(self) -> None:

@@ -14,7 +14,7 @@ On the worker:
   once every chunk is written, so the chunks of an attempt are committed before its
   outcome (and before the ``completed`` event a client sees last).
 - ``OutputWriter`` group-commits the chunks of every stream of the process
-  (calmq.batching.Batcher, one writer, in order): one statement writes a group and its
+  (calmq.group_commit.GroupCommitter, one writer, in order): one statement writes a group and its
   ``NOTIFY calmq_job_output``, retried while the database is away
   (calmq.data.outputs).
 
@@ -32,10 +32,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from calmq.batching import Batcher
 from calmq.calls.wires import ModelReply, ModelStream, Provider, Streamer
 from calmq.data.outputs import OutputChunk, Outputs
 from calmq.errors import ContractError
+from calmq.group_commit import GroupCommitter
 from calmq.retrying import RECONNECT
 from calmq.storable import clean, storable
 
@@ -84,7 +84,7 @@ class OutputWriter:
         # One writer: the groups are written in the order their chunks came, so a stream's
         # last chunk written means all of it is. Retried while the database is away: the
         # step waits for its chunks before its outcome is written.
-        self._batcher: Batcher[OutputChunk] = Batcher(
+        self._batcher: GroupCommitter[OutputChunk] = GroupCommitter(
             "output-writer", self._write, window=window, max_batch=500, retry=RECONNECT)
         self._outputs = outputs
 

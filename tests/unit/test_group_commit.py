@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import psycopg
 import pytest
 
-from calmq.batching import Batcher
+from calmq.group_commit import GroupCommitter
 from calmq.retrying import Backoff
 from calmq.storable import refused
 
@@ -48,7 +48,7 @@ class FakeTable:
 async def test_items_within_the_window_share_one_write() -> None:
     """Concurrent submits inside the window are written as one group, each caller answered."""
     table = FakeTable()
-    batcher = Batcher("test", table.write, window=0.01, max_batch=100)
+    batcher = GroupCommitter("test", table.write, window=0.01, max_batch=100)
     async with asyncio.timeout(5):
         await asyncio.gather(*(batcher.submit(f"job-{i}") for i in range(20)))
     assert table.groups == [[f"job-{i}" for i in range(20)]]
@@ -60,7 +60,7 @@ async def test_each_item_gets_its_own_error() -> None:
     """A write that fails one row fails only that caller; its neighbours succeed."""
     table = FakeTable()
     table.bad = {"b"}
-    batcher = Batcher("test", table.write, window=0.01)
+    batcher = GroupCommitter("test", table.write, window=0.01)
     async with asyncio.timeout(5):
         results = await asyncio.gather(*(batcher.submit(x) for x in "abc"),
                                        return_exceptions=True)
@@ -74,7 +74,7 @@ async def test_a_group_error_without_retry_settles_every_item() -> None:
     """Without retry, an exception of the whole write is every caller's error."""
     table = FakeTable()
     table.fail_next = 1
-    batcher = Batcher("test", table.write, window=0.01)
+    batcher = GroupCommitter("test", table.write, window=0.01)
     async with asyncio.timeout(5):
         results = await asyncio.gather(*(batcher.submit(x) for x in "ab"),
                                        return_exceptions=True)
@@ -86,7 +86,7 @@ async def test_with_retry_a_failed_group_is_written_again() -> None:
     """With retry, a group whose write raised is written again until it succeeds."""
     table = FakeTable()
     table.fail_next = 2
-    batcher = Batcher("test", table.write, window=0.0, retry=FAST)
+    batcher = GroupCommitter("test", table.write, window=0.0, retry=FAST)
     async with asyncio.timeout(5):
         await batcher.submit("a")
     assert table.rows == ["a"]
@@ -99,7 +99,7 @@ async def test_writers_are_bounded_and_later_items_join_the_next_group() -> None
     one larger group, cut at ``max_batch``."""
     table = FakeTable()
     table.gate = asyncio.Event()
-    batcher = Batcher("test", table.write, window=0.0, max_batch=3, writers=2)
+    batcher = GroupCommitter("test", table.write, window=0.0, max_batch=3, writers=2)
     for i in range(2):
         batcher.add(f"first-{i}")
         async with asyncio.timeout(5):
@@ -121,7 +121,7 @@ async def test_a_caller_that_goes_away_does_not_cancel_the_write() -> None:
     """Cancelling one submit leaves its item (and its neighbours') to be written."""
     table = FakeTable()
     table.gate = asyncio.Event()
-    batcher = Batcher("test", table.write, window=0.0)
+    batcher = GroupCommitter("test", table.write, window=0.0)
     gone = asyncio.create_task(batcher.submit("gone"))
     async with asyncio.timeout(5):
         while table.in_flight == 0:  # noqa: ASYNC110 - yields to the loop, no clock
@@ -155,7 +155,7 @@ async def test_a_group_refused_for_one_item_is_split_and_the_rest_written() -> N
     table = RefusingTable()
     table.bad = {"job-5"}
     rejected: list[tuple[str, BaseException]] = []
-    batcher = Batcher("test", table.write, window=0.01, max_batch=100, retry=FAST,
+    batcher = GroupCommitter("test", table.write, window=0.01, max_batch=100, retry=FAST,
                       refused=refused, rejected=lambda item, exc: rejected.append((item, exc)))
     for i in range(16):
         batcher.add(f"job-{i}")
@@ -173,7 +173,7 @@ async def test_a_submitted_item_refused_alone_gets_its_error() -> None:
     """A caller whose own item the database refuses gets that error; its neighbours succeed."""
     table = RefusingTable()
     table.bad = {"b"}
-    batcher = Batcher("test", table.write, window=0.01, retry=FAST, refused=refused)
+    batcher = GroupCommitter("test", table.write, window=0.01, retry=FAST, refused=refused)
     async with asyncio.timeout(5):
         results = await asyncio.gather(*(batcher.submit(x) for x in "abc"),
                                        return_exceptions=True)

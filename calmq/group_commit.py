@@ -35,7 +35,7 @@ from prometheus_client import Counter
 
 from calmq.retrying import Backoff, retry_forever
 
-__all__ = ["Batcher", "GroupWrite"]
+__all__ = ["GroupCommitter", "GroupWrite"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ REFUSED = Counter("calmq_group_write_refused_total",
 
 
 class _Refusal:
-    """A write that failed because of its items (``Batcher.refused``): split, not retried."""
+    """A write that failed because of its items (``GroupCommitter.refused``): split, not retried."""
 
     __slots__ = ("error",)
 
@@ -60,7 +60,7 @@ class _Refusal:
         self.error = error
 
 
-class Batcher(Generic[_Item]):
+class GroupCommitter(Generic[_Item]):
     """Collects items and writes them in groups with ``write`` (see the module docstring);
     ``name`` names its task, and its retries in the log and the metrics."""
 
