@@ -59,6 +59,7 @@ from calmq.data.budget import Grant, Usage, UsageLedger
 from calmq.errors import StepFailure
 from calmq.failure_codes import BudgetEffect, failure, spec
 from calmq.group_commit import GroupCommitter
+from calmq.jobs import Priority
 from calmq.retrying import RECONNECT, Backoff, Reconnect
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ log = logging.getLogger(__name__)
 # Pauses of the budget's dispatcher while the ledger is away (it used to be a fixed 0.5 s).
 _LEDGER_RETRY = Backoff(initial=0.1, maximum=1.0)
 
-PRIORITIES = ("interactive", "bulk")
+PRIORITIES = (Priority.INTERACTIVE, Priority.BULK)
 _RATE_WINDOW = 10.0  # seconds of admissions that give a process's budget rate
 
 
@@ -310,7 +311,7 @@ class TokenBudget:
         if self._task is None:
             raise RuntimeError("TokenBudget.start() was not awaited")
         started = self._clock()
-        waiter = _Waiter(0 if priority == "interactive" else 1, next(self._seq), tokens,
+        waiter = _Waiter(0 if priority == Priority.INTERACTIVE else 1, next(self._seq), tokens,
                          priority, asyncio.get_running_loop().create_future())
         if self._backlog_since is None:
             self._backlog_since = started
@@ -377,7 +378,7 @@ class TokenBudget:
 
     def _take_local(self, waiter: _Waiter) -> str | None:
         usable = [s for s in self._slices
-                  if s.priority in (waiter.priority, "bulk")]
+                  if s.priority in (waiter.priority, Priority.BULK)]
         # Interactive spends its own slices first; oldest first within a priority.
         usable.sort(key=lambda s: (s.priority != waiter.priority, s.expires))
         limit_tokens = self.limits.tokens_per_minute > 0
@@ -482,7 +483,7 @@ class TokenBudget:
             return
         demand_tokens, demand_calls = self._demand(head.priority)
         # What this process holds already counts: ask the fleet only for the rest.
-        held = sum(s.tokens for s in self._slices if s.priority in (head.priority, "bulk"))
+        held = sum(s.tokens for s in self._slices if s.priority in (head.priority, Priority.BULK))
         need = max(0.0, head.tokens - held)  # 0: short of a request only
         want_tokens = max(need, min(self._slice_tokens, demand_tokens - held))
         want_requests = max(1.0, min(self._slice_requests, float(demand_calls)))
@@ -579,7 +580,7 @@ class TenantQuota:
             return 0
         return max(self.share_per_minute, self.fleet_per_minute // max(1, self._active))
 
-    def allowance(self, tenant_id: uuid.UUID, priority: str = "bulk") -> int | None:
+    def allowance(self, tenant_id: uuid.UUID, priority: str = Priority.BULK) -> int | None:
         """How many of the tenant's jobs a worker should hold: what its quota serves within
         ``queue_seconds`` (None: no quota). The worker does not claim more of that tenant's
         jobs (they wait, and are released as the quota allows): claimed, they would hold
@@ -593,7 +594,7 @@ class TenantQuota:
         if per_minute <= 0:
             return None
         seconds = self.queue_seconds
-        if priority == "interactive" and self.interactive_debt_seconds > 0:
+        if priority == Priority.INTERACTIVE and self.interactive_debt_seconds > 0:
             seconds = min(seconds, self.interactive_debt_seconds)
         return self.serves(per_minute, seconds)
 
@@ -619,7 +620,7 @@ class TenantQuota:
             self._read_at = now
         return self._own.get(tenant_id, self.default_per_minute)
 
-    async def acquire(self, tenant: str, tokens: float, priority: str = "bulk"
+    async def acquire(self, tenant: str, tokens: float, priority: str = Priority.BULK
                       ) -> TenantHold | None:
         """Wait until the tenant's quota covers ``tokens``; None: no quota applies.
 
@@ -636,7 +637,7 @@ class TenantQuota:
             return None
         rate = per_minute / 60
         cap = max(per_minute * self.burst_seconds / 60, 1.0)
-        debt = rate * self.interactive_debt_seconds if priority == "interactive" else 0.0
+        debt = rate * self.interactive_debt_seconds if priority == Priority.INTERACTIVE else 0.0
         self._avg_tokens = tokens if not self._avg_tokens else \
             0.9 * self._avg_tokens + 0.1 * tokens
         waited = False

@@ -47,6 +47,7 @@ from prometheus_client import Counter
 from calmq.calls.pricing import ModelPrice, tier_price
 from calmq.calls.wires import SERVICE_TIER, CallScope, ModelReply, current_clock
 from calmq.errors import ConfigError, StepFailure
+from calmq.jobs import Priority
 
 if TYPE_CHECKING:
     from calmq.settings import Settings
@@ -154,7 +155,7 @@ class TierChooser:
         left = (math.inf if scope.deadline is None
                 else scope.deadline - self._clock())
         standard = self._need(STANDARD)
-        if (scope.priority != "interactive" and "flex" in self.policy.tiers
+        if (scope.priority != Priority.INTERACTIVE and "flex" in self.policy.tiers
                 and left >= self._need("flex") + standard):
             return Choice("flex", cutoff=(None if scope.deadline is None
                                           else scope.deadline - standard))

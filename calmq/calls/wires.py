@@ -33,6 +33,7 @@ from calmq.calls import caching
 from calmq.calls.output_schemas import anthropic_schema, openai_schema_name, openai_strict_schema
 from calmq.errors import StepFailure
 from calmq.failure_codes import failure
+from calmq.jobs import Priority
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -73,7 +74,7 @@ class CallScope:
     job_id: str = ""
     tenant_id: str = ""
     workflow: str = ""
-    priority: str = "bulk"
+    priority: str = Priority.BULK
     # Wall time (epoch seconds) by which the call must have answered: the earlier of the
     # job's deadline and the end of the step's timeout; None: no bound (calmq.calls.tiers).
     deadline: float | None = None
