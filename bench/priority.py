@@ -22,6 +22,7 @@ from typing import Any
 
 from bench import loadgen
 from bench.common import completed, wait
+from bench.histograms import quantiles, scrape
 from bench.loadgen import percentile
 from bench.procs import Phase, Sampler
 from bench.report import result
@@ -162,7 +163,11 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                                         concurrency=8))
         wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
 
+        # Where an attempt's time goes (budget wait by priority, the provider, the rest, the
+        # loop's lag), per pass: the tail has been inside the attempt, not in a hold.
+        scraped = scrape(rig, names)
         quiet, _q0, _q1, _qn = interactive_pass(rig, url, seconds, "no-backlog", log)
+        quiet["worker_histograms"] = quantiles(scraped, scrape(rig, names))
 
         bulk_id, key = rig.tenant(f"bench-bulk-{uuid.uuid4().hex[:6]}")
         log(f"  calmq: {size} bulk jobs queued behind a budget of {BUDGET_RPM} calls/min")
@@ -172,7 +177,9 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         time.sleep(SATURATE_SECONDS)  # let the budget settle at its saturated rate
         phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
         bulk_before = completed(rig, bulk_id)
+        scraped = scrape(rig, names)
         busy, b0, b1, _bn = interactive_pass(rig, url, seconds, "with-backlog", log)
+        busy["worker_histograms"] = quantiles(scraped, scrape(rig, names))
         sampler.end(phase)
         bulk_after = completed(rig, bulk_id)
         calls = _attempts_between(rig, b0, b1)

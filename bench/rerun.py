@@ -11,20 +11,18 @@ interactive load runs again. The ratio is the second p99 over the first.
 from __future__ import annotations
 
 import asyncio
-import math
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from typing import Any
 
 import psutil  # type: ignore[import-untyped]
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen
 from bench.common import completed, wait
+from bench.histograms import quantiles, scrape
 from bench.priority import (
     BUDGET_RPM,
     INTERACTIVE_RATE,
@@ -44,60 +42,6 @@ INTERACTIVE_SECONDS = 30.0
 
 Log = Any
 
-
-
-# The workers' histograms that split an attempt: budget wait by priority, the provider's
-# answers, the rest of the attempt, and the event loop's lag.
-_HISTOGRAMS = ("calmq_budget_wait_seconds", "calmq_attempt_model_seconds",
-               "calmq_attempt_other_seconds", "calmq_event_loop_lag_seconds")
-Buckets = dict[str, dict[float, float]]
-
-
-def _histograms(rig: Rig, names: list[str]) -> Buckets:
-    """The workers' _HISTOGRAMS summed over workers, by priority where labelled."""
-    out: Buckets = {}
-    for name in names:
-        url = rig.procs[name].url
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name not in _HISTOGRAMS:
-                continue
-            for sample in family.samples:
-                key = family.name + (f":{sample.labels['priority']}"
-                                     if "priority" in sample.labels else "")
-                # le: the bucket's bound; -1: the sum of the observations
-                if sample.name.endswith("_bucket"):
-                    le = float(sample.labels["le"])
-                elif sample.name.endswith("_sum"):
-                    le = -1.0
-                else:
-                    continue
-                rows = out.setdefault(key, {})
-                rows[le] = rows.get(le, 0.0) + sample.value
-    return out
-
-
-def _quantiles(before: Buckets, after: Buckets) -> dict[str, dict[str, float]]:
-    """p50 and p99 (upper bucket bound, ms), mean (ms) and count of each histogram
-    between scrapes."""
-    out: dict[str, dict[str, float]] = {}
-    for key, rows in after.items():
-        diff = sorted((le, n - before.get(key, {}).get(le, 0.0)) for le, n in rows.items())
-        summed = next((n for le, n in diff if le < 0), 0.0)
-        diff = [(le, n) for le, n in diff if le >= 0]
-        total = diff[-1][1] if diff else 0.0
-        if total <= 0:
-            continue
-
-        def bound(q: float, rows: list[tuple[float, float]] = diff, n: float = total) -> float:
-            le = next(le for le, c in rows if c >= q * n)
-            return round(le * 1000, 1) if not math.isinf(le) else math.inf
-
-        out[key.removeprefix("calmq_")] = {"p50_ms_le": bound(0.5), "p99_ms_le": bound(0.99),
-                                           "mean_ms": round(summed * 1000 / total, 1),
-                                           "count": round(total)}
-    return out
 
 
 def _reruns(rig: Rig, tenant_id: str) -> tuple[int, int]:
@@ -155,9 +99,9 @@ def _measured(rig: Rig, sampler: Sampler, url: str, names: list[str], seconds: f
     """One interactive pass with the workers' histograms and every process's CPU."""
     phase = sampler.phase({**rig.pids(*names, "api", "relay", "fake-provider"),
                            **rig.infra_pids()})
-    scraped = _histograms(rig, names)
+    scraped = scrape(rig, names)
     figures, _t0, _t1, _n = interactive_pass(rig, url, seconds, label, log)
-    figures["worker_histograms"] = _quantiles(scraped, _histograms(rig, names))
+    figures["worker_histograms"] = quantiles(scraped, scrape(rig, names))
     sampler.end(phase)
     return figures, phase
 
