@@ -48,6 +48,7 @@ __all__ = [
     "insert_job",
     "insert_job_sync",
     "insert_jobs",
+    "keyed_job",
 ]
 
 
@@ -432,17 +433,7 @@ class Jobs:
 
     async def _earlier_job(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
                            idempotency: Idempotency) -> uuid.UUID | None:
-        cur = await conn.execute(self._q["find_idempotency_key"],
-                                 {"tenant_id": tenant_id, "key": idempotency.key})
-        row = await cur.fetchone()
-        if row is None:
-            return None
-        if bytes(row["request_hash"]) != idempotency.request_hash:
-            raise ContractError(
-                "this Idempotency-Key was used before with a different request body",
-                code="idempotency_key_reused", status=409)
-        job_id: uuid.UUID = row["job_id"]
-        return job_id
+        return await keyed_job(conn, self._q, tenant_id, idempotency)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -636,3 +627,21 @@ class Jobs:
             if children:
                 await insert_outbox(conn, children)
         return True
+
+
+async def keyed_job(conn: psycopg.AsyncConnection[DictRow], queries: Mapping[str, str],
+                    tenant_id: uuid.UUID, idempotency: Idempotency) -> uuid.UUID | None:
+    """The job an earlier request under the tenant's Idempotency-Key made (a submit's or a
+    rerun's: one key space per tenant), None for a new key; ContractError 409
+    ``idempotency_key_reused`` when the key came with another request."""
+    cur = await conn.execute(queries["find_idempotency_key"],
+                             {"tenant_id": tenant_id, "key": idempotency.key})
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    if bytes(row["request_hash"]) != idempotency.request_hash:
+        raise ContractError(
+            "this Idempotency-Key was used before with a different request body",
+            code="idempotency_key_reused", status=409)
+    job_id: uuid.UUID = row["job_id"]
+    return job_id

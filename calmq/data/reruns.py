@@ -26,8 +26,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
-from calmq.data.jobs import Idempotency, NewJob, _insert_params
-from calmq.errors import ContractError, InfrastructureError
+from calmq.data.jobs import Idempotency, NewJob, _insert_params, keyed_job
+from calmq.errors import InfrastructureError
 
 __all__ = ["Original", "RerunMatch", "RerunRecords", "RerunSearch"]
 
@@ -159,17 +159,7 @@ class RerunRecords:
 
     async def _earlier(self, conn: Any, tenant_id: uuid.UUID, idempotency: Idempotency
                        ) -> uuid.UUID | None:
-        cur = await conn.execute(self._db.q["find_idempotency_key"],
-                                 {"tenant_id": tenant_id, "key": idempotency.key})
-        row = await cur.fetchone()
-        if row is None:
-            return None
-        if bytes(row["request_hash"]) != idempotency.request_hash:
-            raise ContractError(
-                "this Idempotency-Key was used before with a different request body",
-                code="idempotency_key_reused", status=409)
-        job_id: uuid.UUID = row["job_id"]
-        return job_id
+        return await keyed_job(conn, self._db.q, tenant_id, idempotency)
 
     async def cost(self, job_id: uuid.UUID, steps: Sequence[str]) -> tuple[float, int]:
         """What the job's attempts of ``steps`` cost: (USD, tokens)."""
