@@ -28,7 +28,7 @@ from bench.procs import Phase, Sampler
 from bench.report import result
 from bench.rig import Rig
 
-__all__ = ["DEFAULT_SIZE", "body", "interactive_pass", "priority", "tail_breakdown",
+__all__ = ["DEFAULT_SIZE", "body", "interactive_pass", "priority", "stack", "tail_breakdown",
            "turnaround_ms"]
 
 DEFAULT_SIZE = 50_000
@@ -141,27 +141,34 @@ def interactive_pass(rig: Rig, url: str, seconds: float, label: str,
     return figures, t0, t1, done
 
 
+def stack(rig: Rig, log: Log) -> tuple[str, dict[str, str], list[str]]:
+    """The rig: the fake provider's limit as the fleet budget, an API, relay and
+    forwarder, two workers, warm; returns (jobs URL, the processes' env, the workers)."""
+    fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
+                   "--requests-per-minute", str(BUDGET_RPM))
+    env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
+           "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
+    api = rig.calmq("api", env=env)
+    rig.calmq("relay", env=env)
+    rig.calmq("forwarder", env=env)
+    names = [f"worker:p{i}" for i in range(WORKERS)]
+    for name in names:
+        rig.calmq(name, env=env)
+    url = f"{api.url}/v1/jobs"
+    warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
+    asyncio.run(loadgen.closed_loop(url, body("interactive"),
+                                    {"Authorization": f"Bearer {key}"}, total=40,
+                                    concurrency=8))
+    wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+    return url, env, names
+
+
 def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     # Smoke runs (--size below the default) shorten the interactive minute in proportion,
     # never below 10 s; the full size is the issue's minute.
     seconds = max(10.0, min(INTERACTIVE_SECONDS, INTERACTIVE_SECONDS * size / DEFAULT_SIZE))
     with Rig(log=log) as rig:
-        fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
-                       "--requests-per-minute", str(BUDGET_RPM))
-        env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
-               "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
-        api = rig.calmq("api", env=env)
-        rig.calmq("relay", env=env)
-        rig.calmq("forwarder", env=env)  # a 429 despite the budget comes back through retries
-        names = [f"worker:p{i}" for i in range(WORKERS)]
-        for name in names:
-            rig.calmq(name, env=env)
-        url = f"{api.url}/v1/jobs"
-        warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
-        asyncio.run(loadgen.closed_loop(url, body("interactive"),
-                                        {"Authorization": f"Bearer {key}"}, total=40,
-                                        concurrency=8))
-        wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
+        url, _env, names = stack(rig, log)
 
         # Where an attempt's time goes (budget wait by priority, the provider, the rest, the
         # loop's lag), per pass: the tail has been inside the attempt, not in a hold.

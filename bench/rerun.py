@@ -30,6 +30,7 @@ from bench.priority import (
     WORKERS,
     body,
     interactive_pass,
+    stack,
 )
 from bench.procs import Phase, Sampler
 from bench.report import result
@@ -73,25 +74,6 @@ class _CliCpu(threading.Thread):
             time.sleep(0.1)  # a poll until the process is gone
 
 
-def _stack(rig: Rig, log: Log) -> tuple[str, dict[str, str], list[str]]:
-    """priority's rig: the fake provider's limit as the fleet budget, two workers, warm."""
-    fp = rig.calmq("fake-provider", "--latency-ms", str(PROVIDER_LATENCY_MS),
-                   "--requests-per-minute", str(BUDGET_RPM))
-    env = {"CALMQ_FAKE_PROVIDER_URL": fp.url,
-           "CALMQ_BUDGET_REQUESTS_PER_MINUTE": str(BUDGET_RPM)}
-    api = rig.calmq("api", env=env)
-    rig.calmq("relay", env=env)
-    rig.calmq("forwarder", env=env)
-    names = [f"worker:p{i}" for i in range(WORKERS)]
-    for name in names:
-        rig.calmq(name, env=env)
-    url = f"{api.url}/v1/jobs"
-    warm_id, key = rig.tenant(f"bench-warm-{uuid.uuid4().hex[:6]}")
-    asyncio.run(loadgen.closed_loop(url, body("interactive"),
-                                    {"Authorization": f"Bearer {key}"}, total=40,
-                                    concurrency=8))
-    wait(lambda: completed(rig, warm_id), 40, 60, "warm-up jobs", log)
-    return url, env, names
 
 
 def _measured(rig: Rig, sampler: Sampler, url: str, names: list[str], seconds: float,
@@ -109,7 +91,7 @@ def _measured(rig: Rig, sampler: Sampler, url: str, names: list[str], seconds: f
 def rerun(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
     seconds = max(10.0, min(INTERACTIVE_SECONDS, INTERACTIVE_SECONDS * size / DEFAULT_SIZE))
     with Rig(log=log) as rig:
-        url, env, names = _stack(rig, log)
+        url, env, names = stack(rig, log)
         quiet, quiet_phase = _measured(rig, sampler, url, names, seconds, "no-rerun", log)
         quiet["cpu_ms_per_job_by_process"] = _cpu_by_process(
             quiet_phase, quiet["interactive_completed"])
