@@ -642,6 +642,26 @@ async def test_openai_reports_a_repeated_prefix_as_cached(make_client: MakeClien
     assert [await _cached(client, "plain") for _ in range(2)] == [0, 1920]
 
 
+async def test_a_failed_or_refused_call_puts_nothing_in_the_cache(
+        make_client: MakeClient) -> None:
+    """A call that fails (flaky's 503) or is refused for capacity (flex) is not billed and
+    caches nothing: the flaky job's retry is the first to find its prefix uncached, and only
+    the call after it reads it."""
+    client = await make_client(flex_refusal_rate=1.0)
+    flaky = openai_body({"text": "retried", "mode": "flaky", "fail_times": 1}, job="job-f",
+                        prompt_cache_key="wf-f")
+    flaky["messages"][0]["content"] = PREFIX
+    assert (await client.post("/v1/chat/completions", json=flaky)).status >= 500
+    refused = openai_body({"text": "flex"}, prompt_cache_key="wf-f", service_tier="flex")
+    refused["messages"][0]["content"] = PREFIX
+    assert (await client.post("/v1/chat/completions", json=refused)).status == 429
+    retry = await client.post("/v1/chat/completions", json=flaky)
+    assert retry.status == 200
+    assert (await retry.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert await _cached(client, "after", prompt_cache_key="wf-f") == 1920
+    assert (await stats(client))["cached_input_tokens"] == 1920
+
+
 async def test_anthropic_caches_only_blocks_marked_cache_control(
         make_client: MakeClient) -> None:
     """Anthropic: a system block marked cache_control is written to the cache on the first

@@ -66,6 +66,8 @@ class Call:
     served_tier: str = "default"
     cached_tokens: int = 0
     cache_written_tokens: int = 0
+    # The prefixes the call puts in the cache once answered (tiers.Caching.keep).
+    cache_prefixes: tuple[bytes, ...] = ()
 
 
 def _text_of(content: Any) -> str:

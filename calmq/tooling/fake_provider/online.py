@@ -234,6 +234,7 @@ class Online:
         finds no capacity (OpenAI's 429 Resource Unavailable), or None."""
         cached = self._caching.anthropic(body) if call.anthropic else self._caching.openai(body)
         call.cached_tokens, call.cache_written_tokens = cached.read, cached.written
+        call.cache_prefixes = cached.prefixes
         if call.anthropic:
             return None
         call.served_tier = openai_served_tier(body)
@@ -396,6 +397,11 @@ class Online:
         breaking = failing and mode in ("stream_break", "stream_error") and call.stream
         failing = failing and mode == "flaky"
 
+        if not (failing or mode in ("always_fail", "rate_limited", "timeout", "invalid_line")
+                or mode in FAILURES):
+            # A call that will be answered puts its prefix in the cache now, so the calls
+            # that arrive after it read it; a refused or failing one puts nothing there.
+            self._caching.keep(call.cache_prefixes)
         delay = self._call_latency(call) + call.delay_seconds
         if mode == "slow":
             delay += settings.slow_seconds

@@ -16,7 +16,8 @@ Each rule and where it comes from:
 - Anthropic's prompt caching (its prompt-caching guide): only the prefix up to a block
   marked ``cache_control`` is cached (up to four marks, the longest seen prefix is read), at
   least 1,024 tokens; the first call reports it as ``cache_creation_input_tokens``, later
-  ones as ``cache_read_input_tokens``, and ``input_tokens`` counts only the rest.
+  ones as ``cache_read_input_tokens``, and ``input_tokens`` counts only the rest. A refused
+  or failed call (a 503, a 429) writes nothing.
 
 The fake's simplifications: a cached prefix never expires (the real caches keep one for
 minutes, or 24 hours with ``prompt_cache_retention``); a token is four characters of the
@@ -71,10 +72,12 @@ class FlexShare:
 
 @dataclass(frozen=True, slots=True)
 class Cached:
-    """A call's input as the cache saw it: tokens read from it, and tokens written to it."""
+    """A call's input as the cache saw it: tokens read from it, and tokens written to it;
+    ``prefixes``: what the call puts in the cache once it is answered (``Caching.keep``)."""
 
     read: int = 0
     written: int = 0
+    prefixes: tuple[bytes, ...] = ()
 
 
 def _text(content: Any) -> list[tuple[str, bool]]:
@@ -119,7 +122,8 @@ class Caching:
         tokens = len(text) // _CHARS_PER_TOKEN
         ends = range(CACHE_MIN_TOKENS, tokens + 1, CACHE_STEP_TOKENS)
         scope = f"openai\0{body.get('model')}\0{body.get('prompt_cache_key') or ''}"
-        return Cached(read=self._longest_seen(scope, text, ends))
+        read, prefixes = self._longest_seen(scope, text, ends)
+        return Cached(read=read, prefixes=prefixes)
 
     def anthropic(self, body: dict[str, Any]) -> Cached:
         """Anthropic: the prefixes up to each ``cache_control`` mark of 1,024 tokens or
@@ -131,23 +135,33 @@ class Caching:
                 marks.append(len(text) // _CHARS_PER_TOKEN)
         if not marks:
             return Cached()
-        read = self._longest_seen(f"anthropic\0{body.get('model')}", text, marks)
-        return Cached(read=read, written=marks[-1] - read)
+        read, prefixes = self._longest_seen(f"anthropic\0{body.get('model')}", text, marks)
+        return Cached(read=read, written=marks[-1] - read, prefixes=prefixes)
 
-    def _longest_seen(self, scope: str, text: str, ends: Iterable[int]) -> int:
-        """The longest of the prefixes ending at ``ends`` (tokens) seen before; all of them
-        are seen from now on."""
+    def keep(self, prefixes: Iterable[bytes]) -> None:
+        """The prefixes of a call that will be answered are in the cache from now on; a
+        call refused or failing (a 503, a 429, a flex refusal) puts nothing there, as a
+        provider caches what it processed. (A call that arrives while the first one is
+        still running reads it here; at Anthropic an entry is there for others once the
+        first response begins: the fake is kinder by a call's latency.)"""
+        for key in prefixes:
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > _KEPT_PREFIXES:
+            self._seen.popitem(last=False)
+
+    def _longest_seen(self, scope: str, text: str, ends: Iterable[int]
+                      ) -> tuple[int, tuple[bytes, ...]]:
+        """The longest of the prefixes ending at ``ends`` (tokens) seen before, and every
+        one of them (to keep once the call is answered)."""
         digest = hashlib.blake2b(scope.encode())
         done, longest = 0, 0
+        keys: list[bytes] = []
         for end in sorted(set(ends)):
             digest.update(text[done:end * _CHARS_PER_TOKEN].encode())
             done = end * _CHARS_PER_TOKEN
             key = digest.copy().digest()
+            keys.append(key)
             if key in self._seen:
                 longest = end
-                self._seen.move_to_end(key)
-            else:
-                self._seen[key] = None
-                if len(self._seen) > _KEPT_PREFIXES:
-                    self._seen.popitem(last=False)
-        return longest
+        return longest, tuple(keys)
