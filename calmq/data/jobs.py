@@ -17,7 +17,7 @@ from the record by the Avro schema's field names (calmq.events).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
@@ -48,6 +48,7 @@ __all__ = [
     "insert_job",
     "insert_job_sync",
     "insert_jobs",
+    "insert_keyed",
     "keyed_job",
 ]
 
@@ -341,21 +342,15 @@ class Jobs:
         """
         params = _insert_params(job)
         async with self._db.pool.connection() as conn:
-            for _ in range(3):
-                earlier = await self._earlier_job(conn, job.tenant_id, idempotency)
-                if earlier is not None:
-                    return earlier, False
-                try:
-                    async with conn.transaction():
-                        await conn.execute(self._q["insert_job"], params)
-                        await conn.execute(self._q["insert_idempotency_key"], {
-                            "tenant_id": job.tenant_id, "key": idempotency.key,
-                            "request_hash": idempotency.request_hash, "job_id": job.id})
-                    return job.id, True
-                except psycopg.errors.UniqueViolation:
-                    # A concurrent request with the same key won the race: answer its job.
-                    continue
-        raise InfrastructureError("idempotency key kept conflicting; retry the request")
+
+            async def insert() -> bool:
+                await conn.execute(self._q["insert_job"], params)
+                return True
+
+            made = await insert_keyed(conn, self._q, job.tenant_id, job.id, idempotency,
+                                      insert=insert)
+        assert made is not None  # the insert always writes
+        return made
 
     async def submit_many(self, tenant_id: uuid.UUID,
                           items: Sequence[tuple[NewJob, Idempotency | None]]
@@ -430,10 +425,6 @@ class Jobs:
                 "tenant_id": tenant_id, "keys": [i.key for i, _ in keyed],
                 "hashes": [i.request_hash for i, _ in keyed],
                 "job_ids": [j for _, j in keyed]})
-
-    async def _earlier_job(self, conn: psycopg.AsyncConnection[DictRow], tenant_id: uuid.UUID,
-                           idempotency: Idempotency) -> uuid.UUID | None:
-        return await keyed_job(conn, self._q, tenant_id, idempotency)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -645,3 +636,29 @@ async def keyed_job(conn: psycopg.AsyncConnection[DictRow], queries: Mapping[str
             code="idempotency_key_reused", status=409)
     job_id: uuid.UUID = row["job_id"]
     return job_id
+
+
+async def insert_keyed(conn: psycopg.AsyncConnection[DictRow], queries: Mapping[str, str],
+                       tenant_id: uuid.UUID, job_id: uuid.UUID, idempotency: Idempotency,
+                       *, insert: Callable[[], Awaitable[bool]]
+                       ) -> tuple[uuid.UUID, bool] | None:
+    """``insert`` (False: it wrote nothing) and the tenant's Idempotency-Key for ``job_id``
+    in ONE transaction (a submit's and a rerun's alike): ``(job_id, True)``; the earlier
+    job's id and False for a key seen before with the same request; None when ``insert``
+    wrote nothing. A concurrent request under the same key that wins the race is answered
+    with its job."""
+    for _ in range(3):
+        earlier = await keyed_job(conn, queries, tenant_id, idempotency)
+        if earlier is not None:
+            return earlier, False
+        try:
+            async with conn.transaction():
+                if not await insert():
+                    return None
+                await conn.execute(queries["insert_idempotency_key"], {
+                    "tenant_id": tenant_id, "key": idempotency.key,
+                    "request_hash": idempotency.request_hash, "job_id": job_id})
+            return job_id, True
+        except psycopg.errors.UniqueViolation:
+            continue  # the key's row came first from the other request: answer its job
+    raise InfrastructureError("idempotency key kept conflicting; retry the request")

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from psycopg.types.json import Jsonb
 
 from calmq.data.database import Database
-from calmq.data.jobs import Idempotency, NewJob, _insert_params, keyed_job
-from calmq.errors import InfrastructureError
+from calmq.data.jobs import Idempotency, NewJob, _insert_params, insert_keyed, keyed_job
 
 __all__ = ["Original", "RerunMatch", "RerunRecords", "RerunSearch"]
 
@@ -131,23 +129,13 @@ class RerunRecords:
             if idempotency is None:  # one statement, its own transaction: one round trip
                 cur = await conn.execute(self._db.q["rerun_insert_job"], params)
                 return (job.id, True) if await cur.fetchone() is not None else None
-            for _ in range(3):
-                earlier = await self._earlier(conn, job.tenant_id, idempotency)
-                if earlier is not None:
-                    return earlier, False
-                try:
-                    async with conn.transaction():
-                        cur = await conn.execute(self._db.q["rerun_insert_job"], params)
-                        if await cur.fetchone() is None:
-                            return None
-                        await conn.execute(self._db.q["insert_idempotency_key"], {
-                            "tenant_id": job.tenant_id, "key": idempotency.key,
-                            "request_hash": idempotency.request_hash, "job_id": job.id})
-                    return job.id, True
-                except psycopg.errors.UniqueViolation:
-                    # A concurrent request with the same key won the race: answer its job.
-                    continue
-        raise InfrastructureError("idempotency key kept conflicting; retry the request")
+
+            async def insert() -> bool:
+                cur = await conn.execute(self._db.q["rerun_insert_job"], params)
+                return await cur.fetchone() is not None
+
+            return await insert_keyed(conn, self._db.q, job.tenant_id, job.id, idempotency,
+                                      insert=insert)
 
     async def earlier(self, tenant_id: uuid.UUID, idempotency: Idempotency
                       ) -> uuid.UUID | None:
