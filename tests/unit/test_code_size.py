@@ -25,7 +25,6 @@ LONG_MODULES: dict[str, str] = {
                                    "module",
     "calmq/tooling/fake_provider/online.py": "the fake's chat handler and its modes in one "
                                             "module",
-    "calmq/tooling/kubernetes.py": "the chart's values and every manifest in one module",
     "calmq/tooling/manifests.py": "the template language and its renderer in one module",
 }
 
@@ -54,7 +53,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "calmq/tooling/fake_provider/calls.py::parse_call": "both providers' request shapes inline",
     "calmq/tooling/fake_provider/online.py::Online._handle": "every fake mode inline",
     "calmq/tooling/fake_provider/sdk_types.py::_walk": "every typing form the SDK types use",
-    "calmq/tooling/kubernetes.py::default_values": "the chart's default values as one literal",
     "calmq/workflows/progress.py::Progress._spawn": "the child jobs' checks and insert in one body",
 }
 
