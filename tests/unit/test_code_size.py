@@ -23,8 +23,6 @@ LONG_MODULES: dict[str, str] = {
                             "per provider",
     "calmq/processors/batcher.py": "the batch lane's packer, poller and composition in one "
                                    "module",
-    "calmq/tooling/fake_provider/online.py": "the fake's chat handler and its modes in one "
-                                            "module",
     "calmq/tooling/manifests.py": "the template language and its renderer in one module",
 }
 
@@ -51,7 +49,6 @@ LONG_FUNCTIONS: dict[str, str] = {
                                                                       "stack started inline",
     "calmq/tooling/fake_provider/batches.py::BatchApis._run": "the fake batch's life inline",
     "calmq/tooling/fake_provider/calls.py::parse_call": "both providers' request shapes inline",
-    "calmq/tooling/fake_provider/online.py::Online._handle": "every fake mode inline",
     "calmq/tooling/fake_provider/sdk_types.py::_walk": "every typing form the SDK types use",
     "calmq/workflows/progress.py::Progress._spawn": "the child jobs' checks and insert in one body",
 }

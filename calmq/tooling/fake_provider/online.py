@@ -20,22 +20,24 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from calmq.tooling.fake_provider import conformance
+from calmq.tooling.fake_provider import conformance, modes
+from calmq.tooling.fake_provider.admin import Admin
 from calmq.tooling.fake_provider.calls import (
-    MALFORMED_TEXT,
-    REFUSAL_TEXT,
-    SUCCESS_CONFIDENCE,
     BadRequest,
     Call,
     format_seconds,
     parse_call,
-    result_json,
     tokens_of,
     vector,
 )
+from calmq.tooling.fake_provider.events import (
+    AnthropicEvents,
+    OpenAIEvents,
+    anthropic_input,
+    anthropic_type,
+)
 from calmq.tooling.fake_provider.failures import (
     FAILURES,
-    OUTAGE_KINDS,
     Failure,
     anthropic_body,
     openai_body,
@@ -54,19 +56,12 @@ __all__ = ["BATCH_HEADER", "Online"]
 
 BATCH_HEADER: Final = "X-Calmq-Fake-Batch"
 _JSON: Final = "application/json"
-# Modes whose 200 answer carries a result that satisfies the summary schema.
-_VALID_RESULT_MODES: Final = frozenset({"success", "slow", "flaky", "low_confidence",
-                                         "stream_break", "stream_error"})
-# Modes that fail the first fail_times calls of a job (counted on arrival).
-_COUNTED_MODES: Final = frozenset({"flaky", "stream_break", "stream_error"})
 _KEPT_STREAMS: Final = 5_000
 _KEPT_CALLS: Final = 20_000  # /admin/calls: the latest calls' arrival times
-_BILLED: Final = ("input_tokens", "cached_input_tokens", "cache_creation_input_tokens",
-                  "output_tokens")
 _KEPT_REFUSALS: Final = 50
 
 
-class Online:
+class Online(Admin):
     """All mutable state of the online endpoints; handlers are its bound methods."""
 
     def __init__(self, settings: FakeProviderSettings, clock: Callable[[], float]) -> None:
@@ -175,7 +170,7 @@ class Online:
                headers: dict[str, str] | None = None) -> web.Response:
         if anthropic:
             payload: dict[str, Any] = {
-                "type": "error", "error": {"type": _anthropic_type(status), "message": message}}
+                "type": "error", "error": {"type": anthropic_type(status), "message": message}}
         else:
             payload = {"error": {"message": message, "type": kind, "code": code, "param": None}}
         return self._respond(status, payload, headers)
@@ -190,7 +185,7 @@ class Online:
                 "id": f"msg_fake_{number}", "type": "message", "role": "assistant",
                 "model": call.model, "content": [{"type": "text", "text": content}],
                 "stop_reason": "refusal" if refusal else "end_turn", "stop_sequence": None,
-                "usage": {**_anthropic_input(call), "output_tokens": completion_tokens,
+                "usage": {**anthropic_input(call), "output_tokens": completion_tokens,
                           "service_tier": "standard"},
             }
         else:
@@ -310,7 +305,59 @@ class Online:
             self.in_flight -= 1
 
     async def _handle(self, request: web.Request, *, anthropic: bool) -> web.StreamResponse:
+        """One model call, in steps: read and check it, count it under its job, an outage or
+        a flex refusal, its mode, the rate limit, the mode's failure, then the answer."""
         self.calls += 1
+        read = await self._read(request, anthropic)
+        if isinstance(read, web.Response):
+            return read
+        call, body = read
+        job_stats = self._count_job(call)
+
+        if self._in_outage(call.model):
+            return await self._outage_answer(call)
+        refused = self._tiered(call, body)
+        if refused is not None:
+            return refused
+        mode = self.mode_override or call.mode
+        if mode not in MODES:
+            await self._sleep(self._latency)
+            return self._error(
+                anthropic, 400, kind="invalid_request_error", code="unknown_mode",
+                message=f"unknown mode {mode!r}; expected one of {', '.join(sorted(MODES))}")
+
+        content = modes.content(mode, call, self._settings)
+        headers, limited = await self._rate_limit(request, call, content, anthropic)
+        if limited is not None:
+            return limited
+        failing, breaking = self._counted_failure(mode, call)
+
+        if not (failing or mode in ("always_fail", "rate_limited", "timeout", "invalid_line")
+                or mode in FAILURES):
+            # A call that will be answered puts its prefix in the cache now, so the calls
+            # that arrive after it read it; a refused or failing one puts nothing there.
+            self._caching.keep(call.cache_prefixes)
+        delay = self._call_latency(call) + call.delay_seconds
+        await self._sleep(delay + modes.extra_delay(mode, self._settings))
+
+        failed = self._mode_failure(mode, call, anthropic, failing=failing, headers=headers)
+        if failed is not None:
+            return failed
+        assert content is not None
+        if job_stats is not None and mode in modes.VALID_RESULT_MODES and not breaking:
+            job_stats[1] += 1
+        if call.stream:
+            return await self._stream(request, call, content, refusal=mode == "refusal",
+                                      headers=headers,
+                                      breaking=mode if breaking else None)
+        if mode == "truncated":
+            return await self._truncated(request, call, content)
+        return self._answer(call, content, refusal=mode == "refusal", headers=headers)
+
+    async def _read(self, request: web.Request,
+                    anthropic: bool) -> tuple[Call, Any] | web.Response:
+        """The call and its body, checked as the real API checks them; or the answer that
+        refuses it (bad JSON, a wrong key, a request the real API refuses, a bad field)."""
         try:
             body = json.loads(await request.read())
         except ValueError:
@@ -332,83 +379,68 @@ class Online:
             await self._sleep(self._latency)
             return self._error(anthropic, 400, kind="invalid_request_error", code=bad.code,
                                message=bad.message)
+        return call, body
 
+    def _count_job(self, call: Call) -> list[int] | None:
+        """The call counted under its job (/stats by_job: [calls, completed]); None without
+        a job."""
         job_stats: list[int] | None = None
         if call.job_id:
             job_stats = self._by_job.get(call.job_id)
             if job_stats is None:
                 job_stats = self._by_job[call.job_id] = [0, 0]
             job_stats[0] += 1
+        return job_stats
 
-        if self._in_outage(call.model):
-            return await self._outage_answer(call)
-        refused = self._tiered(call, body)
-        if refused is not None:
-            return refused
-        mode = self.mode_override or call.mode
-        if mode not in MODES:
-            await self._sleep(self._latency)
-            return self._error(
-                anthropic, 400, kind="invalid_request_error", code="unknown_mode",
-                message=f"unknown mode {mode!r}; expected one of {', '.join(sorted(MODES))}")
-
-        settings = self._settings
-        content: str | None = None
-        if mode in ("success", "slow", "flaky", "timeout", "truncated", "stream_break",
-                    "stream_error"):
-            content = result_json(call, SUCCESS_CONFIDENCE)
-        elif mode == "low_confidence":
-            content = result_json(call, settings.low_confidence)
-        elif mode == "malformed":
-            content = MALFORMED_TEXT
-        elif mode == "refusal":
-            content = REFUSAL_TEXT
-
+    async def _rate_limit(self, request: web.Request, call: Call, content: str | None,
+                          anthropic: bool
+                          ) -> tuple[dict[str, str] | None, web.Response | None]:
+        """The rate limit's headers, and its 429 when the call is over the limit."""
         headers: dict[str, str] | None = None
         # A batch's requests do not count against the online limits (as at OpenAI).
-        if self._limiter is not None and BATCH_HEADER not in request.headers:
-            completion = call.max_tokens or (max(1, len(content) // 4) if content else 1)
-            verdict = self._limiter.admit(call.prompt_tokens + completion)
-            headers = self._limit_headers(anthropic)
-            if not verdict.admitted:
-                retry_after = max(1, math.ceil(verdict.retry_after))
-                headers["Retry-After"] = str(retry_after)
-                if not anthropic:
-                    headers["retry-after-ms"] = str(max(1, math.ceil(verdict.retry_after
-                                                                     * 1000)))
-                if verdict.too_large:
-                    message = (
-                        f"Request too large: limit {settings.tokens_per_minute} tokens per"
-                        f" minute, requested {call.prompt_tokens + completion}"
-                    )
-                else:
-                    message = f"Rate limit reached for {verdict.limited_by} per minute"
-                await self._sleep(self._latency)
-                return self._error(anthropic, 429, kind=verdict.limited_by,
-                                   code="rate_limit_exceeded", message=message,
-                                   headers=headers)
+        if self._limiter is None or BATCH_HEADER in request.headers:
+            return headers, None
+        settings = self._settings
+        completion = call.max_tokens or (max(1, len(content) // 4) if content else 1)
+        verdict = self._limiter.admit(call.prompt_tokens + completion)
+        headers = self._limit_headers(anthropic)
+        if verdict.admitted:
+            return headers, None
+        retry_after = max(1, math.ceil(verdict.retry_after))
+        headers["Retry-After"] = str(retry_after)
+        if not anthropic:
+            headers["retry-after-ms"] = str(max(1, math.ceil(verdict.retry_after
+                                                             * 1000)))
+        if verdict.too_large:
+            message = (
+                f"Request too large: limit {settings.tokens_per_minute} tokens per"
+                f" minute, requested {call.prompt_tokens + completion}"
+            )
+        else:
+            message = f"Rate limit reached for {verdict.limited_by} per minute"
+        await self._sleep(self._latency)
+        return headers, self._error(anthropic, 429, kind=verdict.limited_by,
+                                    code="rate_limit_exceeded", message=message,
+                                    headers=headers)
 
+    def _counted_failure(self, mode: str, call: Call) -> tuple[bool, bool]:
+        """Whether this call of a ``flaky`` job fails, and whether this streamed call of a
+        ``stream_break`` or ``stream_error`` job breaks off: the first ``fail_times`` calls
+        of the job do."""
         failing = False
-        if mode in _COUNTED_MODES:
+        if mode in modes.COUNTED_MODES:
             # Counted on arrival, so concurrent attempts of one job fail in arrival order.
             attempts = self._flaky_attempts.get(call.job_id, 0)
             self._flaky_attempts[call.job_id] = attempts + 1
             failing = attempts < call.fail_times
         breaking = failing and mode in ("stream_break", "stream_error") and call.stream
-        failing = failing and mode == "flaky"
+        return failing and mode == "flaky", breaking
 
-        if not (failing or mode in ("always_fail", "rate_limited", "timeout", "invalid_line")
-                or mode in FAILURES):
-            # A call that will be answered puts its prefix in the cache now, so the calls
-            # that arrive after it read it; a refused or failing one puts nothing there.
-            self._caching.keep(call.cache_prefixes)
-        delay = self._call_latency(call) + call.delay_seconds
-        if mode == "slow":
-            delay += settings.slow_seconds
-        elif mode == "timeout":
-            delay += 24 * 3600.0  # never answers: the caller's timeout ends the call
-        await self._sleep(delay)
-
+    def _mode_failure(self, mode: str, call: Call, anthropic: bool, *, failing: bool,
+                      headers: dict[str, str] | None) -> web.Response | None:
+        """The failure the mode answers with (a failing ``flaky`` call's too); None when the
+        call is answered."""
+        settings = self._settings
         if mode == "always_fail" or failing:
             return self._fail(anthropic, FAILURES["always_fail"], headers=headers)
         if mode == "rate_limited":
@@ -422,16 +454,7 @@ class Online:
         if mode in FAILURES or mode == "invalid_line":
             return self._fail(anthropic, FAILURES.get(mode, FAILURES["bad_request"]),
                               model=call.model, headers=headers)
-        assert content is not None
-        if job_stats is not None and mode in _VALID_RESULT_MODES and not breaking:
-            job_stats[1] += 1
-        if call.stream:
-            return await self._stream(request, call, content, refusal=mode == "refusal",
-                                      headers=headers,
-                                      breaking=mode if breaking else None)
-        if mode == "truncated":
-            return await self._truncated(request, call, content)
-        return self._answer(call, content, refusal=mode == "refusal", headers=headers)
+        return None
 
     async def _stream(self, request: web.Request, call: Call, content: str, *, refusal: bool,
                       headers: dict[str, str] | None,
@@ -461,8 +484,8 @@ class Online:
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             **(headers or {})})
         await resp.prepare(request)
-        writer = (_AnthropicEvents(call, number) if call.anthropic
-                  else _OpenAIEvents(call, number, refusal=refusal))
+        writer = (AnthropicEvents(call, number) if call.anthropic
+                  else OpenAIEvents(call, number, refusal=refusal))
         await resp.write(writer.start())
         ttft = call.ttft_seconds if call.ttft_seconds is not None \
             else settings.stream_ttft_ms / 1000
@@ -598,234 +621,3 @@ class Online:
         # Skipping the zero sleep keeps the common benchmark path free of a loop round-trip.
         if seconds > 0:
             await asyncio.sleep(seconds)
-
-    # --- observability and admin -----------------------------------------------------
-
-    async def handle_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "calls": self.calls,
-                "in_flight": self.in_flight,
-                "in_flight_max": self.in_flight_max,
-                "status_counts": {str(k): v for k, v in self._status_counts.items()},
-                "by_job": {
-                    job: {"calls": stats[0], "completed": stats[1]}
-                    for job, stats in self._by_job.items()
-                },
-                "mode_override": self.mode_override,
-                "refused": self.refused,
-                "refusals": list(self._refusals),
-                "by_tier": dict(self._by_tier),
-                "flex_refused": self.flex_refused,
-                "cached_input_tokens": self.cached_input_tokens,
-                "cache_creation_input_tokens": self.cache_written_tokens,
-                # What each job's answered calls would be billed for, per model: input
-                # tokens (the cached and written ones included), of them read from and
-                # written to the cache, and output tokens.
-                "billed": {job: {model: dict(zip(_BILLED, usage, strict=True))
-                                 for model, usage in models.items()}
-                           for job, models in self._billed.items()},
-            }
-        )
-
-    async def handle_calls(self, request: web.Request) -> web.Response:
-        """GET /admin/calls: each recent model call's arrival (wall time), path, job, model,
-        auth scheme and the names of its extra ``X-`` headers."""
-        return web.json_response({"calls": [
-            {"at": at, "path": path, "job": job, "model": model, "auth": scheme,
-             "headers": extra}
-            for at, path, job, model, scheme, extra in self._arrivals]})
-
-    async def handle_streams(self, request: web.Request) -> web.Response:
-        """GET /admin/streams: each recent streamed answer's job, arrival, first token and
-        end (Unix seconds, as this server wrote them), tokens sent and how it broke off."""
-        return web.json_response({"streams": list(self._streams)})
-
-    async def handle_reset(self, request: web.Request) -> web.Response:
-        self.calls = 0
-        self.in_flight_max = self.in_flight
-        self._status_counts.clear()
-        self._by_job.clear()
-        self._flaky_attempts.clear()
-        self._embed_flaky.clear()
-        self.refused = 0
-        self._refusals.clear()
-        self._arrivals.clear()
-        self._streams.clear()
-        self._by_tier.clear()
-        self.flex_refused = self.cached_input_tokens = self.cache_written_tokens = 0
-        self._billed.clear()
-        self._caching.clear()
-        if self._limiter is not None:
-            self._limiter.reset()
-        return web.json_response({"ok": True})
-
-    async def handle_mode(self, request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            body = None
-        if not isinstance(body, dict) or "mode" not in body:
-            return web.json_response(
-                {"error": 'body must be {"mode": "<mode>" | null}'}, status=400
-            )
-        mode = body["mode"]
-        if mode is not None and mode not in MODES:
-            return web.json_response(
-                {"error": f"unknown mode {mode!r}; expected one of {sorted(MODES)} or null"},
-                status=400,
-            )
-        self.mode_override = mode
-        return web.json_response({"mode_override": mode})
-
-    async def handle_outage(self, request: web.Request) -> web.Response:
-        """``{"seconds": 20, "statuses": [500, 429]}``: every call fails for that long, with
-        each status in turn (429 Retry-After, 500, 503, 529 overloaded, 401 bad key, 403,
-        404 model, or "insufficient_quota" / "context_length_exceeded"). Optional: ``model``
-        (only calls to that model fail: one model's cooldown) and ``retry_after_seconds``
-        (the 429s' Retry-After; default: the setting)."""
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            body = None
-        seconds = body.get("seconds") if isinstance(body, dict) else None
-        statuses = body.get("statuses", [500, 429]) if isinstance(body, dict) else None
-        known = sorted(OUTAGE_KINDS, key=str)
-        if (isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0
-                or not isinstance(statuses, list) or not statuses
-                or not all(not isinstance(s, bool) and s in OUTAGE_KINDS for s in statuses)):
-            return web.json_response(
-                {"error": f'body must be {{"seconds": >= 0, "statuses": [one of {known}]}}'},
-                status=400)
-        model = body.get("model")
-        retry_after = body.get("retry_after_seconds")
-        if model is not None and (not isinstance(model, str) or not model):
-            return web.json_response({"error": "model must be a model name (a string)"},
-                                     status=400)
-        if retry_after is not None and (isinstance(retry_after, bool)
-                                        or not isinstance(retry_after, int | float)
-                                        or retry_after < 0):
-            return web.json_response({"error": "retry_after_seconds must be a number >= 0"},
-                                     status=400)
-        self._outage = tuple(OUTAGE_KINDS[s] for s in statuses)
-        self._outage_until = time.monotonic() + float(seconds)
-        self._outage_model = model
-        self._outage_retry_after = None if retry_after is None else float(retry_after)
-        return web.json_response({"seconds": seconds, "statuses": statuses, "model": model})
-
-    async def handle_flaky(self, request: web.Request) -> web.Response:
-        """``{"contains": "text", "times": 2}``: the next ``times`` embeddings calls with an
-        input that contains the text fail with a 503, as the ``flaky`` mode's calls do (one
-        batch of a document failing transiently); each counts as a call, not completed."""
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            body = None
-        text = body.get("contains") if isinstance(body, dict) else None
-        times = body.get("times", 2) if isinstance(body, dict) else None
-        if (not isinstance(text, str) or not text or isinstance(times, bool)
-                or not isinstance(times, int) or times < 0):
-            return web.json_response({"error": 'body must be {"contains": text, "times": >= 0}'},
-                                     status=400)
-        self._embed_flaky[text] = times
-        return web.json_response({"contains": text, "times": times})
-
-    async def handle_healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-
-def _anthropic_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error",
-            403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-            429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-            529: "overloaded_error"}.get(status, "api_error")
-
-
-def _anthropic_input(call: Call) -> dict[str, int]:
-    """Anthropic's input usage: ``input_tokens`` counts only what the cache did not hold."""
-    return {"input_tokens": call.prompt_tokens - call.cached_tokens - call.cache_written_tokens,
-            "cache_creation_input_tokens": call.cache_written_tokens,
-            "cache_read_input_tokens": call.cached_tokens}
-
-
-def _sse(payload: dict[str, Any], event: str | None = None) -> bytes:
-    data = json.dumps(payload, separators=(",", ":"))
-    return (f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n").encode()
-
-
-class _OpenAIEvents:
-    """Chat Completions' stream: ``chat.completion.chunk`` objects, then ``[DONE]``."""
-
-    def __init__(self, call: Call, number: int, *, refusal: bool) -> None:
-        self.call = call
-        self.refusal = refusal
-        self.base: dict[str, Any] = {
-            "id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": call.model,
-            "service_tier": call.served_tier, "system_fingerprint": "fp_fake"}
-        if call.include_usage:
-            self.base["usage"] = None  # every chunk but the last, as OpenAI sends them
-
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _sse({**self.base, "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
-
-    def start(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": "", "refusal": None})
-
-    def delta(self, token: str) -> bytes:
-        return self._chunk({"refusal": token} if self.refusal else {"content": token})
-
-    def error(self) -> bytes:
-        return _sse({"error": {"message": "The server had an error while processing your "
-                               "request. Sorry about that!", "type": "server_error",
-                               "param": None, "code": None}})
-
-    def end(self, stop: str, tokens: int) -> bytes:
-        out = self._chunk({}, stop)
-        if self.call.include_usage:
-            prompt = self.call.prompt_tokens
-            out += _sse({**self.base, "choices": [], "usage": {
-                "prompt_tokens": prompt, "completion_tokens": tokens,
-                "total_tokens": prompt + tokens,
-                "prompt_tokens_details": {"cached_tokens": self.call.cached_tokens,
-                                          "audio_tokens": 0},
-                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                                              "accepted_prediction_tokens": 0,
-                                              "rejected_prediction_tokens": 0}}})
-        return out + b"data: [DONE]\n\n"
-
-
-class _AnthropicEvents:
-    """Messages' stream: named events, each ``data`` carrying its ``type``."""
-
-    def __init__(self, call: Call, number: int) -> None:
-        self.call = call
-        self.number = number
-
-    def start(self) -> bytes:
-        message: dict[str, Any] = {
-            "id": f"msg_fake_{self.number}", "type": "message", "role": "assistant",
-            "model": self.call.model, "content": [], "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {**_anthropic_input(self.call), "output_tokens": 1,
-                      "service_tier": "standard"}}
-        return (_sse({"type": "message_start", "message": message}, "message_start")
-                + _sse({"type": "content_block_start", "index": 0,
-                        "content_block": {"type": "text", "text": ""}}, "content_block_start")
-                + _sse({"type": "ping"}, "ping"))
-
-    def delta(self, token: str) -> bytes:
-        return _sse({"type": "content_block_delta", "index": 0,
-                     "delta": {"type": "text_delta", "text": token}}, "content_block_delta")
-
-    def error(self) -> bytes:
-        return _sse({"type": "error", "error": {"type": "overloaded_error",
-                                                "message": "Overloaded"}}, "error")
-
-    def end(self, stop: str, tokens: int) -> bytes:
-        return (_sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-                + _sse({"type": "message_delta",
-                        "delta": {"stop_reason": stop, "stop_sequence": None},
-                        "usage": {"output_tokens": tokens}}, "message_delta")
-                + _sse({"type": "message_stop"}, "message_stop"))
