@@ -47,7 +47,7 @@ async def _drive(variant: str, url: str, calls: int, in_flight: int) -> dict[str
         import httpx2
         from openai import AsyncOpenAI, DefaultAioHttpClient
 
-        from calmq.calls.output_schemas import openai_strict_schema
+        from calmq.calls.wires.openai import openai_strict_schema
 
         strict = openai_strict_schema(SCHEMA)
         client = AsyncOpenAI(

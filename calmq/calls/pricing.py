@@ -80,8 +80,6 @@ STANDARD_TIERS = frozenset({"", "auto", "default", "standard", "standard_only"})
 _TIER_ALIASES = {"fast": "priority"}
 
 _unpriced: set[tuple[str, str]] = set()
-# The table's provider ids by calmq's provider kinds (Azure OpenAI bills OpenAI's prices).
-_TABLE_PROVIDER = {"openai": "openai", "azure": "openai", "anthropic": "anthropic"}
 
 
 def _kind(provider: str) -> str:
@@ -91,7 +89,7 @@ def _kind(provider: str) -> str:
 @cache
 def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
     """The genai-prices table's price of ``model`` (None: not in the table, or no table)."""
-    provider_id = _TABLE_PROVIDER.get(kind)
+    provider_id = _table_provider(kind)
     if provider_id is None:
         return None
     try:
@@ -117,6 +115,17 @@ def _table_price(kind: str, model: str, tier: str | None) -> ModelPrice | None:
                           cached_input=cached, cache_write_input=written)
     except (LookupError, ValueError):
         return None
+
+
+def _table_provider(kind: str) -> str | None:
+    """The table's provider id of calmq's provider ``kind``, as its wire declares it (Azure
+    OpenAI bills OpenAI's prices); None for a kind no wire has."""
+    # Imported here: the settings model reads this module, and must not pull in the HTTP
+    # client (calmq.calls' docstring).
+    from calmq.calls.wires import WIRES
+
+    found = WIRES.get(kind)
+    return found.price_table if found is not None else None
 
 
 def _table_has_tier(provider_id: str, model: str, tier: str) -> bool:

@@ -28,7 +28,7 @@ from calmq.calls.gate import ProviderGate, provider_key
 from calmq.calls.key_rates import Buckets, KeyRateLimiter
 from calmq.calls.publishing import OutputStream, PublishingProvider
 from calmq.calls.tiers import chooser_for
-from calmq.calls.wires import Provider, RateLimits, open_provider
+from calmq.calls.wires import Provider, RateLimits, open_provider, wire
 from calmq.data.budget import BudgetLedger, TenantTokenLedger
 from calmq.data.providers import ProviderLedger
 from calmq.errors import ConfigError
@@ -92,8 +92,8 @@ async def open_metered_provider(
                                            usage=usage, shared_budget=shared_budget,
                                            chat=False, api_key=key)
             chat.embedder.owns_usage = False
-    elif s.provider == "anthropic":
-        chat.embedder = None  # BudgetedProvider.embed: Anthropic's not_supported, named
+    elif not wire(s.provider).embeddings:
+        chat.embedder = None  # BudgetedProvider.embed: the wire's not_supported, named
     return chat
 
 

@@ -58,9 +58,8 @@ def _failed(failure: StepFailure) -> str:
 
 async def _check_one(settings: Settings, *, role: str, kind: str, url: str, key: str,
                      model: str, headers: dict[str, str], version: str) -> list[CheckRow]:
-    from calmq.calls.batch_apis import open_batch_client
     from calmq.calls.pricing import price_for, price_source
-    from calmq.calls.wires import RateLimits, open_provider
+    from calmq.calls.wires import RateLimits, open_batch_client, open_provider
 
     rows: list[CheckRow] = []
 
@@ -152,7 +151,7 @@ def _credential_rows(row: Any, failure: StepFailure) -> None:
 
 
 async def _batch_row(client: Any) -> tuple[str, str, str]:
-    path = "/messages/batches" if client.kind == "anthropic" else "/batches"
+    path = client.batches_path
     try:
         async with asyncio.timeout(_TIMEOUT_SECONDS):
             await client._json("GET", path, params={"limit": "1"})
@@ -178,8 +177,8 @@ async def check_providers(settings: Settings) -> list[CheckRow]:
     rows = [r for found in await asyncio.gather(*checks) for r in found]
     if endpoint is None:
         rows.append(CheckRow("embeddings", s.provider, "", "embeddings", "warn",
-                             "Anthropic has no embeddings API: set CALMQ_EMBEDDINGS_PROVIDER "
-                             "for embed_document"))
+                             f"{s.embeddings_provider or s.provider} has no embeddings API: "
+                             "set CALMQ_EMBEDDINGS_PROVIDER for embed_document"))
     return rows
 
 

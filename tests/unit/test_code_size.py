@@ -19,8 +19,6 @@ EXEMPT_MODULES = {"calmq/settings.py"}
 LONG_MODULES: dict[str, str] = {
     "calmq/calls/budget.py": "the budget, quota and meter in one module: the calls package "
                              "(issue 45 item 1) splits it",
-    "calmq/calls/wires.py": "every provider wire in one module: the calls package splits it "
-                            "per provider",
     "calmq/processors/batcher.py": "the batch lane's packer, poller and composition in one "
                                    "module",
     "calmq/tooling/manifests.py": "the template language and its renderer in one module",

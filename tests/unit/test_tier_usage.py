@@ -13,7 +13,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from calmq.calls.pricing import cost_usd
-from calmq.calls.wires import AnthropicProvider, OpenAIProvider, _AnthropicReading
+from calmq.calls.wires import AnthropicProvider, OpenAIProvider
+from calmq.calls.wires.anthropic import _AnthropicReading
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app
 
 PREFIX = "stable prefix " * 572  # 2,002 tokens as the fake counts them
