@@ -6,8 +6,9 @@ capacity (a 429 ``resource_unavailable``), and ``priority`` at a premium. calmq 
 job may wait, so it asks per call for the cheapest tier that still meets it:
 
 - an interactive job: the standard tier; ``priority`` only where the settings allow it
-  (``service_tier_priority_tenants``), the standard tier's measured latency would miss the
-  time left and priority's would not (unmeasured, priority is tried);
+  (``service_tier_priority_tenants``), the standard tier's measured latency (without the
+  margin, and only once it has answered) would miss the time left and priority's, with the
+  margin, would not (unmeasured, priority is tried);
 - a bulk job whose time left holds a flex call and, after it, a standard one: ``flex``;
   otherwise the standard tier (or ``priority``, as above);
 - a day or more: the batch lane, chosen at submit (calmq.lanes), untouched here.
@@ -150,6 +151,13 @@ class TierChooser:
         return self.policy.margin * self.latencies.estimate(self.provider, self.model, tier,
                                                             default)
 
+    def _standard_misses(self, left: float) -> bool:
+        """Whether the standard tier, as measured, would miss ``left``: its measured latency
+        (the quantile, without the margin) is longer. Never before it has answered: the
+        settings' estimate is a bound for flex's cut-off, not evidence that it is slow."""
+        measured = self.latencies.estimate(self.provider, self.model, STANDARD, math.nan)
+        return not math.isnan(measured) and left < measured
+
     def choose(self, scope: CallScope) -> Choice:
         """The cheapest tier that meets the time ``scope`` has left."""
         left = (math.inf if scope.deadline is None
@@ -159,9 +167,10 @@ class TierChooser:
                 and left >= self._need("flex") + standard):
             return Choice("flex", cutoff=(None if scope.deadline is None
                                           else scope.deadline - standard))
-        # The premium only where the standard tier would miss and priority, as measured,
-        # would not: a priority no faster than the standard is never paid for.
-        if (left < standard and self.policy.allows_priority(scope.tenant_id)
+        # The premium only where the standard tier, as measured, would miss (its latency
+        # without the margin: with it, the standard would still have answered in time) and
+        # priority, with the margin, would not: a priority no faster is never paid for.
+        if (self.policy.allows_priority(scope.tenant_id) and self._standard_misses(left)
                 and left >= self._need("priority")):
             return Choice("priority")
         return Choice(None)

@@ -68,6 +68,9 @@ def test_priority_only_where_allowed_and_the_standard_would_miss() -> None:
                         margin=1.0)
     chooser = TierChooser(policy, "openai", MODEL)
     assert chooser.choose(_scope(5.0, "interactive")).tier is None
+    # Not before the standard tier has answered (tests/unit/test_tier_choice.py).
+    assert chooser.choose(_scope(0.3, "interactive")).tier is None
+    chooser.latencies.observe("openai", MODEL, "standard", 0.5)
     assert chooser.choose(_scope(0.3, "interactive")).tier == "priority"
     assert chooser.choose(_scope(0.3, "interactive", tenant="t2")).tier is None
     # Measured no faster than the standard tier: priority would miss too, and is not paid.
