@@ -16,13 +16,17 @@ tier choice rather than the batch lane, which costs about what flex costs.
 
 Figures: the cost of each run (the jobs' recorded cost) and its ratio, deadlines met,
 every flex refusal and how long its move to the standard tier took (from the attempts'
-history), attempts beyond one a job, and calls sent at ``priority``.
+history), attempts beyond one a job, and calls sent at ``priority``. Per deadline class,
+the wait from submit to the first attempt's start and the misses that never ran, and the
+load average at the end: the scaled deadlines (9 s for 15 minutes) do not scale the
+stack's own queueing, which on a loaded machine alone takes seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.request
 import uuid
@@ -150,6 +154,26 @@ def _figures(rig: Rig, tenant_id: str, accepted: int) -> dict[str, Any]:
            FROM jobs j WHERE j.tenant_id = %s GROUP BY 1""", (tenant_id,))
     by_class = {name: {"jobs": int(n), "cost_usd": float(cost or 0), "met": int(met)}
                 for name, n, cost, met in rows}
+    # Why a deadline is missed: a job that waited past it before its step ran (the stack's
+    # queueing: on a loaded machine, seconds, which the scaled deadlines do not scale), or
+    # one whose call was late. The wait is submit to the first attempt's start.
+    for name, p50, p99, wait_max, unstarted in rig.query(
+            """SELECT j.metadata ->> 'deadline_class',
+                      percentile_cont(0.5) WITHIN GROUP (ORDER BY s.wait),
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY s.wait), max(s.wait),
+                      count(*) FILTER (WHERE s.error_code = 'deadline_exceeded')
+               FROM jobs j
+               JOIN LATERAL (SELECT extract(epoch FROM a.started_at - j.created_at) AS wait,
+                                    a.error_code
+                             FROM job_attempts a WHERE a.job_id = j.id
+                             ORDER BY a.started_at LIMIT 1) s ON true
+               WHERE j.tenant_id = %s GROUP BY 1""", (tenant_id,)):
+        if name in by_class:
+            by_class[name].update({
+                "start_wait_p50_ms": round(float(p50) * 1000, 1),
+                "start_wait_p99_ms": round(float(p99) * 1000, 1),
+                "start_wait_max_ms": round(float(wait_max) * 1000, 1),
+                "missed_before_running": int(unstarted)})
     jobs = sum(c["jobs"] for c in by_class.values())
     met = sum(c["met"] for c in by_class.values())
     attempts = int(rig.query(
@@ -180,8 +204,13 @@ def _figures(rig: Rig, tenant_id: str, accepted: int) -> dict[str, Any]:
                 c.get("left_s", 0.0) >= 4 * STANDARD_MS / 1000 for c in premium),
             "flex_refusals_moved": len(refused),
             "flex_refusal_move_max_ms": max((c["moved_ms"] for c in refused), default=0.0),
+            "flex_refusal_move_p50_ms": (sorted(c["moved_ms"] for c in refused)[
+                len(refused) // 2] if refused else 0.0),
             "flex_refusals_moved_within_1s": sum(c["moved_ms"] < 1000 for c in refused),
             "flex_late_moved": len(late),
+            # The machine's load as the run ended (the result's "machine" has it at start):
+            # deadlines of seconds are missed by a loaded machine's queueing alone.
+            "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
             "by_class": by_class}
 
 
