@@ -12,8 +12,9 @@ The gates a worker runs, in order:
 - ``SpendCapGate``: tenants (or the fleet) past a daily or monthly spend cap
   (calmq.spending); bulk work waits first.
 - ``QuotaGate``: a tenant's jobs past what its token quota serves soon (the worker's share
-  of it: calmq.budget.TenantQuota.allowance); its interactive jobs count against a room of
-  their own, so the tenant's bulk never crowds them out, and a flood of them still waits.
+  of it: calmq.calls.quota.TenantQuota.allowance); its interactive jobs count against a
+  room of their own, so the tenant's bulk never crowds them out, and a flood of them still
+  waits.
 - ``FairShareGate`` (setting ``fair_share``): while a queue (pool and priority) is contended,
   new jobs join its waiting room (calmq.data.fairness) instead of taking slots in the order
   Kafka delivered them; the pipeline fills free slots from the room, fairest tenant first.
@@ -166,7 +167,7 @@ class QuotaGate(Gate):
     worker holds at most ``allowance(tenant, priority)`` of them at once. The tenant's
     interactive jobs count only against each other (its bulk cannot crowd them out), its
     bulk jobs against all it holds; an interactive flood waits all the same, and its calls wait at
-    the tenant's quota past their debt bound (calmq.budget.TenantQuota.acquire)."""
+    the tenant's quota past their debt bound (calmq.calls.quota.TenantQuota.acquire)."""
 
     name = "token_quota"
 

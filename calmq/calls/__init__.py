@@ -2,7 +2,8 @@
 
 The chain, innermost first: a provider's wire (``wires``: Chat Completions, Anthropic
 Messages, embeddings; ``batch_apis``: their batch APIs), the provider gate (``gate``: blocks,
-pauses, stated limits), the budget, quota and meter (``budget``, priced by ``pricing``),
+pauses, stated limits), the budget, quota and meter (``budget``, ``quota``, ``meter``, priced
+by ``pricing``; ``budgeted_provider`` wraps a provider with the three),
 fallback across a step's models (``fallback``), a concurrency key's rate limits
 (``key_rates``) and the streamed-output publisher (``publishing``). ``output_schemas``
 derives each provider's structured-output dialect from a step's output model.
@@ -18,11 +19,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from calmq.calls.budget import BudgetedProvider, TenantQuota, estimate_prompt_tokens
+    from calmq.calls.budgeted_provider import BudgetedProvider
     from calmq.calls.gate import ProviderGate
+    from calmq.calls.meter import estimate_prompt_tokens
     from calmq.calls.output_schemas import read_answer
     from calmq.calls.pricing import ModelPrice
     from calmq.calls.publishing import OutputWriter, Position
+    from calmq.calls.quota import TenantQuota
     from calmq.calls.stack import open_metered_provider, open_model, open_step_models
     from calmq.calls.wires import (
         CallScope,
@@ -37,9 +40,9 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _HOMES = {
-    "BudgetedProvider": "budget",
-    "TenantQuota": "budget",
-    "estimate_prompt_tokens": "budget",
+    "BudgetedProvider": "budgeted_provider",
+    "TenantQuota": "quota",
+    "estimate_prompt_tokens": "meter",
     "ProviderGate": "gate",
     "OutputWriter": "publishing",
     "Position": "publishing",

@@ -30,7 +30,7 @@ from calmq.errors import ConfigError, StepFailure
 from calmq.failure_codes import ModelsCooling, ProviderBlocked
 
 if TYPE_CHECKING:
-    from calmq.calls.budget import BudgetedProvider
+    from calmq.calls.budgeted_provider import BudgetedProvider
 
 __all__ = ["Fallback", "allowed_models"]
 

@@ -8,8 +8,8 @@ steps reserves one request and its token estimate (prompt estimate plus ``max_to
 before it is sent, in one statement that takes turns with every other worker's on the
 bucket's row, and settles the tokens with what the provider counted afterwards: the same
 reserve/settle discipline as the fleet's token budget (calmq.calls.budget), whose estimate it
-shares. A call the provider refused or never got gives its tokens back; one it may have
-counted (a timeout, a cut-off answer) keeps them, as the budget's do.
+shares (calmq.calls.meter). A call the provider refused or never got gives its tokens back;
+one it may have counted (a timeout, a cut-off answer) keeps them, as the budget's do.
 
 A call that does not fit is not made: ``KeyRateLimited`` hands the job back to wait in
 ``queued`` (``waiting_reason`` ``rate_limit_key``) with no attempt counted, for as long as
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from calmq.calls.budget import charged_on_failure, estimate_prompt_tokens
+from calmq.calls.meter import charged_on_failure, estimate_prompt_tokens
 from calmq.calls.wires import ModelReply, ModelStream, Provider, Streamer
 from calmq.data.rate_keys import Reservation
 from calmq.failure_codes import KeyRateLimited, failure
@@ -115,7 +115,7 @@ class KeyRateLimiter:
                                               max_tokens=max_tokens,
                                               response_schema=response_schema)
         except BaseException as exc:
-            # What the failure cost, as the budget counts it (calmq.calls.budget).
+            # What the failure cost, as the budget counts it (calmq.calls.meter).
             await self._settle(estimate, charged_on_failure(exc, estimate))
             raise
         await self._settle(estimate, reply.input_tokens + reply.output_tokens)

@@ -16,17 +16,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from calmq.calls.budget import (
-    BucketLimits,
-    BudgetedProvider,
-    TenantQuota,
-    TokenBudget,
-    UsageRecorder,
-)
+from calmq.calls.budget import BucketLimits, TokenBudget
+from calmq.calls.budgeted_provider import BudgetedProvider
 from calmq.calls.fallback import Fallback, allowed_models
 from calmq.calls.gate import ProviderGate, provider_key
 from calmq.calls.key_rates import Buckets, KeyRateLimiter
+from calmq.calls.meter import UsageRecorder
 from calmq.calls.publishing import OutputStream, PublishingProvider
+from calmq.calls.quota import TenantQuota
 from calmq.calls.tiers import chooser_for
 from calmq.calls.wires import Provider, RateLimits, open_provider, wire
 from calmq.data.budget import BudgetLedger, TenantTokenLedger

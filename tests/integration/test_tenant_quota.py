@@ -22,7 +22,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from calmq.calls.budget import BucketLimits, BudgetedProvider, TenantQuota, TokenBudget
+from calmq.calls.budget import BucketLimits, TokenBudget
+from calmq.calls.budgeted_provider import BudgetedProvider
+from calmq.calls.quota import TenantQuota
 from calmq.calls.wires import CallScope, enter_scope, open_provider
 from calmq.data import Database
 from calmq.data.budget import BudgetLedger, TenantTokenLedger

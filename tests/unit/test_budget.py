@@ -8,13 +8,9 @@ from typing import Any
 
 import pytest
 
-from calmq.calls.budget import (
-    BucketLimits,
-    BudgetedProvider,
-    Grant,
-    TokenBudget,
-    estimate_prompt_tokens,
-)
+from calmq.calls.budget import BucketLimits, Grant, TokenBudget
+from calmq.calls.budgeted_provider import BudgetedProvider
+from calmq.calls.meter import estimate_prompt_tokens
 from calmq.calls.pricing import ModelPrice, cost_usd
 from calmq.calls.wires import CallScope, ModelReply, enter_scope
 from calmq.errors import FailureClass, StepFailure

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from calmq.calls.budget import BudgetedProvider
+from calmq.calls.budgeted_provider import BudgetedProvider
 from calmq.calls.fallback import Fallback, allowed_models
 from calmq.calls.gate import ProviderGate, provider_key
 from calmq.calls.pricing import ModelPrice

@@ -17,7 +17,8 @@ from anthropic.types import RawMessageStreamEvent
 from openai.types.chat import ChatCompletionChunk
 from pydantic import TypeAdapter
 
-from calmq.calls.budget import BudgetedProvider, TokenBudget
+from calmq.calls.budget import TokenBudget
+from calmq.calls.budgeted_provider import BudgetedProvider
 from calmq.calls.wires import CallScope, ModelReply, ModelStream, enter_scope, open_provider
 from calmq.errors import FailureClass, StepFailure
 from calmq.tooling.fake_provider import FakeProviderSettings, build_app

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from calmq.calls.budget import estimate_prompt_tokens
 from calmq.calls.key_rates import KeyRateLimiter
+from calmq.calls.meter import estimate_prompt_tokens
 from calmq.calls.wires import ModelReply, ModelStream
 from calmq.data.rate_keys import Reservation
 from calmq.errors import FailureClass, StepFailure

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from calmq.calls.budget import BudgetedProvider
+from calmq.calls.budgeted_provider import BudgetedProvider
 from calmq.calls.tiers import Latencies, TierChooser, TierPolicy, chooser_for
 from calmq.calls.wires import CallScope, enter_scope, model_clock, open_provider
 from calmq.errors import ConfigError

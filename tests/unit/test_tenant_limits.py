@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calmq.calls.budget import TenantQuota
+from calmq.calls.quota import TenantQuota
 from calmq.data.spending import Spend, SpendCap
 from calmq.errors import ContractError
 from calmq.objects import FileObjectStore, iter_chunks, read_bounded, stat_object
