@@ -30,6 +30,11 @@ PrometheusRule, the Grafana dashboard, NetworkPolicies, the Namespace (PodSecuri
 
 Every pod sets ``enableServiceLinks: false``: a Service named ``calmq-*`` would otherwise
 inject ``CALMQ_*_PORT=tcp://...`` variables that look like settings.
+
+The pieces are in calmq/tooling/k8s/, a module per thing rendered: ``values`` (step 1),
+``secrets`` (the secret settings and files), ``objects`` (what every object is built of),
+``jobs``, ``api``, ``workers``, ``monitoring`` and ``cluster`` (step 2's objects). This
+module puts the documents together and renders, writes and dumps them.
 """
 
 

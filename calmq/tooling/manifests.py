@@ -11,6 +11,9 @@ order, a value is "empty" as Go templates judge it, values are merged as ``helm 
 merges them (``merge_values``), and a setting's text is what the chart's ``calmq.text``
 helper prints (``setting_text``). tests/unit/test_chart.py holds ``helm template`` to the
 Python render for three value sets, so where they still differed it would fail.
+
+This module is the language's public face; its parts are in calmq/tooling/templating/
+(expressions, structure, Go's view of values, the Python render, the Go templates).
 """
 
 from __future__ import annotations
