@@ -170,24 +170,61 @@ class SlowBulkLedger(MemoryLedger):
                                   want_tokens=want_tokens, want_requests=want_requests)
 
 
-async def test_an_interactive_call_arriving_during_a_bulk_lease_is_not_slept_past() -> None:
+async def test_an_interactive_call_is_not_kept_behind_a_bulk_lease_in_flight() -> None:
     """An interactive call that arrives while the dispatcher asks the ledger for bulk budget
-    is served as soon as that lease comes back empty, not after the bulk's pause."""
+    asks the ledger itself at once: it is served while that round trip is still out (it
+    used to wait for it, and under a bulk flood for the bulk's pause after it)."""
     ledger = SlowBulkLedger()
     ledger.add("interactive", 1000, 10)
     budget = await _budget(ledger)
     try:
         bulk = asyncio.create_task(budget.acquire(100, "bulk"))
         await asyncio.wait_for(ledger.bulk_asked.wait(), 2)
-        interactive = asyncio.create_task(budget.acquire(100, "interactive"))
-        await _until(lambda: budget.waiting == 2)
-        released = asyncio.get_running_loop().time()
-        ledger.gate.set()  # the bulk lease comes back empty: a 0.25 s pause for bulk
-        await asyncio.wait_for(interactive, 2)
-        assert asyncio.get_running_loop().time() - released < 0.2
+        reservation = await asyncio.wait_for(budget.acquire(100, "interactive"), 2)
+        assert reservation.source == "interactive"
+        assert not ledger.gate.is_set()  # the bulk lease is still out
         assert not bulk.done()
         bulk.cancel()
     finally:
+        ledger.gate.set()
+        await budget.close()
+
+
+async def test_interactive_asks_ahead_so_the_next_calls_need_no_round_trip() -> None:
+    """One interactive call takes its share of a slice from the ledger: the next calls of
+    the trickle are paid from it, with no ledger round trip each."""
+    ledger = MemoryLedger()
+    ledger.add("interactive", 100_000, 1_000)
+    # 200 calls a second: a 0.25 s slice holds 50, and interactive's fifth of it 10
+    budget = TokenBudget(ledger, "fake", "m", BucketLimits(600_000, 12_000, lease_seconds=0.5))
+    await budget.start()
+    try:
+        await asyncio.wait_for(budget.acquire(100, "interactive"), 1)
+        takes = ledger.takes
+        for _ in range(3):
+            await asyncio.wait_for(budget.acquire(100, "interactive"), 1)
+        assert ledger.takes == takes
+    finally:
+        await budget.close()
+
+
+async def test_a_bulk_queue_at_the_quota_asks_the_ledger_once_a_pause() -> None:
+    """Bulk calls held at the quota: the dispatcher asks the fleet's ledger once per pause
+    (_BULK_PAUSE), not once per arriving call and every few milliseconds (a round trip to
+    the bucket row each, 9 % of a worker's CPU under a bulk flood)."""
+    ledger = MemoryLedger()  # nothing for bulk: every take comes back empty (wait 10 ms)
+    budget = await _budget(ledger)
+    calls = []
+    try:
+        for _ in range(30):  # one arrival every 10 ms for 0.3 s
+            calls.append(asyncio.create_task(budget.acquire(100, "bulk")))
+            await asyncio.sleep(0.01)
+        assert budget.waiting == 30
+        # 0.3 s / 0.05 s pauses, and the first arrival's own: ~7 (it was over 30)
+        assert ledger.takes <= 10
+    finally:
+        for call in calls:
+            call.cancel()
         await budget.close()
 
 
@@ -221,7 +258,7 @@ async def test_one_lease_serves_several_calls_and_settlements_go_back() -> None:
         for reservation in reservations:
             reservation.settle(60)  # the provider counted 40 fewer than reserved
         clock.now += 1.0  # past the lease
-        budget._wake.set()
+        budget._wake_all()
         await _until(lambda: bool(ledger.given_back))
         [(priority, tokens, requests)] = ledger.given_back
         assert (priority, requests) == ("bulk", 0.0)
@@ -243,7 +280,7 @@ async def test_pause_holds_every_call_and_tells_the_fleet_once() -> None:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(asyncio.shield(call), 0.1)
         clock.now += 5.1
-        budget._wake.set()
+        budget._wake_all()
         await asyncio.wait_for(call, 2)
     finally:
         await budget.close()
