@@ -1,12 +1,13 @@
 """The model call: every layer between a step and a provider's API, in one package.
 
-The chain, innermost first: a provider's wire (``wires``: Chat Completions, Anthropic
-Messages, embeddings; ``batch_apis``: their batch APIs), the provider gate (``gate``: blocks,
+The chain, innermost first: a provider's wire (``wires``: a module per provider, Chat
+Completions and Anthropic Messages with their embeddings, structured-output dialects and batch
+APIs; ``batch_apis``: the batch APIs' names), the provider gate (``gate``: blocks,
 pauses, stated limits), the budget, quota and meter (``budget``, ``quota``, ``meter``, priced
 by ``pricing``; ``budgeted_provider`` wraps a provider with the three),
 fallback across a step's models (``fallback``), a concurrency key's rate limits
 (``key_rates``) and the streamed-output publisher (``publishing``). ``output_schemas``
-derives each provider's structured-output dialect from a step's output model.
+reads a step's answer against its output model (``read_answer``).
 
 The names below are the package's public API. They load on first use (PEP 562): the settings
 model reads ``calmq.calls.pricing``, and importing it must not pull in the HTTP client, the
