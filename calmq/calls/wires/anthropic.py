@@ -87,22 +87,11 @@ class AnthropicProvider(HttpProvider):
     kind = "anthropic"
     endpoint_type = AnthropicEndpoint
     endpoint = "/v1/messages"
+    chat_path = "/messages"
 
     @staticmethod
     def takes_schema(model: str) -> bool:
         return not model.startswith("claude-3")  # the Claude 3 family takes no schema
-
-    async def complete(
-        self,
-        *,
-        messages: list[dict[str, str]],
-        job_id: str,
-        max_tokens: int,
-        response_schema: dict[str, Any] | None = None,
-    ) -> ModelReply:
-        body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
-                                 response_schema=response_schema)
-        return self.parse_reply(await self._post("/messages", body))
 
     def stream(
         self,
@@ -114,7 +103,7 @@ class AnthropicProvider(HttpProvider):
     ) -> ModelStream:
         body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                 response_schema=response_schema)
-        return self._streamed("/messages", body, _AnthropicReading())
+        return self._streamed(self.chat_path, body, _AnthropicReading())
 
     def stream_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,

@@ -292,6 +292,8 @@ class HttpProvider:
     # ``endpoint`` and each line's ``url``), the body of a call (a batch request sends the
     # very same) and the reading of a 2xx answer (also a batch result's).
     endpoint: ClassVar[str] = ""
+    # The chat endpoint's path under the base URL (``_post``'s and ``_streamed``'s).
+    chat_path: ClassVar[str] = ""
 
     async def complete(
         self,
@@ -301,7 +303,9 @@ class HttpProvider:
         max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> ModelReply:
-        raise NotImplementedError
+        body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                 response_schema=response_schema)
+        return self.parse_reply(await self._post(self.chat_path, body))
 
     def request_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,

@@ -138,18 +138,7 @@ class OpenAIProvider(HttpProvider):
     kind = "openai"
     # The API's own name of the endpoint (a batch's ``endpoint`` and each line's ``url``).
     endpoint = "/v1/chat/completions"
-
-    async def complete(
-        self,
-        *,
-        messages: list[dict[str, str]],
-        job_id: str,
-        max_tokens: int,
-        response_schema: dict[str, Any] | None = None,
-    ) -> ModelReply:
-        body = self.request_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
-                                 response_schema=response_schema)
-        return self.parse_reply(await self._post("/chat/completions", body))
+    chat_path = "/chat/completions"
 
     def request_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
@@ -186,7 +175,7 @@ class OpenAIProvider(HttpProvider):
     ) -> ModelStream:
         body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
                                 response_schema=response_schema)
-        return self._streamed("/chat/completions", body, _OpenAIReading())
+        return self._streamed(self.chat_path, body, _OpenAIReading())
 
     def stream_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
