@@ -19,9 +19,16 @@ import aiohttp
 
 from calmq.calls import caching
 from calmq.calls.output_schemas import with_note
-from calmq.calls.wires.base import EmbeddingReply, ModelReply, ModelStream
+from calmq.calls.wires.base import EmbeddingReply, ModelReply
 from calmq.calls.wires.batches import BatchClient, BatchResult, BatchView, not_run, refusal
-from calmq.calls.wires.http import Endpoint, HttpProvider, Wire, classify_status, stream_error
+from calmq.calls.wires.http import (
+    Endpoint,
+    HttpProvider,
+    StreamReading,
+    Wire,
+    classify_status,
+    stream_error,
+)
 from calmq.errors import InfrastructureError, StepFailure
 from calmq.failure_codes import failure
 
@@ -93,17 +100,9 @@ class AnthropicProvider(HttpProvider):
     def takes_schema(model: str) -> bool:
         return not model.startswith("claude-3")  # the Claude 3 family takes no schema
 
-    def stream(
-        self,
-        *,
-        messages: list[dict[str, str]],
-        job_id: str,
-        max_tokens: int,
-        response_schema: dict[str, Any] | None = None,
-    ) -> ModelStream:
-        body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
-                                response_schema=response_schema)
-        return self._streamed(self.chat_path, body, _AnthropicReading())
+    @staticmethod
+    def stream_reading() -> StreamReading:
+        return _AnthropicReading()
 
     def stream_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,

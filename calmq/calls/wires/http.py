@@ -307,10 +307,33 @@ class HttpProvider:
                                  response_schema=response_schema)
         return self.parse_reply(await self._post(self.chat_path, body))
 
+    def stream(
+        self,
+        *,
+        messages: list[dict[str, str]],
+        job_id: str,
+        max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> ModelStream:
+        body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
+                                response_schema=response_schema)
+        return self._streamed(self.chat_path, body, self.stream_reading())
+
     def request_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
         response_schema: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_body(
+        self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
+        response_schema: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def stream_reading() -> StreamReading:
+        """How the wire's server-sent events read as text deltas, usage and errors."""
         raise NotImplementedError
 
     @staticmethod

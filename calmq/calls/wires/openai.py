@@ -24,7 +24,7 @@ import aiohttp
 
 from calmq.calls import caching
 from calmq.calls.output_schemas import with_note
-from calmq.calls.wires.base import SERVICE_TIER, ModelReply, ModelStream, current_scope
+from calmq.calls.wires.base import SERVICE_TIER, ModelReply, current_scope
 from calmq.calls.wires.batches import (
     BatchClient,
     BatchRefused,
@@ -38,6 +38,7 @@ from calmq.calls.wires.batches import (
 from calmq.calls.wires.http import (
     Endpoint,
     HttpProvider,
+    StreamReading,
     Wire,
     classify_status,
     stream_error,
@@ -165,17 +166,9 @@ class OpenAIProvider(HttpProvider):
             }
         return body
 
-    def stream(
-        self,
-        *,
-        messages: list[dict[str, str]],
-        job_id: str,
-        max_tokens: int,
-        response_schema: dict[str, Any] | None = None,
-    ) -> ModelStream:
-        body = self.stream_body(messages=messages, job_id=job_id, max_tokens=max_tokens,
-                                response_schema=response_schema)
-        return self._streamed(self.chat_path, body, _OpenAIReading())
+    @staticmethod
+    def stream_reading() -> StreamReading:
+        return _OpenAIReading()
 
     def stream_body(
         self, *, messages: list[dict[str, str]], job_id: str, max_tokens: int,
