@@ -9,6 +9,15 @@ exactly once, no child was lost and none completed twice. Baseline ``independent
 number of summarize jobs submitted on their own and queued before the worker starts, on the
 same stack; ``ratios``: calmq's children over it (throughput, and PostgreSQL CPU per job).
 
+Throughput is also read over the work's whole life (``..._whole_life``): the children's from
+the parent's first claim (its spawning step writes them) to the last child's completion,
+against a third pass, ``independent_posted_while_running``: as many independent jobs posted
+one by one while a worker runs them, from the first claim to the last completion. The
+first-claim span of the jobs queued beforehand leaves their creation and publication out,
+while the children's span holds theirs (the spawn and each release run beside the
+attempts); the whole-life pair charges both sides the same work, as the PostgreSQL figure
+below does.
+
 PostgreSQL CPU is charged over each job's whole life on both sides: the children's phase
 holds their creation (the parent's spawn writes them), so the independent jobs' holds their
 submission too (``pg_cpu_ms_per_job``; ``pg_cpu_ms_per_job_run_only`` is the run without it,
@@ -170,6 +179,10 @@ def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: i
     resume_ms = round((resumed - last) * 1000, 1) if resumed and last else None
     return {
         "children_per_s": round(done / max(last - first, 1e-3), 1),
+        # From the parent's first claim (its spawning step: the children's creation) to
+        # the last child's completion.
+        "children_per_s_whole_life": round(done / max(last - claims[0], 1e-3), 1)
+        if claims else 0.0,
         "children_completed": done, "children_lost": size - done,
         "children_completed_twice": twice, "joins_fired": len(joined),
         "parent_status": status,
@@ -221,6 +234,37 @@ def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size
             "pg_statements": rig.statements(done)}
 
 
+def _independent_streamed(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str],
+                          size: int, key: str, tenant_id: str,
+                          api_url: str) -> dict[str, Any]:
+    """The same number of independent jobs posted one by one while a worker runs them, as a
+    backfill by single POSTs would be: the rate from the first claim to the last completion
+    while the POSTs go on, against the children's from the parent's first claim (its
+    spawning step) to their last completion. Both spans then hold the jobs' creation and
+    publication, which the span of the independent jobs queued beforehand leaves out while
+    the children's holds it (their spawn and release run beside their attempts)."""
+    phase = sampler.phase({**rig.pids("api", "relay", "fake-provider"), **rig.infra_pids()})
+    worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
+    phase.pids["worker"] = worker.pid
+    load = asyncio.run(loadgen.closed_loop(
+        f"{api_url}/v1/jobs",
+        {"workflow": "summarize", "priority": "bulk",
+         "input": {"text": fanout_workflows.TEXT, "mode": "success"}},
+        {"Authorization": f"Bearer {key}"}, total=size, concurrency=64))
+    log(f"  independent, posted while running: {load.ok} jobs accepted")
+    _wait(lambda: not rig.query(
+              "SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = %s AND status IN"
+              " ('queued', 'retrying', 'running', 'awaiting_review'))", (tenant_id,))[0][0],
+          600 + size / 20, "the independent jobs posted while running", log)
+    sampler.end(phase)
+    rig.stop("worker")
+    first, last, done = _span(rig, "j.tenant_id = %s", (tenant_id,))
+    return {"jobs_per_s_whole_life": round(done / max(last - first, 1e-3), 1),
+            "completed": done, "accepts_per_s": round(load.ok / max(load.elapsed_s, 1e-3), 1),
+            "cpu_ms_per_job_by_process": _per_job(phase.cpu, done),
+            "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000 / max(done, 1), 3)}
+
+
 def fanout(size: int, log: Log, sampler: Sampler, kill: str | None = None,
            **_: Any) -> dict[str, Any]:
     kill = kill or os.environ.get("BENCH_KILL") or None
@@ -237,17 +281,25 @@ def fanout(size: int, log: Log, sampler: Sampler, kill: str | None = None,
         figures = _children(rig, log, sampler, env, size, key, api.url, kill)
         tenant_b, key_b = rig.tenant(f"bench-independent-{uuid.uuid4().hex[:6]}")
         base = _independent(rig, log, sampler, env, size, key_b, tenant_b, api.url)
+        tenant_c, key_c = rig.tenant(f"bench-streamed-{uuid.uuid4().hex[:6]}")
+        streamed = _independent_streamed(rig, log, sampler, env, size, key_c, tenant_c,
+                                         api.url)
         versions = rig.versions
     statements = {"children": figures.pop("pg_statements"),
                   "independent": base.pop("pg_statements")}
     ratios = {"children_per_s_vs_independent": round(
                   figures["children_per_s"] / max(base["jobs_per_s"], 1e-3), 3),
+              "children_per_s_vs_independent_whole_life": round(
+                  figures["children_per_s_whole_life"]
+                  / max(streamed["jobs_per_s_whole_life"], 1e-3), 3),
               "pg_cpu_per_child_vs_independent": round(
                   figures["pg_cpu_ms_per_child"] / max(base["pg_cpu_ms_per_job"], 1e-6), 3),
               "pg_cpu_per_child_vs_independent_run_only": round(
                   figures["pg_cpu_ms_per_child"]
                   / max(base["pg_cpu_ms_per_job_run_only"], 1e-6), 3)}
-    res = result("fanout", size, figures, {"independent": base}, ratios, versions,
+    res = result("fanout", size, figures,
+                 {"independent": base, "independent_posted_while_running": streamed},
+                 ratios, versions,
                  extra_versions={"load_generator": loadgen.NAME})
     res["pg_statements"] = statements
     return res
