@@ -20,15 +20,18 @@ INSERT INTO idempotency_keys (tenant_id, key, request_hash, job_id)
 VALUES (%(tenant_id)s, %(key)s, %(request_hash)s, %(job_id)s);
 
 -- name: find_idempotency_keys
--- A bulk submit's keys, all at once (POST /v1/jobs/bulk).
+-- A bulk submit's keys, all at once (POST /v1/jobs/bulk). Its arrays, and those of
+-- insert_idempotency_keys, are sent in binary (the b placeholders): psycopg writes a text
+-- array element by element in Python, and a bytea element's text form escaped once more for
+-- the array cost ~50 us of the API's CPU per key, a quarter of a bulk item's.
 SELECT key, request_hash, job_id FROM idempotency_keys
-WHERE tenant_id = %(tenant_id)s AND key = ANY(%(keys)s::text[]);
+WHERE tenant_id = %(tenant_id)s AND key = ANY(%(keys)b::text[]);
 
 -- name: insert_idempotency_keys
 -- A bulk submit's new keys in one statement, in the transaction of their jobs.
 INSERT INTO idempotency_keys (tenant_id, key, request_hash, job_id)
 SELECT %(tenant_id)s, k.key, k.request_hash, k.job_id
-FROM unnest(%(keys)s::text[], %(hashes)s::bytea[], %(job_ids)s::uuid[])
+FROM unnest(%(keys)b::text[], %(hashes)b::bytea[], %(job_ids)b::uuid[])
      AS k(key, request_hash, job_id);
 
 -- name: insert_job
