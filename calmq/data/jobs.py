@@ -16,11 +16,14 @@ from the record by the Avro schema's field names (calmq.events).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import psycopg
@@ -286,19 +289,29 @@ async def republish(conn: Any, insert_outbox: str, jobs: Sequence[Job]) -> None:
             await out.executemany(insert_outbox, [requested(j).params() for j in jobs])
 
 
+def _json_value(value: Any) -> Any:
+    """What ``insert_jobs``' array holds for a value json cannot encode itself: ids as text,
+    times in ISO 8601 (jsonb_to_recordset reads both back as their column types)."""
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not a column value of insert_jobs")
+
+
+# The array is dumped by json's C encoder in one call; it calls _json_value only for the
+# ids and times, instead of a Python pass over every field of every row first.
+_dump_rows = partial(json.dumps, default=_json_value, separators=(",", ":"))
+_new_job_values = attrgetter(*_NEW_JOB_FIELDS)
+
+
 def _json_params(job: NewJob) -> dict[str, Any]:
-    """``_insert_params`` as JSON values, one element of ``insert_jobs``' array."""
-    out: dict[str, Any] = {}
-    for name, value in _insert_params(job).items():
-        if isinstance(value, Jsonb):
-            out[name] = value.obj
-        elif isinstance(value, uuid.UUID):
-            out[name] = str(value)
-        elif isinstance(value, datetime):
-            out[name] = value.isoformat()
-        else:
-            out[name] = value
-    return out
+    """``_insert_params`` as one element of ``insert_jobs``' array (dumped by _dump_rows):
+    every NewJob field by name, its event and outbox row."""
+    params = dict(zip(_NEW_JOB_FIELDS, _new_job_values(job), strict=True))
+    out = requested(job)
+    params.update(event_id=out.id, route=out.route, payload=out.payload, headers=out.headers)
+    return params
 
 
 async def insert_job(conn: psycopg.AsyncConnection[Any], job: NewJob) -> None:
@@ -321,7 +334,7 @@ async def insert_jobs(conn: psycopg.AsyncConnection[Any], jobs: Sequence[NewJob]
         await insert_job(conn, jobs[0])
         return
     await conn.execute(sql.queries()["insert_jobs"],
-                       {"jobs": Jsonb([_json_params(j) for j in jobs])})
+                       {"jobs": Jsonb([_json_params(j) for j in jobs], dumps=_dump_rows)})
 
 
 class Jobs:
