@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -49,7 +50,7 @@ async def submit_bulk(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     items = await _items(request, settings.api_bulk_max_body_bytes, settings.api_bulk_max_jobs)
     base = settings.api_problem_base_url
-    results: list[dict[str, Any] | None] = [None] * len(items)
+    results: list[dict[str, Any]] = [{}] * len(items)
     pending: list[tuple[int, NewJob, Idempotency | None]] = []
     for index, item in enumerate(items):
         try:
@@ -59,8 +60,28 @@ async def submit_bulk(request: web.Request) -> web.Response:
         else:
             pending.append((index, job, idem))
     if pending:
-        written = await request.app[STORE].jobs.submit_many(
-            caller.id, [(job, idem) for _, job, idem in pending])
+        await _write(request, caller.id, pending, results, base)
+    counts = dict.fromkeys(("accepted", "duplicate", "refused"), 0)
+    for result in results:
+        counts[result["status"]] += 1
+    for status, n in counts.items():
+        if n:
+            BULK_ITEMS.labels(status).inc(n)
+    ACCEPT_SECONDS.observe(time.perf_counter() - started)
+    return web.json_response({"results": results, **counts})
+
+
+async def _write(request: web.Request, tenant_id: uuid.UUID,
+                 pending: list[tuple[int, NewJob, Idempotency | None]],
+                 results: list[dict[str, Any]], base: str) -> None:
+    """Write the items that passed their checks (one transaction) and put each one's result
+    at its index."""
+    written = await request.app[STORE].jobs.submit_many(
+        tenant_id, [(job, idem) for _, job, idem in pending])
+    # Counted per workflow and priority once a request, not once an item: a label lookup
+    # and an increment under the counter's lock each cost about as much as an item's dict.
+    accepted: dict[tuple[str, str], int] = {}
+    try:
         for (index, job, _), outcome in zip(pending, written, strict=True):
             if isinstance(outcome, BaseException):
                 err = refusal(outcome)
@@ -70,17 +91,15 @@ async def submit_bulk(request: web.Request) -> web.Response:
                 continue
             ident, created = outcome
             if created:
-                ACCEPTED.labels(job.workflow, job.priority).inc()
-            results[index] = {"index": index, "status": "accepted" if created else "duplicate",
-                              "job_id": str(ident), "status_url": f"/v1/jobs/{ident}"}
-    done = [r for r in results if r is not None]
-    counts = {s: sum(1 for r in done if r["status"] == s)
-              for s in ("accepted", "duplicate", "refused")}
-    for status, n in counts.items():
-        if n:
-            BULK_ITEMS.labels(status).inc(n)
-    ACCEPT_SECONDS.observe(time.perf_counter() - started)
-    return web.json_response({"results": done, **counts})
+                which = (job.workflow, job.priority)
+                accepted[which] = accepted.get(which, 0) + 1
+            text = str(ident)
+            results[index] = {"index": index,
+                              "status": "accepted" if created else "duplicate",
+                              "job_id": text, "status_url": f"/v1/jobs/{text}"}
+    finally:  # the transaction committed: its jobs count even if an answer fails
+        for (workflow, priority), n in accepted.items():
+            ACCEPTED.labels(workflow, priority).inc(n)
 
 
 async def _items(request: web.Request, max_bytes: int, max_jobs: int) -> list[Any]:
