@@ -119,7 +119,20 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-Chunk = list[tuple[int, dict[str, Any]]]
+# (line number, the item's JSON as the file has it, with its key): sent as written, so the
+# file's text is parsed once (to check it) and never encoded again.
+Chunk = list[tuple[int, bytes]]
+
+
+def _keyed(text: bytes, item: dict[str, Any], key: str) -> bytes:
+    """The line's object with ``"idempotency_key": key`` as its first member when it has no
+    key of its own (``item``: the line parsed; ``text``: the line, stripped, so ``{`` first).
+    The API reads the same object as from the line re-encoded with the key: it hashes an
+    item's canonical form (keys sorted), not its bytes."""
+    if "idempotency_key" in item:
+        return text
+    member = b'{"idempotency_key":' + json.dumps(key).encode()
+    return member + (b"," + text[1:] if item else b"}")
 
 
 def _chunks(path: Path, first: int, size: int, key_prefix: str
@@ -146,8 +159,7 @@ def _chunks(path: Path, first: int, size: int, key_prefix: str
             except (NonFiniteNumber, ValueError, TypeError, UnicodeDecodeError) as exc:
                 bad.append({"line": number, "code": "invalid_line", "detail": str(exc)[:300]})
                 continue
-            item.setdefault("idempotency_key", f"{key_prefix}-{number}")
-            chunk.append((number, item))
+            chunk.append((number, _keyed(text, item, f"{key_prefix}-{number}")))
             if len(chunk) >= size:
                 yield number + 1, chunk, bad
                 chunk, bad = [], []
@@ -155,10 +167,11 @@ def _chunks(path: Path, first: int, size: int, key_prefix: str
         yield number + 1, chunk, bad
 
 
-def _post(url: str, key: str, items: list[dict[str, Any]], *, timeout: float = 120
+def _post(url: str, key: str, items: list[bytes], *, timeout: float = 120
           ) -> tuple[int, Any, float]:
-    """(status, body, Retry-After seconds) of one POST /v1/jobs/bulk."""
-    data = json.dumps({"jobs": items}).encode()
+    """(status, body, Retry-After seconds) of one POST /v1/jobs/bulk of ``items`` (each an
+    item's JSON)."""
+    data = b'{"jobs":[' + b",".join(items) + b"]}"
     req = urllib.request.Request(url, data=data, method="POST", headers={  # noqa: S310
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     try:
@@ -177,7 +190,7 @@ def _post(url: str, key: str, items: list[dict[str, Any]], *, timeout: float = 1
         return exc.code, parsed, wait
 
 
-def _send(url: str, key: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+def _send(url: str, key: str, items: list[bytes]) -> dict[str, Any]:
     """The chunk's answer, sent again while the API did not take it; every item has a key,
     so a repeat writes nothing twice."""
     pause = 0.5
