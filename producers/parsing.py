@@ -79,10 +79,12 @@ def check_storable(value: Any, where: str = "the body") -> None:
                 "a lone surrogate", code="unstorable_text")
 
 
-def validate(model: type[M], body: Any) -> M:
+def validate(model: type[M], body: Any, *, text_checked: bool = False) -> M:
     """``body`` as ``model``; ContractError 422 invalid_body naming each failing field, 400
-    unstorable_text for a string that cannot be stored."""
-    check_storable(body)
+    unstorable_text for a string that cannot be stored (``text_checked``: the caller showed
+    there is none, as a bulk submit does for its whole body at once)."""
+    if not text_checked:
+        check_storable(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -36,25 +37,34 @@ from calmq.producers.problems import problem
 from calmq.producers.routes.jobs import ACCEPT_SECONDS, ACCEPTED, check_idempotency_key, checked_job
 from calmq.producers.routing import JSON, Route, answer, json_body, problems
 
-__all__ = ["ROUTES"]
+__all__ = ["ROUTES", "surely_storable"]
 
 BULK_ITEMS = Counter("calmq_bulk_items_total", "Items of POST /v1/jobs/bulk by their answer",
                      ["status"])
 
 _READ_CHUNK = 64 * 1024
+# An item's canonical JSON (sorted keys, no spaces), the text its key's hash is taken of:
+# json.dumps(body, sort_keys=True, ...) exactly, without building an encoder per item.
+# Where text PostgreSQL cannot store (parsing.check_storable) can come from in a UTF-8 JSON
+# body: a \u0000 escape, a surrogate's escape, or a surrogate's own bytes (json reads bytes
+# with surrogatepass). A body with none of them needs no item walked for such text; one with
+# any (an emoji's escaped surrogate pair, say) has each item checked as a single submit is.
+_MAYBE_UNSTORABLE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])|\xed[\xa0-\xbf]")
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 async def submit_bulk(request: web.Request) -> web.Response:
     started = time.perf_counter()
     caller = await tenant(request, "submit")
     settings = request.app[SETTINGS]
-    items = await _items(request, settings.api_bulk_max_body_bytes, settings.api_bulk_max_jobs)
+    items, storable = await _items(request, settings.api_bulk_max_body_bytes,
+                                   settings.api_bulk_max_jobs)
     base = settings.api_problem_base_url
     results: list[dict[str, Any]] = [{}] * len(items)
     pending: list[tuple[int, NewJob, Idempotency | None]] = []
     for index, item in enumerate(items):
         try:
-            job, idem = await _check(request, caller, item)
+            job, idem = await _check(request, caller, item, storable)
         except ContractError as exc:
             results[index] = _refused(index, exc, base)
         else:
@@ -102,8 +112,10 @@ async def _write(request: web.Request, tenant_id: uuid.UUID,
             ACCEPTED.labels(workflow, priority).inc(n)
 
 
-async def _items(request: web.Request, max_bytes: int, max_jobs: int) -> list[Any]:
-    """The body's ``jobs`` list: 415/400/422 as any body, 413 past the settings' bounds."""
+async def _items(request: web.Request, max_bytes: int, max_jobs: int
+                 ) -> tuple[list[Any], bool]:
+    """The body's ``jobs`` list, and whether the body holds no unstorable text for sure:
+    415/400/422 as any body, 413 past the settings' bounds."""
     if request.content_type != "application/json":
         raise ContractError(f"send application/json, not {request.content_type!r}",
                             code="unsupported_media_type", status=415)
@@ -118,7 +130,8 @@ async def _items(request: web.Request, max_bytes: int, max_jobs: int) -> list[An
         if size > max_bytes:
             raise _too_large(max_bytes)
         chunks.append(chunk)
-    body = parse_json(b"".join(chunks))
+    raw = b"".join(chunks)
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise ContractError("the body must be a JSON object", code="invalid_body", status=422)
     jobs = body.get("jobs")
@@ -129,7 +142,13 @@ async def _items(request: web.Request, max_bytes: int, max_jobs: int) -> list[An
         raise ContractError(
             f"{len(jobs)} jobs in one request; at most {max_jobs} (setting "
             "api_bulk_max_jobs): send them in several", code="too_many_jobs", status=413)
-    return jobs
+    return jobs, surely_storable(raw)
+
+
+def surely_storable(raw: bytes) -> bool:
+    """True when the JSON body ``raw`` cannot hold text PostgreSQL refuses; False when it
+    may (then each item is checked for it)."""
+    return json.detect_encoding(raw) == "utf-8" and _MAYBE_UNSTORABLE.search(raw) is None
 
 
 def _too_large(max_bytes: int) -> ContractError:
@@ -138,22 +157,23 @@ def _too_large(max_bytes: int) -> ContractError:
                          code="body_too_large", status=413)
 
 
-async def _check(request: web.Request, caller: Any, item: Any
+async def _check(request: web.Request, caller: Any, item: Any, storable: bool
                  ) -> tuple[NewJob, Idempotency | None]:
-    """The item's job and its key, after the checks of a single submit."""
+    """The item's job and its key, after the checks of a single submit (its text's too,
+    unless ``storable``: the whole body was shown to hold none that cannot be stored)."""
     if not isinstance(item, dict):
         raise ContractError("each item of jobs is a JSON object", code="invalid_body",
                             status=422)
     body = dict(item)
     key = check_idempotency_key(body.pop("idempotency_key", None), "idempotency_key",
                                 code="invalid_body")
-    req = validate(SubmitRequest, body)
+    req = validate(SubmitRequest, body, text_checked=storable)
     job = await checked_job(request, caller, req, [])
     if key is None:
         return job, None
     # The item as sent, canonical (sorted keys, no spaces): the same item in a retried
     # request hashes the same whatever order its client wrote the keys in.
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = _CANONICAL.encode(body)
     return job, Idempotency(key, hashlib.sha256(canonical.encode()).digest())
 
 
