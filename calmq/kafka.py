@@ -372,7 +372,12 @@ def consumer_config(connection: Connection, group: str, **extra: Any) -> dict[st
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 300000,
-        "fetch.wait.max.ms": 10,
+        # How long the broker parks an empty fetch. It answers as soon as a record arrives
+        # (fetch.min.bytes is 1), so a longer park does not delay a job; it only sets how
+        # often an idle consumer asks again. At 10 ms the idle stack's broker used a quarter
+        # of a core answering empty fetches (5 % at 500, the Java client's default): CPU the
+        # attempts of a latency-bound lane shared two cores with (BENCHMARKS.md).
+        "fetch.wait.max.ms": 500,
         **extra,
     }
 
