@@ -182,6 +182,10 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
                                                {"Authorization": f"Bearer {key}"}, total=size,
                                                concurrency=64))
         time.sleep(SATURATE_SECONDS)  # let the budget settle at its saturated rate
+        # What PostgreSQL spends in the window, per statement: the flood's cost per job
+        # (fair share's holds and picks, the claims, the budget) is what the tail shares
+        # the two cores with.
+        rig.statements_reset(tables=False)
         phase: Phase = sampler.phase({**rig.pids(*names, "api", "relay"), **rig.infra_pids()})
         bulk_before = completed(rig, bulk_id)
         scraped = scrape(rig, names)
@@ -190,6 +194,7 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
         sampler.end(phase)
         bulk_after = completed(rig, bulk_id)
         calls = _attempts_between(rig, b0, b1)
+        statements = rig.statements(max(sum(calls.values()), 1), top=15)
         failed = _failed_between(rig, b0, b1)
         window = max(b1 - b0, 1e-3)
         total_calls = sum(calls.values())
@@ -208,16 +213,22 @@ def priority(size: int, log: Log, sampler: Sampler, **_: Any) -> dict[str, Any]:
             "workers": WORKERS,
             "cpu_s_per_1000_jobs": round(sum(phase.cpu.values()) * 1000
                                          / max(total_calls, 1), 3),
+            "cpu_ms_per_job_by_process": {
+                name: round(s * 1000 / max(total_calls, 1), 3)
+                for name, s in sorted(phase.cpu.items())},
         }
         if figures["bulk_left_at_end"] <= 0:
             log("  warning: the bulk backlog ran out during the measured window; "
                 "use a larger --size")
         versions = rig.versions
-    return result("priority", size, figures, {"no_backlog": quiet},
-                  {"interactive_p99_ms_vs_no_backlog": round(
-                      busy["interactive_p99_ms"] / quiet["interactive_p99_ms"], 3)
-                   if quiet["interactive_p99_ms"] else 0.0,
-                   "interactive_p50_ms_vs_no_backlog": round(
-                       busy["interactive_p50_ms"] / quiet["interactive_p50_ms"], 3)
-                   if quiet["interactive_p50_ms"] else 0.0},
-                  versions, extra_versions={"load_generator": loadgen.NAME})
+    res = result("priority", size, figures, {"no_backlog": quiet},
+                 {"interactive_p99_ms_vs_no_backlog": round(
+                     busy["interactive_p99_ms"] / quiet["interactive_p99_ms"], 3)
+                  if quiet["interactive_p99_ms"] else 0.0,
+                  "interactive_p50_ms_vs_no_backlog": round(
+                      busy["interactive_p50_ms"] / quiet["interactive_p50_ms"], 3)
+                  if quiet["interactive_p50_ms"] else 0.0},
+                 versions, extra_versions={"load_generator": loadgen.NAME})
+    # Per call that ended in the window (ms_per_job), the heaviest first.
+    res["pg_statements_in_window"] = statements
+    return res
