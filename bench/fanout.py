@@ -196,17 +196,33 @@ def _children(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: i
     }
 
 
+def _post_independent(api_url: str, key: str, size: int) -> loadgen.LoadResult:
+    """``size`` summarize jobs, each its own POST, from 64 connections."""
+    return asyncio.run(loadgen.closed_loop(
+        f"{api_url}/v1/jobs",
+        {"workflow": "summarize", "priority": "bulk",
+         "input": {"text": fanout_workflows.TEXT, "mode": "success"}},
+        {"Authorization": f"Bearer {key}"}, total=size, concurrency=64))
+
+
+def _wait_until_run(rig: Rig, log: Log, tenant_id: str, size: int, what: str) -> None:
+    """Until none of the tenant's jobs is left to run. An EXISTS the
+    partial indexes of the unfinished statuses answer: counting the completed ones every
+    half second read the tenant's every job, 0.25 ms of PostgreSQL time per job at 100,000,
+    charged to that side's CPU."""
+    _wait(lambda: not rig.query(
+              "SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = %s AND status IN"
+              " ('queued', 'retrying', 'running', 'awaiting_review'))", (tenant_id,))[0][0],
+          600 + size / 20, what, log)
+
+
 def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size: int,
                  key: str, tenant_id: str, api_url: str) -> dict[str, Any]:
     # The submission is charged too (see the module's docstring): the children's phase
     # holds their creation.
     rig.statements_reset()
     submit = sampler.phase({**rig.pids("api", "relay"), **rig.infra_pids()})
-    load = asyncio.run(loadgen.closed_loop(
-        f"{api_url}/v1/jobs",
-        {"workflow": "summarize", "priority": "bulk",
-         "input": {"text": fanout_workflows.TEXT, "mode": "success"}},
-        {"Authorization": f"Bearer {key}"}, total=size, concurrency=64))
+    load = _post_independent(api_url, key, size)
     log(f"  independent: {load.ok} jobs queued")
     # The run's phase starts as this one ends: their sum is the jobs' whole life, whatever
     # of the relay's decoding falls after the split.
@@ -214,13 +230,7 @@ def _independent(rig: Rig, log: Log, sampler: Sampler, env: dict[str, str], size
     phase = sampler.phase({**rig.pids("relay", "fake-provider"), **rig.infra_pids()})
     worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
     phase.pids["worker"] = worker.pid
-    # Until none is left to run: an EXISTS the partial indexes of the unfinished statuses
-    # answer. Counting the completed ones every half second read the tenant's every job, 0.25
-    # ms of PostgreSQL time per job at 100,000, charged to this side's CPU.
-    _wait(lambda: not rig.query(
-              "SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = %s AND status IN"
-              " ('queued', 'retrying', 'running', 'awaiting_review'))", (tenant_id,))[0][0],
-          600 + size / 20, "the independent jobs", log)
+    _wait_until_run(rig, log, tenant_id, size, "the independent jobs")
     sampler.end(phase)
     rig.stop("worker")
     first, last, done = _span(rig, "j.tenant_id = %s", (tenant_id,))
@@ -246,16 +256,9 @@ def _independent_streamed(rig: Rig, log: Log, sampler: Sampler, env: dict[str, s
     phase = sampler.phase({**rig.pids("api", "relay", "fake-provider"), **rig.infra_pids()})
     worker = rig.calmq("worker", "--concurrency", CONCURRENCY, env=env)
     phase.pids["worker"] = worker.pid
-    load = asyncio.run(loadgen.closed_loop(
-        f"{api_url}/v1/jobs",
-        {"workflow": "summarize", "priority": "bulk",
-         "input": {"text": fanout_workflows.TEXT, "mode": "success"}},
-        {"Authorization": f"Bearer {key}"}, total=size, concurrency=64))
+    load = _post_independent(api_url, key, size)
     log(f"  independent, posted while running: {load.ok} jobs accepted")
-    _wait(lambda: not rig.query(
-              "SELECT EXISTS (SELECT 1 FROM jobs WHERE tenant_id = %s AND status IN"
-              " ('queued', 'retrying', 'running', 'awaiting_review'))", (tenant_id,))[0][0],
-          600 + size / 20, "the independent jobs posted while running", log)
+    _wait_until_run(rig, log, tenant_id, size, "the independent jobs posted while running")
     sampler.end(phase)
     rig.stop("worker")
     first, last, done = _span(rig, "j.tenant_id = %s", (tenant_id,))
