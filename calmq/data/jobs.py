@@ -137,6 +137,7 @@ class NewJob:
 
 _JOB_FIELDS = tuple(f.name for f in fields(Job))
 _NEW_JOB_FIELDS = tuple(f.name for f in fields(NewJob))
+_new_job_values = attrgetter(*_NEW_JOB_FIELDS)
 # Columns of type jsonb: psycopg needs them wrapped (decided once, from the annotations).
 _NEW_JOB_JSON = tuple(f.name for f in fields(NewJob) if str(f.type).startswith("dict"))
 
@@ -253,15 +254,22 @@ class Idempotency:
     request_hash: bytes
 
 
+def _row(job: NewJob) -> dict[str, Any]:
+    """Every NewJob field by name, its event and outbox row, as plain values: ``insert_job``'s
+    parameters once its JSON columns are wrapped, one element of ``insert_jobs``' array as
+    they are."""
+    params = dict(zip(_NEW_JOB_FIELDS, _new_job_values(job), strict=True))
+    out = requested(job)
+    params.update(event_id=out.id, route=out.route, payload=out.payload, headers=out.headers)
+    return params
+
+
 def _insert_params(job: NewJob) -> dict[str, Any]:
-    """``insert_job``'s parameters: every NewJob field by name, its event and outbox row."""
-    params = {name: getattr(job, name) for name in _NEW_JOB_FIELDS}
-    for name in _NEW_JOB_JSON:
+    """``insert_job``'s parameters: ``_row`` with its JSON values wrapped for psycopg."""
+    params = _row(job)
+    for name in (*_NEW_JOB_JSON, "payload", "headers"):
         if params[name] is not None:
             params[name] = Jsonb(params[name])
-    out = requested(job)
-    params.update(event_id=out.id, route=out.route, payload=Jsonb(out.payload),
-                  headers=Jsonb(out.headers))
     return params
 
 
@@ -299,21 +307,10 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not a column value of insert_jobs")
 
 
-# The array is dumped by json's C encoder in one call; it calls _json_value only for the
-# ids and times, instead of a Python pass over every field of every row first.
+# insert_jobs' array (``_row`` of each job) is dumped by json's C encoder in one call; it
+# calls _json_value only for the ids and times, instead of a Python pass over every field of
+# every row first.
 _dump_rows = partial(json.dumps, default=_json_value, separators=(",", ":"))
-_new_job_values = attrgetter(*_NEW_JOB_FIELDS)
-
-
-def _json_params(job: NewJob) -> dict[str, Any]:
-    """``_insert_params`` as one element of ``insert_jobs``' array (dumped by _dump_rows):
-    every NewJob field by name, its event and outbox row."""
-    params = dict(zip(_NEW_JOB_FIELDS, _new_job_values(job), strict=True))
-    out = requested(job)
-    # The entry's key is the job id as text already (one conversion fewer per job).
-    params.update(id=out.key, event_id=out.id, route=out.route, payload=out.payload,
-                  headers=out.headers)
-    return params
 
 
 async def insert_job(conn: psycopg.AsyncConnection[Any], job: NewJob) -> None:
@@ -336,7 +333,7 @@ async def insert_jobs(conn: psycopg.AsyncConnection[Any], jobs: Sequence[NewJob]
         await insert_job(conn, jobs[0])
         return
     await conn.execute(sql.queries()["insert_jobs"],
-                       {"jobs": Jsonb([_json_params(j) for j in jobs], dumps=_dump_rows)})
+                       {"jobs": Jsonb([_row(j) for j in jobs], dumps=_dump_rows)})
 
 
 class Jobs:

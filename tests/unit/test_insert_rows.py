@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from calmq.data import NewJob
-from calmq.data.jobs import _dump_rows, _json_params, requested
+from calmq.data.jobs import _dump_rows, _row, requested
 
 
 def test_a_row_is_every_field_as_json_and_its_outbox_entry() -> None:
@@ -21,7 +21,7 @@ def test_a_row_is_every_field_as_json_and_its_outbox_entry() -> None:
                  max_attempts=3, input={"text": "caf\u00e9", "n": [1, 2.5]},
                  metadata={"backfill": "x"}, deadline_at=deadline,
                  trace_parent="00-" + "a" * 32 + "-" + "b" * 16 + "-01")
-    [row] = json.loads(_dump_rows([_json_params(job)]))
+    [row] = json.loads(_dump_rows([_row(job)]))
     expected = {f.name: getattr(job, f.name) for f in fields(NewJob)}
     expected.update(id=str(job.id), tenant_id=str(job.tenant_id),
                     deadline_at=deadline.isoformat())
